@@ -1,0 +1,31 @@
+"""Exception types of fastdata.
+
+Every error names what it is about (file, shard, key, field, byte offset) so a user can find
+the offending input without a debugger.
+"""
+from __future__ import annotations
+
+__all__ = ["CacheError", "DecodeError", "FastdataError", "ManifestError", "ShardError"]
+
+
+class FastdataError(Exception):
+    """Base class of all fastdata errors."""
+
+
+class ManifestError(FastdataError, ValueError):
+    """A ``manifest.json`` is malformed or does not match the shards; names the file and JSON path."""
+
+
+class ShardError(FastdataError):
+    """A shard's content is bad (truncated, corrupt, not in the documented layout).
+
+    The message names the shard path and, where known, the member/key and byte offset.
+    """
+
+
+class DecodeError(FastdataError):
+    """A field could not be decoded; names shard, key and field."""
+
+
+class CacheError(FastdataError):
+    """The preprocessing cache is unusable (bad metadata, mismatching store)."""

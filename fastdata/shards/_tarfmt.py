@@ -1,0 +1,208 @@
+"""Low-level tar format: deterministic member headers and a header walker.
+
+The walker parses 512-byte headers itself (ustar, GNU longname ``L``/longlink ``K``, PAX ``x``
+and global ``g`` headers) instead of going through Python's ``tarfile``, so an index can be
+built from a memory map without touching member data, and streams can be read with precise
+byte offsets in every error.
+"""
+from __future__ import annotations
+
+import tarfile
+from collections.abc import Callable, Iterator
+from typing import BinaryIO
+
+from fastdata.errors import ShardError
+
+BLOCK = 512
+RECORD = 20 * BLOCK  # tarfile pads archives to whole records; we do the same for `tar`/tarfile parity
+ZERO_BLOCK = bytes(BLOCK)
+_REGULAR = (b"0", b"\x00", b"7")
+_NO_DATA = (b"1", b"2", b"3", b"4", b"5", b"6")  # links, devices, directories, fifos
+
+
+def pad(size: int) -> int:
+    """Bytes of zero padding after ``size`` bytes of member data."""
+    return -size % BLOCK
+
+
+def member_header(name: str, size: int) -> bytes:
+    """Deterministic PAX-format header(s) for a regular file: mtime 0, uid/gid 0, mode 0o444."""
+    info = tarfile.TarInfo(name)
+    info.size = size
+    info.mtime = 0
+    info.mode = 0o444
+    info.uid = info.gid = 0
+    info.uname = info.gname = ""
+    info.type = tarfile.REGTYPE
+    return info.tobuf(tarfile.PAX_FORMAT, "utf-8", "surrogateescape")
+
+
+def end_of_archive(size: int) -> bytes:
+    """Two zero blocks plus padding to a whole record, for an archive of ``size`` bytes so far."""
+    total = size + 2 * BLOCK
+    return bytes(2 * BLOCK + (-total % RECORD))
+
+
+def _nti(field: bytes) -> int:
+    """Number from a header field: octal text or GNU base-256."""
+    if field and field[0] in (0o200, 0o377):
+        n = int.from_bytes(field[1:], "big")
+        return n - 256 ** (len(field) - 1) if field[0] == 0o377 else n
+    text = field.split(b"\x00", 1)[0].strip()
+    return int(text, 8) if text else 0
+
+
+def _nts(field: bytes) -> str:
+    return field.split(b"\x00", 1)[0].decode("utf-8", "surrogateescape")
+
+
+def parse_header(buf: bytes, offset: int, shard: str) -> tuple[str, int, bytes]:
+    """``(name, size, typeflag)`` of one 512-byte header; ShardError on a bad checksum/field."""
+    try:
+        stored = _nti(buf[148:156])
+        size = _nti(buf[124:136])
+    except ValueError as e:
+        raise ShardError(f"{shard}: corrupt tar header at byte offset {offset}: {e}") from e
+    unsigned = sum(buf) - sum(buf[148:156]) + 256
+    if stored != unsigned:
+        signed = sum(b - 256 if b > 127 else b for b in buf) - sum(
+            b - 256 if b > 127 else b for b in buf[148:156]) + 256
+        if stored != signed:
+            raise ShardError(f"{shard}: bad tar header checksum at byte offset {offset} "
+                             f"(stored {stored}, computed {unsigned}); the shard is corrupt")
+    if size < 0:
+        raise ShardError(f"{shard}: negative member size in tar header at byte offset {offset}")
+    name = _nts(buf[0:100])
+    typ = buf[156:157]
+    if typ == b"\x00" and name.endswith("/"):
+        typ = b"5"  # V7 directory
+    prefix = buf[345:500]
+    if buf[257:262] == b"ustar" and typ not in (b"L", b"K", b"S") and prefix[0]:
+        if buf[257:263] == b"ustar\x00":  # POSIX ustar; GNU headers keep atime/ctime there
+            name = _nts(prefix) + "/" + name
+    return name, size, typ
+
+
+def parse_pax(data: bytes, offset: int, shard: str) -> dict[str, str]:
+    """Records of a PAX extended header (``"<len> key=value\\n"``)."""
+    out: dict[str, str] = {}
+    pos = 0
+    while pos < len(data) and data[pos] != 0:
+        space = data.find(b" ", pos)
+        try:
+            length = int(data[pos:space])
+        except ValueError as e:
+            raise ShardError(f"{shard}: corrupt PAX header at byte offset {offset}") from e
+        if space < 0 or length <= 0 or pos + length > len(data):
+            raise ShardError(f"{shard}: corrupt PAX header at byte offset {offset}")
+        key, _, value = data[space + 1:pos + length - 1].partition(b"=")
+        out[key.decode("utf-8", "surrogateescape")] = value.decode("utf-8", "surrogateescape")
+        pos += length
+    return out
+
+
+# A source gives the walker headers and member payloads.
+#   header(pos) -> up to 512 bytes ("" at end of file)
+#   payload(pos, size, want) -> the ``size`` data bytes at ``pos`` when ``want`` else None;
+#                               consumes the block padding; ShardError when the file ends early.
+HeaderFn = Callable[[int], bytes]
+PayloadFn = Callable[[int, int, bool], "bytes | None"]
+
+
+def walk(header: HeaderFn, payload: PayloadFn, shard: str, *, want_data: bool
+         ) -> Iterator[tuple[str, int, int, bytes | None]]:
+    """Yield ``(name, data_offset, size, data)`` for each regular member, in archive order.
+
+    ``data`` is None unless ``want_data``. Stops at the first zero block (or a clean end of file).
+    """
+    pos = 0
+    long_name: str | None = None
+    pax: dict[str, str] = {}
+    while True:
+        buf = header(pos)
+        if not buf:
+            return
+        if len(buf) < BLOCK:
+            raise ShardError(f"{shard}: truncated tar: header at byte offset {pos} is cut off "
+                             f"after {len(buf)} of {BLOCK} bytes")
+        if buf == ZERO_BLOCK:
+            return
+        name, size, typ = parse_header(buf, pos, shard)
+        start = pos + BLOCK
+        if typ in (b"L", b"K", b"x", b"X", b"g"):
+            data = payload(start, size, True)
+            assert data is not None
+            if typ == b"L":
+                long_name = _nts(data)
+            elif typ in (b"x", b"X"):
+                pax = parse_pax(data, pos, shard)
+            pos = start + size + pad(size)
+            continue
+        if typ == b"S":
+            raise ShardError(f"{shard}: GNU sparse member {name!r} at byte offset {pos} is not supported")
+        if "path" in pax:
+            name = pax["path"]
+        elif long_name is not None:
+            name = long_name
+        if "size" in pax:
+            try:
+                size = int(pax["size"])
+            except ValueError as e:
+                raise ShardError(f"{shard}: bad PAX size {pax['size']!r} at byte offset {pos}") from e
+        long_name, pax = None, {}
+        if typ in _NO_DATA:
+            pos = start
+            continue
+        data = payload(start, size, want_data and typ in _REGULAR)
+        if typ in _REGULAR:
+            yield name, start, size, data
+        pos = start + size + pad(size)
+
+
+def mmap_source(mm: bytes | memoryview, shard: str) -> tuple[HeaderFn, PayloadFn]:
+    """Header/payload functions over an in-memory (mmap) tar."""
+    end = len(mm)
+
+    def header(pos: int) -> bytes:
+        return mm[pos:pos + BLOCK]
+
+    def payload(pos: int, size: int, want: bool) -> bytes | None:
+        if pos + size > end:
+            raise ShardError(f"{shard}: truncated tar: member data at byte offset {pos} needs {size} "
+                             f"bytes but the file ends at byte offset {end}")
+        return bytes(mm[pos:pos + size]) if want else None
+
+    return header, payload
+
+
+def stream_source(fileobj: BinaryIO, shard: str) -> tuple[HeaderFn, PayloadFn]:
+    """Header/payload functions over a sequential stream (offsets are in the uncompressed stream)."""
+    state = {"pos": 0}
+
+    def read(n: int, what: str) -> bytes:
+        chunks = []
+        left = n
+        while left:
+            try:
+                chunk = fileobj.read(min(left, 16 << 20))
+            except (OSError, EOFError, ValueError) as e:
+                raise ShardError(f"{shard}: cannot read {what} at byte offset {state['pos']}: {e}") from e
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+            state["pos"] += len(chunk)
+        return b"".join(chunks)
+
+    def header(pos: int) -> bytes:
+        return read(BLOCK, "tar header")
+
+    def payload(pos: int, size: int, want: bool) -> bytes | None:
+        data = read(size, "member data")
+        if len(data) < size:
+            raise ShardError(f"{shard}: truncated tar: member data at byte offset {pos} needs {size} "
+                             f"bytes but the stream ends at byte offset {pos + len(data)}")
+        read(pad(size), "padding")
+        return data if want else None
+
+    return header, payload

@@ -1,0 +1,432 @@
+"""WebDataset-style tar shards: deterministic writer, sidecar index, mmap random-access reader.
+
+A shard ``shard-000000.tar`` holds members ``<key>.<field>`` grouped by sample (see
+:mod:`fastdata.shards._keys` for the key splitting rule), readable by ``tar`` and by
+``webdataset.WebDataset``. Writing is deterministic (mtime 0, uid/gid 0, empty user/group
+names, mode 0o444, PAX format, a sample's fields in sorted order, samples in the given order),
+so the same input gives byte-identical shards.
+
+Sidecar index ``shard-000000.tar.idx``: an uncompressed NumPy ``.npz`` (deterministic zip
+timestamps) with int64 arrays ``sample_start`` (n+1; sample i owns members
+``sample_start[i]:sample_start[i+1]``), ``member_offset`` / ``member_size`` (byte offset and size of
+each member's DATA in the tar), int32 ``member_field`` (into the field-name table), ``tar_size``,
+``version``, and UTF-8 blobs ``key_blob``/``key_end``, ``field_blob``/``field_end``
+(names are ``blob[end[j-1]:end[j]]``). Foreign shards get the same index by a header scan.
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+import mmap
+import os
+import warnings
+import zipfile
+from collections.abc import Collection, Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import numpy as np
+
+from fastdata.errors import ShardError
+from fastdata.manifest import ShardInfo
+from fastdata.shards import _tarfmt
+from fastdata.shards._keys import check_key, encode_value, is_meta, member_name, split_member_name
+
+__all__ = ["INDEX_SUFFIX", "TarIndex", "TarShardReader", "TarShardWriter", "iter_tar_stream", "write_tar_shard"]
+
+INDEX_SUFFIX = ".idx"
+_INDEX_VERSION = 1
+_ZIP_TIME = (1980, 1, 1, 0, 0, 0)
+
+
+class TarIndex:
+    """Per sample: key, and per field the (offset, size) of the member's data in the tar."""
+
+    __slots__ = ("keys", "members", "tar_size")
+
+    def __init__(self, keys: Sequence[str], members: Sequence[Sequence[tuple[str, int, int]]], tar_size: int):
+        if len(keys) != len(members):
+            raise ValueError(f"TarIndex needs one member list per key, got {len(keys)} keys, {len(members)} lists")
+        self.keys: tuple[str, ...] = tuple(keys)
+        # members[i] = ((field, start, stop), ...) with stop = start + size: the hot-path form
+        self.members: tuple[tuple[tuple[str, int, int], ...], ...] = tuple(
+            tuple((f, int(off), int(off) + int(size)) for f, off, size in m) for m in members)
+        self.tar_size = int(tar_size)
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, TarIndex):
+            return NotImplemented
+        return (self.keys, self.members, self.tar_size) == (other.keys, other.members, other.tar_size)
+
+    def __repr__(self) -> str:
+        return f"TarIndex({len(self)} samples, tar_size={self.tar_size})"
+
+    def fields(self, i: int) -> dict[str, tuple[int, int]]:
+        """``{field: (data_offset, size)}`` of sample ``i``."""
+        return {f: (a, b - a) for f, a, b in self.members[i]}
+
+    @classmethod
+    def build(cls, path: str | os.PathLike[str]) -> TarIndex:
+        """Index an uncompressed local tar by parsing its headers from a memory map (data is not read)."""
+        shard = os.fspath(path)
+        with open(shard, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size == 0:
+                return cls([], [], 0)
+            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+                header, payload = _tarfmt.mmap_source(mm, shard)
+                members = _tarfmt.walk(header, payload, shard, want_data=False)
+                keys: list[str] = []
+                groups: list[list[tuple[str, int, int]]] = []
+                for key, fld, offset, sz, _ in _group(members, shard):
+                    if not keys or keys[-1] != key:
+                        keys.append(key)
+                        groups.append([])
+                    groups[-1].append((fld, offset, sz))
+        return cls(keys, groups, size)
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write the sidecar ``.npz`` (deterministic bytes) atomically."""
+        path = os.fspath(path)
+        tmp = path + ".tmp"
+        with open(tmp, "wb") as f:
+            f.write(self.to_bytes())
+        os.replace(tmp, path)
+
+    def to_bytes(self) -> bytes:
+        """The sidecar ``.npz`` contents."""
+        field_names = sorted({f for m in self.members for f, _, _ in m})
+        field_id = {f: j for j, f in enumerate(field_names)}
+        counts = [len(m) for m in self.members]
+        flat = [x for m in self.members for x in m]
+        key_blob, key_end = _blob(self.keys)
+        field_blob, field_end = _blob(field_names)
+        arrays = {
+            "version": np.array([_INDEX_VERSION], np.int64),
+            "tar_size": np.array([self.tar_size], np.int64),
+            "sample_start": np.concatenate([[0], np.cumsum(counts, dtype=np.int64)]).astype(np.int64),
+            "member_field": np.array([field_id[f] for f, _, _ in flat], np.int32),
+            "member_offset": np.array([a for _, a, _ in flat], np.int64),
+            "member_size": np.array([b - a for _, a, b in flat], np.int64),
+            "key_blob": key_blob, "key_end": key_end,
+            "field_blob": field_blob, "field_end": field_end,
+        }
+        buf = io.BytesIO()
+        with zipfile.ZipFile(buf, "w", compression=zipfile.ZIP_STORED) as zf:
+            for name, arr in arrays.items():
+                info = zipfile.ZipInfo(name + ".npy", date_time=_ZIP_TIME)
+                with zf.open(info, "w", force_zip64=True) as out:
+                    np.lib.format.write_array(out, arr, allow_pickle=False)
+        return buf.getvalue()
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> TarIndex:
+        """Read a sidecar index written by :meth:`save`; ShardError naming the file if it is bad."""
+        path = os.fspath(path)
+        try:
+            with np.load(path, allow_pickle=False) as z:
+                a = {k: z[k] for k in z.files}
+            if int(a["version"][0]) != _INDEX_VERSION:
+                raise ShardError(f"{path}: unsupported tar index version {int(a['version'][0])}")
+            keys = _unblob(a["key_blob"], a["key_end"])
+            names = _unblob(a["field_blob"], a["field_end"])
+            start = a["sample_start"].tolist()
+            fid = a["member_field"].tolist()
+            off = a["member_offset"].tolist()
+            size = a["member_size"].tolist()
+            if len(start) != len(keys) + 1 or start[-1] != len(fid) or not len(fid) == len(off) == len(size):
+                raise ShardError(f"{path}: inconsistent tar index array lengths")
+            members = [[(names[fid[j]], off[j], size[j]) for j in range(start[i], start[i + 1])]
+                       for i in range(len(keys))]
+            return cls(keys, members, int(a["tar_size"][0]))
+        except ShardError:
+            raise
+        except (OSError, ValueError, KeyError, IndexError, zipfile.BadZipFile, UnicodeDecodeError) as e:
+            raise ShardError(f"{path}: not a valid fastdata tar index: {e}") from e
+
+
+def _blob(names: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+    encoded = [n.encode("utf-8", "surrogateescape") for n in names]
+    blob = np.frombuffer(b"".join(encoded), np.uint8)
+    return blob, np.cumsum([len(e) for e in encoded], dtype=np.int64)
+
+
+def _unblob(blob: np.ndarray, ends: np.ndarray) -> list[str]:
+    raw = blob.tobytes()
+    out, prev = [], 0
+    for end in ends.tolist():
+        out.append(raw[prev:end].decode("utf-8", "surrogateescape"))
+        prev = end
+    return out
+
+
+def _group(members: Iterable[tuple[str, int, int, Any]], shard: str) -> Iterator[tuple[str, str, int, int, Any]]:
+    """Split member names into (key, field) and enforce that a sample's members are consecutive."""
+    seen: set[str] = set()
+    current: str | None = None
+    fields: set[str] = set()
+    skipped: list[str] = []
+    for name, offset, size, data in members:
+        parts = split_member_name(name)
+        if parts is None or is_meta(parts[1]) or name.startswith("__"):
+            skipped.append(name)
+            continue
+        key, fld = parts
+        if key != current:
+            if key in seen:
+                raise ShardError(f"{shard}: key {key!r} reappears at byte offset {offset - _tarfmt.BLOCK} "
+                                 "after other keys; members of one sample must be consecutive")
+            seen.add(key)
+            current, fields = key, set()
+        if fld in fields:
+            raise ShardError(f"{shard}: duplicate member {name!r} at byte offset {offset - _tarfmt.BLOCK}")
+        fields.add(fld)
+        yield key, fld, offset, size, data
+    if skipped:
+        warnings.warn(f"{shard}: skipped {len(skipped)} member(s) whose names are not '<key>.<field>', "
+                      f"e.g. {skipped[0]!r}", stacklevel=3)
+
+
+class _HashingFile:
+    """Write-through file wrapper that hashes and counts what is written."""
+
+    def __init__(self, raw: BinaryIO):
+        self.raw = raw
+        self.sha = hashlib.sha256()
+        self.pos = 0
+
+    def write(self, data: bytes | memoryview) -> None:
+        self.raw.write(data)
+        self.sha.update(data)
+        self.pos += len(data)
+
+
+class TarShardWriter:
+    """Incremental writer of one tar shard: ``add(sample)`` ..., then ``close() -> ShardInfo``.
+
+    Writes ``path + ".tmp"`` and renames it (and the sidecar index) into place on close; ``abort()``
+    removes the temporary file. Used by :func:`write_tar_shard` and :class:`fastdata.ShardWriter`.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, index: bool = True):
+        self.path = Path(path)
+        self._tmp = self.path.with_name(self.path.name + ".tmp")
+        self._index = index
+        self._raw: BinaryIO | None = open(self._tmp, "wb")  # noqa: SIM115 - closed in close()/abort()
+        self._out = _HashingFile(self._raw)
+        self._keys: list[str] = []
+        self._seen: set[str] = set()
+        self._members: list[list[tuple[str, int, int]]] = []
+
+    @property
+    def num_samples(self) -> int:
+        return len(self._keys)
+
+    @property
+    def bytes_written(self) -> int:
+        return self._out.pos
+
+    def add(self, sample: dict[str, Any]) -> int:
+        """Append one sample; returns the bytes it added. ValueError on bad/duplicate keys."""
+        if self._raw is None:
+            raise ValueError(f"{self.path}: writer is closed")
+        if "__key__" not in sample:
+            raise ValueError(f"sample has no '__key__' (fields: {sorted(sample)})")
+        key = check_key(sample["__key__"])
+        if key in self._seen:
+            raise ValueError(f"duplicate key {key!r} in shard {self.path}")
+        encoded = [(f, member_name(key, f), encode_value(f, v, key=key))
+                   for f, v in sorted(sample.items()) if not is_meta(f)]
+        if not encoded:
+            raise ValueError(f"sample {key!r} has no fields")
+        start = self._out.pos
+        members = []
+        for fld, name, data in encoded:
+            header = _tarfmt.member_header(name, len(data))
+            self._out.write(header)
+            members.append((fld, self._out.pos, len(data)))
+            self._out.write(data)
+            padding = _tarfmt.pad(len(data))
+            if padding:
+                self._out.write(bytes(padding))
+        self._seen.add(key)
+        self._keys.append(key)
+        self._members.append(members)
+        return self._out.pos - start
+
+    def close(self) -> ShardInfo:
+        """Finish the archive, write the sidecar index, rename into place; return its ShardInfo."""
+        if self._raw is None:
+            raise ValueError(f"{self.path}: writer is closed")
+        try:
+            self._out.write(_tarfmt.end_of_archive(self._out.pos))
+            self._raw.flush()
+            os.fsync(self._raw.fileno())
+            self._raw.close()
+            self._raw = None
+            index_name = None
+            if self._index:
+                index_name = self.path.name + INDEX_SUFFIX
+                TarIndex(self._keys, self._members, self._out.pos).save(self.path.with_name(index_name))
+            os.replace(self._tmp, self.path)
+        except BaseException:
+            self.abort()
+            raise
+        return ShardInfo(name=self.path.name, num_samples=len(self._keys), bytes=self._out.pos,
+                         sha256=self._out.sha.hexdigest(), index=index_name)
+
+    def abort(self) -> None:
+        """Drop the partial shard (safe to call twice)."""
+        if self._raw is not None:
+            self._raw.close()
+            self._raw = None
+        self._tmp.unlink(missing_ok=True)
+
+    def __enter__(self) -> TarShardWriter:
+        return self
+
+    def __exit__(self, exc_type: Any, *exc: Any) -> None:
+        if exc_type is not None:
+            self.abort()
+
+
+def write_tar_shard(path: str | os.PathLike[str], samples: Iterable[dict[str, Any]]) -> ShardInfo:
+    """Write ``samples`` as one deterministic tar shard plus its sidecar index (atomic)."""
+    writer = TarShardWriter(path)
+    try:
+        for sample in samples:
+            writer.add(sample)
+    except BaseException:
+        writer.abort()
+        raise
+    return writer.close()
+
+
+class TarShardReader:
+    """Random access to a local uncompressed tar shard through a memory map.
+
+    ``index``: a :class:`TarIndex`; by default the sidecar ``<path>.idx`` is loaded, or, without
+    one, the index is built by a header scan and cached in memory. Picklable: the map is opened
+    lazily in each process (never shared across fork).
+    """
+
+    def __init__(self, path: str | os.PathLike[str], index: TarIndex | None = None):
+        self.path = os.fspath(path)
+        self._index = index
+        self._mm: mmap.mmap | None = None
+        self._pid: int | None = None
+
+    @property
+    def index(self) -> TarIndex:
+        if self._index is None:
+            sidecar = self.path + INDEX_SUFFIX
+            index = TarIndex.load(sidecar) if os.path.exists(sidecar) else TarIndex.build(self.path)
+            size = os.path.getsize(self.path)
+            if index.tar_size != size:
+                raise ShardError(f"{self.path}: index {sidecar} is for a {index.tar_size}-byte tar but the shard "
+                                 f"has {size} bytes; the shard was changed or truncated (rebuild the index)")
+            self._index = index
+        return self._index
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        return self.index.keys
+
+    def _map(self) -> mmap.mmap:
+        if self._mm is None or self._pid != os.getpid():
+            index = self.index
+            with open(self.path, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                if size != index.tar_size:
+                    raise ShardError(f"{self.path}: shard has {size} bytes but its index expects "
+                                     f"{index.tar_size}; it was changed or truncated")
+                self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else None
+            self._pid = os.getpid()
+        return self._mm  # type: ignore[return-value]
+
+    def read(self, i: int, fields: Collection[str] | None = None) -> dict[str, Any]:
+        """Sample ``i`` as ``{"__key__": key, field: bytes}`` (only ``fields`` when given)."""
+        index = self.index
+        n = len(index.keys)
+        if not 0 <= i < n:
+            raise IndexError(f"{self.path}: sample index {i} out of range for {n} samples")
+        mm = self._map()
+        out: dict[str, Any] = {"__key__": index.keys[i]}
+        for fld, a, b in index.members[i]:
+            if fields is None or fld in fields:
+                out[fld] = mm[a:b]
+        return out
+
+    def iter_range(self, start: int = 0, stop: int | None = None,
+                   fields: Collection[str] | None = None) -> Iterator[dict[str, Any]]:
+        """Samples ``start..stop-1`` in order (same values as :meth:`read`)."""
+        index = self.index
+        n = len(index.keys)
+        stop = n if stop is None else stop
+        if not 0 <= start <= stop <= n:
+            raise IndexError(f"{self.path}: range {start}:{stop} out of bounds for {n} samples")
+        if start == stop:
+            return
+        mm = self._map()
+        keys, members = index.keys, index.members
+        for i in range(start, stop):
+            out: dict[str, Any] = {"__key__": keys[i]}
+            if fields is None:
+                for fld, a, b in members[i]:
+                    out[fld] = mm[a:b]
+            else:
+                for fld, a, b in members[i]:
+                    if fld in fields:
+                        out[fld] = mm[a:b]
+            yield out
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        return self.iter_range()
+
+    def close(self) -> None:
+        if self._mm is not None and self._pid == os.getpid():
+            self._mm.close()
+        self._mm = None
+        self._pid = None
+
+    def __enter__(self) -> TarShardReader:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"path": self.path, "index": self._index}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.path = state["path"]
+        self._index = state["index"]
+        self._mm = None
+        self._pid = None
+
+    def __repr__(self) -> str:
+        return f"TarShardReader({self.path!r})"
+
+
+def iter_tar_stream(fileobj: BinaryIO, name: str) -> Iterator[dict[str, Any]]:
+    """Samples of a tar stream (e.g. gzip or remote), grouped by consecutive key.
+
+    ``name`` is used in error messages. A key that reappears non-consecutively, a truncated
+    stream or a corrupt header raise ShardError naming ``name`` and the (uncompressed) byte offset.
+    """
+    header, payload = _tarfmt.stream_source(fileobj, name)
+    sample: dict[str, Any] | None = None
+    for key, fld, _, _, data in _group(_tarfmt.walk(header, payload, name, want_data=True), name):
+        if sample is None or sample["__key__"] != key:
+            if sample is not None:
+                yield sample
+            sample = {"__key__": key}
+        sample[fld] = data
+    if sample is not None:
+        yield sample
