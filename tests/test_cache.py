@@ -1,0 +1,353 @@
+"""Preprocessing cache: store round trips, fingerprints, concurrency, crash safety, eviction, disk full."""
+from __future__ import annotations
+
+import errno
+import multiprocessing as mp
+import os
+import pickle
+import random
+import signal
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import fastdata._cache_store as cache_store
+from fastdata.cache import CACHE_FORMAT_VERSION, Cache, Store, store_key
+from fastdata.errors import CacheError
+
+FORK = mp.get_context("fork")
+IMG = (3, 64, 64)
+
+
+def expected(index: int) -> dict[str, np.ndarray]:
+    """Predictable sample content derived from the index (every byte differs between neighbours)."""
+    img = ((np.arange(int(np.prod(IMG)), dtype=np.int64) * 3 + index * 7) % 251).astype(np.uint8).reshape(IMG)
+    return {"img": img, "aux": np.full(16, index, dtype=np.float32) + np.arange(16, dtype=np.float32)}
+
+
+def check_store(store: Store, *, require_full: bool = False) -> int:
+    """Every valid sample equals its expected content; returns the number of valid samples."""
+    valid = 0
+    for i in range(store.num_samples):
+        got = store.get(i)
+        if got is None:
+            assert not require_full, f"sample {i} missing"
+            continue
+        valid += 1
+        exp = expected(i)
+        assert set(got) == set(exp)
+        for name, arr in exp.items():
+            assert torch.equal(got[name], torch.from_numpy(arr)), f"sample {i} field {name} differs"
+    return valid
+
+
+def fill(directory: str, fingerprint: str, n: int, order: list[int], barrier=None) -> None:
+    if barrier is not None:
+        barrier.wait()
+    store = Cache(directory).open_store(fingerprint=fingerprint, num_samples=n)
+    for i in order:
+        store.put(i, expected(i))
+    store.close()
+
+
+# ----- basics ------------------------------------------------------------------------------------
+def test_round_trip_zero_copy_and_pickle(tmp_path: Path) -> None:
+    cache = Cache(tmp_path / "c")
+    store = cache.open_store(fingerprint="f" * 64, num_samples=10)
+    assert store.get(0) is None and store.fields is None and store.num_valid() == 0
+    for i in (0, 3, 9):
+        store.put(i, {"img": torch.from_numpy(expected(i)["img"]), "aux": expected(i)["aux"]})
+    assert store.get(1) is None
+    assert check_store(store) == 3
+    got = store.get(3)
+    assert got is not None and got["img"].dtype == torch.uint8 and got["img"].shape == IMG
+    assert not got["img"].numpy().flags.owndata  # a view of the mapping, not a copy
+    clone = pickle.loads(pickle.dumps(store))
+    assert check_store(clone) == 3 and clone.num_valid() == 3
+    store.put(3, expected(3))  # already valid: a no-op
+    clone.close(), store.close(), store.close()  # close twice is fine
+    assert got["img"][0, 0, 1].item() == expected(3)["img"][0, 0, 1]  # tensors outlive close()
+
+
+def test_scalars_and_dtypes(tmp_path: Path) -> None:
+    store = Cache(tmp_path).open_store(fingerprint="x", num_samples=4)
+    store.put(2, {"cls": 7, "w": np.float16(0.5), "m": np.ones((2, 2), dtype=bool), "big": np.arange(3, dtype=">i4")})
+    got = store.get(2)
+    assert got is not None
+    assert got["cls"].item() == 7 and got["cls"].shape == ()
+    assert got["w"].dtype == torch.float16 and got["m"].dtype == torch.bool
+    assert got["big"].tolist() == [0, 1, 2] and got["big"].dtype == torch.int32
+
+
+def test_option_validation(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="max_bytes must be a positive int"):
+        Cache(tmp_path, max_bytes=0)
+    with pytest.raises(ValueError, match="max_bytes"):
+        Cache(tmp_path, max_bytes=True)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="fsync must be a bool"):
+        Cache(tmp_path, fsync=1)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="directory must be"):
+        Cache("")
+    cache = Cache(tmp_path)
+    with pytest.raises(ValueError, match="fingerprint must be"):
+        cache.open_store(fingerprint="", num_samples=3)
+    with pytest.raises(ValueError, match="num_samples must be an int >= 1, got 0"):
+        cache.open_store(fingerprint="a", num_samples=0)
+    store = cache.open_store(fingerprint="a", num_samples=3)
+    with pytest.raises(IndexError, match="index 3 out of range"):
+        store.get(3)
+    with pytest.raises(CacheError, match="non-empty mapping"):
+        store.put(0, {})
+
+
+def test_mismatched_shapes_dtypes_and_fields(tmp_path: Path) -> None:
+    store = Cache(tmp_path).open_store(fingerprint="a", num_samples=5)
+    store.put(0, {"img": np.zeros((3, 8, 8), np.uint8), "cls": 1})
+    with pytest.raises(CacheError, match=r"field 'img' of sample 1: expected shape \(3, 8, 8\) dtype uint8, "
+                                         r"got shape \(3, 8, 9\) dtype uint8"):
+        store.put(1, {"img": np.zeros((3, 8, 9), np.uint8), "cls": 1})
+    with pytest.raises(CacheError, match="expected shape .* dtype uint8, got shape .* dtype float32"):
+        store.put(1, {"img": np.zeros((3, 8, 8), np.float32), "cls": 1})
+    with pytest.raises(CacheError, match=r"sample 2 has fields \['img'\].*missing \['cls'\]"):
+        store.put(2, {"img": np.zeros((3, 8, 8), np.uint8)})
+    with pytest.raises(CacheError, match="field 'txt' of sample 2 has dtype <U3"):
+        store.put(2, {"img": np.zeros((3, 8, 8), np.uint8), "txt": "abc"})
+    assert store.num_valid() == 1
+    # another process (here: another Store object) sees the layout the first put defined
+    other = Cache(tmp_path).open_store(fingerprint="a", num_samples=5)
+    with pytest.raises(CacheError, match="field 'img' of sample 4: expected shape"):
+        other.put(4, {"img": np.zeros((1, 8, 8), np.uint8), "cls": 1})
+
+
+# ----- keys and fingerprints --------------------------------------------------------------------
+def test_changed_fingerprint_or_count_misses(tmp_path: Path) -> None:
+    cache = Cache(tmp_path)
+    a = cache.open_store(fingerprint="manifest-A/resize-224", num_samples=4)
+    a.put(0, expected(0))
+    assert cache.open_store(fingerprint="manifest-A/resize-224", num_samples=4).get(0) is not None
+    assert cache.open_store(fingerprint="manifest-A/resize-256", num_samples=4).get(0) is None
+    assert cache.open_store(fingerprint="manifest-B/resize-224", num_samples=4).get(0) is None
+    assert cache.open_store(fingerprint="manifest-A/resize-224", num_samples=5).get(0) is None
+    key = store_key("manifest-A/resize-224", 4)
+    assert key.startswith(f"v{CACHE_FORMAT_VERSION}-") and a.path.name == key
+    assert len({i.key for i in cache.list()}) == 4
+
+
+def test_foreign_meta_is_refused(tmp_path: Path) -> None:
+    cache = Cache(tmp_path)
+    store = cache.open_store(fingerprint="a", num_samples=3)
+    meta = (store.path / "meta.json").read_text().replace('"fingerprint": "a"', '"fingerprint": "zzz"')
+    store.close()
+    (store.path / "meta.json").write_text(meta)
+    with pytest.raises(CacheError, match="meta.json has fingerprint='zzz', expected 'a'"):
+        cache.open_store(fingerprint="a", num_samples=3)
+
+
+# ----- concurrency and crash safety -------------------------------------------------------------
+def test_two_processes_fill_one_store_concurrently(tmp_path: Path) -> None:
+    n = 300
+    barrier = FORK.Barrier(2)
+    orders = [list(range(n)), list(reversed(range(n)))]
+    random.Random(0).shuffle(orders[1])
+    procs = [FORK.Process(target=fill, args=(str(tmp_path), "fp", n, order, barrier)) for order in orders]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    (info,) = Cache(tmp_path).list()
+    assert info.num_valid == n and info.fill_ratio == 1.0 and not info.in_use
+    assert check_store(Cache(tmp_path).open_store(fingerprint="fp", num_samples=n), require_full=True) == n
+
+
+def test_layout_creation_race(tmp_path: Path) -> None:
+    """Many processes doing their first put at once: exactly one layout wins, all samples land."""
+    n, k = 64, 6
+    barrier = FORK.Barrier(k)
+    procs = [FORK.Process(target=fill, args=(str(tmp_path), "race", n, list(range(j, n, k)), barrier))
+             for j in range(k)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == [store_key("race", n)]  # no leftovers
+    store = Cache(tmp_path).open_store(fingerprint="race", num_samples=n)
+    assert check_store(store, require_full=True) == n
+
+
+def _fill_forever(directory: str, n: int, seed: int) -> None:
+    order = list(range(n))
+    random.Random(seed).shuffle(order)
+    fill(directory, "killed", n, order)
+
+
+def test_fill_killed_at_random_points_never_serves_a_wrong_sample(tmp_path: Path) -> None:
+    n = 600
+    rng = random.Random(1234)
+    seen = []
+    for round_ in range(10):
+        p = FORK.Process(target=_fill_forever, args=(str(tmp_path), n, round_))
+        p.start()
+        time.sleep(rng.uniform(0.0, 0.04))
+        os.kill(p.pid, signal.SIGKILL)
+        p.join(10)
+        store = Cache(tmp_path).open_store(fingerprint="killed", num_samples=n)
+        seen.append(check_store(store))
+        store.close()
+    assert seen == sorted(seen)  # fills resume: valid samples never disappear
+    # a half-written sample (data without its flag, as a writer killed mid-put leaves it) is a miss
+    store = Cache(tmp_path).open_store(fingerprint="killed", num_samples=n)
+    missing = next((i for i in range(n) if store.get(i) is None), None)
+    if missing is not None:
+        field = store.fields[0]  # type: ignore[index]
+        with open(store.path / field.file, "r+b") as f:
+            f.seek(missing * field.nbytes)
+            f.write(b"\xff" * (field.nbytes // 2))
+        assert store.get(missing) is None
+    fill(str(tmp_path), "killed", n, list(range(n)))
+    assert check_store(store, require_full=True) == n
+
+
+# ----- disk full ---------------------------------------------------------------------------------
+def test_disk_full_mid_fill_gives_clear_error_and_usable_store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    store = Cache(tmp_path).open_store(fingerprint="full", num_samples=20)
+    for i in range(5):
+        store.put(i, expected(i))
+    real_pwrite = os.pwrite
+    calls = {"n": 0}
+
+    def pwrite(fd: int, data: object, offset: int) -> int:
+        calls["n"] += 1
+        if calls["n"] > 1:  # first field of sample 5 lands, the second hits a full disk
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_pwrite(fd, data, offset)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(os, "pwrite", pwrite)
+    with pytest.raises(CacheError, match=rf"cache store {store.path}: disk full while writing sample 5 .*"
+                                         "the 5 samples already filled stay valid"):
+        store.put(5, expected(5))
+    monkeypatch.setattr(os, "pwrite", real_pwrite)
+    assert store.get(5) is None and check_store(store) == 5
+    store.put(5, expected(5))  # space freed: filling resumes
+    assert check_store(store) == 6
+
+
+def test_disk_full_at_preallocation(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_space(fd: int, nbytes: int) -> bool:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(cache_store, "preallocate", no_space)
+    store = Cache(tmp_path).open_store(fingerprint="big", num_samples=100)
+    with pytest.raises(CacheError, match="disk full: cannot reserve 1235300 bytes"):
+        store.put(0, expected(0))
+    assert sorted(p.name for p in store.path.iterdir() if p.name.endswith(".bin")) == []  # space given back
+    with pytest.raises(CacheError, match="disk full"):  # later puts fail fast, reads just miss
+        store.put(1, expected(1))
+    assert store.get(0) is None
+
+
+# ----- housekeeping -----------------------------------------------------------------------------
+def _filled(cache: Cache, fingerprint: str, n: int, *, age: float) -> Path:
+    store = cache.open_store(fingerprint=fingerprint, num_samples=n)
+    for i in range(n):
+        store.put(i, expected(i))
+    store.close()
+    t = time.time() - age
+    os.utime(store.path / "last_used", (t, t))
+    return store.path
+
+
+def test_list_and_remove(tmp_path: Path) -> None:
+    cache = Cache(tmp_path)
+    a = cache.open_store(fingerprint="aaaa1111", num_samples=10)
+    for i in range(4):
+        a.put(i, expected(i))
+    _filled(cache, "aaaa2222", 2, age=100)
+    _filled(cache, "bbbb", 2, age=200)
+    infos = cache.list()
+    assert [i.fingerprint for i in infos] == ["aaaa1111", "aaaa2222", "bbbb"]  # most recent first
+    assert infos[0].fill_ratio == 0.4 and infos[0].in_use and not infos[1].in_use
+    assert infos[0].sample_nbytes == int(np.prod(IMG)) + 64
+    assert infos[0].size_bytes >= 10 * infos[0].sample_nbytes
+    with pytest.raises(CacheError, match="'aaaa' matches 2 fingerprints"):
+        cache.remove("aaaa")
+    with pytest.raises(CacheError, match="no store matches 'cccc'"):
+        cache.remove("cccc")
+    with pytest.raises(CacheError, match="is open in a running process"):
+        cache.remove("aaaa1")
+    assert [i.fingerprint for i in cache.remove("aaaa2")] == ["aaaa2222"]
+    assert [i.fingerprint for i in cache.remove(store_key("bbbb", 2)[:10])] == ["bbbb"]
+    a.close()
+    cache.remove("aaaa1111")
+    assert cache.list() == [] and list(tmp_path.iterdir()) == []
+
+
+def test_eviction_respects_limit_and_skips_open_stores(tmp_path: Path) -> None:
+    cache = Cache(tmp_path)
+    old = _filled(cache, "old", 8, age=300)
+    busy = _filled(cache, "busy", 8, age=200)
+    mid = _filled(cache, "mid", 8, age=100)
+    size = Cache(tmp_path).list()[0].size_bytes
+    held = cache.open_store(fingerprint="busy", num_samples=8)  # open: never evicted
+    os.utime(busy / "last_used", (time.time() - 400,) * 2)
+    limited = Cache(tmp_path, max_bytes=3 * size)
+    assert limited.evict() == [] and limited.total_bytes() == 3 * size
+    new = limited.open_store(fingerprint="new", num_samples=8)
+    new.put(0, expected(0))  # needs room for one more store: the least recently used closed one goes
+    assert not old.exists() and busy.exists() and mid.exists() and new.path.exists()
+    assert limited.total_bytes() <= 3 * size
+    tight = Cache(tmp_path, max_bytes=size)
+    assert [i.fingerprint for i in tight.evict()] == ["mid"]  # busy and new are open
+    assert tight.total_bytes() == 2 * size > size
+    held.close(), new.close()
+    os.utime(busy / "last_used", (time.time() - 50,) * 2)  # used before `new` (mtimes are coarse)
+    assert sorted(i.fingerprint for i in tight.evict()) == ["busy"]  # LRU first, then under the limit
+    assert tight.total_bytes() <= size
+    with pytest.raises(CacheError, match="does not fit in max_bytes"):
+        Cache(tmp_path, max_bytes=1000).open_store(fingerprint="huge", num_samples=8).put(0, expected(0))
+
+
+def test_store_reopens_after_eviction(tmp_path: Path) -> None:
+    cache = Cache(tmp_path)
+    path = _filled(cache, "gone", 4, age=10)
+    assert [i.fingerprint for i in cache.remove("gone")] == ["gone"] and not path.exists()
+    store = cache.open_store(fingerprint="gone", num_samples=4)  # a fresh, empty store
+    assert store.get(0) is None and store.path == path
+
+
+def test_fsync_mode(tmp_path: Path) -> None:
+    store = Cache(tmp_path, fsync=True).open_store(fingerprint="durable", num_samples=3)
+    for i in range(3):
+        store.put(i, expected(i))
+    assert check_store(store, require_full=True) == 3
+
+
+class _StoreDataset(torch.utils.data.Dataset):
+    def __init__(self, store: Store) -> None:
+        self.store = store
+
+    def __len__(self) -> int:
+        return self.store.num_samples
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        got = self.store.get(i)
+        if got is None:
+            self.store.put(i, expected(i))
+            got = self.store.get(i)
+        assert got is not None
+        return got
+
+
+def test_store_in_dataloader_workers(tmp_path: Path) -> None:
+    store = Cache(tmp_path).open_store(fingerprint="dl", num_samples=40)
+    for epoch in range(2):  # epoch 0 fills from two workers, epoch 1 reads
+        loader = torch.utils.data.DataLoader(_StoreDataset(store), batch_size=8, num_workers=2,
+                                             multiprocessing_context="fork")
+        batches = list(loader)
+        imgs = torch.cat([b["img"] for b in batches])
+        assert torch.equal(imgs, torch.stack([torch.from_numpy(expected(i)["img"]) for i in range(40)]))
+    assert store.num_valid() == 40
