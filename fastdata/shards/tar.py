@@ -23,7 +23,7 @@ import warnings
 import zipfile
 from collections.abc import Collection, Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, NamedTuple
 
 import numpy as np
 
@@ -32,7 +32,10 @@ from fastdata.manifest import ShardInfo
 from fastdata.shards import _tarfmt
 from fastdata.shards._keys import check_key, encode_value, is_meta, member_name, split_member_name
 
-__all__ = ["INDEX_SUFFIX", "TarIndex", "TarShardReader", "TarShardWriter", "iter_tar_stream", "write_tar_shard"]
+__all__ = [
+    "INDEX_SUFFIX", "EncodedSample", "TarIndex", "TarShardReader", "TarShardWriter", "encode_sample",
+    "iter_tar_stream", "write_tar_shard",
+]
 
 INDEX_SUFFIX = ".idx"
 _INDEX_VERSION = 1
@@ -204,6 +207,33 @@ class _HashingFile:
         self.pos += len(data)
 
 
+class EncodedSample(NamedTuple):
+    """A sample ready to append: key, ``(field, header, data)`` per member, total tar bytes."""
+
+    key: str
+    members: tuple[tuple[str, bytes, bytes], ...]
+    size: int
+
+
+def encode_sample(sample: dict[str, Any]) -> EncodedSample:
+    """Validate the key and encode a sample's fields (sorted) into tar members."""
+    if not isinstance(sample, dict) or "__key__" not in sample:
+        raise ValueError(f"a sample must be a dict with a '__key__', got {type(sample).__name__}")
+    key = check_key(sample["__key__"])
+    members = []
+    size = 0
+    for fld, value in sorted(sample.items()):
+        if is_meta(fld):
+            continue
+        data = encode_value(fld, value, key=key)
+        header = _tarfmt.member_header(member_name(key, fld), len(data))
+        members.append((fld, header, data))
+        size += len(header) + len(data) + _tarfmt.pad(len(data))
+    if not members:
+        raise ValueError(f"sample {key!r} has no fields")
+    return EncodedSample(key, tuple(members), size)
+
+
 class TarShardWriter:
     """Incremental writer of one tar shard: ``add(sample)`` ..., then ``close() -> ShardInfo``.
 
@@ -229,23 +259,17 @@ class TarShardWriter:
     def bytes_written(self) -> int:
         return self._out.pos
 
-    def add(self, sample: dict[str, Any]) -> int:
+    def add(self, sample: dict[str, Any] | EncodedSample) -> int:
         """Append one sample; returns the bytes it added. ValueError on bad/duplicate keys."""
         if self._raw is None:
             raise ValueError(f"{self.path}: writer is closed")
-        if "__key__" not in sample:
-            raise ValueError(f"sample has no '__key__' (fields: {sorted(sample)})")
-        key = check_key(sample["__key__"])
+        enc = sample if isinstance(sample, EncodedSample) else encode_sample(sample)
+        key = enc.key
         if key in self._seen:
             raise ValueError(f"duplicate key {key!r} in shard {self.path}")
-        encoded = [(f, member_name(key, f), encode_value(f, v, key=key))
-                   for f, v in sorted(sample.items()) if not is_meta(f)]
-        if not encoded:
-            raise ValueError(f"sample {key!r} has no fields")
         start = self._out.pos
         members = []
-        for fld, name, data in encoded:
-            header = _tarfmt.member_header(name, len(data))
+        for fld, header, data in enc.members:
             self._out.write(header)
             members.append((fld, self._out.pos, len(data)))
             self._out.write(data)
@@ -308,23 +332,31 @@ def write_tar_shard(path: str | os.PathLike[str], samples: Iterable[dict[str, An
 class TarShardReader:
     """Random access to a local uncompressed tar shard through a memory map.
 
-    ``index``: a :class:`TarIndex`; by default the sidecar ``<path>.idx`` is loaded, or, without
-    one, the index is built by a header scan and cached in memory. Picklable: the map is opened
-    lazily in each process (never shared across fork).
+    ``index``: a :class:`TarIndex` or the path of a sidecar index file. By default the sidecar
+    ``<path>.idx`` is loaded when present, else the index is built by a header scan; either way it
+    is loaded on first use and cached. Picklable: the map is opened lazily in each process (never
+    shared across fork).
     """
 
-    def __init__(self, path: str | os.PathLike[str], index: TarIndex | None = None):
+    def __init__(self, path: str | os.PathLike[str], index: TarIndex | str | os.PathLike[str] | None = None):
         self.path = os.fspath(path)
-        self._index = index
+        self._index: TarIndex | None = index if isinstance(index, TarIndex) else None
+        self._index_path = None if index is None or isinstance(index, TarIndex) else os.fspath(index)
         self._mm: mmap.mmap | None = None
         self._pid: int | None = None
 
     @property
     def index(self) -> TarIndex:
         if self._index is None:
-            sidecar = self.path + INDEX_SUFFIX
-            index = TarIndex.load(sidecar) if os.path.exists(sidecar) else TarIndex.build(self.path)
-            size = os.path.getsize(self.path)
+            sidecar = self._index_path or self.path + INDEX_SUFFIX
+            if self._index_path is None and not os.path.exists(sidecar):
+                index = TarIndex.build(self.path)
+            else:
+                index = TarIndex.load(sidecar)
+            try:
+                size = os.path.getsize(self.path)
+            except OSError as e:
+                raise ShardError(f"{self.path}: cannot open shard: {e}") from e
             if index.tar_size != size:
                 raise ShardError(f"{self.path}: index {sidecar} is for a {index.tar_size}-byte tar but the shard "
                                  f"has {size} bytes; the shard was changed or truncated (rebuild the index)")
@@ -402,11 +434,12 @@ class TarShardReader:
         self.close()
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"path": self.path, "index": self._index}
+        return {"path": self.path, "index": self._index, "index_path": self._index_path}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.path = state["path"]
         self._index = state["index"]
+        self._index_path = state["index_path"]
         self._mm = None
         self._pid = None
 

@@ -1,0 +1,71 @@
+"""Inference of :class:`~fastdata.manifest.FieldInfo` (kind, dtype, shape) from sample values."""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from fastdata.manifest import FieldInfo
+from fastdata.shards._keys import check_field, is_meta
+
+__all__ = ["FieldTracker", "value_info"]
+
+
+def value_info(field: str, value: Any, *, key: str = "") -> tuple[str, str | None, tuple[int, ...] | None]:
+    """``(kind, dtype, shape)`` of one value; TypeError naming key and field for unsupported types."""
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return "bytes", None, None
+    if isinstance(value, str):
+        return "text", None, None
+    if isinstance(value, (bool, int, np.integer, np.bool_)):
+        return "int", None, None
+    if isinstance(value, (float, np.floating)):
+        return "float", None, None
+    if isinstance(value, np.ndarray):
+        if value.dtype.hasobject:
+            raise TypeError(f"field {field!r} of sample {key!r}: object arrays cannot be stored")
+        return "array", value.dtype.str if value.dtype.byteorder not in "=|" else value.dtype.name, value.shape
+    if isinstance(value, (dict, list)):
+        return "json", None, None
+    raise TypeError(f"field {field!r} of sample {key!r} has unsupported type {type(value).__name__}")
+
+
+class FieldTracker:
+    """Accumulates field kinds/dtypes/shapes over samples; picklable and mergeable across workers.
+
+    A field whose kind changes between samples is a ValueError naming the key; an array field
+    whose dtype or shape varies gets ``dtype``/``shape`` None.
+    """
+
+    def __init__(self) -> None:
+        self._info: dict[str, tuple[str, str | None, tuple[int, ...] | None]] = {}
+
+    def add(self, sample: Mapping[str, Any]) -> None:
+        key = str(sample.get("__key__", ""))
+        for name, value in sample.items():
+            if is_meta(name):
+                continue
+            check_field(name, key)
+            self._merge(name, value_info(name, value, key=key), key)
+
+    def merge(self, other: FieldTracker) -> None:
+        for name, info in other._info.items():
+            self._merge(name, info, "")
+
+    def _merge(self, name: str, info: tuple[str, str | None, tuple[int, ...] | None], key: str) -> None:
+        prev = self._info.get(name)
+        if prev is None:
+            self._info[name] = info
+            return
+        if prev[0] != info[0]:
+            where = f"sample {key!r}" if key else "a merged shard"
+            raise ValueError(f"field {name!r} of {where} is {info[0]!r} but earlier samples had {prev[0]!r}")
+        if prev != info:
+            self._info[name] = (prev[0], prev[1] if prev[1] == info[1] else None,
+                                prev[2] if prev[2] == info[2] else None)
+
+    def fields(self) -> tuple[FieldInfo, ...]:
+        """The fields seen so far, sorted by name."""
+        return tuple(FieldInfo(name, kind, dtype, shape)
+                     for name, (kind, dtype, shape) in sorted(self._info.items()))

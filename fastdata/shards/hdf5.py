@@ -1,0 +1,345 @@
+"""HDF5 shards (h5py), in a documented layout that plain h5py users can read.
+
+Layout of ``shard-000000.h5`` with ``n`` samples:
+
+- root attributes: ``fastdata_format = "hdf5"``, ``fastdata_version = 1``, ``num_samples = n``;
+- dataset ``__key__``: shape ``(n,)``, variable-length UTF-8 strings, the sample keys;
+- one dataset per field, named exactly like the field (``"jpg"``, ``"cls"``, ``"img.npy"``), with
+  attribute ``kind`` (the manifest's FieldInfo.kind) and row ``i`` belonging to sample ``i``:
+
+  ========  ====================================================================================
+  kind      storage
+  ========  ====================================================================================
+  array     fixed shape and dtype: ``(n, *shape)`` of that dtype, chunked along axis 0 (~1 MiB
+            chunks). Varying shape/dtype: ``(n,)`` vlen uint8 holding ``.npy`` bytes, attribute
+            ``encoding = "npy"``.
+  int       ``(n,)`` int64
+  float     ``(n,)`` float64
+  bytes     ``(n,)`` vlen uint8 (e.g. encoded JPEG bytes)
+  text      ``(n,)`` vlen uint8, UTF-8
+  json      ``(n,)`` vlen uint8, UTF-8 JSON
+  ========  ====================================================================================
+
+No compression (decoding speed first). Reading with plain h5py::
+
+    with h5py.File("shard-000000.h5") as f:
+        keys = f["__key__"].asstr()[:]
+        jpeg_bytes = f["jpg"][0].tobytes()
+        images = f["img.npy"][0:64]            # (64, 3, 224, 224) uint8
+
+:class:`HDF5ShardReader` returns arrays for ``array`` fields, ``int``/``float`` for scalars and
+``bytes`` for bytes/text/json fields (the same bytes a tar shard would hold).
+"""
+from __future__ import annotations
+
+import io
+import json
+import os
+from collections.abc import Collection, Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from fastdata.errors import ShardError
+from fastdata.manifest import KINDS, FieldInfo, ShardInfo, sha256_file
+from fastdata.shards._fields import FieldTracker, value_info
+from fastdata.shards._keys import check_key, is_meta, npy_bytes
+
+__all__ = ["HDF5_VERSION", "HDF5ShardReader", "write_hdf5_shard"]
+
+HDF5_VERSION = 1
+_CHUNK_BYTES = 1 << 20  # ~1 MiB chunks: the HDF5 guidance range; whole chunks are read per block
+_BLOCK_BYTES = 16 << 20  # iter_range reads this much of fixed-size fields per block
+_MAX_BLOCK_ROWS = 256
+
+
+def _h5py() -> Any:
+    import h5py
+
+    return h5py
+
+
+def write_hdf5_shard(path: str | os.PathLike[str], samples: Iterable[dict[str, Any]],
+                     fields: Sequence[FieldInfo] | None = None) -> ShardInfo:
+    """Write ``samples`` as one HDF5 shard in the documented layout (atomic: temp name, then rename).
+
+    ``fields`` fixes the layout (e.g. the manifest's fields); by default it is inferred from the
+    samples. Every sample must have every field.
+    """
+    h5py = _h5py()
+    path = Path(path)
+    samples = list(samples)
+    keys = [check_key(s.get("__key__")) for s in samples]
+    seen: set[str] = set()
+    for key in keys:
+        if key in seen:
+            raise ValueError(f"duplicate key {key!r} in shard {path}")
+        seen.add(key)
+    if fields is None:
+        tracker = FieldTracker()
+        for s in samples:
+            tracker.add(s)
+        fields = tracker.fields()
+    names = {f.name for f in fields}
+    for s, key in zip(samples, keys):
+        have = {k for k in s if not is_meta(k)}
+        if have != names:
+            missing, extra = sorted(names - have), sorted(have - names)
+            raise ValueError(f"sample {key!r} in shard {path}: HDF5 shards need every field in every sample "
+                             f"(missing {missing}, unexpected {extra})")
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        with h5py.File(tmp, "w", libver="earliest", track_order=False) as f:
+            f.attrs["fastdata_format"] = "hdf5"
+            f.attrs["fastdata_version"] = HDF5_VERSION
+            f.attrs["num_samples"] = len(samples)
+            f.create_dataset("__key__", data=np.array(keys, dtype=object),
+                             dtype=h5py.string_dtype("utf-8"), track_times=False)
+            for info in fields:
+                _write_field(f, info, [s[info.name] for s in samples], keys)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return ShardInfo(name=path.name, num_samples=len(samples), bytes=path.stat().st_size,
+                     sha256=sha256_file(path), index=None)
+
+
+def _write_field(f: Any, info: FieldInfo, values: list[Any], keys: list[str]) -> None:
+    h5py = _h5py()
+    n = len(values)
+    for value, key in zip(values, keys):
+        kind = value_info(info.name, value, key=key)[0]
+        if kind != info.kind and not (info.kind == "float" and kind == "int"):
+            raise ValueError(f"field {info.name!r} of sample {key!r} is {kind!r}, expected {info.kind!r}")
+    fixed = info.kind == "array" and info.dtype is not None and info.shape is not None
+    if fixed:
+        shape = tuple(info.shape)  # type: ignore[arg-type]
+        dtype = np.dtype(info.dtype)
+        row = max(1, int(np.prod(shape, dtype=np.int64)) * dtype.itemsize)
+        rows = max(1, min(n, _CHUNK_BYTES // row))
+        ds = f.create_dataset(info.name, shape=(n, *shape), dtype=dtype,
+                              chunks=(rows, *shape) if n else None, track_times=False)
+        for a in range(0, n, rows):
+            block = values[a:a + rows]
+            for value, key in zip(block, keys[a:a + rows]):
+                if value.shape != shape or value.dtype != dtype:
+                    raise ValueError(f"field {info.name!r} of sample {key!r} has shape {value.shape} {value.dtype}, "
+                                     f"expected {shape} {dtype}")
+            ds[a:a + len(block)] = np.stack(block)
+    elif info.kind in ("int", "float"):
+        dtype = np.int64 if info.kind == "int" else np.float64
+        ds = f.create_dataset(info.name, data=np.array(values, dtype=dtype), chunks=(max(1, n),) if n else None,
+                              track_times=False)
+    else:
+        encoded = [_vlen_bytes(info, v, k) for v, k in zip(values, keys)]
+        data = np.empty(n, dtype=object)
+        for j, b in enumerate(encoded):
+            data[j] = np.frombuffer(b, dtype=np.uint8)
+        ds = f.create_dataset(info.name, shape=(n,), dtype=h5py.vlen_dtype(np.uint8),
+                              chunks=(max(1, min(n, 1024)),) if n else None, track_times=False)
+        if n:
+            ds[:] = data
+        if info.kind == "array":
+            ds.attrs["encoding"] = "npy"
+    ds.attrs["kind"] = info.kind
+
+
+def _vlen_bytes(info: FieldInfo, value: Any, key: str) -> bytes:
+    if info.kind == "array":
+        return npy_bytes(value, field=info.name, key=key)
+    if info.kind == "json":
+        return json.dumps(value, sort_keys=True, ensure_ascii=False).encode("utf-8")
+    if isinstance(value, str):
+        return value.encode("utf-8")
+    return bytes(value)
+
+
+class HDF5ShardReader:
+    """Random and sequential access to an HDF5 shard in the documented layout.
+
+    The file is opened lazily in each process (a handle is never used across fork) and the layout
+    is validated on open (ShardError naming the file and the dataset that is missing or mistyped).
+    ``rdcc_nbytes``/``rdcc_nslots`` set h5py's per-dataset chunk cache: the default 4 MiB holds a few
+    whole chunks of every field, so per-sample ``read(i)`` in chunk order does not re-read chunks.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, rdcc_nbytes: int = 4 << 20, rdcc_nslots: int = 10007):
+        if rdcc_nbytes < 0 or rdcc_nslots < 1:
+            raise ValueError(f"rdcc_nbytes must be >= 0 and rdcc_nslots >= 1, got {rdcc_nbytes}, {rdcc_nslots}")
+        self.path = os.fspath(path)
+        self.rdcc_nbytes = rdcc_nbytes
+        self.rdcc_nslots = rdcc_nslots
+        self._file: Any = None
+        self._pid: int | None = None
+        self._keys: tuple[str, ...] | None = None
+        self._layout: dict[str, tuple[str, bool]] = {}  # field -> (kind, stored as .npy bytes)
+
+    def _open(self) -> Any:
+        if self._file is None or self._pid != os.getpid():
+            h5py = _h5py()
+            try:
+                f = h5py.File(self.path, "r", rdcc_nbytes=self.rdcc_nbytes, rdcc_nslots=self.rdcc_nslots)
+            except OSError as e:
+                raise ShardError(f"{self.path}: cannot open as HDF5: {e}") from e
+            try:
+                self._keys, self._layout = _validate(f, self.path)
+            except BaseException:
+                f.close()
+                raise
+            self._file, self._pid = f, os.getpid()
+        return self._file
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        self._open()
+        assert self._keys is not None
+        return self._keys
+
+    @property
+    def fields(self) -> dict[str, str]:
+        """``{field: kind}`` of the shard."""
+        self._open()
+        return {name: kind for name, (kind, _) in self._layout.items()}
+
+    def _selected(self, fields: Collection[str] | None) -> list[tuple[str, str, bool]]:
+        return [(name, kind, npy) for name, (kind, npy) in self._layout.items() if fields is None or name in fields]
+
+    def read(self, i: int, fields: Collection[str] | None = None) -> dict[str, Any]:
+        """Sample ``i``: ``{"__key__": key, field: value}`` (only ``fields`` when given)."""
+        f = self._open()
+        n = len(self.keys)
+        if not 0 <= i < n:
+            raise IndexError(f"{self.path}: sample index {i} out of range for {n} samples")
+        out: dict[str, Any] = {"__key__": self.keys[i]}
+        for name, kind, npy in self._selected(fields):
+            out[name] = _convert(f[name][i], kind, npy)
+        return out
+
+    def iter_range(self, start: int = 0, stop: int | None = None,
+                   fields: Collection[str] | None = None) -> Iterator[dict[str, Any]]:
+        """Samples ``start..stop-1``, read as contiguous blocks of rows (not per-sample indexing).
+
+        Fixed-shape arrays are views into the block read; copy them if you keep many.
+        """
+        f = self._open()
+        keys = self.keys
+        n = len(keys)
+        stop = n if stop is None else stop
+        if not 0 <= start <= stop <= n:
+            raise IndexError(f"{self.path}: range {start}:{stop} out of bounds for {n} samples")
+        selected = self._selected(fields)
+        row_bytes = sum(int(np.prod(f[name].shape[1:], dtype=np.int64)) * f[name].dtype.itemsize
+                        for name, kind, npy in selected if kind == "array" and not npy)
+        rows = max(1, min(_MAX_BLOCK_ROWS, _BLOCK_BYTES // max(1, row_bytes)))
+        for a in range(start, stop, rows):
+            b = min(stop, a + rows)
+            blocks = [(name, kind, npy, f[name][a:b]) for name, kind, npy in selected]
+            for j in range(b - a):
+                out: dict[str, Any] = {"__key__": keys[a + j]}
+                for name, kind, npy, block in blocks:
+                    out[name] = _convert(block[j], kind, npy)
+                yield out
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        return self.iter_range()
+
+    def close(self) -> None:
+        if self._file is not None and self._pid == os.getpid():
+            self._file.close()
+        self._file = None
+        self._pid = None
+
+    def __enter__(self) -> HDF5ShardReader:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"path": self.path, "rdcc_nbytes": self.rdcc_nbytes, "rdcc_nslots": self.rdcc_nslots}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["path"], rdcc_nbytes=state["rdcc_nbytes"],  # type: ignore[misc]
+                      rdcc_nslots=state["rdcc_nslots"])
+
+    def __repr__(self) -> str:
+        return f"HDF5ShardReader({self.path!r})"
+
+
+def _convert(value: Any, kind: str, npy: bool) -> Any:
+    if kind == "int":
+        return int(value)
+    if kind == "float":
+        return float(value)
+    if kind == "array" and not npy:
+        return value
+    raw = value.tobytes()
+    if npy:
+        return np.load(io.BytesIO(raw), allow_pickle=False)
+    return raw
+
+
+def _validate(f: Any, path: str) -> tuple[tuple[str, ...], dict[str, tuple[str, bool]]]:
+    """Check the documented layout; return keys and ``{field: (kind, npy)}``."""
+    h5py = _h5py()
+
+    def bad(msg: str) -> ShardError:
+        return ShardError(f"{path}: not a fastdata HDF5 shard: {msg}")
+
+    fmt = _attr(f, "fastdata_format")
+    if fmt != "hdf5":
+        raise bad(f"root attribute 'fastdata_format' is {fmt!r}, expected 'hdf5'")
+    version = _attr(f, "fastdata_version")
+    if version != HDF5_VERSION:
+        raise bad(f"root attribute 'fastdata_version' is {version!r}, expected {HDF5_VERSION}")
+    if "__key__" not in f:
+        raise bad("dataset '__key__' is missing")
+    key_ds = f["__key__"]
+    if not isinstance(key_ds, h5py.Dataset) or key_ds.ndim != 1 or h5py.check_string_dtype(key_ds.dtype) is None:
+        raise bad(f"dataset '__key__' must be a 1-D string dataset, got {_describe(key_ds)}")
+    n = key_ds.shape[0]
+    num = _attr(f, "num_samples")
+    if num != n:
+        raise bad(f"root attribute 'num_samples' is {num!r} but dataset '__key__' has {n} rows")
+    layout: dict[str, tuple[str, bool]] = {}
+    for name, ds in f.items():
+        if name == "__key__":
+            continue
+        if not isinstance(ds, h5py.Dataset):
+            raise bad(f"{name!r} must be a dataset, got a group")
+        kind = _attr(ds, "kind")
+        if kind not in KINDS:
+            raise bad(f"dataset {name!r} has attribute 'kind' {kind!r}, expected one of {list(KINDS)}")
+        if ds.ndim < 1 or ds.shape[0] != n:
+            raise bad(f"dataset {name!r} has shape {ds.shape}, expected {n} rows (one per key)")
+        vlen = h5py.check_vlen_dtype(ds.dtype)
+        npy = kind == "array" and vlen is not None
+        ok = {
+            "array": (vlen == np.uint8 and ds.ndim == 1) if vlen is not None else ds.dtype.kind in "biufc",
+            "int": ds.ndim == 1 and ds.dtype.kind in "biu",
+            "float": ds.ndim == 1 and ds.dtype.kind in "fiu",
+        }.get(kind, vlen == np.uint8 and ds.ndim == 1)
+        if not ok:
+            raise bad(f"dataset {name!r} of kind {kind!r} has the wrong type: {_describe(ds)}")
+        layout[name] = (kind, npy)
+    keys = tuple(key_ds.asstr()[:].tolist())
+    return keys, layout
+
+
+def _attr(obj: Any, name: str) -> Any:
+    """An HDF5 attribute as a plain Python value (None when absent)."""
+    value = obj.attrs.get(name)
+    if isinstance(value, bytes):
+        return value.decode("utf-8", "replace")
+    if isinstance(value, np.generic):
+        return value.item()
+    return value
+
+
+def _describe(ds: Any) -> str:
+    return f"shape {getattr(ds, 'shape', None)} dtype {getattr(ds, 'dtype', type(ds).__name__)}"

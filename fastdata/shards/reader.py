@@ -1,0 +1,110 @@
+"""Minimal reader API over a manifest: open a shard by its ShardInfo, verify a shard folder."""
+from __future__ import annotations
+
+import os
+from collections.abc import Collection, Iterator
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+from fastdata.errors import FastdataError, ManifestError
+from fastdata.manifest import Manifest, ShardInfo, sha256_file
+
+__all__ = ["ShardReader", "open_shard", "verify"]
+
+
+@runtime_checkable
+class ShardReader(Protocol):
+    """What every shard reader offers (tar and HDF5 alike); readers are picklable."""
+
+    path: str
+
+    def __len__(self) -> int: ...
+
+    @property
+    def keys(self) -> tuple[str, ...]: ...
+
+    def read(self, i: int, fields: Collection[str] | None = None) -> dict[str, Any]: ...
+
+    def iter_range(self, start: int = 0, stop: int | None = None,
+                   fields: Collection[str] | None = None) -> Iterator[dict[str, Any]]: ...
+
+    def close(self) -> None: ...
+
+
+def open_shard(folder: str | os.PathLike[str], shard: ShardInfo, *, format: str, **options: Any) -> ShardReader:
+    """A reader for ``shard`` in ``folder`` (``format`` is the manifest's ``"tar"`` or ``"hdf5"``).
+
+    ``options`` go to the reader (``HDF5ShardReader``'s chunk-cache settings). Nothing is opened
+    until the reader is first used.
+    """
+    path = Path(folder) / shard.name
+    if format == "tar":
+        from fastdata.shards.tar import TarShardReader
+
+        index = None if shard.index is None else Path(folder) / shard.index
+        return TarShardReader(path, index=index, **options)
+    if format == "hdf5":
+        from fastdata.shards.hdf5 import HDF5ShardReader
+
+        return HDF5ShardReader(path, **options)
+    raise ValueError(f"format must be 'tar' or 'hdf5', got {format!r}")
+
+
+def verify(folder: str | os.PathLike[str]) -> list[str]:
+    """Re-read every shard of ``folder`` against its manifest; return the problems (empty if none).
+
+    Checks per shard: file present, byte size, sha256, sample count, the layout (HDF5) or the
+    sidecar index against a fresh header scan (tar), and that the shard's fields are in the manifest.
+    """
+    try:
+        manifest = Manifest.load(folder)
+    except ManifestError as e:
+        return [str(e)]
+    problems: list[str] = []
+    for shard in manifest.shards:
+        problems.extend(_verify_shard(Path(folder), manifest, shard))
+    return problems
+
+
+def _verify_shard(folder: Path, manifest: Manifest, shard: ShardInfo) -> list[str]:
+    path = folder / shard.name
+    if not path.is_file():
+        return [f"{shard.name}: shard file is missing"]
+    size = path.stat().st_size
+    if size != shard.bytes:
+        return [f"{shard.name}: size is {size} bytes, manifest says {shard.bytes}"]
+    digest = sha256_file(path)
+    if digest != shard.sha256:
+        return [f"{shard.name}: sha256 mismatch (file {digest}, manifest {shard.sha256})"]
+    try:
+        if manifest.format == "tar":
+            fields = _verify_tar(folder, shard)
+        else:
+            reader: Any = open_shard(folder, shard, format="hdf5")
+            with reader:
+                count, fields = len(reader), set(reader.fields)
+                if count != shard.num_samples:
+                    return [f"{shard.name}: has {count} samples, manifest says {shard.num_samples}"]
+    except (FastdataError, OSError) as e:
+        return [f"{shard.name}: {e}"]
+    if isinstance(fields, str):
+        return [fields]
+    unknown = sorted(fields - {f.name for f in manifest.fields})
+    if unknown:
+        return [f"{shard.name}: fields {unknown} are not listed in the manifest"]
+    return []
+
+
+def _verify_tar(folder: Path, shard: ShardInfo) -> set[str] | str:
+    from fastdata.shards.tar import TarIndex
+
+    scanned = TarIndex.build(folder / shard.name)
+    if len(scanned) != shard.num_samples:
+        return f"{shard.name}: has {len(scanned)} samples, manifest says {shard.num_samples}"
+    if shard.index is not None:
+        index_path = folder / shard.index
+        if not index_path.is_file():
+            return f"{shard.name}: index file {shard.index} is missing"
+        if TarIndex.load(index_path) != scanned:
+            return f"{shard.name}: index file {shard.index} does not match the shard's headers"
+    return {f for m in scanned.members for f, _, _ in m}

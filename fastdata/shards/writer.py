@@ -1,0 +1,180 @@
+"""``fastdata.ShardWriter``: write samples into a folder of shards plus ``manifest.json``."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from fastdata.manifest import MANIFEST_NAME, FieldInfo, Manifest, ShardInfo
+from fastdata.shards import _tarfmt
+from fastdata.shards._fields import FieldTracker
+from fastdata.shards._keys import check_key, is_meta
+
+__all__ = ["ShardWriter", "shard_name"]
+
+_SUFFIX = {"tar": ".tar", "hdf5": ".h5"}
+
+
+def shard_name(number: int, format: str) -> str:
+    """``shard-000000.tar`` / ``shard-000000.h5``."""
+    return f"shard-{number:06d}{_SUFFIX[format]}"
+
+
+class ShardWriter:
+    """Write samples (dicts with ``"__key__"``) into ``dest`` as tar or HDF5 shards.
+
+    Rolls to a new shard before a sample would push the current one past ``max_bytes`` (a single
+    larger sample gets a shard of its own) or when it holds ``max_samples``. Each shard is written
+    under a temporary name and renamed when complete; ``manifest.json`` is written last, by
+    :meth:`close`. After an exception inside ``with``, finished shards stay but no manifest is written.
+    Keys must be unique across the whole folder (ValueError naming the key). HDF5 shards are
+    assembled in memory (up to ``max_bytes``), so keep ``max_bytes`` moderate for HDF5.
+    """
+
+    def __init__(self, dest: str | os.PathLike[str], *, format: str = "tar", max_bytes: int = 256 << 20,
+                 max_samples: int | None = None, overwrite: bool = False, extra: dict | None = None):
+        if format not in _SUFFIX:
+            raise ValueError(f"format must be 'tar' or 'hdf5', got {format!r}")
+        if not isinstance(max_bytes, int) or max_bytes < 1:
+            raise ValueError(f"max_bytes must be an int >= 1, got {max_bytes!r}")
+        if max_samples is not None and (not isinstance(max_samples, int) or max_samples < 1):
+            raise ValueError(f"max_samples must be None or an int >= 1, got {max_samples!r}")
+        self.dest = Path(dest)
+        self.format = format
+        self.max_bytes = max_bytes
+        self.max_samples = max_samples
+        self.extra = dict(extra or {})
+        _prepare(self.dest, overwrite)
+        self._shards: list[ShardInfo] = []
+        self._skipped: list[dict[str, str]] = []
+        self._keys: set[str] = set()
+        self._fields = FieldTracker()
+        self._tar: Any = None  # TarShardWriter of the current tar shard
+        self._h5: list[dict[str, Any]] = []  # buffered samples of the current HDF5 shard
+        self._h5_bytes = 0
+        self._closed = False
+        self.manifest: Manifest | None = None
+
+    @property
+    def shards(self) -> tuple[ShardInfo, ...]:
+        """Shards finished so far."""
+        return tuple(self._shards)
+
+    @property
+    def num_samples(self) -> int:
+        """Samples written so far (finished shards plus the current one)."""
+        return len(self._keys)
+
+    def write(self, sample: dict[str, Any]) -> None:
+        """Add one sample; ValueError for a missing, invalid or duplicate key."""
+        if self._closed:
+            raise ValueError(f"ShardWriter for {self.dest} is closed")
+        if not isinstance(sample, dict) or "__key__" not in sample:
+            raise ValueError(f"a sample must be a dict with a '__key__', got {type(sample).__name__}")
+        key = check_key(sample["__key__"])
+        if key in self._keys:
+            raise ValueError(f"duplicate key {key!r}: already written to {self.dest}")
+        self._fields.add(sample)
+        if self.format == "tar":
+            self._write_tar(key, sample)
+        else:
+            self._write_h5(sample)
+        self._keys.add(key)
+
+    def _write_tar(self, key: str, sample: dict[str, Any]) -> None:
+        from fastdata.shards.tar import TarShardWriter, encode_sample
+
+        enc = encode_sample(sample)
+        cur = self._tar
+        if cur is not None and cur.num_samples and (
+            _tar_file_size(cur.bytes_written + enc.size) > self.max_bytes
+            or (self.max_samples is not None and cur.num_samples >= self.max_samples)
+        ):
+            self._finish()
+        if self._tar is None:
+            self._tar = TarShardWriter(self.dest / shard_name(len(self._shards), "tar"))
+        self._tar.add(enc)
+
+    def _write_h5(self, sample: dict[str, Any]) -> None:
+        size = sum(_nbytes(v) for k, v in sample.items() if not is_meta(k))
+        if self._h5 and (self._h5_bytes + size > self.max_bytes
+                         or (self.max_samples is not None and len(self._h5) >= self.max_samples)):
+            self._finish()
+        self._h5.append(sample)
+        self._h5_bytes += size
+
+    def _finish(self) -> None:
+        if self._tar is not None:
+            self._shards.append(self._tar.close())
+            self._tar = None
+        if self._h5:
+            from fastdata.shards.hdf5 import write_hdf5_shard
+
+            path = self.dest / shard_name(len(self._shards), "hdf5")
+            self._shards.append(write_hdf5_shard(path, self._h5, fields=self._h5_fields()))
+            self._h5, self._h5_bytes = [], 0
+
+    def _h5_fields(self) -> tuple[FieldInfo, ...]:
+        tracker = FieldTracker()
+        for s in self._h5:
+            tracker.add(s)
+        return tracker.fields()
+
+    def skip(self, source: str, reason: str) -> None:
+        """Record an input that was not written (listed in ``manifest.json`` under ``skipped``)."""
+        self._skipped.append({"source": str(source), "reason": str(reason)})
+
+    def close(self) -> Manifest:
+        """Finish the last shard and write ``manifest.json``; returns the manifest (idempotent)."""
+        if self.manifest is not None:
+            return self.manifest
+        self._finish()
+        self._closed = True
+        self.manifest = Manifest(format=self.format, shards=tuple(self._shards), fields=self._fields.fields(),
+                                 skipped=tuple(self._skipped), extra=self.extra)
+        self.manifest.save(self.dest)
+        return self.manifest
+
+    def abort(self) -> None:
+        """Drop the shard in progress without writing a manifest."""
+        self._closed = True
+        if self._tar is not None:
+            self._tar.abort()
+            self._tar = None
+        self._h5 = []
+
+    def __enter__(self) -> ShardWriter:
+        return self
+
+    def __exit__(self, exc_type: Any, *exc: Any) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+
+def _tar_file_size(content: int) -> int:
+    return content + len(_tarfmt.end_of_archive(content))
+
+
+def _nbytes(value: Any) -> int:
+    if isinstance(value, np.ndarray):
+        return int(value.nbytes)
+    if isinstance(value, (bytes, bytearray, memoryview, str)):
+        return len(value)
+    return 8
+
+
+def _prepare(dest: Path, overwrite: bool) -> None:
+    """Create ``dest``; refuse a non-empty one unless ``overwrite`` (then remove only shard files)."""
+    if dest.exists() and not dest.is_dir():
+        raise NotADirectoryError(f"destination {dest} exists and is not a folder")
+    dest.mkdir(parents=True, exist_ok=True)
+    existing = sorted(p.name for p in dest.iterdir())
+    if existing and not overwrite:
+        raise FileExistsError(f"destination {dest} is not empty (found {existing[:3]}); pass overwrite=True")
+    for name in existing:
+        if name == MANIFEST_NAME or (name.startswith("shard-") and name.endswith((".tar", ".h5", ".idx", ".tmp"))):
+            (dest / name).unlink()
