@@ -1,0 +1,217 @@
+"""Device-side batch transforms: uint8 -> float32/bfloat16/float16 with per-channel normalisation,
+dtype conversion and channels_last.
+
+Each transform is a callable ``batch -> batch`` over nested batches (dicts, lists, tuples,
+namedtuples, dataclasses). Give one to ``CUDAPrefetcher(transform=...)`` and it runs on the copy
+stream right after the host-to-device copy, so images travel as uint8 (a quarter of the bytes of
+float32) and are normalised on the GPU. They are plain torch ops and work on CPU tensors as well.
+
+Which tensors are transformed: those whose path contains one of ``keys`` (dict keys, field names,
+indices), or with ``keys=None`` every image-like tensor: uint8 with at least 3 dimensions (for
+``Normalize`` also with ``len(mean)`` channels at ``channel_dim``; for ``ChannelsLast`` any 4-D or
+5-D tensor).
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from fastdata._tree import Path, format_path, keys_matcher, map_tensors
+
+__all__ = ["IMAGENET_MEAN", "IMAGENET_STD", "ChannelsLast", "Compose", "Normalize", "ToDtype"]
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+def _check_keys(owner: str, keys: Any) -> tuple[Any, ...] | None:
+    if keys is None:
+        return None
+    if isinstance(keys, (str, int)):
+        keys = (keys,)
+    try:
+        keys = tuple(keys)
+    except TypeError:
+        raise ValueError(f"{owner}: keys must be None, a key or a sequence of keys, got {keys!r}") from None
+    if not keys or any(isinstance(k, bool) or not isinstance(k, (str, int)) for k in keys):
+        raise ValueError(f"{owner}: keys must be a non-empty sequence of str/int keys, got {keys!r}")
+    return keys
+
+
+def _check_dtype(owner: str, dtype: Any) -> None:
+    if dtype not in _FLOAT_DTYPES:
+        names = ", ".join(str(d) for d in _FLOAT_DTYPES)
+        raise ValueError(f"{owner}: dtype must be one of {names}, got {dtype!r}")
+
+
+def _memory_format(x: torch.Tensor, path: Path, owner: str) -> torch.memory_format:
+    if x.dim() == 4:
+        return torch.channels_last
+    if x.dim() == 5:
+        return torch.channels_last_3d
+    raise ValueError(f"{owner}: channels_last needs a 4-D or 5-D tensor, {format_path(path)} has shape {tuple(x.shape)}")
+
+
+def _scale_of(x: torch.Tensor, path: Path, owner: str) -> float:
+    if x.dtype == torch.uint8:
+        return 255.0
+    if x.dtype.is_floating_point:
+        return 1.0
+    raise ValueError(f"{owner}: {format_path(path)} has dtype {x.dtype}; expected uint8 or a floating dtype")
+
+
+@dataclass(frozen=True)
+class Normalize:
+    """``(x / 255 - mean) / std`` per channel for uint8 images (float inputs are not divided by 255).
+
+    ``mean``/``std`` are on the [0, 1] scale (torchvision convention), one value per channel or a single
+    value for all. The result is computed in float32 in one fused kernel (``addcmul``), then cast to
+    ``dtype``; with ``channels_last`` it is written straight into a channels_last tensor.
+    """
+
+    mean: Sequence[float] = IMAGENET_MEAN
+    std: Sequence[float] = IMAGENET_STD
+    dtype: torch.dtype = torch.float32
+    channels_last: bool = False
+    keys: Sequence[str | int] | None = None
+    channel_dim: int = -3
+    _consts: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        for name in ("mean", "std"):
+            value = getattr(self, name)
+            try:
+                values = tuple(float(v) for v in value)
+            except (TypeError, ValueError):
+                raise ValueError(f"Normalize: {name} must be a sequence of numbers, got {value!r}") from None
+            if not values or not all(math.isfinite(v) for v in values):
+                raise ValueError(f"Normalize: {name} must be non-empty and finite, got {value!r}")
+            object.__setattr__(self, name, values)
+        if len(self.mean) != len(self.std):
+            raise ValueError(f"Normalize: mean and std differ in length: {self.mean!r} vs {self.std!r}")
+        if any(s <= 0 for s in self.std):
+            raise ValueError(f"Normalize: std must be > 0, got {self.std!r}")
+        _check_dtype("Normalize", self.dtype)
+        if isinstance(self.channel_dim, bool) or not isinstance(self.channel_dim, int):
+            raise ValueError(f"Normalize: channel_dim must be an int, got {self.channel_dim!r}")
+        object.__setattr__(self, "keys", _check_keys("Normalize", self.keys))
+
+    def __call__(self, batch: Any) -> Any:
+        return _apply(batch, self.keys, self._selected, self.apply)
+
+    def _selected(self, x: torch.Tensor) -> bool:
+        if x.dtype != torch.uint8 or x.dim() < 3:
+            return False
+        return len(self.mean) == 1 or x.shape[self.channel_dim] == len(self.mean)
+
+    def apply(self, x: torch.Tensor, path: Path = ()) -> torch.Tensor:
+        """Normalise one tensor."""
+        if x.dim() < 1 or not -x.dim() <= self.channel_dim < x.dim():
+            raise ValueError(f"Normalize: channel_dim {self.channel_dim} out of range for {format_path(path)} of shape {tuple(x.shape)}")
+        channels = len(self.mean)
+        if channels != 1 and x.shape[self.channel_dim] != channels:
+            raise ValueError(
+                f"Normalize: {format_path(path)} has shape {tuple(x.shape)}, expected {channels} channels "
+                f"at dim {self.channel_dim}"
+            )
+        scale, bias = self._constants(x, _scale_of(x, path, "Normalize"))
+        fmt = _memory_format(x, path, "Normalize") if self.channels_last else torch.contiguous_format
+        out = torch.empty(x.shape, dtype=torch.float32, device=x.device).contiguous(memory_format=fmt)
+        torch.addcmul(bias, x, scale, out=out)
+        return out if self.dtype == torch.float32 else out.to(self.dtype)
+
+    def _constants(self, x: torch.Tensor, input_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-channel ``1 / (s * std)`` and ``-mean / std``, shaped to broadcast, cached per device."""
+        key = (x.device, x.dim(), input_scale)
+        cached = self._consts.get(key)
+        if cached is None:
+            shape = [1] * x.dim()
+            shape[self.channel_dim] = len(self.mean)
+            scale = torch.tensor([1.0 / (input_scale * s) for s in self.std], dtype=torch.float32)
+            bias = torch.tensor([-m / s for m, s in zip(self.mean, self.std)], dtype=torch.float32)
+            cached = (scale.view(shape).to(x.device), bias.view(shape).to(x.device))
+            self._consts[key] = cached
+        return cached
+
+
+@dataclass(frozen=True)
+class ToDtype:
+    """Cast selected tensors to a floating ``dtype``; with ``scale=True`` uint8 is divided by 255."""
+
+    dtype: torch.dtype = torch.float32
+    scale: bool = False
+    keys: Sequence[str | int] | None = None
+
+    def __post_init__(self) -> None:
+        _check_dtype("ToDtype", self.dtype)
+        if not isinstance(self.scale, bool):
+            raise ValueError(f"ToDtype: scale must be a bool, got {self.scale!r}")
+        object.__setattr__(self, "keys", _check_keys("ToDtype", self.keys))
+
+    def __call__(self, batch: Any) -> Any:
+        return _apply(batch, self.keys, _image_like, self.apply)
+
+    def apply(self, x: torch.Tensor, path: Path = ()) -> torch.Tensor:
+        if not self.scale:
+            return x.to(self.dtype)
+        factor = _scale_of(x, path, "ToDtype")
+        if factor == 1.0:
+            return x.to(self.dtype)
+        out = x.to(torch.float32).mul_(1.0 / factor)
+        return out if self.dtype == torch.float32 else out.to(self.dtype)
+
+
+@dataclass(frozen=True)
+class ChannelsLast:
+    """Make selected 4-D (5-D) tensors channels_last (channels_last_3d); values are unchanged."""
+
+    keys: Sequence[str | int] | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "keys", _check_keys("ChannelsLast", self.keys))
+
+    def __call__(self, batch: Any) -> Any:
+        return _apply(batch, self.keys, lambda x: x.dim() in (4, 5), self.apply)
+
+    def apply(self, x: torch.Tensor, path: Path = ()) -> torch.Tensor:
+        return x.contiguous(memory_format=_memory_format(x, path, "ChannelsLast"))
+
+
+class Compose:
+    """Apply batch transforms in order."""
+
+    def __init__(self, *transforms: Callable[[Any], Any]) -> None:
+        for i, t in enumerate(transforms):
+            if not callable(t):
+                raise ValueError(f"Compose: transform {i} is not callable: {t!r}")
+        self.transforms = transforms
+
+    def __call__(self, batch: Any) -> Any:
+        for t in self.transforms:
+            batch = t(batch)
+        return batch
+
+    def __repr__(self) -> str:
+        return f"Compose({', '.join(map(repr, self.transforms))})"
+
+
+def _image_like(x: torch.Tensor) -> bool:
+    return x.dtype == torch.uint8 and x.dim() >= 3
+
+
+def _apply(
+    batch: Any,
+    keys: Sequence[Any] | None,
+    default: Callable[[torch.Tensor], bool],
+    fn: Callable[[torch.Tensor, Path], torch.Tensor],
+) -> Any:
+    matches = keys_matcher(keys)
+    if matches is None:
+        return map_tensors(batch, lambda x, p: fn(x, p) if default(x) else x)
+    return map_tensors(batch, lambda x, p: fn(x, p) if matches(p) else x)
