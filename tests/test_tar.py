@@ -183,3 +183,16 @@ def test_reader_pickles_and_works_in_child(shard, method):
     got = queue.get(timeout=60)
     proc.join(timeout=60)
     assert proc.exitcode == 0 and got == expected(samples[11])
+
+
+def test_corrupt_sidecar_index(shard):
+    path, _, _ = shard
+    idx = path.with_name(path.name + ".idx")
+    data = bytearray(idx.read_bytes())
+    data[-3] ^= 0x10
+    idx.write_bytes(bytes(data))
+    with pytest.raises(ShardError, match=r"shard-000000\.tar\.idx: not a valid fastdata tar index: .*checksum"):
+        len(TarShardReader(path))
+    idx.write_bytes(b"garbage")
+    with pytest.raises(ShardError, match="bad magic"):
+        TarIndex.load(idx)

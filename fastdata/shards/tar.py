@@ -6,21 +6,23 @@ A shard ``shard-000000.tar`` holds members ``<key>.<field>`` grouped by sample (
 names, mode 0o444, PAX format, a sample's fields in sorted order, samples in the given order),
 so the same input gives byte-identical shards.
 
-Sidecar index ``shard-000000.tar.idx``: an uncompressed NumPy ``.npz`` (deterministic zip
-timestamps) with int64 arrays ``sample_start`` (n+1; sample i owns members
-``sample_start[i]:sample_start[i+1]``), ``member_offset`` / ``member_size`` (byte offset and size of
-each member's DATA in the tar), int32 ``member_field`` (into the field-name table), ``tar_size``,
-``version``, and UTF-8 blobs ``key_blob``/``key_end``, ``field_blob``/``field_end``
-(names are ``blob[end[j-1]:end[j]]``). Foreign shards get the same index by a header scan.
+Sidecar index ``shard-000000.tar.idx`` (little-endian, loads with a few ``np.frombuffer`` calls):
+magic ``b"FDTARIDX"``; header ``<IIQQQQQQ``: version (1), crc32 of the body, tar size, samples ``n``,
+members ``m``, fields ``f``, key blob bytes, field blob bytes; body: int64 ``sample_start[n+1]``
+(sample i owns members ``sample_start[i]:sample_start[i+1]``), int64 ``member_offset[m]`` and
+``member_size[m]`` (byte offset and size of each member's DATA in the tar), int64 ``key_end[n]``,
+int64 ``field_end[f]``, int32 ``member_field[m]`` (into the sorted field-name table), then the
+UTF-8 key blob and field-name blob (name j is ``blob[end[j-1]:end[j]]``). Foreign shards get
+the same index by a header scan.
 """
 from __future__ import annotations
 
 import hashlib
-import io
 import mmap
 import os
+import struct
 import warnings
-import zipfile
+import zlib
 from collections.abc import Collection, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, BinaryIO, NamedTuple
@@ -39,7 +41,9 @@ __all__ = [
 
 INDEX_SUFFIX = ".idx"
 _INDEX_VERSION = 1
-_ZIP_TIME = (1980, 1, 1, 0, 0, 0)
+_INDEX_MAGIC = b"FDTARIDX"
+# version, crc32 of the body, tar size, samples, members, fields, key blob bytes, field blob bytes
+_INDEX_HEAD = struct.Struct("<IIQQQQQQ")
 
 
 class TarIndex:
@@ -92,7 +96,7 @@ class TarIndex:
         return cls(keys, groups, size)
 
     def save(self, path: str | os.PathLike[str]) -> None:
-        """Write the sidecar ``.npz`` (deterministic bytes) atomically."""
+        """Write the sidecar index (deterministic bytes) atomically."""
         path = os.fspath(path)
         tmp = path + ".tmp"
         with open(tmp, "wb") as f:
@@ -100,65 +104,89 @@ class TarIndex:
         os.replace(tmp, path)
 
     def to_bytes(self) -> bytes:
-        """The sidecar ``.npz`` contents."""
+        """The sidecar file contents (layout in the module docstring)."""
         field_names = sorted({f for m in self.members for f, _, _ in m})
         field_id = {f: j for j, f in enumerate(field_names)}
-        counts = [len(m) for m in self.members]
         flat = [x for m in self.members for x in m]
         key_blob, key_end = _blob(self.keys)
         field_blob, field_end = _blob(field_names)
-        arrays = {
-            "version": np.array([_INDEX_VERSION], np.int64),
-            "tar_size": np.array([self.tar_size], np.int64),
-            "sample_start": np.concatenate([[0], np.cumsum(counts, dtype=np.int64)]).astype(np.int64),
-            "member_field": np.array([field_id[f] for f, _, _ in flat], np.int32),
-            "member_offset": np.array([a for _, a, _ in flat], np.int64),
-            "member_size": np.array([b - a for _, a, b in flat], np.int64),
-            "key_blob": key_blob, "key_end": key_end,
-            "field_blob": field_blob, "field_end": field_end,
-        }
-        buf = io.BytesIO()
-        with zipfile.ZipFile(buf, "w", compression=zipfile.ZIP_STORED) as zf:
-            for name, arr in arrays.items():
-                info = zipfile.ZipInfo(name + ".npy", date_time=_ZIP_TIME)
-                with zf.open(info, "w", force_zip64=True) as out:
-                    np.lib.format.write_array(out, arr, allow_pickle=False)
-        return buf.getvalue()
+        start = np.zeros(len(self.members) + 1, "<i8")
+        np.cumsum([len(m) for m in self.members], out=start[1:])
+        offset = np.array([a for _, a, _ in flat], "<i8")
+        body = b"".join([
+            start.tobytes(),
+            offset.tobytes(),
+            (np.array([b for _, _, b in flat], "<i8") - offset).tobytes(),
+            key_end.tobytes(),
+            field_end.tobytes(),
+            np.array([field_id[f] for f, _, _ in flat], "<i4").tobytes(),
+            key_blob,
+            field_blob,
+        ])
+        head = _INDEX_MAGIC + _INDEX_HEAD.pack(_INDEX_VERSION, zlib.crc32(body), self.tar_size, len(self.keys),
+                                               len(flat), len(field_names), len(key_blob), len(field_blob))
+        return head + body
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> TarIndex:
         """Read a sidecar index written by :meth:`save`; ShardError naming the file if it is bad."""
         path = os.fspath(path)
         try:
-            with np.load(path, allow_pickle=False) as z:
-                a = {k: z[k] for k in z.files}
-            if int(a["version"][0]) != _INDEX_VERSION:
-                raise ShardError(f"{path}: unsupported tar index version {int(a['version'][0])}")
-            keys = _unblob(a["key_blob"], a["key_end"])
-            names = _unblob(a["field_blob"], a["field_end"])
-            start = a["sample_start"].tolist()
-            fid = a["member_field"].tolist()
-            off = a["member_offset"].tolist()
-            size = a["member_size"].tolist()
-            if len(start) != len(keys) + 1 or start[-1] != len(fid) or not len(fid) == len(off) == len(size):
-                raise ShardError(f"{path}: inconsistent tar index array lengths")
-            members = [[(names[fid[j]], off[j], size[j]) for j in range(start[i], start[i + 1])]
-                       for i in range(len(keys))]
-            return cls(keys, members, int(a["tar_size"][0]))
-        except ShardError:
-            raise
-        except (OSError, ValueError, KeyError, IndexError, zipfile.BadZipFile, UnicodeDecodeError) as e:
+            with open(path, "rb") as f:
+                data = f.read()
+        except OSError as e:
+            raise ShardError(f"{path}: cannot read tar index: {e}") from e
+        try:
+            return cls._parse(data)
+        except (ValueError, IndexError, UnicodeDecodeError, struct.error) as e:
             raise ShardError(f"{path}: not a valid fastdata tar index: {e}") from e
 
+    @classmethod
+    def _parse(cls, data: bytes) -> TarIndex:
+        if data[:len(_INDEX_MAGIC)] != _INDEX_MAGIC:
+            raise ValueError("bad magic")
+        version, crc, tar_size, n, m, nf, kb, fb = _INDEX_HEAD.unpack_from(data, len(_INDEX_MAGIC))
+        if version != _INDEX_VERSION:
+            raise ValueError(f"unsupported version {version}")
+        body = memoryview(data)[len(_INDEX_MAGIC) + _INDEX_HEAD.size:]
+        if len(body) != 8 * (n + 1 + 2 * m + n + nf) + 4 * m + kb + fb or zlib.crc32(body) != crc:
+            raise ValueError("truncated or corrupt (size or checksum mismatch)")
+        pos = 0
 
-def _blob(names: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+        def take(dtype: str, count: int) -> np.ndarray:
+            nonlocal pos
+            arr = np.frombuffer(body, dtype, count, pos)
+            pos += arr.nbytes
+            return arr
+
+        start, offset, size = take("<i8", n + 1), take("<i8", m), take("<i8", m)
+        key_end, field_end, field_id = take("<i8", n), take("<i8", nf), take("<i4", m)
+        keys = _unblob(body[pos:pos + kb], key_end)
+        names = _unblob(body[pos + kb:pos + kb + fb], field_end)
+        flat = list(zip([names[j] for j in field_id.tolist()], offset.tolist(), (offset + size).tolist()))
+        bounds = start.tolist()
+        if bounds[0] != 0 or bounds[-1] != m:
+            raise ValueError("inconsistent sample table")
+        index = cls.__new__(cls)
+        index.keys = tuple(keys)
+        index.members = tuple(tuple(flat[a:b]) for a, b in zip(bounds, bounds[1:]))
+        index.tar_size = tar_size
+        return index
+
+
+def _blob(names: Sequence[str]) -> tuple[bytes, np.ndarray]:
     encoded = [n.encode("utf-8", "surrogateescape") for n in names]
-    blob = np.frombuffer(b"".join(encoded), np.uint8)
-    return blob, np.cumsum([len(e) for e in encoded], dtype=np.int64)
+    ends = np.zeros(len(encoded), "<i8")
+    np.cumsum([len(e) for e in encoded], out=ends)
+    return b"".join(encoded), ends
 
 
-def _unblob(blob: np.ndarray, ends: np.ndarray) -> list[str]:
-    raw = blob.tobytes()
+def _unblob(blob: memoryview, ends: np.ndarray) -> list[str]:
+    raw = bytes(blob)
+    if raw.isascii():
+        text = raw.decode("ascii")
+        bounds = [0, *ends.tolist()]
+        return [text[a:b] for a, b in zip(bounds, bounds[1:])]
     out, prev = [], 0
     for end in ends.tolist():
         out.append(raw[prev:end].decode("utf-8", "surrogateescape"))
