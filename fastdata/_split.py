@@ -1,0 +1,365 @@
+"""Pure index math behind :class:`fastdata.ShardedDataset` (no I/O, no torch).
+
+Everything a data-loading process needs to know about "which samples, in which order" is
+computed here from ``(shard sizes, seed, epoch, rank, world_size, worker, num_workers)``:
+
+1. **Stream.** Pass ``p`` over the data is the concatenation of all shards in an order that
+   is the manifest order, or (``shuffle``) a permutation seeded by ``(seed, p)``.
+   Epoch ``e`` is pass ``e``; with ``samples_per_epoch`` the passes form one endless stream
+   and epoch ``e`` is the ``e``-th window of it (no sample repeats before all were seen).
+2. **Ranks.** The epoch's positions are cut into ``world_size`` equal contiguous parts.
+   ``even="pad"`` repeats positions from the start of the epoch to fill the last part
+   (like ``DistributedSampler``); ``even="drop"`` drops the tail.
+3. **Workers.** A rank's part is cut into ``num_workers`` contiguous parts whose sizes depend
+   only on the part size, so every rank has the same per-worker counts (hence batch counts).
+   Parts are position ranges, so shards are split by index ranges when there are fewer
+   shards than ranks x workers.
+4. **Mixing** (``shuffle``), per worker: each shard piece is read in a seeded random order,
+   ``open_shards`` pieces are interleaved at random, then a ``buffer_size`` shuffle buffer is
+   simulated. All of it on integer indices; data is then read by position.
+5. **Resume.** A worker's order is a pure function of the above, so resuming means
+   regenerating it and skipping the consumed prefix. Resuming with another worker count
+   splits the union of the workers' remaining indices into new contiguous parts.
+
+Random numbers come from a counter-based splitmix64 hash, so orders are identical on every
+machine and numpy version.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+_MASK = (1 << 64) - 1
+_GOLDEN = 0x9E3779B97F4A7C15
+EVEN_POLICIES = ("pad", "drop")
+
+Segment = tuple[int, int, int]  # (shard, start, stop): sample positions inside one shard
+
+
+# ---------------------------------------------------------------------------------------------
+# Counter-based random numbers (stable across machines and numpy versions)
+
+
+def _mix64(x: int) -> int:
+    x &= _MASK
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK
+    return x ^ (x >> 31)
+
+
+def rng_key(*words: int) -> int:
+    """Fold integers (seed, epoch, ...) into one 64-bit stream key."""
+    key = 0x6A09E667F3BCC908
+    for w in words:
+        key = _mix64(key ^ _mix64((int(w) + _GOLDEN) & _MASK))
+    return key
+
+
+def random_u64(key: int, n: int) -> np.ndarray:
+    """``n`` pseudo-random uint64 values of the stream ``key`` (splitmix64 of a counter)."""
+    x = np.arange(1, n + 1, dtype=np.uint64) * np.uint64(_GOLDEN) + np.uint64(key)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def random_floats(key: int, n: int) -> np.ndarray:
+    """``n`` floats uniform in [0, 1)."""
+    return (random_u64(key, n) >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
+
+
+def permutation(key: int, n: int) -> np.ndarray:
+    """A seeded permutation of ``range(n)`` (int64)."""
+    return np.argsort(random_u64(key, n), kind="stable").astype(np.int64)
+
+
+# ---------------------------------------------------------------------------------------------
+# Options
+
+
+@dataclass(frozen=True)
+class ShuffleOptions:
+    """How a worker mixes its samples when shuffling.
+
+    Args:
+        open_shards: shard pieces interleaved at random at any time. More mixes better across
+            shards written in a sorted order; each open piece is one more file being read.
+        buffer_size: size of the simulated shuffle buffer after interleaving (0: none).
+        within_shard: read each shard piece in a random order (random access) instead of in
+            file order. Set False for slow random access (e.g. HDF5 with large chunks).
+    """
+
+    open_shards: int = 8  # 8 x 256 MB shards keeps the page-cache working set ~2 GB
+    buffer_size: int = 1000
+    within_shard: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.open_shards, int) or self.open_shards < 1:
+            raise ValueError(f"open_shards must be an int >= 1, got {self.open_shards!r}")
+        if not isinstance(self.buffer_size, int) or self.buffer_size < 0:
+            raise ValueError(f"buffer_size must be an int >= 0, got {self.buffer_size!r}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Mixing inside one worker
+
+
+def _interleave(pieces: list[np.ndarray], open_count: int, key: int) -> np.ndarray:
+    total = sum(len(p) for p in pieces)
+    if len(pieces) <= 1 or open_count <= 1:
+        return np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int64)
+    rand = random_floats(key, total).tolist()
+    lists = [p.tolist() for p in pieces]
+    nxt = min(open_count, len(lists))
+    live = [[lst, 0] for lst in lists[:nxt]]
+    out = [0] * total
+    for t in range(total):
+        j = int(rand[t] * len(live))
+        cur = live[j]
+        lst, pos = cur
+        out[t] = lst[pos]
+        pos += 1
+        if pos < len(lst):
+            cur[1] = pos
+        elif nxt < len(lists):
+            live[j] = [lists[nxt], 0]
+            nxt += 1
+        else:
+            live[j] = live[-1]
+            live.pop()
+    return np.asarray(out, dtype=np.int64)
+
+
+def _buffer_shuffle(seq: np.ndarray, size: int, key: int) -> np.ndarray:
+    n = len(seq)
+    if size <= 1 or n <= 1:
+        return seq
+    rand = random_floats(key, n).tolist()
+    items = seq.tolist()
+    buf = items[: min(size, n)]
+    out: list[int] = []
+    for t in range(len(buf), n):
+        j = int(rand[t] * len(buf))
+        out.append(buf[j])
+        buf[j] = items[t]
+    tail = [buf[i] for i in permutation(key ^ 0x5DEECE66D, len(buf)).tolist()]
+    out.extend(tail)
+    return np.asarray(out, dtype=np.int64)
+
+
+def mix_segments(
+    segments: Sequence[Segment], offsets: np.ndarray, options: ShuffleOptions | None, key: int
+) -> np.ndarray:
+    """Global sample indices of ``segments``, mixed by ``options`` (None: in order)."""
+    pieces = []
+    for j, (shard, start, stop) in enumerate(segments):
+        idx = np.arange(start, stop, dtype=np.int64) + int(offsets[shard])
+        if options is not None and options.within_shard and len(idx) > 1:
+            idx = idx[permutation(rng_key(key, 1, j), len(idx))]
+        pieces.append(idx)
+    if options is None:
+        return np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int64)
+    seq = _interleave(pieces, options.open_shards, rng_key(key, 2))
+    return _buffer_shuffle(seq, options.buffer_size, rng_key(key, 3))
+
+
+def split_sizes(total: int, parts: int) -> list[int]:
+    """Sizes of ``parts`` contiguous parts of ``total`` (the first ``total % parts`` get one more)."""
+    base, extra = divmod(total, parts)
+    return [base + (1 if i < extra else 0) for i in range(parts)]
+
+
+def num_batches(counts: Sequence[int], batch_size: int | None, drop_last: bool) -> int:
+    """Batches a DataLoader yields when each worker has ``counts[w]`` samples."""
+    if batch_size is None:
+        return sum(counts)
+    if drop_last:
+        return sum(c // batch_size for c in counts)
+    return sum(math.ceil(c / batch_size) for c in counts)
+
+
+# ---------------------------------------------------------------------------------------------
+# The plan of a rank
+
+
+@dataclass(frozen=True)
+class SplitPlan:
+    """Which global sample indices a (rank, worker) reads in each epoch, and in which order.
+
+    Global sample index = offset of its shard (manifest order) + position inside the shard.
+    """
+
+    shard_sizes: tuple[int, ...]
+    world_size: int = 1
+    rank: int = 0
+    seed: int = 0
+    shuffle: ShuffleOptions | None = None
+    even: str = "pad"
+    samples_per_epoch: int | None = None
+    offsets: np.ndarray = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if any((not isinstance(s, (int, np.integer))) or s < 0 for s in self.shard_sizes):
+            raise ValueError(f"shard sizes must be ints >= 0, got {self.shard_sizes!r}")
+        if not isinstance(self.world_size, int) or self.world_size < 1:
+            raise ValueError(f"world_size must be an int >= 1, got {self.world_size!r}")
+        if not isinstance(self.rank, int) or not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank must be in [0, world_size={self.world_size}), got {self.rank!r}")
+        if self.even not in EVEN_POLICIES:
+            raise ValueError(f"even must be one of {EVEN_POLICIES}, got {self.even!r}")
+        if self.samples_per_epoch is not None and (
+            not isinstance(self.samples_per_epoch, int) or self.samples_per_epoch < 1
+        ):
+            raise ValueError(f"samples_per_epoch must be an int >= 1 or None, got {self.samples_per_epoch!r}")
+        if self.total == 0:
+            raise ValueError("the dataset has no samples (every shard is empty)")
+        if self.per_rank == 0:
+            raise ValueError(
+                f"even='drop' leaves no samples per rank: {self._epoch_len} samples for world_size={self.world_size}"
+            )
+        offsets = np.zeros(len(self.shard_sizes) + 1, dtype=np.int64)
+        np.cumsum(np.asarray(self.shard_sizes, dtype=np.int64), out=offsets[1:])
+        object.__setattr__(self, "offsets", offsets)
+
+    @property
+    def total(self) -> int:
+        """Samples in one pass over all shards."""
+        return int(sum(int(s) for s in self.shard_sizes))
+
+    @property
+    def _epoch_len(self) -> int:
+        return self.total if self.samples_per_epoch is None else self.samples_per_epoch
+
+    @property
+    def per_rank(self) -> int:
+        """Samples each rank yields per epoch (same for every rank)."""
+        n, w = self._epoch_len, self.world_size
+        return -(-n // w) if self.even == "pad" else n // w
+
+    def worker_counts(self, num_workers: int) -> list[int]:
+        """Samples each worker of a rank yields per epoch (``num_workers=0`` counts as 1)."""
+        return split_sizes(self.per_rank, max(1, num_workers))
+
+    def shard_order(self, pass_index: int) -> np.ndarray:
+        """Shard order of one pass over the data."""
+        n = len(self.shard_sizes)
+        if self.shuffle is None:
+            return np.arange(n, dtype=np.int64)
+        return permutation(rng_key(self.seed, 0, pass_index), n)
+
+    def _pass_segments(self, pass_index: int, lo: int, hi: int) -> list[Segment]:
+        """Segments of positions [lo, hi) of pass ``pass_index`` (0 <= lo <= hi <= total)."""
+        order = self.shard_order(pass_index)
+        sizes = np.asarray(self.shard_sizes, dtype=np.int64)[order]
+        ends = np.cumsum(sizes)
+        out: list[Segment] = []
+        j = int(np.searchsorted(ends, lo, side="right"))
+        while lo < hi and j < len(order):
+            start_of_shard = int(ends[j] - sizes[j])
+            stop = min(hi, int(ends[j]))
+            if stop > lo:
+                out.append((int(order[j]), lo - start_of_shard, stop - start_of_shard))
+            lo = stop
+            j += 1
+        return out
+
+    def _range_segments(self, epoch: int, lo: int, hi: int) -> list[Segment]:
+        """Segments for positions [lo, hi) of epoch ``epoch`` (padded positions wrap around)."""
+        n = self.total
+        out: list[Segment] = []
+        if self.samples_per_epoch is None:
+            base, stream_pass = 0, None
+        else:
+            base, stream_pass = epoch * self.per_rank * self.world_size, True
+        q, end = base + lo, base + hi
+        while q < end:
+            chunk_end = min(end, (q // n + 1) * n)
+            pass_index = q // n if stream_pass else epoch
+            out.extend(self._pass_segments(pass_index, q % n, q % n + (chunk_end - q)))
+            q = chunk_end
+        return out
+
+    def worker_segments(self, epoch: int, worker: int, num_workers: int) -> list[Segment]:
+        """Shard pieces of ``worker`` (out of ``num_workers``) of this rank, in stream order."""
+        nw = max(1, num_workers)
+        if not 0 <= worker < nw:
+            raise ValueError(f"worker must be in [0, {nw}), got {worker!r}")
+        if epoch < 0:
+            raise ValueError(f"epoch must be >= 0, got {epoch!r}")
+        sizes = split_sizes(self.per_rank, nw)
+        lo = self.rank * self.per_rank + sum(sizes[:worker])
+        return self._range_segments(epoch, lo, lo + sizes[worker])
+
+    def worker_indices(self, epoch: int, worker: int, num_workers: int) -> np.ndarray:
+        """Global sample indices ``worker`` yields in ``epoch``, in order (int64 array)."""
+        segs = self.worker_segments(epoch, worker, num_workers)
+        key = rng_key(self.seed, 1, epoch, self.rank, max(1, num_workers), worker)
+        return mix_segments(segs, self.offsets, self.shuffle, key)
+
+    def locate(self, index: int) -> tuple[int, int]:
+        """(shard, position in shard) of a global sample index."""
+        shard = int(np.searchsorted(self.offsets, index, side="right")) - 1
+        return shard, int(index - self.offsets[shard])
+
+
+# ---------------------------------------------------------------------------------------------
+# Resume
+
+
+Stage = tuple[int, tuple[int, ...]]  # (num_workers, consumed positions per worker)
+
+
+def iteration_stages(resume: Sequence[Stage], num_workers: int) -> list[Stage]:
+    """Stages of an iteration with ``num_workers`` that starts from the ``resume`` stages.
+
+    Stage 0 is the plain split of the epoch; stage k+1 splits the samples that stage k left
+    unconsumed into ``num_workers`` contiguous parts. A new stage is appended only when the
+    worker count changes, so the same worker count continues in exactly the same order.
+    """
+    nw = max(1, num_workers)
+    stages = [(int(n), tuple(int(c) for c in cons)) for n, cons in resume]
+    if not stages or stages[-1][0] != nw:
+        stages.append((nw, (0,) * nw))
+    return stages
+
+
+def stage_sequences(plan: SplitPlan, epoch: int, stages: Sequence[Stage]) -> list[np.ndarray]:
+    """Per-worker sequences of the last stage (all workers)."""
+    n0 = stages[0][0]
+    seqs = [plan.worker_indices(epoch, w, n0) for w in range(n0)]
+    for (n_prev, consumed), (n_next, _) in zip(stages[:-1], stages[1:]):
+        _check_consumed(seqs, consumed, n_prev)
+        rest = np.concatenate([s[c:] for s, c in zip(seqs, consumed)])
+        bounds = np.cumsum([0, *split_sizes(len(rest), n_next)])
+        seqs = [rest[bounds[i] : bounds[i + 1]] for i in range(n_next)]
+    return seqs
+
+
+def worker_sequence(plan: SplitPlan, epoch: int, stages: Sequence[Stage], worker: int) -> tuple[np.ndarray, int]:
+    """(sequence of ``worker`` in the last stage, positions of it already consumed)."""
+    n, consumed = stages[-1]
+    if len(stages) == 1:
+        seq = plan.worker_indices(epoch, worker, n)
+    else:
+        seq = stage_sequences(plan, epoch, stages)[worker]
+    _check_consumed([seq], (consumed[worker],), n)
+    return seq, consumed[worker]
+
+
+def stage_counts(plan: SplitPlan, stages: Sequence[Stage]) -> list[int]:
+    """Sample counts per worker of the last stage, without building sequences."""
+    counts = plan.worker_counts(stages[0][0])
+    for (_, consumed), (n_next, _) in zip(stages[:-1], stages[1:]):
+        counts = split_sizes(sum(c - k for c, k in zip(counts, consumed)), n_next)
+    return counts
+
+
+def _check_consumed(seqs: Sequence[np.ndarray], consumed: Sequence[int], n: int) -> None:
+    if len(consumed) != len(seqs):
+        raise ValueError(f"resume state has {len(consumed)} worker counts for {n} workers")
+    for w, (s, c) in enumerate(zip(seqs, consumed)):
+        if not 0 <= c <= len(s):
+            raise ValueError(f"resume state: worker {w} consumed {c} of {len(s)} samples")

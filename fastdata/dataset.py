@@ -1,0 +1,484 @@
+"""ShardedDataset: a torch IterableDataset over shards with exact splitting, shuffling and resume.
+
+The order of samples is pure index math (:mod:`fastdata._split`): shard order shuffled per
+epoch, the epoch cut into equal parts per rank and per DataLoader worker, mixing simulated on
+indices; samples are then read by position with the shard readers' random access. Resuming
+regenerates the order and skips the consumed prefix without reading data.
+"""
+from __future__ import annotations
+
+import os
+import uuid
+import warnings
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import IterableDataset, get_worker_info
+
+from fastdata._source import Source, resolve_source
+from fastdata._split import (
+    EVEN_POLICIES,
+    ShuffleOptions,
+    SplitPlan,
+    Stage,
+    iteration_stages,
+    num_batches,
+    permutation,
+    random_floats,
+    rng_key,
+    split_sizes,
+    stage_counts,
+    worker_sequence,
+)
+from fastdata.decode import Decoder, SampleDecoder, image_to_tensor, is_image_field
+from fastdata.errors import FastdataError, ShardError
+
+__all__ = ["ON_ERROR", "ShardedDataset", "ShuffleOptions", "SkippedSampleWarning"]
+
+ON_ERROR = ("raise", "skip", "warn")
+STATE_VERSION = 1
+
+
+class SkippedSampleWarning(UserWarning):
+    """A sample could not be read or decoded and was skipped (``on_error="warn"``)."""
+
+
+@dataclass
+class _Progress:
+    """Live position of one iteration (one worker) in this process."""
+
+    token: str
+    epoch: int
+    stages: list[Stage]
+    worker: int
+    pos: int
+    new_skips: list[dict[str, Any]] = field(default_factory=list)
+
+    def state_stages(self) -> list[Stage]:
+        n, consumed = self.stages[-1]
+        now = list(consumed)
+        now[self.worker] = self.pos
+        return [*self.stages[:-1], (n, tuple(now))]
+
+
+# The iteration that produced a sample last in this process. DataLoader workers collate right
+# after pulling a batch, so fastdata.DataLoader's collate wrapper reads the position from here.
+_CURRENT: _Progress | None = None
+
+
+def current_progress() -> _Progress | None:
+    return _CURRENT
+
+
+def _in_worker() -> bool:
+    return get_worker_info() is not None
+
+
+class ShardedDataset(IterableDataset):
+    """Samples of a sharded dataset, split exactly between ranks and DataLoader workers.
+
+    Args:
+        source: a folder with ``manifest.json`` (tar or HDF5 shards); or local ``.tar`` paths /
+            brace patterns without a manifest (indexed by sidecar or header scan); or URLs
+            (fsspec; streaming, whole shards per worker).
+        shuffle: False (manifest order), True, or :class:`ShuffleOptions`.
+        seed: the order is a function of (seed, epoch, rank, worker) only.
+        decode: True, False (raw bytes) or a mapping field/suffix -> decoder (see fastdata.decode).
+        preprocess: deterministic transform of each image field (e.g. ``ResizeCenterCrop(224)``);
+            its output is what ``cache`` stores.
+        transform: random transform of each image field, applied after ``preprocess`` every time.
+        sample_transform: function of the whole sample dict, applied last (e.g. to a tuple).
+        fields: read only these fields (default: all).
+        cache: a directory or :class:`fastdata.cache.Cache` for ``preprocess`` outputs.
+        rank, world_size: explicit, or from ``torch.distributed`` when initialised.
+        even: "pad" (default: repeat samples from the start of the epoch so every rank gets
+            ``ceil(N / world_size)``) or "drop" (``floor``; the tail is not read).
+        samples_per_epoch: fixed global samples per epoch (rounded to a multiple of
+            world_size per ``even``); epochs walk an endless sequence of passes.
+        on_error: "raise" (default), "skip" or "warn" for unreadable/undecodable samples.
+        allow_pickle: decode pickle/torch members (runs code from the shards).
+    """
+
+    def __init__(
+        self,
+        source: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
+        *,
+        shuffle: bool | ShuffleOptions = False,
+        seed: int = 0,
+        decode: bool | Mapping[str, Decoder | None] = True,
+        preprocess: Callable[[Any], Any] | None = None,
+        transform: Callable[[Any], Any] | None = None,
+        sample_transform: Callable[[dict[str, Any]], Any] | None = None,
+        fields: Sequence[str] | None = None,
+        cache: Any = None,
+        rank: int | None = None,
+        world_size: int | None = None,
+        even: str = "pad",
+        samples_per_epoch: int | None = None,
+        on_error: str = "raise",
+        allow_pickle: bool = False,
+    ):
+        if not isinstance(seed, int):
+            raise TypeError(f"seed must be an int, got {seed!r}")
+        if on_error not in ON_ERROR:
+            raise ValueError(f"on_error must be one of {ON_ERROR}, got {on_error!r}")
+        if even not in EVEN_POLICIES:
+            raise ValueError(f"even must be one of {EVEN_POLICIES}, got {even!r}")
+        if (rank is None) != (world_size is None):
+            raise ValueError(f"pass both rank and world_size or neither, got rank={rank!r}, world_size={world_size!r}")
+        for name, fn in (("preprocess", preprocess), ("transform", transform), ("sample_transform", sample_transform)):
+            if fn is not None and not callable(fn):
+                raise TypeError(f"{name} must be callable, got {fn!r}")
+        if cache is not None and not isinstance(getattr(preprocess, "fingerprint", None), str):
+            raise ValueError("cache= needs preprocess= with a fingerprint (ResizeCenterCrop(...) or "
+                             f"Deterministic(fn, version=...)), got preprocess={preprocess!r}")
+        self.source: Source = resolve_source(source)
+        self.shuffle = ShuffleOptions() if shuffle is True else (shuffle or None)
+        if self.shuffle is not None and not isinstance(self.shuffle, ShuffleOptions):
+            raise TypeError(f"shuffle must be a bool or ShuffleOptions, got {shuffle!r}")
+        self.seed = seed
+        self.even = even
+        self.samples_per_epoch = samples_per_epoch
+        self.on_error = on_error
+        self.preprocess, self.transform, self.sample_transform = preprocess, transform, sample_transform
+        self.fields = None if fields is None else frozenset(fields)
+        first = preprocess if preprocess is not None else transform
+        self._decoder = SampleDecoder(
+            decode, allow_pickle=allow_pickle, draft_size=getattr(first, "target_size", None),
+            images_as_pil=bool(getattr(first, "accepts_pil", False)),
+        )
+        self._cache_arg = cache
+        self._explicit_dist = None if rank is None else (int(rank), int(world_size))  # type: ignore[arg-type]
+        self.rank, self.world_size = 0, 1
+        self._resolve_dist()
+        self._epoch = 0
+        # Shared with DataLoader workers (persistent ones too), so set_epoch reaches them.
+        self._epoch_shared = torch.zeros(1, dtype=torch.int64).share_memory_()
+        self._resume: tuple[int, list[Stage], int] | None = None  # (epoch, stages, next worker)
+        self._token = uuid.uuid4().hex
+        self.skipped: list[dict[str, Any]] = []
+        self._reset_process_state()
+        if not self.source.streaming:
+            self._plan()  # validate now (empty dataset, drop leaving nothing)
+
+    # ----- configuration ------------------------------------------------------------------
+    def _reset_process_state(self) -> None:
+        self._readers: OrderedDict[int, Any] = OrderedDict()
+        self._store: Any = None
+        self._store_pid: int | None = None
+        self._live: _Progress | None = None
+        self._plans: dict[tuple[int, int], SplitPlan] = {}
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        for name in ("_readers", "_store", "_store_pid", "_live", "_plans"):
+            state.pop(name)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._reset_process_state()
+
+    def _resolve_dist(self) -> None:
+        """Rank and world size: explicit, else torch.distributed (main process only)."""
+        if self._explicit_dist is not None:
+            self.rank, self.world_size = self._explicit_dist
+        elif torch.distributed.is_available() and torch.distributed.is_initialized():
+            self.rank, self.world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank must be in [0, world_size={self.world_size}), got {self.rank}")
+
+    def _plan(self) -> SplitPlan:
+        key = (self.rank, self.world_size)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = SplitPlan(
+                tuple(self.source.sizes or ()), world_size=self.world_size, rank=self.rank, seed=self.seed,
+                shuffle=self.shuffle, even=self.even, samples_per_epoch=self.samples_per_epoch,
+            )
+            self._plans[key] = plan
+        return plan
+
+    @property
+    def num_samples(self) -> int | None:
+        """Samples in one pass over all shards (None for streaming sources)."""
+        return None if self.source.sizes is None else sum(self.source.sizes)
+
+    # ----- epochs and length ----------------------------------------------------------------
+    @property
+    def epoch(self) -> int:
+        return int(self._epoch_shared[0]) if _in_worker() else self._epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the epoch (its order); keeps a loaded resume state only if it is for ``epoch``."""
+        if isinstance(epoch, bool) or not isinstance(epoch, (int, np.integer)) or epoch < 0:
+            raise ValueError(f"epoch must be an int >= 0, got {epoch!r}")
+        if not _in_worker():
+            self._resolve_dist()
+        self._epoch = int(epoch)
+        self._epoch_shared[0] = int(epoch)
+        if self._resume is not None and self._resume[0] != epoch:
+            self._resume = None
+
+    def _per_rank(self) -> int:
+        if not self.source.streaming:
+            return self._plan().per_rank
+        if self.samples_per_epoch is None:
+            raise TypeError("len() of a streaming (URL) source is unknown; pass samples_per_epoch=")
+        n, w = self.samples_per_epoch, self.world_size
+        return -(-n // w) if self.even == "pad" else n // w
+
+    def __len__(self) -> int:
+        """Samples this rank yields per epoch (before skipped samples)."""
+        if not _in_worker():
+            self._resolve_dist()
+        return self._per_rank()
+
+    def worker_counts(self, num_workers: int) -> list[int]:
+        """Samples each of ``num_workers`` DataLoader workers yields in a full epoch."""
+        return split_sizes(self._per_rank(), max(1, num_workers))
+
+    def batches_per_epoch(self, batch_size: int | None, *, num_workers: int = 0, drop_last: bool = False) -> int:
+        """Batches a DataLoader yields per full epoch (every worker yields its own last partial batch)."""
+        return num_batches(self.worker_counts(num_workers), batch_size, drop_last)
+
+    # ----- state ----------------------------------------------------------------------------
+    def _pending(self, epoch: int, num_workers: int) -> tuple[list[Stage], int]:
+        """Stages of the next iteration of ``epoch`` and the worker that yields first."""
+        stages: list[Stage] = []
+        first = 0
+        if self._resume is not None and self._resume[0] == epoch:
+            stages, first = list(self._resume[1]), self._resume[2]
+        out = iteration_stages(stages, num_workers)
+        return out, (first if len(out) == len(stages) else 0)
+
+    def _state(self, epoch: int, stages: Sequence[Stage], next_worker: int = 0) -> dict[str, Any]:
+        return {
+            "version": STATE_VERSION, "epoch": epoch, "seed": self.seed, "rank": self.rank,
+            "world_size": self.world_size, "num_samples": self.num_samples, "shuffle": self.shuffle is not None,
+            "even": self.even, "samples_per_epoch": self.samples_per_epoch, "fingerprint": self.source.fingerprint,
+            "stages": [[n, list(c)] for n, c in stages], "next_worker": next_worker,
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        """Position in the current epoch, for loops that iterate the dataset in this process.
+
+        With DataLoader workers the progress lives in the workers: use
+        ``fastdata.DataLoader.state_dict()`` instead.
+        """
+        self._resolve_dist()
+        epoch = self._epoch
+        live = self._live
+        if live is not None and live.epoch == epoch:
+            return self._state(epoch, live.state_stages())
+        if self._resume is not None and self._resume[0] == epoch:
+            return self._state(epoch, self._resume[1], self._resume[2])
+        return self._state(epoch, [])
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Resume: the next iteration of ``state["epoch"]`` yields exactly the rest of that epoch."""
+        if not isinstance(state, Mapping) or state.get("version") != STATE_VERSION:
+            raise ValueError(f"not a ShardedDataset state (version {STATE_VERSION}): {state!r:.200}")
+        self._resolve_dist()
+        mine = self._state(0, [])
+        for name in ("seed", "world_size", "num_samples", "shuffle", "even", "samples_per_epoch", "fingerprint"):
+            if state.get(name) != mine[name]:
+                raise ValueError(f"state_dict does not match this dataset: {name}={state.get(name)!r} in the state, "
+                                 f"{mine[name]!r} here")
+        stages = [(int(n), tuple(int(c) for c in cons)) for n, cons in state["stages"]]
+        next_worker = int(state.get("next_worker", 0))
+        if stages and not 0 <= next_worker < stages[-1][0]:
+            raise ValueError(f"state_dict: next_worker={next_worker} out of range for {stages[-1][0]} workers")
+        self.set_epoch(int(state["epoch"]))
+        self._resume = (int(state["epoch"]), stages, next_worker)
+        self._live = None
+
+    # ----- iteration ------------------------------------------------------------------------
+    def __iter__(self) -> Iterator[Any]:
+        info = get_worker_info()
+        if info is None:
+            self._resolve_dist()
+        worker, nw = (info.id, info.num_workers) if info is not None else (0, 0)
+        epoch = self.epoch
+        stages, first = self._pending(epoch, nw)
+        # Physical worker 0 serves the worker that yields first, so that torch's round-robin
+        # over workers reproduces the interrupted run's batch order.
+        worker = (worker + first) % max(1, nw)
+        self._resume = None  # a resume state is applied once per copy of the dataset
+        progress = _Progress(self._token, epoch, stages, worker, stages[-1][1][worker])
+        if info is None:
+            self._live = progress
+        if self.source.streaming:
+            return self._iter_stream(progress, nw)
+        return self._iter_indexed(progress)
+
+    def _iter_indexed(self, progress: _Progress) -> Iterator[Any]:
+        global _CURRENT
+        plan = self._plan()
+        seq, start = worker_sequence(plan, progress.epoch, progress.stages, progress.worker)
+        for pos in range(start, len(seq)):
+            g = int(seq[pos])
+            shard, i = plan.locate(g)
+            sample = self._load(shard, i, g, progress)
+            progress.pos = pos + 1
+            if sample is None:
+                continue
+            _CURRENT = progress
+            yield sample
+
+    def _reader(self, shard: int) -> Any:
+        reader = self._readers.get(shard)
+        if reader is None:
+            reader = self.source.reader(shard)
+            self._readers[shard] = reader
+            keep = (self.shuffle.open_shards if self.shuffle else 1) + 2
+            while len(self._readers) > keep:
+                _, old = self._readers.popitem(last=False)
+                old.close()
+        else:
+            self._readers.move_to_end(shard)
+        return reader
+
+    def _cache_store(self) -> Any:
+        if self._cache_arg is None:
+            return None
+        if self._store is None or self._store_pid != os.getpid():
+            from fastdata.cache import Cache
+
+            cache = self._cache_arg if isinstance(self._cache_arg, Cache) else Cache(self._cache_arg)
+            fingerprint = f"{self.source.fingerprint}|{self.preprocess.fingerprint}"  # type: ignore[union-attr]
+            self._store = cache.open_store(fingerprint=fingerprint, num_samples=self.num_samples)
+            self._store_pid = os.getpid()
+        return self._store
+
+    def _load(self, shard: int, i: int, g: int, progress: _Progress) -> Any:
+        name = self.source.names[shard]
+        try:
+            reader = self._reader(shard)
+            store = self._cache_store()
+            hit = store.get(g) if store is not None else None
+            if hit is not None:
+                raw = reader.read(i, fields=self._uncached_fields())
+                sample = self._decoder({k: v for k, v in raw.items() if not is_image_field(k)}, shard=name)
+                sample.update(hit)
+            else:
+                sample = self._decoder(reader.read(i, fields=self.fields), shard=name)
+                sample = self._apply(self.preprocess, sample)
+                if store is not None:
+                    store.put(g, {k: v for k, v in sample.items() if is_image_field(k)})
+        except (FastdataError, OSError, IndexError) as e:
+            err = e if isinstance(e, FastdataError) else ShardError(f"{name}: sample #{i}: {type(e).__name__}: {e}")
+            self._handle_error(err, e, name, i, g, progress)
+            return None
+        sample = self._apply(self.transform, sample)
+        return self.sample_transform(sample) if self.sample_transform is not None else sample
+
+    def _uncached_fields(self) -> frozenset[str] | None:
+        known = self.fields if self.fields is not None else self.source.fields
+        if known is None:
+            return None  # unknown field names: read all, image fields are dropped undecoded
+        return frozenset(f for f in known if not is_image_field(f))
+
+    @staticmethod
+    def _apply(fn: Callable[[Any], Any] | None, sample: dict[str, Any]) -> dict[str, Any]:
+        for k, v in sample.items():
+            if is_image_field(k):
+                if fn is not None:
+                    v = fn(v)
+                if hasattr(v, "getbands"):  # still a PIL image
+                    v = image_to_tensor(v)
+                sample[k] = v
+        return sample
+
+    def _handle_error(self, err: FastdataError, cause: BaseException, name: str, i: int, g: int,
+                      progress: _Progress) -> None:
+        if self.on_error == "raise":
+            if err is cause:
+                raise err
+            raise err from cause
+        try:
+            key = self._reader(self._plan().locate(g)[0]).keys[i] if not self.source.streaming else "?"
+        except Exception:  # noqa: BLE001 - the key is best effort for the report
+            key = f"#{i}"
+        record = {"shard": name, "key": key, "index": g, "reason": str(err)}
+        self.skipped.append(record)
+        progress.new_skips.append(record)
+        if self.on_error == "warn":
+            warnings.warn(f"skipped sample {key!r} of shard {name}: {err}", SkippedSampleWarning, stacklevel=3)
+
+    # ----- streaming sources (URLs) -----------------------------------------------------------
+    def _iter_stream(self, progress: _Progress, nw: int) -> Iterator[Any]:
+        global _CURRENT
+        if len(progress.stages) > 1:
+            raise ValueError("a streaming (URL) source resumes only with the num_workers it was saved with")
+        nwe = max(1, nw)
+        slots, slot = self.world_size * nwe, self.rank * nwe + progress.worker
+        names = self.source.names
+        if len(names) < slots:
+            raise ValueError(f"a streaming source needs at least world_size x num_workers = {slots} shards, "
+                             f"got {len(names)}")
+        quota = None if self.samples_per_epoch is None else split_sizes(self._per_rank(), nwe)[progress.worker]
+        key = rng_key(self.seed, 2, progress.epoch, self.rank, nwe, progress.worker)
+        raw = self._stream_raw(progress.epoch, slot, slots, quota is not None)
+        if self.shuffle is not None and self.shuffle.buffer_size > 1:
+            raw = _shuffle_buffer(raw, self.shuffle.buffer_size, key)
+        pos = 0
+        for shard, item in raw:
+            if quota is not None and pos >= quota:
+                break
+            pos += 1
+            if pos <= progress.pos:
+                continue  # resume: consumed before, skipped without decoding
+            try:
+                if isinstance(item, FastdataError):
+                    raise item
+                sample = self._apply(self.preprocess, self._decoder(item, shard=names[shard]))
+            except FastdataError as e:
+                self._handle_error(e, e, names[shard], -1, -1, progress)
+                progress.pos = pos
+                continue
+            sample = self._apply(self.transform, sample)
+            progress.pos = pos
+            _CURRENT = progress
+            yield self.sample_transform(sample) if self.sample_transform is not None else sample
+
+    def _stream_raw(self, epoch: int, slot: int, slots: int, endless: bool) -> Iterator[tuple[int, Any]]:
+        n = len(self.source.names)
+        p = epoch
+        while True:
+            order = permutation(rng_key(self.seed, 0, p), n) if self.shuffle is not None else np.arange(n)
+            for shard in order[slot::slots].tolist():
+                try:
+                    for sample in self.source.stream(shard):
+                        yield shard, sample
+                except (FastdataError, OSError) as e:  # the rest of this shard is lost
+                    err = e if isinstance(e, FastdataError) else ShardError(f"{self.source.names[shard]}: {e}")
+                    yield shard, err
+            if not endless:
+                return
+            p += 1
+
+
+def _shuffle_buffer(items: Iterator[tuple[int, Any]], size: int, key: int) -> Iterator[tuple[int, Any]]:
+    buf: list[tuple[int, Any]] = []
+    rand = iter(())
+    block = 0
+    for item in items:
+        if len(buf) < size:
+            buf.append(item)
+            continue
+        r = next(rand, None)
+        if r is None:
+            rand = iter(random_floats(rng_key(key, block), 4096).tolist())
+            block += 1
+            r = next(rand)
+        j = int(r * len(buf))
+        out, buf[j] = buf[j], item
+        yield out
+    order = permutation(rng_key(key, -1), len(buf)).tolist()
+    for j in order:
+        yield buf[j]

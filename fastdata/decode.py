@@ -1,0 +1,226 @@
+"""Field decoders. Safe by default: nothing read from a shard can execute code.
+
+A field is decoded by the last suffix of its name (``jpg``, ``seg.png`` -> ``png``):
+
+========================================  ===============================================
+suffix                                    value
+========================================  ===============================================
+jpg jpeg png webp gif bmp ppm pgm tif ...  uint8 ``torch.Tensor`` (C, H, W), RGB (3 channels)
+npy                                       ``np.ndarray`` (``allow_pickle=False``)
+npz                                       ``dict[str, np.ndarray]`` (``allow_pickle=False``)
+cls cls2 index inx                        ``int``
+txt text                                  ``str`` (UTF-8)
+json jsn                                  decoded JSON object
+pickle pkl pyd                            refused (:class:`DecodeError`) unless ``allow_pickle``
+pth pt                                    refused unless ``allow_pickle``; then ``torch.load(weights_only=True)``
+anything else                             ``bytes`` unchanged
+========================================  ===============================================
+
+Values that are not bytes (arrays from HDF5 shards) pass through, except that integer
+scalars of ``cls``-like fields become ``int``.
+"""
+from __future__ import annotations
+
+import io
+import json
+import pickle
+import warnings
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image
+
+from fastdata.errors import DecodeError
+
+__all__ = [
+    "IMAGE_SUFFIXES",
+    "PICKLE_SUFFIXES",
+    "ImageDecoder",
+    "SampleDecoder",
+    "image_to_tensor",
+    "is_image_field",
+    "suffix",
+]
+
+IMAGE_SUFFIXES = frozenset(
+    {"jpg", "jpeg", "png", "webp", "gif", "bmp", "ppm", "pgm", "pbm", "pnm", "tif", "tiff"}
+)
+PICKLE_SUFFIXES = frozenset({"pickle", "pkl", "pyd", "pth", "pt"})
+_INT_SUFFIXES = frozenset({"cls", "cls2", "index", "inx"})
+_TEXT_SUFFIXES = frozenset({"txt", "text"})
+_JSON_SUFFIXES = frozenset({"json", "jsn"})
+
+Decoder = Callable[[bytes], Any]
+
+
+def suffix(field: str) -> str:
+    """Last dot-separated part of a field name, lower case (``"seg.PNG"`` -> ``"png"``)."""
+    return field.rsplit(".", 1)[-1].lower()
+
+
+def is_image_field(field: str) -> bool:
+    """True when the field's last suffix names an image format."""
+    return suffix(field) in IMAGE_SUFFIXES
+
+
+def image_to_tensor(img: Image.Image) -> torch.Tensor:
+    """A PIL image as a contiguous uint8 tensor (C, H, W)."""
+    arr = np.asarray(img, dtype=np.uint8)
+    if arr.ndim == 2:
+        return torch.from_numpy(np.array(arr[None], copy=True))
+    return torch.from_numpy(np.ascontiguousarray(arr.transpose(2, 0, 1)))
+
+
+class ImageDecoder:
+    """Decode image bytes with Pillow.
+
+    Args:
+        mode: Pillow mode of the result ("RGB" default, "L" for masks, None: as stored).
+        draft_size: shorter side the consumer needs. JPEGs whose shorter side is at least twice
+            this are decoded at a reduced DCT scale (``Image.draft``), still >= ``draft_size``.
+    """
+
+    def __init__(self, mode: str | None = "RGB", *, draft_size: int | None = None):
+        if draft_size is not None and (not isinstance(draft_size, int) or draft_size < 1):
+            raise ValueError(f"draft_size must be an int >= 1 or None, got {draft_size!r}")
+        self.mode = mode
+        self.draft_size = draft_size
+
+    def pil(self, data: bytes | memoryview, *, draft_size: int | None = None) -> Image.Image:
+        """Decoded (fully loaded) PIL image."""
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            img = Image.open(io.BytesIO(data))
+            want = draft_size or self.draft_size
+            if want and img.format == "JPEG" and min(img.size) >= 2 * want:
+                scale = want / min(img.size)
+                img.draft(self.mode or img.mode, (int(img.size[0] * scale) + 1, int(img.size[1] * scale) + 1))
+            img.load()
+        if self.mode is not None and img.mode != self.mode:
+            img = img.convert(self.mode)
+        return img
+
+    def __call__(self, data: bytes | memoryview) -> torch.Tensor:
+        return image_to_tensor(self.pil(data))
+
+    def __repr__(self) -> str:
+        return f"ImageDecoder(mode={self.mode!r}, draft_size={self.draft_size!r})"
+
+
+def _decode_npy(data: bytes, allow_pickle: bool) -> np.ndarray:
+    return np.lib.format.read_array(io.BytesIO(data), allow_pickle=allow_pickle)
+
+
+def _decode_npz(data: bytes, allow_pickle: bool) -> dict[str, np.ndarray]:
+    with np.load(io.BytesIO(data), allow_pickle=allow_pickle) as z:
+        return {k: z[k] for k in z.files}
+
+
+def _decode_torch(data: bytes) -> Any:
+    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+
+
+def _bytes(value: Any) -> bytes | memoryview | None:
+    if isinstance(value, (bytes, memoryview)):
+        return value
+    if isinstance(value, bytearray):
+        return bytes(value)
+    if isinstance(value, np.ndarray) and value.dtype == np.uint8 and value.ndim == 1:
+        return value.tobytes()  # vlen bytes stored as uint8 arrays
+    return None
+
+
+class SampleDecoder:
+    """Decode the fields of a sample dict.
+
+    Args:
+        decode: True (default decoders), False (raw values), or a mapping from field name or
+            suffix to a decoder ``bytes -> value`` (None: keep raw); unlisted fields use the
+            defaults. A full field name wins over a suffix.
+        allow_pickle: allow pickle/torch members and object arrays in npy (runs code from the
+            shard: only for data you trust).
+        draft_size: forwarded to image decoding (see :class:`ImageDecoder`).
+        images_as_pil: return default-decoded images as PIL images instead of tensors (for a
+            transform that works on PIL images).
+    """
+
+    def __init__(
+        self,
+        decode: bool | Mapping[str, Decoder | None] = True,
+        *,
+        allow_pickle: bool = False,
+        draft_size: int | None = None,
+        images_as_pil: bool = False,
+    ):
+        if not isinstance(decode, (bool, Mapping)):
+            raise TypeError(f"decode must be True, False or a mapping of field -> decoder, got {decode!r}")
+        if isinstance(decode, Mapping):
+            for name, fn in decode.items():
+                if fn is not None and not callable(fn):
+                    raise TypeError(f"decode[{name!r}] must be callable or None, got {fn!r}")
+        self.decode = decode
+        self.allow_pickle = allow_pickle
+        self.image = ImageDecoder(draft_size=draft_size)
+        self.images_as_pil = images_as_pil
+
+    def __call__(self, sample: dict[str, Any], *, shard: str) -> dict[str, Any]:
+        if self.decode is False:
+            return sample
+        key = sample.get("__key__", "?")
+        out: dict[str, Any] = {}
+        for name, value in sample.items():
+            out[name] = value if name.startswith("__") else self.field(name, value, shard=shard, key=key)
+        return out
+
+    def field(self, name: str, value: Any, *, shard: str, key: str) -> Any:
+        """Decode one field; errors become :class:`DecodeError` naming shard, key and field."""
+        fn: Decoder | None | bool = True
+        if isinstance(self.decode, Mapping):
+            if name in self.decode:
+                fn = self.decode[name]
+            elif suffix(name) in self.decode:
+                fn = self.decode[suffix(name)]
+        if fn is None:
+            return value
+        try:
+            if fn is True:
+                return self._default(name, value, shard=shard, key=key)
+            data = _bytes(value)
+            return fn(data if data is not None else value)  # type: ignore[operator]
+        except DecodeError:
+            raise
+        except Exception as e:  # noqa: BLE001 - any failure of a decoder on shard bytes
+            raise DecodeError(f"{shard}: sample {key!r} field {name!r}: {type(e).__name__}: {e}") from e
+
+    def _default(self, name: str, value: Any, *, shard: str, key: str) -> Any:
+        ext = suffix(name)
+        data = _bytes(value)
+        if data is None:  # already decoded (HDF5 arrays, ints)
+            if ext in _INT_SUFFIXES and isinstance(value, (np.integer, np.ndarray)) and np.ndim(value) == 0:
+                return int(value)
+            return value
+        if ext in IMAGE_SUFFIXES:
+            img = self.image.pil(data)
+            return img if self.images_as_pil else image_to_tensor(img)
+        if ext == "npy":
+            return _decode_npy(data, self.allow_pickle)
+        if ext == "npz":
+            return _decode_npz(data, self.allow_pickle)
+        if ext in _INT_SUFFIXES:
+            return int(bytes(data).decode("utf-8").strip())
+        if ext in _TEXT_SUFFIXES:
+            return bytes(data).decode("utf-8")
+        if ext in _JSON_SUFFIXES:
+            return json.loads(bytes(data))
+        if ext in PICKLE_SUFFIXES:
+            if not self.allow_pickle:
+                raise DecodeError(
+                    f"{shard}: sample {key!r} field {name!r}: refusing to unpickle a shard member "
+                    "(it could run arbitrary code); pass allow_pickle=True only for data you trust"
+                )
+            if ext in ("pth", "pt"):
+                return _decode_torch(bytes(data))
+            return pickle.loads(data)  # noqa: S301 - explicitly allowed by the user
+        return bytes(data)

@@ -1,0 +1,175 @@
+"""``fastdata.DataLoader``: torch's DataLoader plus exact ``state_dict()``/``load_state_dict()``.
+
+The progress of a :class:`~fastdata.ShardedDataset` lives in the DataLoader workers; the main
+process must capture it. Torch hands out an IterableDataset's batches round-robin over the
+workers, skipping exhausted ones, so batch counts would give per-worker progress, but not when
+samples are skipped on errors or with ``in_order=False``. Instead, the collate function (which
+runs in the worker right after the batch was pulled from the dataset) attaches the worker's exact
+position in its index sequence to the batch; the main process strips it before the batch is
+yielded and records it. ``state_dict()`` therefore reflects exactly the batches the caller has
+received, whatever the worker count, prefetching or skipped samples.
+
+Everything else is ``torch.utils.data.DataLoader`` unchanged; with any other dataset this class
+behaves exactly like torch's (``state_dict()`` then raises TypeError).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch.utils.data
+from torch.utils.data._utils.pin_memory import pin_memory as _pin_memory
+
+from fastdata import dataset as _dataset
+from fastdata._split import Stage, stage_counts
+from fastdata.dataset import ShardedDataset
+
+__all__ = ["DataLoader"]
+
+LOADER_STATE_VERSION = 1
+
+
+class _Tagged:
+    """A batch plus the producing worker's position; survives pin_memory and the result queue."""
+
+    __slots__ = ("batch", "tag")
+
+    def __init__(self, batch: Any, tag: tuple[int, int, int, list[dict[str, Any]]] | None):
+        self.batch = batch
+        self.tag = tag
+
+    def pin_memory(self) -> _Tagged:
+        return _Tagged(_pin_memory(self.batch), self.tag)
+
+
+class _TaggingCollate:
+    def __init__(self, collate_fn: Callable[[Any], Any], token: str):
+        self.collate_fn = collate_fn
+        self.token = token
+
+    def __call__(self, data: Any) -> _Tagged:
+        batch = self.collate_fn(data)
+        prog = _dataset.current_progress()
+        if prog is None or prog.token != self.token:
+            return _Tagged(batch, None)
+        skips, prog.new_skips = prog.new_skips, []
+        return _Tagged(batch, (prog.worker, prog.epoch, prog.pos, skips))
+
+
+@dataclass
+class _Run:
+    epoch: int
+    stages: list[Stage]
+    pos: list[int]
+    first: int  # logical worker that yields the first batch
+    batches: int = 0
+    last: int | None = None  # logical worker of the last batch yielded
+
+    def stages_now(self) -> list[Stage]:
+        return [*self.stages[:-1], (self.stages[-1][0], tuple(self.pos))]
+
+
+class _LoaderIter:
+    def __init__(self, loader: DataLoader, inner: Any, run: _Run):
+        self._loader, self._inner, self._run = loader, inner, run
+
+    def __iter__(self) -> _LoaderIter:
+        return self
+
+    def __len__(self) -> int:
+        return len(self._inner)
+
+    def __next__(self) -> Any:
+        item = next(self._inner)
+        if isinstance(item, _Tagged):
+            if item.tag is not None:
+                worker, _, pos, skips = item.tag
+                self._run.pos[worker] = pos
+                self._run.last = worker
+                if skips and self._loader.num_workers > 0:  # in-process skips are already recorded
+                    self._loader.dataset.skipped.extend(skips)
+            item = item.batch
+        self._run.batches += 1
+        return item
+
+
+class DataLoader(torch.utils.data.DataLoader):
+    """Drop-in ``torch.utils.data.DataLoader`` with exact resume for :class:`ShardedDataset`.
+
+    ``state_dict()`` captures the position after the batches yielded so far;
+    ``load_state_dict()`` makes the next iteration yield exactly the remaining samples of that
+    epoch: in the same order with the same ``num_workers``; exactly once but in another order
+    with a different ``num_workers``. ``len()`` is the exact number of batches per epoch
+    (each worker yields its own final partial batch unless ``drop_last``).
+    """
+
+    def __init__(self, dataset: Any, *args: Any, **kwargs: Any):
+        super().__init__(dataset, *args, **kwargs)
+        self._run: _Run | None = None
+        if isinstance(dataset, ShardedDataset):
+            self.collate_fn = _TaggingCollate(self.collate_fn, dataset._token)
+
+    def _sharded(self) -> ShardedDataset:
+        if not isinstance(self.dataset, ShardedDataset):
+            raise TypeError(f"state_dict/load_state_dict need a fastdata.ShardedDataset, got {type(self.dataset).__name__}")
+        return self.dataset
+
+    def set_epoch(self, epoch: int) -> None:
+        """``dataset.set_epoch(epoch)`` (reaches persistent workers too)."""
+        self._sharded().set_epoch(epoch)
+
+    def __len__(self) -> int:
+        if not isinstance(self.dataset, ShardedDataset):
+            return super().__len__()
+        self._IterableDataset_len_called = len(self.dataset)
+        return self.dataset.batches_per_epoch(self.batch_size, num_workers=self.num_workers, drop_last=self.drop_last)
+
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
+        ds = self.dataset
+        if not isinstance(ds, ShardedDataset):
+            return super().__iter__()
+        ds._resolve_dist()
+        epoch = ds.epoch
+        stages, first = ds._pending(epoch, self.num_workers)
+        inner = super().__iter__()  # workers now hold a copy of the dataset with the resume state
+        ds._resume = None
+        self._run = _Run(epoch, stages, list(stages[-1][1]), first)
+        return _LoaderIter(self, inner, self._run)
+
+    def _next_worker(self, run: _Run) -> int:
+        """Logical worker of the next batch: torch deals batches round-robin, skipping exhausted workers."""
+        if run.last is None:
+            return run.first
+        n = run.stages[-1][0]
+        if self.num_workers == 0 or self._sharded().source.streaming:
+            return 0 if n == 1 else (run.last + 1) % n
+        counts = stage_counts(self._sharded()._plan(), run.stages)
+        b = self.batch_size or 1
+        for d in range(1, n + 1):
+            w = (run.last + d) % n
+            left = counts[w] - run.pos[w]
+            if (left // b if self.drop_last else -(-left // b)) > 0:
+                return w
+        return (run.last + 1) % n
+
+    def state_dict(self) -> dict[str, Any]:
+        """Exact position after the batches yielded so far (JSON-serialisable)."""
+        ds = self._sharded()
+        run = self._run
+        if run is not None and run.epoch == ds.epoch:
+            state = ds._state(run.epoch, run.stages_now(), self._next_worker(run))
+            batches = run.batches
+        else:
+            state, batches = ds.state_dict(), 0
+        return {"version": LOADER_STATE_VERSION, "dataset": state, "num_workers": self.num_workers,
+                "batches": batches}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Resume from :meth:`state_dict` (or a ``ShardedDataset.state_dict()``)."""
+        ds = self._sharded()
+        ds.load_state_dict(state["dataset"] if "dataset" in state else state)
+        self._run = None
+        if self._iterator is not None:  # persistent workers hold the old state: restart them
+            self._iterator._shutdown_workers()
+            self._iterator = None
