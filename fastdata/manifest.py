@@ -63,7 +63,8 @@ class FieldInfo:
         if self.shape is not None:
             shape = tuple(self.shape)
             if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
-                raise ValueError(f"FieldInfo.shape of field {self.name!r} must be non-negative ints, got {self.shape!r}")
+                raise ValueError(
+                    f"FieldInfo.shape of field {self.name!r} must be non-negative ints, got {self.shape!r}")
             object.__setattr__(self, "shape", shape)
 
     def to_json(self) -> dict[str, Any]:
@@ -90,7 +91,8 @@ class ShardInfo:
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"ShardInfo.{attr} of shard {self.name!r} must be an int >= 0, got {value!r}")
         if not isinstance(self.sha256, str) or not _HEX64.match(self.sha256):
-            raise ValueError(f"ShardInfo.sha256 of shard {self.name!r} must be 64 lowercase hex chars, got {self.sha256!r}")
+            raise ValueError(
+                f"ShardInfo.sha256 of shard {self.name!r} must be 64 lowercase hex chars, got {self.sha256!r}")
         if self.index is not None:
             problem = _check_name(self.index, f"ShardInfo.index of shard {self.name!r}")
             if problem:

@@ -112,7 +112,8 @@ def _rewrite(path, edit) -> None:
 @pytest.mark.parametrize("edit, match", [
     (lambda f: f.__delitem__("__key__"), "dataset '__key__' is missing"),
     (lambda f: f.attrs.__setitem__("fastdata_format", "tar"), "root attribute 'fastdata_format' is 'tar'"),
-    (lambda f: f.attrs.__setitem__("num_samples", 5), "root attribute 'num_samples' is 5 but dataset '__key__' has 300 rows"),
+    (lambda f: f.attrs.__setitem__("num_samples", 5),
+     "root attribute 'num_samples' is 5 but dataset '__key__' has 300 rows"),
     (lambda f: f["jpg"].attrs.__setitem__("kind", "blob"), "dataset 'jpg' has attribute 'kind' 'blob'"),
     (lambda f: (f.__delitem__("cls"), f.create_dataset("cls", data=np.zeros(300, np.float32)),
                 f["cls"].attrs.__setitem__("kind", "int")), "dataset 'cls' of kind 'int' has the wrong type"),

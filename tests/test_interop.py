@@ -9,6 +9,7 @@ import tarfile
 
 import pytest
 
+from fastdata.errors import ShardError
 from fastdata.shards.tar import TarIndex, TarShardReader, iter_tar_stream, write_tar_shard
 
 wds = pytest.importorskip("webdataset")
@@ -57,6 +58,8 @@ def test_webdataset_shardwriter_output_read_by_fastdata(tmp_path, compress):
         if compress:
             with gzip.open(shard, "rb") as f:
                 got.extend(iter_tar_stream(f, str(shard)))
+            with pytest.raises(ShardError, match=r"wds-\d+\.tar\.gz: is gzip-compressed"):
+                TarIndex.build(shard)
         else:
             reader = TarShardReader(shard)  # no sidecar: index built by header scan
             got.extend(reader.iter_range())

@@ -57,6 +57,7 @@ def test_read_selected_fields_and_ranges(shard):
     path, samples, _ = shard
     reader = TarShardReader(path)
     assert reader.read(3, fields={"cls"}) == {"__key__": samples[3]["__key__"], "cls": b"3"}
+    assert reader.read(3, fields="cls") == reader.read(3, fields=["cls"])  # a str is one field name
     got = list(reader.iter_range(10, 13, fields=["jpg"]))
     assert [g["jpg"] for g in got] == [payload(i) for i in range(10, 13)]
     with pytest.raises(IndexError, match="sample index 40 out of range"):

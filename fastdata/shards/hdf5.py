@@ -207,6 +207,8 @@ class HDF5ShardReader:
         return {name: kind for name, (kind, _) in self._layout.items()}
 
     def _selected(self, fields: Collection[str] | None) -> list[tuple[str, str, bool]]:
+        if isinstance(fields, str):
+            fields = (fields,)
         return [(name, kind, npy) for name, (kind, npy) in self._layout.items() if fields is None or name in fields]
 
     def read(self, i: int, fields: Collection[str] | None = None) -> dict[str, Any]:

@@ -47,7 +47,12 @@ _INDEX_HEAD = struct.Struct("<IIQQQQQQ")
 
 
 class TarIndex:
-    """Per sample: key, and per field the (offset, size) of the member's data in the tar."""
+    """Per sample: key, and per field the (offset, size) of the member's data in the tar.
+
+    Attributes: ``keys`` (tuple of str), ``members`` (``members[i]`` is a tuple of
+    ``(field, start, stop)`` byte ranges of sample i's member data, in archive order) and
+    ``tar_size`` (bytes of the indexed tar, checked against the file before reading).
+    """
 
     __slots__ = ("keys", "members", "tar_size")
 
@@ -84,6 +89,9 @@ class TarIndex:
             if size == 0:
                 return cls([], [], 0)
             with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+                if mm[:2] == b"\x1f\x8b":
+                    raise ShardError(f"{shard}: is gzip-compressed; random access needs an uncompressed tar "
+                                     "(stream it with iter_tar_stream(gzip.open(path), path))")
                 header, payload = _tarfmt.mmap_source(mm, shard)
                 members = _tarfmt.walk(header, payload, shard, want_data=False)
                 keys: list[str] = []
@@ -414,6 +422,8 @@ class TarShardReader:
         """Sample ``i`` as ``{"__key__": key, field: bytes}`` (only ``fields`` when given)."""
         index = self.index
         n = len(index.keys)
+        if isinstance(fields, str):
+            fields = (fields,)
         if not 0 <= i < n:
             raise IndexError(f"{self.path}: sample index {i} out of range for {n} samples")
         mm = self._map()
@@ -429,6 +439,8 @@ class TarShardReader:
         index = self.index
         n = len(index.keys)
         stop = n if stop is None else stop
+        if isinstance(fields, str):
+            fields = (fields,)
         if not 0 <= start <= stop <= n:
             raise IndexError(f"{self.path}: range {start}:{stop} out of bounds for {n} samples")
         if start == stop:
