@@ -352,6 +352,38 @@ class Store:
             return None
         return {name: _readonly_tensor(arr[i, ...]) for name, arr in self._arrays.items()}
 
+    def get_batch(
+        self, indices: Any, *, out: Mapping[str, torch.Tensor] | None = None
+    ) -> dict[str, torch.Tensor] | None:
+        """Samples ``indices`` gathered into ``{field: (len(indices), *shape) tensor}`` with one copy,
+        or None if any of them is not filled. ``out`` (optional) receives the rows, e.g. reused or
+        pinned buffers with at least ``len(indices)`` rows.
+
+        This is the fast path for fully cached data: no per-sample tensors, no collation.
+        """
+        self._ensure_open()
+        idx = np.asarray(indices, dtype=np.int64).reshape(-1)
+        if len(idx) and (idx.min() < 0 or idx.max() >= self.num_samples):
+            bad = idx[(idx < 0) | (idx >= self.num_samples)][0]
+            raise IndexError(f"cache store {self.path}: index {bad} out of range for {self.num_samples} samples")
+        if self._valid is None and not self._refresh_layout():
+            return None
+        if not self._valid[idx].all():  # type: ignore[index]
+            return None
+        result = {}
+        for name, arr in self._arrays.items():
+            if out is not None and name in out:
+                dst = out[name][: len(idx)]
+                if tuple(dst.shape[1:]) != arr.shape[1:] or dst.numpy().dtype != arr.dtype:
+                    raise CacheError(f"cache store {self.path}: out[{name!r}] has shape {tuple(out[name].shape)} "
+                                     f"dtype {out[name].dtype}, expected (>= {len(idx)}, *{arr.shape[1:]}) "
+                                     f"dtype {arr.dtype}")
+            else:
+                dst = torch.from_numpy(np.empty((len(idx), *arr.shape[1:]), dtype=arr.dtype))
+            np.take(arr, idx, axis=0, out=dst.numpy())
+            result[name] = dst
+        return result
+
     def put(self, index: int, outputs: Mapping[str, np.ndarray | torch.Tensor]) -> None:
         """Store sample ``index`` (once: an already valid sample is left as it is).
 

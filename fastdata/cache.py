@@ -193,6 +193,13 @@ class Cache:
         infos = [i for i in (self._info(p) for p in self._store_dirs()) if i is not None]
         return sorted(infos, key=lambda i: i.last_used, reverse=True)
 
+    def info(self, key: str) -> StoreInfo:
+        """The :class:`StoreInfo` of the store with this key (``Store.key``)."""
+        info = self._info(self.directory / key) if _is_store_dir(key) else None
+        if info is None:
+            raise CacheError(f"cache directory {self.directory}: no store {key!r}")
+        return info
+
     def total_bytes(self) -> int:
         """Disk space all stores take."""
         return sum(disk_usage(p) for p in self._store_dirs())

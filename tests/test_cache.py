@@ -351,3 +351,102 @@ def test_store_in_dataloader_workers(tmp_path: Path) -> None:
         imgs = torch.cat([b["img"] for b in batches])
         assert torch.equal(imgs, torch.stack([torch.from_numpy(expected(i)["img"]) for i in range(40)]))
     assert store.num_valid() == 40
+
+
+def test_get_batch(tmp_path: Path) -> None:
+    store = Cache(tmp_path).open_store(fingerprint="batch", num_samples=10)
+    for i in range(8):
+        store.put(i, expected(i))
+    got = store.get_batch([5, 0, 7])
+    assert got is not None and got["img"].shape == (3, *IMG) and got["aux"].shape == (3, 16)
+    assert torch.equal(got["img"][0], torch.from_numpy(expected(5)["img"])) and got["aux"][2, 0] == 7
+    assert store.get_batch([1, 8]) is None  # 8 is not filled
+    out = {"img": torch.zeros((4, *IMG), dtype=torch.uint8)}
+    got = store.get_batch(np.arange(2, 4), out=out)
+    assert got is not None and got["img"].data_ptr() == out["img"].data_ptr()
+    assert torch.equal(out["img"][1], torch.from_numpy(expected(3)["img"]))
+    with pytest.raises(CacheError, match=r"out\['img'\] has shape \(4, 1, 64, 64\) dtype torch.uint8, expected"):
+        store.get_batch([0], out={"img": torch.zeros((4, *IMG), dtype=torch.uint8)[:, :1]})
+    with pytest.raises(IndexError, match="index 10 out of range"):
+        store.get_batch([0, 10])
+
+
+# ----- through ShardedDataset and the command line ----------------------------------------------
+def _shards(dest: Path, *, n: int = 24, changed: int | None = None) -> Path:
+    from fastdata._synth import jpeg_bytes, synth_image
+    from fastdata.shards.writer import ShardWriter
+
+    with ShardWriter(dest, max_samples=10, overwrite=True) as w:
+        for i in range(n):
+            rng = np.random.default_rng([i, 99 if i == changed else 0])
+            img = synth_image(rng, 40 + (i * 7) % 50, 40 + (i * 13) % 50)
+            w.write({"__key__": f"s{i:04d}", "jpg": jpeg_bytes(img, 90), "cls": i % 3})
+    return dest
+
+
+def _samples(source: Path, **kw: object) -> list[dict]:
+    from fastdata.dataset import ShardedDataset
+    from fastdata.transforms import ResizeCenterCrop
+
+    size = kw.pop("size", 32)
+    return list(ShardedDataset(source, preprocess=ResizeCenterCrop(size), **kw))  # type: ignore[arg-type]
+
+
+def _same(a: list[dict], b: list[dict]) -> bool:
+    return len(a) == len(b) and all(
+        x["__key__"] == y["__key__"] and x["cls"] == y["cls"] and torch.equal(x["jpg"], y["jpg"]) for x, y in zip(a, b))
+
+
+def test_dataset_cached_equals_uncached_bit_for_bit(tmp_path: Path) -> None:
+    pytest.importorskip("fastdata.dataset")
+    src = _shards(tmp_path / "shards")
+    plain = _samples(src)
+    filling = _samples(src, cache=tmp_path / "cache")  # epoch that fills
+    (info,) = Cache(tmp_path / "cache").list()
+    assert info.fill_ratio == 1.0 and info.fields[0].shape == (3, 32, 32)  # type: ignore[index]
+    cached = _samples(src, cache=Cache(tmp_path / "cache"), shuffle=True, seed=3)  # served from the store
+    assert _same(plain, filling)
+    assert _same(sorted(cached, key=lambda s: s["__key__"]), plain)
+
+
+def test_dataset_changed_transform_or_shard_misses(tmp_path: Path) -> None:
+    pytest.importorskip("fastdata.dataset")
+    cache = Cache(tmp_path / "cache")
+    src = _shards(tmp_path / "shards")
+    _samples(src, cache=cache)
+    assert _same(_samples(src, cache=cache, size=24), _samples(src, size=24))  # new transform parameter
+    assert len(cache.list()) == 2
+    _shards(tmp_path / "shards", changed=5)  # one image differs: new shard checksum, new manifest fingerprint
+    fresh = _samples(src, cache=cache)
+    assert len(cache.list()) == 3
+    assert _same(fresh, _samples(src))
+    assert not torch.equal(fresh[5]["jpg"], _samples(_shards(tmp_path / "old"))[5]["jpg"])
+
+
+def test_cli_build_list_rm(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("fastdata.dataset")
+    from fastdata.cli import main
+
+    src = _shards(tmp_path / "shards")
+    cache_dir = str(tmp_path / "cache")
+    assert main(["cache", "build", str(src), "--cache", cache_dir, "--size", "32", "--workers", "2", "-q"]) == 0
+    assert "24/24 samples (100.0%)" in capsys.readouterr().out
+    assert _same(_samples(src, cache=cache_dir), _samples(src))
+    assert main(["cache", "list", "--cache", cache_dir]) == 0
+    out = capsys.readouterr().out
+    (info,) = Cache(cache_dir).list()
+    assert info.fingerprint[:24] in out and "100.0%" in out and "3.1 kB" in out and "1 store(s)" in out
+    assert main(["cache", "rm", info.fingerprint[:12], "--cache", cache_dir]) == 0
+    assert f"removed {info.key}" in capsys.readouterr().out and Cache(cache_dir).list() == []
+    assert main(["cache", "rm", "nothing", "--cache", cache_dir]) == 1
+    assert "no store matches 'nothing'" in capsys.readouterr().err
+
+
+def test_parse_bytes() -> None:
+    import argparse
+
+    from fastdata._cache_cli import parse_bytes
+
+    assert parse_bytes("20GB") == 20 * 10**9 and parse_bytes("512MiB") == 512 << 20 and parse_bytes("1000") == 1000
+    with pytest.raises(argparse.ArgumentTypeError, match="not a size: '12 parsecs'"):
+        parse_bytes("12 parsecs")

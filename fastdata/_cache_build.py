@@ -1,0 +1,64 @@
+"""Ahead-of-time cache filling: iterate a cached ShardedDataset once (``fastdata cache build``)."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from fastdata.errors import CacheError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from fastdata.cache import Cache, Store, StoreInfo
+
+_BATCH = 64  # samples per worker hand-off; only a count crosses the process boundary
+
+
+def _count(batch: list[Any]) -> int:
+    return len(batch)
+
+
+def dataset_store(dataset: Any) -> Store:
+    """The cache store a ShardedDataset created with ``cache=`` reads and fills."""
+    get = getattr(dataset, "cache_store", None) or getattr(dataset, "_cache_store", None)
+    store = get() if callable(get) else None
+    if store is None:
+        raise CacheError(f"{type(dataset).__name__} has no cache: create it with cache=DIR and a preprocess= "
+                         "transform with a fingerprint (e.g. ResizeCenterCrop(224))")
+    return store
+
+
+def build_dataset(dataset: Any, *, num_workers: int = 0, progress: bool = False) -> StoreInfo:
+    """Iterate ``dataset`` once so that every sample's preprocessed output is in its cache store.
+
+    Only counts cross the worker boundary; samples that are already cached are only read.
+    Returns the store's :class:`~fastdata.cache.StoreInfo` (check ``fill_ratio``: samples that
+    failed with ``on_error="skip"`` stay unfilled).
+    """
+    if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
+        raise ValueError(f"num_workers must be an int >= 0, got {num_workers!r}")
+    store = dataset_store(dataset)
+    kwargs: dict[str, Any] = {"batch_size": _BATCH, "num_workers": num_workers, "collate_fn": _count}
+    loader = torch.utils.data.DataLoader(dataset, **kwargs)
+    total = len(dataset) if hasattr(dataset, "__len__") else None
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=total, unit="img", desc="cache build", dynamic_ncols=True)
+    try:
+        for n in loader:
+            if bar is not None:
+                bar.update(n)
+    finally:
+        if bar is not None:
+            bar.close()
+    return store.cache.info(store.key)
+
+
+def build_from_source(source: str, *, cache: Cache, size: int, num_workers: int, progress: bool) -> StoreInfo:
+    """``fastdata cache build``: ResizeCenterCrop(size) outputs of every image field of ``source``."""
+    from fastdata.dataset import ShardedDataset
+    from fastdata.transforms import ResizeCenterCrop
+
+    dataset = ShardedDataset(source, preprocess=ResizeCenterCrop(size), cache=cache, rank=0, world_size=1)
+    return build_dataset(dataset, num_workers=num_workers, progress=progress)

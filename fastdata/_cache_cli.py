@@ -1,0 +1,125 @@
+"""``fastdata cache list|rm|build``: housekeeping and ahead-of-time filling of a cache directory."""
+from __future__ import annotations
+
+import argparse
+import re
+import time
+from typing import Any
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+          "t": 10**12, "tb": 10**12, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+
+
+def parse_bytes(text: str) -> int:
+    """``"20GB"`` -> 20_000_000_000; ``"512MiB"``, ``"1e9"`` and plain integers work too."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
+    unit = m.group(2).lower() if m else ""
+    if m is None or unit not in _UNITS:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 500MB, 20GB, 1TiB)")
+    value = int(float(m.group(1)) * _UNITS[unit])
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"size must be >= 1 byte, got {text!r}")
+    return value
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "kB", "MB", "GB"):
+        if abs(n) < 1000:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.2f} TB"
+
+
+def _age(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.0f}s ago"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f}m ago"
+    if seconds < 172800:
+        return f"{seconds / 3600:.0f}h ago"
+    return f"{seconds / 86400:.0f}d ago"
+
+
+def _cache(args: argparse.Namespace) -> Any:
+    from fastdata.cache import Cache
+
+    return Cache(args.cache, max_bytes=getattr(args, "max_bytes", None))
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    infos = _cache(args).list()
+    if not infos:
+        print(f"no stores in {args.cache}")
+        return 0
+    now = time.time()
+    print(f"{'FINGERPRINT':<24} {'SAMPLES':>9} {'FILLED':>7} {'SIZE':>10} {'PER SAMPLE':>11} "
+          f"{'LAST USED':>10}  {'OPEN':<4} KEY")
+    for i in infos:
+        print(f"{i.fingerprint[:24]:<24} {i.num_samples:>9d} {i.fill_ratio:>7.1%} {human_bytes(i.size_bytes):>10} "
+              f"{human_bytes(i.sample_nbytes):>11} {_age(now - i.last_used):>10}  {'yes' if i.in_use else 'no':<4} "
+              f"{i.key}")
+    total = sum(i.size_bytes for i in infos)
+    print(f"{len(infos)} store(s), {human_bytes(total)} in {args.cache}")
+    return 0
+
+
+def cmd_rm(args: argparse.Namespace) -> int:
+    for info in _cache(args).remove(args.fingerprint):
+        print(f"removed {info.key} ({info.fingerprint[:24]}, {human_bytes(info.size_bytes)})")
+    return 0
+
+
+def cmd_build(args: argparse.Namespace) -> int:
+    from fastdata._cache_build import build_from_source
+
+    info = build_from_source(args.source, cache=_cache(args), size=args.size, num_workers=args.workers,
+                             progress=not args.quiet)
+    print(f"{info.key}: {info.num_valid}/{info.num_samples} samples ({info.fill_ratio:.1%}), "
+          f"{human_bytes(info.size_bytes)} on disk, {human_bytes(info.sample_nbytes)} per sample")
+    return 0 if info.num_valid == info.num_samples else 1
+
+
+def _nonneg(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def add_cache_subparser(subparsers: Any) -> argparse.ArgumentParser:
+    """Add ``cache`` with ``list``, ``rm`` and ``build`` to the ``fastdata`` command's subparsers.
+
+    Each leaf sets ``func`` to a handler ``(args) -> exit status``.
+    """
+    cache = subparsers.add_parser("cache", help="list, remove or fill preprocessing cache stores")
+    sub = cache.add_subparsers(dest="cache_command", required=True)
+
+    def common(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--cache", required=True, metavar="DIR", help="cache directory")
+
+    ls = sub.add_parser("list", help="list stores with size, fill ratio and fingerprint")
+    common(ls)
+    ls.set_defaults(func=cmd_list)
+
+    rm = sub.add_parser("rm", help="remove the stores whose fingerprint (or key) starts with FINGERPRINT")
+    rm.add_argument("fingerprint", metavar="FINGERPRINT")
+    common(rm)
+    rm.set_defaults(func=cmd_rm)
+
+    build = sub.add_parser("build", help="fill the cache for SOURCE ahead of time (decode, resize, centre crop)")
+    build.add_argument("source", metavar="SOURCE", help="shard folder with manifest.json")
+    common(build)
+    build.add_argument("--size", type=_positive, default=224, help="output side: resize shorter side + centre crop")
+    build.add_argument("--workers", type=_nonneg, default=2, help="DataLoader worker processes (0: in process)")
+    build.add_argument("--max-bytes", type=parse_bytes, default=None, metavar="SIZE",
+                       help="size limit of the cache directory (e.g. 50GB); older stores are evicted")
+    build.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    build.set_defaults(func=cmd_build)
+    return cache
