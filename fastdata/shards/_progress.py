@@ -1,0 +1,165 @@
+"""Resumable conversions: the progress folder ``DEST/.fastdata-progress/``.
+
+``plan.json`` holds the plan fingerprint; ``shard-NNNNNN.json`` is written (atomically) after
+shard NNNNNN was renamed into place and records its ShardInfo and skipped inputs. A rerun with
+the same fingerprint keeps the recorded shards whose size and sha256 still match and redoes the
+rest; ``manifest.json`` is written last and the progress folder removed after it.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from fastdata.errors import FastdataError
+from fastdata.manifest import MANIFEST_NAME, Manifest, ShardInfo, sha256_file
+
+if TYPE_CHECKING:
+    from fastdata.shards.convert import Plan
+
+log = logging.getLogger("fastdata.convert")
+
+PROGRESS_DIR = ".fastdata-progress"
+_PLAN_FILE = "plan.json"
+
+
+class ConversionError(FastdataError, ValueError):
+    """A conversion cannot proceed; the message names the file, key or argument."""
+
+
+@dataclass(frozen=True)
+class ShardResult:
+    """A finished shard job: its ShardInfo (None when every sample was skipped) and skipped inputs."""
+
+    number: int
+    shard: ShardInfo | None
+    skipped: tuple[dict[str, str], ...]
+    num_planned: int
+
+
+def remove_outputs(dest: Path) -> None:
+    """Remove what a conversion writes into ``dest`` (shards, indexes, manifest, progress folder)."""
+    for entry in os.scandir(dest):
+        name = entry.name
+        if name == PROGRESS_DIR and entry.is_dir():
+            shutil.rmtree(entry.path)
+        elif name in (MANIFEST_NAME, MANIFEST_NAME + ".tmp") or (
+                name.startswith("shard-") and name.endswith((".tar", ".h5", ".idx", ".tmp"))):
+            os.unlink(entry.path)
+
+
+def _write_json(path: Path, data: Any) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(data, f, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
+class ProgressState:
+    """Finished shards of one plan in one DEST; ``record`` each new one, then ``finish``."""
+
+    def __init__(self, dest: Path, plan: Plan, done: dict[int, ShardResult]):
+        self.dest = dest
+        self.plan = plan
+        self.done = done
+        self.folder = dest / PROGRESS_DIR
+
+    def record(self, result: ShardResult) -> None:
+        """Note a shard that has been renamed into place."""
+        self.done[result.number] = result
+        _write_json(self.folder / f"shard-{result.number:06d}.json", {
+            "plan": self.plan.fingerprint,
+            "number": result.number,
+            "shard": None if result.shard is None else result.shard.to_json(),
+            "skipped": list(result.skipped),
+            "num_planned": result.num_planned,
+        })
+
+    def finish(self) -> Manifest:
+        """Write ``manifest.json`` (last) and remove the progress folder."""
+        missing = [job.name for job in self.plan.jobs if job.number not in self.done]
+        if missing:
+            raise ConversionError(f"DEST {self.dest}: shards {missing[:3]} were not written")
+        results = [self.done[job.number] for job in self.plan.jobs]
+        skipped = list(self.plan.listing.skipped)
+        for result in results:
+            skipped.extend(result.skipped)
+        manifest = Manifest(format=self.plan.options.format,
+                            shards=tuple(r.shard for r in results if r.shard is not None),
+                            fields=self.plan.fields, skipped=tuple(skipped), extra=self.plan.extra)
+        manifest.save(self.dest)
+        shutil.rmtree(self.folder, ignore_errors=True)
+        return manifest
+
+
+def prepare(dest: Path, plan: Plan, *, overwrite: bool) -> ProgressState:
+    """Make DEST ready: fresh, overwritten, or resumed (same plan fingerprint)."""
+    if dest.exists() and not dest.is_dir():
+        raise ConversionError(f"DEST {dest} exists and is not a folder")
+    dest.mkdir(parents=True, exist_ok=True)
+    folder = dest / PROGRESS_DIR
+    saved = _read_json(folder / _PLAN_FILE)
+    resumable = isinstance(saved, dict) and saved.get("fingerprint") == plan.fingerprint
+    if overwrite or not resumable:
+        existing = sorted(os.listdir(dest))
+        if existing and not overwrite:
+            shown = ", ".join(existing[:3]) + (", ..." if len(existing) > 3 else "")
+            hint = ("an interrupted conversion with different arguments or inputs; "
+                    if folder.is_dir() else "")
+            raise ConversionError(f"DEST {dest} is not empty ({hint}holds {shown}); pass --overwrite to replace "
+                                  "its shards or choose an empty folder")
+        if existing:
+            remove_outputs(dest)
+            left = sorted(os.listdir(dest))
+            if left:
+                log.info("--overwrite: kept %d unrelated entries in %s (e.g. %s)", len(left), dest, left[0])
+        folder.mkdir()
+        _write_json(folder / _PLAN_FILE, {"fingerprint": plan.fingerprint, "num_shards": len(plan.jobs),
+                                          "source": plan.listing.root})
+        return ProgressState(dest, plan, {})
+    for entry in os.scandir(dest):  # partial shards of the interrupted run
+        if entry.name.startswith("shard-") and entry.name.endswith(".tmp"):
+            os.unlink(entry.path)
+    done = {}
+    for job in plan.jobs:
+        result = _kept(dest, plan, job.number)
+        if result is not None:
+            done[job.number] = result
+    return ProgressState(dest, plan, done)
+
+
+def _kept(dest: Path, plan: Plan, number: int) -> ShardResult | None:
+    """The recorded result of shard ``number`` if its files are intact, else None (redo it)."""
+    rec = _read_json(dest / PROGRESS_DIR / f"shard-{number:06d}.json")
+    if not isinstance(rec, dict) or rec.get("plan") != plan.fingerprint or rec.get("number") != number:
+        return None
+    try:
+        shard = None if rec["shard"] is None else ShardInfo(**rec["shard"])
+        skipped = tuple({"source": str(s["source"]), "reason": str(s["reason"])} for s in rec["skipped"])
+        result = ShardResult(number, shard, skipped, int(rec["num_planned"]))
+    except (KeyError, TypeError, ValueError):
+        return None
+    if shard is None:
+        return result
+    path = dest / shard.name
+    try:
+        intact = path.stat().st_size == shard.bytes and sha256_file(path) == shard.sha256
+    except OSError:
+        return None
+    if not intact or (shard.index is not None and not (dest / shard.index).is_file()):
+        log.info("redoing %s: it changed since it was written", shard.name)
+        return None
+    return result

@@ -1,0 +1,483 @@
+"""Input enumeration for ``tools/shard.py``: what SRC holds, as a sorted list of samples.
+
+Planning needs every sample's key, a small picklable reference to read it later, and an
+estimate of its stored size, without reading sample data. Worker processes then read samples
+by reference through :class:`SourceReader` (readers open lazily per process).
+
+Source kinds (:func:`list_source`):
+
+- ``images``: a folder with one subfolder per class (searched recursively, symlinks followed);
+  classes are the sorted subfolder names and ``cls`` is the class's index. Key =
+  ``<class>/<path below the class without extension>``; dots in the file name become ``_``
+  (a key's last component cannot hold a dot). Field = the lower-cased extension (``jpg``,
+  ``jpeg``, ``png`` ...). A folder of images without subfolders gives unlabelled samples. Hidden
+  entries are ignored; other files, and images beside class folders, are listed as skipped.
+- ``tar``: a ``.tar`` file or a folder of ``*.tar`` shards (top level; webdataset-written ones
+  included), in name order; samples in file order, fields passed through byte for byte.
+- ``hdf5``: a ``.h5``/``.hdf5`` file or a folder of them, in fastdata's documented layout.
+- A folder holding ``manifest.json`` (a fastdata output): its shards, in manifest order.
+- ``npz``: a ``.npz`` whose arrays share their first axis; one field ``<name>.npy`` per array,
+  keys from a string array ``__key__`` if present, else the zero-padded row number.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import struct
+import zipfile
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from fastdata.manifest import MANIFEST_NAME, FieldInfo, Manifest
+from fastdata.shards._images import IMAGE_EXTENSIONS
+from fastdata.shards._keys import check_field, check_key
+
+__all__ = ["Listing", "SourceError", "SourceReader", "list_source", "member_bytes"]
+
+_TAR_SUFFIXES = (".tar",)
+_H5_SUFFIXES = (".h5", ".hdf5")
+_COMPRESSED_TAR = (".tar.gz", ".tgz", ".tar.bz2", ".tar.xz", ".tar.zst")
+
+
+class SourceError(ValueError):
+    """SRC cannot be used; the message names the file and the problem."""
+
+
+def member_bytes(name_len: int, data_len: int) -> int:
+    """Estimated tar bytes of one member: header(s) + data + padding.
+
+    Names over 100 bytes need a PAX extended header (two more blocks).
+    """
+    header = 512 if name_len <= 100 else 3 * 512
+    return header + data_len + (-data_len % 512)
+
+
+@dataclass
+class Listing:
+    """Everything planning needs about SRC. Per-sample lists are parallel."""
+
+    kind: str  # "images" | "tar" | "hdf5" | "npz"
+    root: str  # SRC, absolute
+    files: tuple[str, ...] = ()  # absolute paths of shard/npz files (refs index into this)
+    indexes: tuple[str | None, ...] = ()  # sidecar index per tar file (None: default/scan)
+    keys: list[str] = field(default_factory=list)
+    refs: list[tuple] = field(default_factory=list)
+    sizes: list[int] = field(default_factory=list)  # estimated tar bytes of the sample as is
+    image_sizes: list[int] = field(default_factory=list)  # ... of its image fields
+    fields: tuple[FieldInfo, ...] = ()
+    skipped: list[dict[str, str]] = field(default_factory=list)
+    stamp: str = ""  # sha256 over input names, sizes and mtimes (part of the plan fingerprint)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def origin(self, ref: tuple) -> str:
+        """Where a sample comes from, for messages and ``manifest.skipped``."""
+        if self.kind == "images":
+            return ref[0]
+        return f"{os.path.basename(self.files[ref[0]])}[{ref[1]}]"
+
+
+def list_source(src: str | os.PathLike[str]) -> Listing:
+    """Enumerate SRC (see the module docstring); :class:`SourceError` naming the problem."""
+    path = Path(os.path.abspath(src))
+    if not path.exists():
+        raise SourceError(f"SRC {src}: no such file or directory")
+    if path.is_file():
+        name = path.name.lower()
+        if name.endswith(".npz"):
+            return _list_npz(path)
+        if name.endswith(_TAR_SUFFIXES):
+            return _list_tar(path, [path], [None])
+        if name.endswith(_H5_SUFFIXES):
+            return _list_hdf5(path, [path])
+        if name.endswith(_COMPRESSED_TAR):
+            raise SourceError(f"SRC {src}: compressed tar shards are not supported; decompress them first")
+        raise SourceError(f"SRC {src}: unsupported file type (expected a folder, .tar, .h5/.hdf5 or .npz)")
+    if not path.is_dir():
+        raise SourceError(f"SRC {src}: not a regular file or folder")
+    if (path / MANIFEST_NAME).is_file():
+        return _list_manifest_folder(path)
+    names = sorted(e.name for e in os.scandir(path) if e.is_file() and not e.name.startswith("."))
+    tars = [n for n in names if n.lower().endswith(_TAR_SUFFIXES)]
+    h5s = [n for n in names if n.lower().endswith(_H5_SUFFIXES)]
+    if tars and h5s:
+        raise SourceError(f"SRC {src}: holds both tar ({tars[0]}) and HDF5 ({h5s[0]}) shards; use one kind")
+    if tars:
+        return _list_tar(path, [path / n for n in tars], [None] * len(tars))
+    if h5s:
+        return _list_hdf5(path, [path / n for n in h5s])
+    compressed = [n for n in names if n.lower().endswith(_COMPRESSED_TAR)]
+    if compressed:
+        raise SourceError(f"SRC {src}: compressed tar shards ({compressed[0]}) are not supported; "
+                          "decompress them first")
+    return _list_images(path)
+
+
+def _stamp(items: Sequence[tuple[str, int, int]]) -> str:
+    h = hashlib.sha256()
+    for name, size, mtime in items:
+        h.update(f"{name}\0{size}\0{mtime}\n".encode("utf-8", "surrogateescape"))
+    return h.hexdigest()
+
+
+def _file_stamp(root: Path, files: Sequence[Path]) -> str:
+    items = []
+    for f in files:
+        st = f.stat()
+        items.append((os.path.relpath(f, root) if f != root else f.name, st.st_size, st.st_mtime_ns))
+    return _stamp(items)
+
+
+# ---------------------------------------------------------------------------------------- images
+
+def _walk_files(top: Path) -> Iterator[tuple[str, os.stat_result]]:
+    """``(path relative to top, stat)`` of non-hidden files below ``top``, sorted, symlinks followed."""
+    for dirpath, dirnames, filenames in os.walk(top, followlinks=True):
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+        for name in sorted(filenames):
+            if not name.startswith("."):
+                full = os.path.join(dirpath, name)
+                yield os.path.relpath(full, top), os.stat(full)
+
+
+def _image_key(rel: str) -> tuple[str, str]:
+    """``(key, field)`` for an image file path relative to SRC."""
+    directory, base = os.path.split(rel)
+    stem, ext = os.path.splitext(base)
+    key_base = stem.replace(".", "_")
+    key = f"{directory}/{key_base}" if directory else key_base
+    return key.replace(os.sep, "/"), ext[1:].lower()
+
+
+def _list_images(root: Path) -> Listing:
+    entries = sorted(os.scandir(root), key=lambda e: e.name)
+    classes = [e.name for e in entries if e.is_dir() and not e.name.startswith(".")]
+    top_files = [e.name for e in entries if e.is_file() and not e.name.startswith(".")]
+    listing = Listing(kind="images", root=str(root))
+    stamps: list[tuple[str, int, int]] = []
+    exts: set[str] = set()
+    candidates: list[tuple[str, int | None, os.stat_result]] = []
+    if classes:
+        listing.extra["classes"] = classes
+        for name in top_files:
+            listing.skipped.append({"source": name, "reason": "file beside the class folders (not in a class)"})
+        for cls, cname in enumerate(classes):
+            for rel, st in _walk_files(root / cname):
+                candidates.append((os.path.join(cname, rel), cls, st))
+    else:
+        candidates = [(name, None, os.stat(root / name)) for name in top_files]
+    for rel, cls, st in candidates:
+        key, ext = _image_key(rel)
+        if ext not in IMAGE_EXTENSIONS:
+            listing.skipped.append({"source": rel, "reason": f"not an image file (extension {ext or 'none'!r})"})
+            continue
+        try:
+            check_key(key)
+        except ValueError as e:
+            raise SourceError(f"{root / rel}: {e}") from None
+        stamps.append((rel, st.st_size, st.st_mtime_ns))
+        exts.add(ext)
+        listing.keys.append(key)
+        listing.refs.append((rel, cls, ext))
+        image = member_bytes(len(key) + 1 + len(ext), st.st_size)
+        listing.image_sizes.append(image)
+        listing.sizes.append(image + (member_bytes(len(key) + 4, len(str(cls))) if cls is not None else 0))
+    if not listing.keys:
+        what = "is empty" if not candidates and not top_files else "holds no image files"
+        raise SourceError(f"SRC {root}: {what} (expected class subfolders of images "
+                          f"with extensions {', '.join(sorted(IMAGE_EXTENSIONS))})")
+    fields = [FieldInfo(ext, "bytes") for ext in sorted(exts)]
+    if classes:
+        fields.append(FieldInfo("cls", "int"))
+    listing.fields = tuple(sorted(fields, key=lambda f: f.name))
+    listing.stamp = _stamp(stamps)
+    return listing
+
+
+# ------------------------------------------------------------------------------------ tar / hdf5
+
+def _list_manifest_folder(root: Path) -> Listing:
+    manifest = Manifest.load(root)
+    files = [root / s.name for s in manifest.shards]
+    if not files:
+        raise SourceError(f"SRC {root}: {MANIFEST_NAME} lists no shards")
+    if manifest.format == "tar":
+        indexes = [None if s.index is None else str(root / s.index) for s in manifest.shards]
+        return _list_tar(root, files, indexes)
+    return _list_hdf5(root, files)
+
+
+def _list_tar(root: Path, files: Sequence[Path], indexes: Sequence[str | None]) -> Listing:
+    from fastdata.shards.tar import TarShardReader
+
+    listing = Listing(kind="tar", root=str(root), files=tuple(map(str, files)), indexes=tuple(indexes))
+    names: set[str] = set()
+    for i, (path, index) in enumerate(zip(files, indexes)):
+        idx = TarShardReader(path, index=index).index  # ShardError names shard and byte offset
+        for j, (key, members) in enumerate(zip(idx.keys, idx.members)):
+            listing.keys.append(key)
+            listing.refs.append((i, j))
+            total = image = 0
+            for fld, a, b in members:
+                size = member_bytes(len(key) + 1 + len(fld), b - a)
+                total += size
+                if fld.rsplit(".", 1)[-1].lower() in IMAGE_EXTENSIONS:
+                    image += size
+                names.add(fld)
+            listing.sizes.append(total)
+            listing.image_sizes.append(image)
+    if not listing.keys:
+        raise SourceError(f"SRC {root}: the tar shards hold no samples")
+    listing.fields = tuple(FieldInfo(n, "bytes") for n in sorted(names))
+    listing.stamp = _file_stamp(root, files)
+    return listing
+
+
+def _list_hdf5(root: Path, files: Sequence[Path]) -> Listing:
+    import h5py
+
+    from fastdata.shards.hdf5 import HDF5ShardReader
+
+    listing = Listing(kind="hdf5", root=str(root), files=tuple(map(str, files)), indexes=(None,) * len(files))
+    merged: dict[str, FieldInfo] = {}
+    for i, path in enumerate(files):
+        with HDF5ShardReader(path) as reader:  # ShardError names the dataset missing/mistyped
+            keys, kinds = reader.keys, reader.fields
+        infos = []
+        with h5py.File(path, "r") as f:
+            for name, kind in sorted(kinds.items()):
+                ds = f[name]
+                fixed = kind == "array" and h5py.check_vlen_dtype(ds.dtype) is None
+                infos.append(FieldInfo(name, kind, _dtype_name(ds.dtype) if fixed else None,
+                                       tuple(ds.shape[1:]) if fixed else None))
+        # vlen data lives in the file's heap, not in the datasets: estimate from the file size
+        per_sample = os.path.getsize(path) // max(1, len(keys)) + 1024 * len(infos)
+        for info in infos:
+            merged[info.name] = merge_field(merged.get(info.name), info, path)
+        for j, key in enumerate(keys):
+            listing.keys.append(key)
+            listing.refs.append((i, j))
+            listing.sizes.append(per_sample)
+            listing.image_sizes.append(0)
+        if set(merged) != {x.name for x in infos}:
+            raise SourceError(f"{path}: has fields {sorted(x.name for x in infos)} but earlier HDF5 files have "
+                              f"{sorted(merged)}; every file of SRC needs the same fields")
+    if not listing.keys:
+        raise SourceError(f"SRC {root}: the HDF5 shards hold no samples")
+    listing.fields = tuple(merged[n] for n in sorted(merged))
+    listing.stamp = _file_stamp(root, files)
+    return listing
+
+
+def merge_field(prev: FieldInfo | None, info: FieldInfo, where: object) -> FieldInfo:
+    """Combine two descriptions of one field; dtype/shape become None where they differ."""
+    if prev is None:
+        return info
+    if prev.kind != info.kind:
+        raise SourceError(f"{where}: field {info.name!r} is {info.kind!r} here but {prev.kind!r} elsewhere")
+    return FieldInfo(info.name, info.kind, prev.dtype if prev.dtype == info.dtype else None,
+                     prev.shape if prev.shape == info.shape else None)
+
+
+def _dtype_name(dt: np.dtype) -> str:
+    """Same spelling as :func:`fastdata.shards._fields.value_info` (``uint8``, ``>i4``)."""
+    return dt.str if dt.byteorder not in "=|" else dt.name
+
+
+# ------------------------------------------------------------------------------------------- npz
+
+@dataclass(frozen=True)
+class _NpyMember:
+    name: str
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    fortran: bool
+    offset: int | None  # byte offset of the raw array data in the .npz (stored, not compressed)
+
+
+def _npz_members(path: Path) -> list[_NpyMember]:
+    """Array headers of a ``.npz`` without loading the arrays."""
+    out = []
+    try:
+        with zipfile.ZipFile(path) as zf, open(path, "rb") as raw:
+            for info in zf.infolist():
+                if not info.filename.endswith(".npy"):
+                    continue
+                with zf.open(info) as f:
+                    version = np.lib.format.read_magic(f)
+                    read = (np.lib.format.read_array_header_1_0 if version == (1, 0)
+                            else np.lib.format.read_array_header_2_0)
+                    shape, fortran, dtype = read(f)
+                    header_len = f.tell()
+                offset = None
+                if info.compress_type == zipfile.ZIP_STORED:
+                    raw.seek(info.header_offset)
+                    local = raw.read(30)
+                    name_len, extra_len = struct.unpack("<HH", local[26:30])
+                    offset = info.header_offset + 30 + name_len + extra_len + header_len
+                out.append(_NpyMember(info.filename[:-4], tuple(shape), np.dtype(dtype), fortran, offset))
+    except (OSError, ValueError, zipfile.BadZipFile, struct.error) as e:
+        raise SourceError(f"SRC {path}: not a readable .npz: {e}") from e
+    return out
+
+
+def _list_npz(path: Path) -> Listing:
+    members = _npz_members(path)
+    arrays = [m for m in members if m.name != "__key__"]
+    if not arrays:
+        raise SourceError(f"SRC {path}: the .npz holds no arrays")
+    for m in members:
+        if m.dtype.hasobject:
+            raise SourceError(f"SRC {path}: array {m.name!r} has dtype object; only plain arrays are supported")
+        if not m.shape:
+            raise SourceError(f"SRC {path}: array {m.name!r} is 0-dimensional; arrays need a sample axis")
+    n = arrays[0].shape[0]
+    for m in members:
+        if m.shape[0] != n:
+            raise SourceError(f"SRC {path}: arrays must share their first axis, but {arrays[0].name!r} has "
+                              f"{n} rows and {m.name!r} has {m.shape[0]}")
+    if n == 0:
+        raise SourceError(f"SRC {path}: the arrays have no rows (empty)")
+    fields = []
+    for m in arrays:
+        try:
+            check_field(m.name + ".npy")
+        except ValueError as e:
+            raise SourceError(f"SRC {path}: array name {m.name!r} cannot be a field: {e}") from None
+        fields.append(FieldInfo(m.name + ".npy", "array", _dtype_name(m.dtype), m.shape[1:]))
+    key_member = next((m for m in members if m.name == "__key__"), None)
+    if key_member is not None:
+        if key_member.dtype.kind not in "US" or len(key_member.shape) != 1:
+            raise SourceError(f"SRC {path}: array '__key__' must be a 1-D string array, "
+                              f"got {key_member.dtype} {key_member.shape}")
+        with np.load(path, allow_pickle=False) as z:
+            raw_keys = z["__key__"]
+        keys = [k.decode("utf-8") if isinstance(k, bytes) else str(k) for k in raw_keys.tolist()]
+        for k in keys:
+            try:
+                check_key(k)
+            except ValueError as e:
+                raise SourceError(f"SRC {path}: __key__: {e}") from None
+    else:
+        width = max(6, len(str(n - 1)))
+        keys = [f"{i:0{width}d}" for i in range(n)]
+    per_sample = sum(member_bytes(len(keys[0]) + 5 + len(m.name),
+                                  128 + m.dtype.itemsize * int(np.prod(m.shape[1:], dtype=np.int64)))
+                     for m in arrays)
+    listing = Listing(kind="npz", root=str(path), files=(str(path),), indexes=(None,), keys=keys,
+                      refs=[(0, i) for i in range(n)], sizes=[per_sample] * n, image_sizes=[0] * n,
+                      fields=tuple(sorted(fields, key=lambda f: f.name)))
+    listing.extra["arrays"] = [m.name for m in arrays]
+    listing.stamp = _file_stamp(path.parent, [path])
+    return listing
+
+
+# ---------------------------------------------------------------------------------------- reading
+
+class SampleUnreadable(Exception):
+    """One input could not be read (e.g. a file vanished); the sample is skipped with this reason."""
+
+
+class SourceReader:
+    """Reads samples by reference in any process (readers opened lazily, per process)."""
+
+    def __init__(self, kind: str, root: str, files: Sequence[str], indexes: Sequence[str | None]):
+        self.kind = kind
+        self.root = root
+        self.files = tuple(files)
+        self.indexes = tuple(indexes)
+        self._readers: dict[int, Any] = {}
+        self._npz: dict[str, np.ndarray] | None = None
+
+    @classmethod
+    def of(cls, listing: Listing) -> SourceReader:
+        return cls(listing.kind, listing.root, listing.files, listing.indexes)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"kind": self.kind, "root": self.root, "files": self.files, "indexes": self.indexes}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(**state)  # type: ignore[misc]
+
+    def close(self) -> None:
+        for reader in self._readers.values():
+            reader.close()
+        self._readers.clear()
+        self._npz = None
+
+    def read(self, items: Sequence[tuple[str, tuple]]) -> Iterator[tuple[str, dict[str, Any] | SampleUnreadable]]:
+        """``(origin, sample or SampleUnreadable)`` for each ``(key, ref)`` in order.
+
+        Consecutive references into one shard are read as ranges (contiguous HDF5 slices).
+        """
+        if self.kind == "images":
+            for key, (rel, cls, ext) in items:
+                yield rel, self._image(key, rel, cls, ext)
+            return
+        if self.kind == "npz":
+            arrays = self._arrays()
+            for key, (_, i) in items:
+                sample: dict[str, Any] = {"__key__": key}
+                for name, arr in arrays.items():
+                    sample[name + ".npy"] = np.array(arr[i])  # a private, contiguous ndarray (0-d too)
+                yield f"{os.path.basename(self.files[0])}[{i}]", sample
+            return
+        start = 0
+        while start < len(items):
+            file_i, first = items[start][1]
+            stop = start + 1
+            while stop < len(items) and items[stop][1] == (file_i, first + stop - start):
+                stop += 1
+            reader = self._reader(file_i)
+            name = os.path.basename(self.files[file_i])
+            for j, sample in enumerate(reader.iter_range(first, first + stop - start)):
+                key = items[start + j][0]
+                if sample["__key__"] != key:
+                    raise SourceError(f"{self.files[file_i]}: sample {first + j} has key {sample['__key__']!r}, "
+                                      f"expected {key!r}; the shard changed during conversion")
+                yield f"{name}[{first + j}]", sample
+            start = stop
+
+    def _image(self, key: str, rel: str, cls: int | None, ext: str) -> dict[str, Any] | SampleUnreadable:
+        try:
+            with open(os.path.join(self.root, rel), "rb") as f:
+                data = f.read()
+        except OSError as e:
+            return SampleUnreadable(f"cannot read file: {e.strerror or e}")
+        sample: dict[str, Any] = {"__key__": key, ext: data}
+        if cls is not None:
+            sample["cls"] = cls
+        return sample
+
+    def _reader(self, i: int) -> Any:
+        reader = self._readers.get(i)
+        if reader is None:
+            if self.kind == "tar":
+                from fastdata.shards.tar import TarShardReader
+
+                reader = TarShardReader(self.files[i], index=self.indexes[i])
+            else:
+                from fastdata.shards.hdf5 import HDF5ShardReader
+
+                reader = HDF5ShardReader(self.files[i])
+            self._readers[i] = reader
+        return reader
+
+    def _arrays(self) -> dict[str, np.ndarray]:
+        if self._npz is None:
+            path = self.files[0]
+            arrays: dict[str, np.ndarray] = {}
+            for m in _npz_members(Path(path)):
+                if m.name == "__key__":
+                    continue
+                if m.offset is not None:
+                    arrays[m.name] = np.memmap(path, dtype=m.dtype, mode="r", offset=m.offset, shape=m.shape,
+                                               order="F" if m.fortran else "C")
+                else:
+                    with np.load(path, allow_pickle=False) as z:
+                        arrays[m.name] = z[m.name]
+            self._npz = arrays
+        return self._npz

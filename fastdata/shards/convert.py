@@ -1,0 +1,456 @@
+"""The conversion engine behind ``tools/shard.py``: SRC (images, tar, HDF5, npz) -> shards.
+
+How a conversion runs:
+
+1. **Plan** (:func:`plan_conversion`), before anything is written: enumerate SRC in sorted
+   order (:mod:`fastdata.shards._sources`), optionally permute it with ``seed``, reject
+   duplicate keys, and cut the sample list into shards by ``samples_per_shard`` and/or an
+   estimated ``shard_size`` (input sizes plus tar header overhead, or the fixed resized size).
+2. **Write** every shard as an independent job, in-process or in a process pool. A shard's
+   bytes depend only on the plan, so the output is byte-identical whatever ``workers`` is.
+3. **Resume**: after a shard's atomic rename, ``DEST/.fastdata-progress/shard-NNNNNN.json``
+   records it. Rerunning with the same plan keeps recorded shards whose sha256 still matches
+   and redoes the rest. ``manifest.json`` is written last; then the progress folder is removed.
+
+Inputs that cannot be read (unreadable files, corrupt images, files that are not images) are
+skipped and listed in ``manifest.skipped`` with the reason, or abort the run with ``strict``.
+Image checks are described in :mod:`fastdata.shards._images`. A planned shard whose samples
+were all skipped is not written (shard numbers then have a gap; the manifest lists the rest).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import multiprocessing as mp
+import os
+import re
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from fastdata.manifest import MANIFEST_NAME, FieldInfo, Manifest
+from fastdata.shards import _progress
+from fastdata.shards._images import CHECK_LEVELS, BadImage, check_image, is_image_field, resize_center_crop
+from fastdata.shards._progress import PROGRESS_DIR, ConversionError, ShardResult
+from fastdata.shards._sources import Listing, SampleUnreadable, SourceReader, list_source, member_bytes
+
+__all__ = [
+    "DEFAULT_SHARD_SIZE", "PROGRESS_DIR", "ConversionError", "ConvertOptions", "ConvertResult", "Plan",
+    "ShardJob", "ShardResult", "convert", "default_workers", "parse_size", "plan_conversion",
+]
+
+log = logging.getLogger("fastdata.convert")
+
+DEFAULT_SHARD_SIZE = 256 << 20  # same default as fastdata.ShardWriter
+_PLAN_VERSION = 1
+_SUFFIX = {"tar": ".tar", "hdf5": ".h5"}
+_TAR_END = 2 * 512  # end-of-archive blocks (record padding comes on top, < 10 KiB)
+_TICK_S = 0.1  # how often workers report progress counts
+
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([kmgtp]?)(i?)(b?)\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str | int) -> int:
+    """Bytes from ``"256MB"``, ``"1GiB"``, ``"1.5G"``, ``"1000000"`` or an int.
+
+    ``K/M/G/T/P`` (with or without ``B``) are powers of 1000; ``KiB/MiB/GiB/...`` powers of 1024.
+    """
+    if isinstance(text, int) and not isinstance(text, bool):
+        value = text
+    else:
+        match = _SIZE_RE.match(str(text))
+        if match is None or (match.group(3) and not match.group(2)):
+            raise ValueError(f"cannot parse size {text!r} (use e.g. 256MB, 1GiB or 1000000)")
+        number, prefix, binary = float(match.group(1)), match.group(2).lower(), bool(match.group(3))
+        power = " kmgtp".index(prefix) if prefix else 0
+        value = int(number * (1024 if binary else 1000) ** power)
+    if value < 1:
+        raise ValueError(f"size must be at least 1 byte, got {text!r}")
+    return value
+
+
+def default_workers() -> int:
+    """The CPUs this process may use."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+@dataclass(frozen=True)
+class ConvertOptions:
+    """Options of :func:`convert` (the command-line flags of ``tools/shard.py``)."""
+
+    format: str = "tar"
+    shard_size: int | None = None  # target bytes per shard; DEFAULT_SHARD_SIZE if neither limit is set
+    samples_per_shard: int | None = None
+    workers: int | None = None  # None: default_workers(), capped by the number of shards to write
+    shuffle: bool = False
+    seed: int = 0
+    resize: int | None = None
+    check: str = "header"  # image check for pass-through: "header" (open + verify) or "full" (decode)
+    strict: bool = False
+    overwrite: bool = False
+    progress: bool | None = None  # None: a tqdm bar when stderr is a terminal
+
+    def __post_init__(self) -> None:
+        if self.format not in _SUFFIX:
+            raise ValueError(f"format must be 'tar' or 'hdf5', got {self.format!r}")
+        for name in ("shard_size", "samples_per_shard", "workers", "resize"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ValueError(f"{name} must be None or an int >= 1, got {value!r}")
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0:
+            raise ValueError(f"seed must be an int >= 0, got {self.seed!r}")
+        if self.check not in CHECK_LEVELS:
+            raise ValueError(f"check must be one of {CHECK_LEVELS}, got {self.check!r}")
+
+    @property
+    def max_bytes(self) -> int | None:
+        if self.shard_size is None and self.samples_per_shard is None:
+            return DEFAULT_SHARD_SIZE
+        return self.shard_size
+
+
+@dataclass(frozen=True)
+class ShardJob:
+    """One planned shard: its number, file name and ``(key, source reference)`` per sample."""
+
+    number: int
+    name: str
+    items: tuple[tuple[str, tuple], ...]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A deterministic conversion plan (see :func:`plan_conversion`)."""
+
+    listing: Listing
+    options: ConvertOptions
+    jobs: tuple[ShardJob, ...]
+    fields: tuple[FieldInfo, ...]
+    fingerprint: str
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def num_samples(self) -> int:
+        return sum(len(j.items) for j in self.jobs)
+
+
+@dataclass(frozen=True)
+class ConvertResult:
+    """What :func:`convert` did."""
+
+    manifest: Manifest
+    written: int  # shards written by this run
+    kept: int  # shards kept from an interrupted earlier run
+    seconds: float
+
+
+def plan_conversion(src: str | os.PathLike[str], options: ConvertOptions | None = None) -> Plan:
+    """Enumerate SRC and cut it into shards; nothing is written."""
+    opts = options or ConvertOptions()
+    listing = list_source(src)
+    _check_duplicates(listing)
+    fields = _output_fields(listing, opts)
+    n = len(listing.keys)
+    order = np.random.default_rng(opts.seed).permutation(n) if opts.shuffle else np.arange(n)
+    sizes = _estimated_sizes(listing, opts)
+    jobs = []
+    suffix = _SUFFIX[opts.format]
+    for number, (a, b) in enumerate(_boundaries([sizes[i] for i in order.tolist()], opts)):
+        items = tuple((listing.keys[i], listing.refs[i]) for i in order[a:b].tolist())
+        jobs.append(ShardJob(number, f"shard-{number:06d}{suffix}", items))
+    extra: dict[str, Any] = {"source": {"kind": listing.kind, "path": listing.root, **listing.extra},
+                             "shuffle": opts.shuffle, "resize": opts.resize, "check": _check_level(opts)}
+    if opts.shuffle:
+        extra["seed"] = opts.seed
+    return Plan(listing, opts, tuple(jobs), fields, _fingerprint(listing, opts, jobs, fields), extra)
+
+
+def _check_level(opts: ConvertOptions) -> str:
+    return "full" if opts.resize else opts.check  # resizing decodes everything anyway
+
+
+def _check_duplicates(listing: Listing) -> None:
+    first: dict[str, int] = {}
+    for i, key in enumerate(listing.keys):
+        j = first.setdefault(key, i)
+        if j != i:
+            raise ConversionError(f"duplicate key {key!r}: {listing.origin(listing.refs[j])} and "
+                                  f"{listing.origin(listing.refs[i])} (keys must be unique across SRC)")
+
+
+def _output_fields(listing: Listing, opts: ConvertOptions) -> tuple[FieldInfo, ...]:
+    fields = list(listing.fields)
+    images = [f.name for f in fields if is_image_field(f.name)]
+    if opts.resize:
+        if not images:
+            raise ConversionError(f"--resize: SRC {listing.root} has no image field "
+                                  f"(fields: {[f.name for f in fields]})")
+        if any(f.name == "img.npy" for f in fields):
+            raise ConversionError(f"--resize: SRC {listing.root} already has a field 'img.npy'")
+        size = opts.resize
+        fields = [f for f in fields if f.name not in images] + [FieldInfo("img.npy", "array", "uint8", (3, size, size))]
+    elif opts.format == "hdf5" and listing.kind == "images" and len(images) > 1:
+        raise ConversionError(f"--format hdf5 needs the same fields in every sample, but SRC {listing.root} mixes "
+                              f"image types {images}; use --format tar or --resize")
+    return tuple(sorted(fields, key=lambda f: f.name))
+
+
+def _estimated_sizes(listing: Listing, opts: ConvertOptions) -> list[int]:
+    if not opts.resize:
+        return listing.sizes
+    npy = 128 + 3 * opts.resize * opts.resize
+    return [s - img + member_bytes(len(k) + 8, npy)
+            for s, img, k in zip(listing.sizes, listing.image_sizes, listing.keys)]
+
+
+def _boundaries(sizes: list[int], opts: ConvertOptions) -> Iterator[tuple[int, int]]:
+    """``(start, stop)`` of each shard: a shard ends before the next sample would pass a limit."""
+    max_bytes, max_samples = opts.max_bytes, opts.samples_per_shard
+    start, total = 0, _TAR_END
+    for i, size in enumerate(sizes):
+        count = i - start
+        if count and ((max_samples is not None and count >= max_samples)
+                      or (max_bytes is not None and total + size > max_bytes)):
+            yield start, i
+            start, total = i, _TAR_END
+        total += size
+    yield start, len(sizes)
+
+
+def _fingerprint(listing: Listing, opts: ConvertOptions, jobs: list[ShardJob], fields: tuple[FieldInfo, ...]) -> str:
+    from fastdata import __version__
+
+    h = hashlib.sha256()
+    head = {"plan": _PLAN_VERSION, "fastdata": __version__, "kind": listing.kind, "stamp": listing.stamp,
+            "format": opts.format, "resize": opts.resize, "check": _check_level(opts),
+            "fields": [f.to_json() for f in fields]}
+    h.update(json.dumps(head, sort_keys=True).encode())
+    for job in jobs:
+        h.update(f"\n{job.name}:".encode())
+        h.update("\0".join(k for k, _ in job.items).encode("utf-8", "surrogateescape"))
+    return h.hexdigest()
+
+
+# ------------------------------------------------------------------------------------- running
+
+def convert(src: str | os.PathLike[str], dest: str | os.PathLike[str], options: ConvertOptions | None = None,
+            ) -> ConvertResult:
+    """Convert SRC into shards plus ``manifest.json`` in DEST (see the module docstring)."""
+    t0 = time.perf_counter()
+    opts = options or ConvertOptions()
+    plan = plan_conversion(src, opts)
+    dest_path = Path(dest)
+    _check_dest_vs_src(plan.listing, dest_path)
+    if opts.strict and plan.listing.skipped:
+        first = plan.listing.skipped[0]
+        raise ConversionError(f"{os.path.join(plan.listing.root, first['source'])}: {first['reason']} (--strict)")
+    state = _progress.prepare(dest_path, plan, overwrite=opts.overwrite)
+    if opts.strict:
+        for result in state.done.values():
+            if result.skipped:
+                raise ConversionError(f"{result.skipped[0]['source']}: {result.skipped[0]['reason']} (--strict)")
+    todo = [job for job in plan.jobs if job.number not in state.done]
+    kept = len(plan.jobs) - len(todo)
+    if kept:
+        log.info("resuming: %d of %d shards already written to %s", kept, len(plan.jobs), dest_path)
+    tasks = [_Task(SourceReader.of(plan.listing), str(dest_path), job, opts.format, opts.resize,
+                   _check_level(opts), opts.strict, plan.fields) for job in todo]
+    initial = sum(len(plan.jobs[n].items) for n in state.done)
+    with _progress_bar(plan.num_samples, initial, opts) as tick:
+        for result in _execute(tasks, opts, tick):
+            state.record(result)
+    manifest = state.finish()
+    if manifest.skipped:
+        examples = "; ".join(f"{s['source']}: {s['reason']}" for s in manifest.skipped[:3])
+        log.warning("skipped %d input(s) (listed in %s under 'skipped'), e.g. %s",
+                    len(manifest.skipped), dest_path / MANIFEST_NAME, examples)
+    return ConvertResult(manifest, len(todo), kept, time.perf_counter() - t0)
+
+
+def _check_dest_vs_src(listing: Listing, dest: Path) -> None:
+    root, target = Path(listing.root), Path(os.path.abspath(dest))
+    if target == root or (listing.kind == "images" and root in target.parents):
+        raise ConversionError(f"DEST {dest} is inside SRC {listing.root}; choose a folder outside SRC")
+
+
+@dataclass(frozen=True)
+class _Task:
+    reader: SourceReader
+    dest: str
+    job: ShardJob
+    format: str
+    resize: int | None
+    check: str
+    strict: bool
+    fields: tuple[FieldInfo, ...]
+
+
+def _execute(tasks: list[_Task], opts: ConvertOptions, tick: Callable[[int], None]) -> Iterator[ShardResult]:
+    """Run the jobs, yielding results in completion order (in-process for one worker)."""
+    workers = min(opts.workers or default_workers(), len(tasks))
+    if workers <= 1:
+        for task in tasks:
+            yield _write_job(task, tick)
+        return
+    ctx = _mp_context()
+    queue = ctx.SimpleQueue()
+    pool = ctx.Pool(workers, initializer=_init_worker, initargs=(queue,))
+    try:
+        results = pool.imap_unordered(_pool_job, tasks)
+        for _ in range(len(tasks)):
+            while True:
+                _drain(queue, tick)
+                try:
+                    result = results.next(timeout=_TICK_S)
+                except mp.TimeoutError:
+                    continue
+                break
+            _drain(queue, tick)
+            yield result
+        pool.close()
+    finally:
+        pool.terminate()  # no-op after close(); stops running jobs on errors and interrupts
+        pool.join()
+
+
+def _mp_context() -> Any:
+    """fork when this process has no other threads (fast, nothing to re-import), else spawn.
+
+    Forking a multi-threaded process can deadlock on locks held by other threads.
+    """
+    if "fork" in mp.get_all_start_methods() and threading.active_count() == 1:
+        return mp.get_context("fork")
+    return mp.get_context("spawn")
+
+
+def _drain(queue: Any, tick: Callable[[int], None]) -> None:
+    while not queue.empty():
+        tick(queue.get())
+
+
+_worker_queue: Any = None
+
+
+def _init_worker(queue: Any) -> None:
+    global _worker_queue
+    _worker_queue = queue
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and terminates the pool
+
+
+def _pool_job(task: _Task) -> ShardResult:
+    pending = [0, time.monotonic()]
+
+    def tick(n: int) -> None:
+        pending[0] += n
+        now = time.monotonic()
+        if now - pending[1] >= _TICK_S:
+            _worker_queue.put(pending[0])
+            pending[0], pending[1] = 0, now
+
+    try:
+        return _write_job(task, tick)
+    finally:
+        if pending[0]:
+            _worker_queue.put(pending[0])
+
+
+def _write_job(task: _Task, tick: Callable[[int], None]) -> ShardResult:
+    """Write one planned shard (atomically, through the formats' writers)."""
+    path = Path(task.dest) / task.job.name
+    skipped: list[dict[str, str]] = []
+    samples = _prepared_samples(task, skipped, tick)
+    if task.format == "tar":
+        from fastdata.shards.tar import write_tar_shard
+
+        info = write_tar_shard(path, samples)
+    else:
+        from fastdata.shards.hdf5 import write_hdf5_shard
+
+        info = write_hdf5_shard(path, samples, fields=task.fields)
+    task.reader.close()
+    if info.num_samples == 0:
+        path.unlink()
+        if info.index:
+            (Path(task.dest) / info.index).unlink(missing_ok=True)
+        return ShardResult(task.job.number, None, tuple(skipped), len(task.job.items))
+    return ShardResult(task.job.number, info, tuple(skipped), len(task.job.items))
+
+
+def _prepared_samples(task: _Task, skipped: list[dict[str, str]], tick: Callable[[int], None],
+                      ) -> Iterator[dict[str, Any]]:
+    for origin, sample in task.reader.read(task.job.items):
+        reason = str(sample) if isinstance(sample, SampleUnreadable) else None
+        if reason is None:
+            try:
+                sample = _process(sample, origin, task)  # type: ignore[arg-type]
+            except BadImage as e:
+                reason = str(e)
+        if reason is not None:
+            if task.strict:
+                where = os.path.join(task.reader.root, origin) if task.reader.kind == "images" else origin
+                raise ConversionError(f"{where}: {reason} (--strict)")
+            skipped.append({"source": origin, "reason": reason})
+        else:
+            yield sample  # type: ignore[misc]
+        tick(1)
+
+
+def _process(sample: dict[str, Any], origin: str, task: _Task) -> dict[str, Any]:
+    images = [k for k in sample if not k.startswith("__") and is_image_field(k)]
+    if task.resize:
+        if len(images) != 1:
+            raise ConversionError(f"{origin}: --resize needs exactly one image field per sample, "
+                                  f"sample {sample['__key__']!r} has {images}")
+        data = sample.pop(images[0])
+        sample["img.npy"] = resize_center_crop(bytes(data), task.resize)
+        return sample
+    for name in images:
+        try:
+            check_image(bytes(sample[name]), check=task.check)
+        except BadImage as e:
+            raise BadImage(f"field {name!r}: {e}" if len(images) > 1 else str(e)) from e
+    return sample
+
+
+class _progress_bar:
+    """tqdm bar in samples/s on stderr (only when enabled); yields a ``tick(n)`` callable."""
+
+    def __init__(self, total: int, initial: int, opts: ConvertOptions):
+        enabled = opts.progress if opts.progress is not None else sys.stderr.isatty()
+        self._bar: Any = None
+        if enabled:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total, initial=initial, unit=" samples", file=sys.stderr,
+                             dynamic_ncols=True, smoothing=0.1, desc="shard.py")
+
+    def __enter__(self) -> Callable[[int], None]:
+        bar = self._bar
+        return bar.update if bar is not None else (lambda n: None)
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+
+def verify_dest(dest: str | os.PathLike[str]) -> list[str]:
+    """Problems found re-reading every shard of DEST against its manifest (empty: all good)."""
+    from fastdata.shards.reader import verify
+
+    path = Path(dest)
+    if not path.is_dir():
+        raise ConversionError(f"DEST {dest}: no such folder")
+    return verify(path)
+
