@@ -34,6 +34,7 @@ import threading
 import time
 import uuid
 import warnings
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,7 +57,19 @@ LAYOUT_LOCK = "layout.lock"
 LAST_USED = "last_used"
 
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_READ_ONLY_ERRNOS = frozenset({errno.EACCES, errno.EPERM, errno.EROFS})
 _readonly_warning_silenced = False
+_live_stores: weakref.WeakSet[Store] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    # A lock held by another thread of the parent at fork time would stay held forever in the child.
+    for store in list(_live_stores):
+        store._mutex = threading.RLock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 @dataclass(frozen=True)
@@ -154,8 +167,9 @@ class Store:
         self.path = cache.directory / key
         self.fingerprint = fingerprint
         self.num_samples = num_samples
-        self._mutex = threading.Lock()
+        self._mutex = threading.RLock()
         self._reset()
+        _live_stores.add(self)
 
     # ----- per-process state ---------------------------------------------------------------
     def _reset(self) -> None:
@@ -168,6 +182,7 @@ class Store:
         self._valid_fd: int | None = None
         self._meta_stat: tuple[int, int] | None = None
         self._layout_error: CacheError | None = None
+        self._read_only = False
 
     def __getstate__(self) -> dict[str, Any]:
         return {"cache": self.cache, "key": self.key, "fingerprint": self.fingerprint,
@@ -200,7 +215,7 @@ class Store:
         lock_path = self.path / OPEN_LOCK
         for _ in range(1000):
             try:
-                fd = os.open(lock_path, os.O_RDWR | _O_CLOEXEC)
+                fd = os.open(lock_path, os.O_RDONLY | _O_CLOEXEC)
             except FileNotFoundError:
                 self._create_dir()
                 continue
@@ -259,22 +274,38 @@ class Store:
                 )
 
     def _refresh_layout(self) -> bool:
-        """Map the field files if another process defined the layout since we last looked."""
-        if self._fields is not None:
+        """Map the field files if another process defined the layout since we last looked.
+
+        ``self._valid`` is set last, so a thread that sees it set sees a complete mapping.
+        """
+        if self._valid is not None:
             return True
+        with self._mutex:
+            if self._valid is not None:
+                return True
+            try:
+                st = os.stat(self.path / META_NAME)
+            except FileNotFoundError as e:
+                raise CacheError(f"cache store {self.path}: {META_NAME} disappeared") from e
+            if self._meta_stat == (st.st_ino, st.st_mtime_ns):
+                return False
+            meta = read_meta(self.path)
+            self._meta_stat = (st.st_ino, st.st_mtime_ns)
+            fields = parse_fields(self.path, meta)
+            if fields is None:
+                return False
+            self._map(fields)
+            return True
+
+    def _open_rw(self, name: str) -> int:
+        """Open a store file for pwrite, or read-only (then puts fail) on a read-only cache."""
         try:
-            st = os.stat(self.path / META_NAME)
-        except FileNotFoundError as e:
-            raise CacheError(f"cache store {self.path}: {META_NAME} disappeared") from e
-        if self._meta_stat == (st.st_ino, st.st_mtime_ns):
-            return False
-        meta = read_meta(self.path)
-        self._meta_stat = (st.st_ino, st.st_mtime_ns)
-        fields = parse_fields(self.path, meta)
-        if fields is None:
-            return False
-        self._map(fields)
-        return True
+            return os.open(self.path / name, os.O_RDWR | _O_CLOEXEC)
+        except OSError as e:
+            if e.errno not in _READ_ONLY_ERRNOS:
+                raise
+            self._read_only = True
+            return os.open(self.path / name, os.O_RDONLY | _O_CLOEXEC)
 
     def _map(self, fields: list[FieldLayout]) -> None:
         n = self.num_samples
@@ -282,7 +313,7 @@ class Store:
         arrays: dict[str, np.ndarray] = {}
         try:
             for f in fields:
-                fd = os.open(self.path / f.file, os.O_RDWR | _O_CLOEXEC)
+                fd = self._open_rw(f.file)
                 fds[f.name] = fd
                 size = os.fstat(fd).st_size
                 if size != n * f.nbytes:
@@ -292,7 +323,7 @@ class Store:
                 # when the last of them is garbage collected, never while in use
                 m = mmap.mmap(fd, size, access=mmap.ACCESS_READ)
                 arrays[f.name] = np.frombuffer(m, dtype=f.dtype).reshape(n, *f.shape)
-            valid_fd = os.open(self.path / VALID_NAME, os.O_RDWR | _O_CLOEXEC)
+            valid_fd = self._open_rw(VALID_NAME)
             fds["\0valid"] = valid_fd
             vsize = os.fstat(valid_fd).st_size
             if vsize != n:
@@ -307,18 +338,17 @@ class Store:
                 os.close(fd)
             raise
         self._valid_fd = fds.pop("\0valid")
-        self._valid = valid
         self._fds = fds
         self._arrays = arrays
         self._fields = fields
+        self._valid = valid  # last: marks the mapping complete
 
     # ----- public API ----------------------------------------------------------------------
     @property
     def fields(self) -> list[FieldLayout] | None:
         """The field layout, or None while no sample has been put yet."""
         self._ensure_open()
-        self._refresh_layout()
-        return list(self._fields) if self._fields is not None else None
+        return list(self._fields) if self._refresh_layout() and self._fields is not None else None
 
     def __len__(self) -> int:
         return self.num_samples
@@ -370,18 +400,20 @@ class Store:
             return None
         if not self._valid[idx].all():  # type: ignore[index]
             return None
+        rows = torch.from_numpy(idx)
         result = {}
         for name, arr in self._arrays.items():
+            src = _readonly_tensor(arr)
             if out is not None and name in out:
                 dst = out[name][: len(idx)]
-                if tuple(dst.shape[1:]) != arr.shape[1:] or dst.numpy().dtype != arr.dtype:
+                if dst.shape[1:] != src.shape[1:] or dst.dtype != src.dtype or len(dst) != len(idx):
                     raise CacheError(f"cache store {self.path}: out[{name!r}] has shape {tuple(out[name].shape)} "
-                                     f"dtype {out[name].dtype}, expected (>= {len(idx)}, *{arr.shape[1:]}) "
-                                     f"dtype {arr.dtype}")
+                                     f"dtype {out[name].dtype}, expected (>= {len(idx)}, *{tuple(src.shape[1:])}) "
+                                     f"dtype {src.dtype}")
+                # rows land in `dst` (a view of out[name]); index_select runs on torch's threads
+                result[name] = torch.index_select(src, 0, rows, out=dst)
             else:
-                dst = torch.from_numpy(np.empty((len(idx), *arr.shape[1:]), dtype=arr.dtype))
-            np.take(arr, idx, axis=0, out=dst.numpy())
-            result[name] = dst
+                result[name] = torch.index_select(src, 0, rows)
         return result
 
     def put(self, index: int, outputs: Mapping[str, np.ndarray | torch.Tensor]) -> None:
@@ -397,12 +429,15 @@ class Store:
             raise CacheError(f"cache store {self.path}: put({i}) needs a non-empty mapping of field -> array, "
                              f"got {type(outputs).__name__}")
         arrays = {str(k): _as_array(str(k), v, i, self.path) for k, v in outputs.items()}
-        if self._fields is None and not self._refresh_layout():
-            self._create_layout(arrays, i)
+        if self._valid is None and not self._refresh_layout():
+            with self._mutex:
+                self._create_layout(arrays, i)
         self._check(arrays, i)
         assert self._valid is not None and self._valid_fd is not None and self._fields is not None
         if self._valid[i]:
             return
+        if self._read_only:
+            raise CacheError(f"cache store {self.path}: read-only (no write permission); cannot fill sample {i}")
         field = ""
         try:
             for f in self._fields:
@@ -484,7 +519,7 @@ class Store:
             if f.nbytes == 0:
                 raise CacheError(f"cache store {self.path}: field {f.name!r} of sample {index} has no bytes "
                                  f"(shape {f.shape})")
-        lock_fd = os.open(self.path / LAYOUT_LOCK, os.O_RDWR | _O_CLOEXEC)
+        lock_fd = os.open(self.path / LAYOUT_LOCK, os.O_RDONLY | _O_CLOEXEC)
         try:
             fcntl.flock(lock_fd, fcntl.LOCK_EX)
             self._meta_stat = None

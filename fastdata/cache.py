@@ -208,7 +208,7 @@ class Cache:
         """Delete one store unless some process has it open. True when it is gone."""
         lock_path = path / OPEN_LOCK
         try:
-            fd = os.open(lock_path, os.O_RDWR)
+            fd = os.open(lock_path, os.O_RDONLY)
         except FileNotFoundError:
             return not path.exists()
         try:

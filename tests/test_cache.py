@@ -450,3 +450,51 @@ def test_parse_bytes() -> None:
     assert parse_bytes("20GB") == 20 * 10**9 and parse_bytes("512MiB") == 512 << 20 and parse_bytes("1000") == 1000
     with pytest.raises(argparse.ArgumentTypeError, match="not a size: '12 parsecs'"):
         parse_bytes("12 parsecs")
+
+
+def test_threads_share_one_store(tmp_path: Path) -> None:
+    import threading
+
+    n = 200
+    store = Cache(tmp_path).open_store(fingerprint="threads", num_samples=n)
+    errors: list[BaseException] = []
+
+    def work(seed: int) -> None:
+        order = list(range(n))
+        random.Random(seed).shuffle(order)
+        try:
+            for i in order:
+                got = store.get(i)
+                if got is None:
+                    store.put(i, expected(i))
+                else:
+                    assert torch.equal(got["aux"], torch.from_numpy(expected(i)["aux"]))
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert check_store(store, require_full=True) == n
+
+
+def test_read_only_cache_serves_hits(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    store = Cache(tmp_path).open_store(fingerprint="ro", num_samples=4)
+    for i in range(3):
+        store.put(i, expected(i))
+    store.close()
+    real_open = os.open
+
+    def deny_writes(path: object, flags: int, *args: object) -> int:
+        if flags & (os.O_RDWR | os.O_WRONLY):
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        return real_open(path, flags, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(os, "open", deny_writes)
+    ro = Cache(tmp_path).open_store(fingerprint="ro", num_samples=4)
+    assert check_store(ro) == 3 and ro.get(3) is None
+    with pytest.raises(CacheError, match="read-only .*cannot fill sample 3"):
+        ro.put(3, expected(3))

@@ -1,0 +1,296 @@
+"""Preprocessing cache throughput: uncached epoch vs cached epoch, raw cached reading, store size.
+
+On a photo-like JPEG corpus (``fastdata._synth.make_image_folder``, 300-640 px) with a 224x224
+uint8 target (resize shorter side + centre crop) and the same DataLoader workers and batch size:
+
+- ``uncached``: every epoch decodes and resizes every JPEG;
+- ``fill``: the first cached epoch (decode, resize, write into the store);
+- ``cached``: later epochs, served from the memory-mapped store;
+- ``raw_read``: one process on one core reading the store sample by sample (``Store.get``) into
+  a reused batch buffer, warm (page cache) and cold (pages dropped with ``posix_fadvise``), GB/s;
+- ``gather_read``: one process, ``Store.get_batch`` of shuffled indices into a reused buffer:
+  the ceiling for a loader that gathers cached batches instead of collating samples.
+
+The cached epoch through DataLoader workers is bounded by collation into fresh shared memory
+per batch (a 64 x 150 kB batch is 9.6 MB of first-touch pages) and by the worker-to-main
+transfer, not by the cache; ``gather_read`` shows what the store itself delivers.
+
+The pipeline is ``fastdata.ShardedDataset(shards, preprocess=ResizeCenterCrop(size), cache=...)``
+when the dataset layer is available, otherwise a minimal map-style dataset over the JPEG files
+with the same decode+resize and the same ``Store``; the JSON says which (``pipeline``).
+
+    python benchmarks/cache_throughput.py --quick --json /tmp/cache.json
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import io
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from fastdata._synth import make_image_folder  # noqa: E402
+from fastdata.cache import Cache  # noqa: E402
+
+
+def decode_resize_pil(data: bytes, size: int) -> torch.Tensor:
+    """Decode a JPEG and resize its centred square straight to size x size (draft when >= 2x)."""
+    img = Image.open(io.BytesIO(data))
+    w, h = img.size
+    if min(w, h) >= 2 * size:
+        img.draft("RGB", (w * size // min(w, h) + 1, h * size // min(w, h) + 1))
+    img = img.convert("RGB")
+    w, h = img.size
+    s = min(w, h)
+    box = ((w - s) / 2, (h - s) / 2, (w + s) / 2, (h + s) / 2)
+    arr = np.asarray(img.resize((size, size), Image.BILINEAR, box=box))
+    return torch.from_numpy(np.ascontiguousarray(arr.transpose(2, 0, 1)))
+
+
+class JpegFolder(torch.utils.data.Dataset):
+    """Minimal map-style pipeline: decode + resize every time, or through a cache ``Store``."""
+
+    def __init__(self, files: list[Path], size: int, store: Any = None) -> None:
+        self.files, self.size, self.store = files, size, store
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        if self.store is not None:
+            hit = self.store.get(i)
+            if hit is not None:
+                return hit
+        out = {"img": decode_resize_pil(self.files[i].read_bytes(), self.size)}
+        if self.store is not None:
+            self.store.put(i, out)
+        return out
+
+
+class MinimalPipelines:
+    kind = "minimal"
+
+    def __init__(self, corpus: Path, *, size: int, cache: Cache) -> None:
+        self.files = sorted(corpus.rglob("*.jpg"))
+        self.size = size
+        self._store = cache.open_store(fingerprint=f"bench-minimal/{corpus}/{size}", num_samples=len(self.files))
+
+    def uncached_loader(self, **kw: Any) -> Any:
+        return torch.utils.data.DataLoader(JpegFolder(self.files, self.size), **kw)
+
+    def cached_loader(self, **kw: Any) -> Any:
+        return torch.utils.data.DataLoader(JpegFolder(self.files, self.size, self._store), **kw)
+
+    def store(self) -> Any:
+        return self._store
+
+    def close(self) -> None:
+        self._store.close()
+
+
+class DatasetPipelines:
+    """The real path: tar shards + ``ShardedDataset(preprocess=ResizeCenterCrop(size), cache=...)``
+    through ``fastdata.DataLoader``."""
+
+    kind = "dataset"
+
+    def __init__(self, corpus: Path, work: Path, *, size: int, cache: Cache) -> None:
+        from fastdata.shards.writer import ShardWriter
+        from fastdata.transforms import ResizeCenterCrop
+
+        files = sorted(corpus.rglob("*.jpg"))
+        self.shards = work / f"shards-{corpus.name}"
+        if not (self.shards / "manifest.json").exists():
+            with ShardWriter(self.shards, max_bytes=64 << 20, overwrite=True) as w:
+                for i, f in enumerate(files):
+                    w.write({"__key__": f"{f.parent.name}/{f.stem}", "jpg": f.read_bytes(), "cls": i % 10})
+        self.preprocess = ResizeCenterCrop(size)
+        self.cache = cache
+        self._store: Any = None
+
+    def _loader(self, cache: Any, **kw: Any) -> Any:
+        from fastdata.dataset import ShardedDataset
+        from fastdata.loader import DataLoader
+
+        ds = ShardedDataset(self.shards, preprocess=self.preprocess, cache=cache, rank=0, world_size=1)
+        if cache is not None and self._store is None:
+            from fastdata._cache_build import dataset_store
+
+            self._store = dataset_store(ds)
+        return DataLoader(ds, **kw)
+
+    def uncached_loader(self, **kw: Any) -> Any:
+        return self._loader(None, **kw)
+
+    def cached_loader(self, **kw: Any) -> Any:
+        return self._loader(self.cache, **kw)
+
+    def store(self) -> Any:
+        return self._store
+
+    def close(self) -> None:
+        if self._store is not None:
+            self._store.close()
+
+
+def make_pipelines(corpus: Path, work: Path, *, size: int, cache: Cache, kind: str) -> Any:
+    if kind in ("auto", "dataset"):
+        try:
+            from fastdata.dataset import ShardedDataset  # noqa: F401
+        except ImportError:
+            if kind == "dataset":
+                raise
+        else:
+            return DatasetPipelines(corpus, work, size=size, cache=cache)
+    return MinimalPipelines(corpus, size=size, cache=cache)
+
+
+def epoch(loader: Any) -> tuple[int, float]:
+    """(samples, seconds) of one pass over ``loader``."""
+    n = 0
+    t0 = time.perf_counter()
+    for batch in loader:
+        n += len(batch["img"] if "img" in batch else batch["jpg"])
+    return n, time.perf_counter() - t0
+
+
+def raw_read(store: Any, *, batch_size: int) -> dict[str, float]:
+    """One process, one core: per-sample ``Store.get`` copied into a reused batch buffer (what
+    collation does with the zero-copy tensors)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # per core: torch would split each 150 kB copy across threads
+    out = {k: torch.empty((batch_size, *v.shape), dtype=v.dtype) for k, v in store.get(0).items()}
+    n, nbytes = store.num_samples, 0
+    t0, cpu0 = time.perf_counter(), time.process_time()
+    for start in range(0, n, batch_size):
+        for j, i in enumerate(range(start, min(start + batch_size, n))):
+            for k, t in store.get(i).items():
+                out[k][j].copy_(t)
+                nbytes += t.nbytes
+    wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+    torch.set_num_threads(threads)
+    return {"samples_per_s": n / wall, "gb_per_s": nbytes / wall / 1e9, "gb_per_cpu_s": nbytes / max(cpu, 1e-9) / 1e9}
+
+
+def gather_read(store: Any, *, batch_size: int) -> dict[str, float]:
+    """One process: ``Store.get_batch`` of shuffled index batches into a reused buffer."""
+    order = np.random.default_rng(0).permutation(store.num_samples)
+    out = {f.name: torch.empty((batch_size, *f.shape), dtype=torch.from_numpy(np.empty(0, f.dtype)).dtype)
+           for f in store.fields}
+    t0 = time.perf_counter()
+    for start in range(0, len(order), batch_size):
+        store.get_batch(order[start:start + batch_size], out=out)
+    wall = time.perf_counter() - t0
+    nbytes = len(order) * sum(f.nbytes for f in store.fields)
+    return {"samples_per_s": len(order) / wall, "gb_per_s": nbytes / wall / 1e9}
+
+
+def drop_page_cache(info: Any) -> None:
+    """Evict the store's pages from the page cache (no root needed: fadvise on unmapped, clean pages)."""
+    for f in info.fields:
+        fd = os.open(info.path / f.file, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="small corpus, one repetition (a few seconds)")
+    p.add_argument("--images", type=int, default=None, help="corpus size (default 2048, --quick 256)")
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--size", type=int, default=224)
+    p.add_argument("--repeats", type=int, default=None, help="epochs per measurement (default 3, --quick 1)")
+    p.add_argument("--dir", default=None, help="work folder (corpus is kept and reused); default: temporary")
+    p.add_argument("--pipeline", choices=("auto", "dataset", "minimal"), default="auto")
+    p.add_argument("--json", default=None, metavar="PATH", help="write results here")
+    args = p.parse_args(argv)
+    images = args.images or (256 if args.quick else 2048)
+    repeats = args.repeats or (1 if args.quick else 3)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(args.dir) if args.dir else Path(tmp)
+        corpus = make_image_folder(work / f"jpeg-{images}", images)
+        cache_dir = work / "cache"
+        for info in Cache(cache_dir).list():  # measure a fill from scratch
+            Cache(cache_dir).remove(info.key)
+        pipe = make_pipelines(corpus, work, size=args.size, cache=Cache(cache_dir), kind=args.pipeline)
+        loader_kw: dict[str, Any] = dict(batch_size=args.batch_size, num_workers=args.workers)
+        if args.workers:  # the same persistent workers for both pipelines, as in a training loop
+            loader_kw.update(persistent_workers=True, multiprocessing_context="fork")
+
+        uncached_loader = pipe.uncached_loader(**loader_kw)
+        epoch(uncached_loader)  # warm-up: worker start, page cache for the shards
+        unc = [epoch(uncached_loader) for _ in range(repeats)]
+        del uncached_loader
+        cached_loader = pipe.cached_loader(**loader_kw)
+        fill = epoch(cached_loader)  # first cached epoch: decode, resize, write
+        cached = [epoch(cached_loader) for _ in range(max(repeats, 3))]
+        del cached_loader
+        gc.collect()
+        store = pipe.store()
+        if store.num_valid() != store.num_samples:
+            raise RuntimeError(f"fill epoch left {store.num_samples - store.num_valid()} samples unfilled")
+        warm = [raw_read(store, batch_size=args.batch_size) for _ in range(max(repeats, 3))]
+        gather = [gather_read(store, batch_size=args.batch_size) for _ in range(max(repeats, 3))]
+        key, fingerprint, n = store.key, store.fingerprint, store.num_samples
+        pipe.close()
+        gc.collect()
+        drop_page_cache(Cache(cache_dir).info(key))
+        cold_store = Cache(cache_dir).open_store(fingerprint=fingerprint, num_samples=n)
+        cold = raw_read(cold_store, batch_size=args.batch_size)
+        cold_store.close()
+        info = Cache(cache_dir).info(key)
+
+        def rate(runs: list[tuple[int, float]]) -> float:
+            return statistics.median(n / s for n, s in runs)
+
+        res = {
+            "benchmark": "cache_throughput",
+            "pipeline": pipe.kind,
+            "images": images, "workers": args.workers, "batch_size": args.batch_size, "size": args.size,
+            "repeats": repeats,
+            "uncached_samples_per_s": rate(unc),
+            "fill_samples_per_s": rate([fill]),
+            "cached_samples_per_s": rate(cached),
+            "raw_read_warm_gb_per_s": statistics.median(r["gb_per_s"] for r in warm),
+            "raw_read_warm_gb_per_cpu_s": statistics.median(r["gb_per_cpu_s"] for r in warm),
+            "raw_read_warm_samples_per_s": statistics.median(r["samples_per_s"] for r in warm),
+            "raw_read_cold_gb_per_s": cold["gb_per_s"],
+            "gather_read_gb_per_s": statistics.median(r["gb_per_s"] for r in gather),
+            "gather_read_samples_per_s": statistics.median(r["samples_per_s"] for r in gather),
+            "store_bytes_on_disk": info.size_bytes,
+            "store_bytes_per_sample": info.size_bytes / info.num_samples,
+            "sample_nbytes": info.sample_nbytes,
+            "corpus_jpeg_bytes_per_sample": sum(f.stat().st_size for f in corpus.rglob("*.jpg")) / images,
+            "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
+                        "numpy": np.__version__},
+        }
+        res["cached_over_uncached"] = res["cached_samples_per_s"] / res["uncached_samples_per_s"]
+
+    for k, v in res.items():
+        if k != "machine":
+            print(f"{k:32s} {v:.3f}" if isinstance(v, float) else f"{k:32s} {v}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(res, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
