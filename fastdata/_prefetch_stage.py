@@ -60,13 +60,14 @@ def side_stream(device: torch.device) -> torch.cuda.Stream:
 class Item:
     """A staged batch waiting in the channel."""
 
-    __slots__ = ("batch", "ready", "nbytes", "tensors")
+    __slots__ = ("batch", "ready", "nbytes", "tensors", "state")
 
     def __init__(self, batch: Any, ready: Any = None, nbytes: int = 0, tensors: tuple = ()) -> None:
         self.batch = batch
         self.ready = ready  # torch.cuda.Event recorded after the copy and transform, or None on CPU
         self.nbytes = nbytes
         self.tensors = tensors  # device tensors to protect with record_stream at hand-over
+        self.state: Any = None  # the wrapped loader's state_dict() right after this batch
 
 
 class CpuStager:

@@ -71,8 +71,8 @@ class Normalize:
     """``(x / 255 - mean) / std`` per channel for uint8 images (float inputs are not divided by 255).
 
     ``mean``/``std`` are on the [0, 1] scale (torchvision convention), one value per channel or a single
-    value for all. The result is computed in float32 in one fused kernel (``addcmul``), then cast to
-    ``dtype``; with ``channels_last`` it is written straight into a channels_last tensor.
+    value for all. One fused kernel (``addcmul``) reads the uint8 input, computes in float32 and
+    stores ``dtype``; with ``channels_last`` it writes straight into a channels_last tensor.
     """
 
     mean: Sequence[float] = IMAGENET_MEAN
@@ -122,9 +122,9 @@ class Normalize:
             )
         scale, bias = self._constants(x, _scale_of(x, path, "Normalize"))
         fmt = _memory_format(x, path, "Normalize") if self.channels_last else torch.contiguous_format
-        out = torch.empty(x.shape, dtype=torch.float32, device=x.device).contiguous(memory_format=fmt)
-        torch.addcmul(bias, x, scale, out=out)
-        return out if self.dtype == torch.float32 else out.to(self.dtype)
+        out = torch.empty(x.shape, dtype=self.dtype, device=x.device, memory_format=fmt)
+        torch.addcmul(bias, x, scale, out=out)  # computed in float32, cast on store: one pass
+        return out
 
     def _constants(self, x: torch.Tensor, input_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-channel ``1 / (s * std)`` and ``-mean / std``, shaped to broadcast, cached per device."""
@@ -163,8 +163,9 @@ class ToDtype:
         factor = _scale_of(x, path, "ToDtype")
         if factor == 1.0:
             return x.to(self.dtype)
-        out = x.to(torch.float32).mul_(1.0 / factor)
-        return out if self.dtype == torch.float32 else out.to(self.dtype)
+        out = torch.empty_like(x, dtype=self.dtype)
+        torch.mul(x, 1.0 / factor, out=out)  # computed in float32, cast on store: one pass
+        return out
 
 
 @dataclass(frozen=True)

@@ -147,6 +147,8 @@ class CUDAPrefetcher:
             self._stager = CpuStager(transform, skip)
         self._epoch: _Epoch | None = None
         self._closed = False
+        self._state: Any = None  # the wrapped loader's state after the last batch handed over
+        self._state_error: BaseException | None = None
 
     def __len__(self) -> int:
         return len(self._iterable)  # type: ignore[arg-type]  # TypeError if the iterable has none
@@ -170,6 +172,8 @@ class CUDAPrefetcher:
                     return
                 batch = self._stager.handover(item, epoch.marks)
                 self._stats.add_wait(waited, item.nbytes)
+                if item.state is not None:
+                    self._state = item.state
                 item = None  # the generator frame must not keep the batch alive past the consumer
                 yield batch
                 batch = None
@@ -179,12 +183,13 @@ class CUDAPrefetcher:
 
     def _start_epoch(self) -> _Epoch:
         source = iter(self._iterable)  # in the caller's thread: DataLoader starts/resets workers here
+        snapshot = self._snapshot_fn()
         stop = threading.Event()
         channel = Channel(self.options.depth)
         marks = self._stager.begin_epoch(self.options.depth)
         thread = threading.Thread(
             target=_produce,
-            args=(source, channel, stop, self._stager, marks, self._stats, self.device),
+            args=(source, channel, stop, self._stager, marks, self._stats, self.device, snapshot),
             name=f"fastdata-prefetch-{next(_thread_ids)}",
             daemon=True,
         )
@@ -192,6 +197,43 @@ class CUDAPrefetcher:
         self._stats.add(epochs=1)
         thread.start()
         return self._epoch
+
+    def _snapshot_fn(self) -> Callable[[], Any] | None:
+        """The wrapped loader's ``state_dict`` if it has a working one (checked once per epoch)."""
+        fn = getattr(self._iterable, "state_dict", None)
+        self._state, self._state_error = None, None
+        if not callable(fn):
+            return None
+        try:
+            self._state = fn()
+        except (TypeError, NotImplementedError) as e:  # e.g. fastdata.DataLoader over a plain dataset
+            self._state_error = e
+            return None
+        return fn
+
+    def state_dict(self) -> Any:
+        """The wrapped loader's ``state_dict()`` as of the last batch handed to the consumer.
+
+        The background thread reads ahead, so the loader's own ``state_dict()`` counts batches
+        still in flight; this one is snapshotted right after each batch was pulled and handed
+        over with it, so resuming from it replays nothing and skips nothing.
+        """
+        if self._state_error is not None:
+            return self._iterable.state_dict()  # type: ignore[attr-defined]  # raises its own error again
+        if not callable(getattr(self._iterable, "state_dict", None)):
+            raise TypeError(f"the wrapped {type(self._iterable).__name__} has no state_dict()")
+        if self._epoch is None and self._state is None:
+            return self._iterable.state_dict()  # type: ignore[attr-defined]
+        return self._state
+
+    def load_state_dict(self, state: Any) -> None:
+        """Stop the current epoch and pass ``state`` to the wrapped loader's ``load_state_dict``."""
+        fn = getattr(self._iterable, "load_state_dict", None)
+        if not callable(fn):
+            raise TypeError(f"the wrapped {type(self._iterable).__name__} has no load_state_dict()")
+        self._stop_epoch()
+        fn(state)
+        self._state, self._state_error = None, None
 
     def _stop_epoch(self, *, wait: bool = True) -> None:
         epoch, self._epoch = self._epoch, None
@@ -271,40 +313,48 @@ def _produce(
     marks: Any,
     stats: Stats,
     device: torch.device,
+    snapshot: Callable[[], Any] | None,
 ) -> None:
     """Thread body. Holds no reference to the prefetcher, so dropping it stops the thread."""
-    index = 0
+    where = f"raised while setting up the thread for {device}"
     try:
         if device.type == "cuda":
             torch.cuda.set_device(device)
+        index = 0
         while not stop.is_set():
+            where = f"raised by the wrapped iterable at batch {index}"
             t0 = perf_counter()
             try:
                 batch = next(source)
             except StopIteration:
                 channel.put(END)
                 return
-            except BaseException as e:  # noqa: BLE001  travels to the consumer
-                _note(e, f"raised by the wrapped iterable at batch {index} (thread {threading.current_thread().name})")
-                channel.put(Failure(e))
-                return
+            state = snapshot() if snapshot is not None else None
             stats.add(load_s=perf_counter() - t0)
-            try:
-                item = stager.stage(batch, index, stop, marks)
-            except BaseException as e:  # noqa: BLE001  travels to the consumer
-                _note(e, f"raised while staging batch {index} (transform or copy to {device})")
-                channel.put(Failure(e))
-                return
+            where = f"raised while staging batch {index} (transform or copy to {device})"
+            item = stager.stage(batch, index, stop, marks)
             del batch
             if item is None:
                 return
+            item.state = state
             if not channel.put(item):
                 stats.add(queued_bytes=-item.nbytes)
                 return
             index += 1
+    except BaseException as e:  # noqa: BLE001  travels to the consumer, traceback included
+        _note(e, f"{where} (thread {threading.current_thread().name})")
+        channel.put(Failure(e))
     finally:
         if isinstance(source, types.GeneratorType):
-            source.close()  # run the generator's cleanup in the thread that ran it
+            _close_generator(source)
+
+
+def _close_generator(source: types.GeneratorType) -> None:
+    """Run a generator's cleanup in the thread that ran it (it may be stopped mid-epoch)."""
+    try:
+        source.close()
+    except Exception as e:  # noqa: BLE001  nobody is waiting for this epoch any more
+        warnings.warn(f"CUDAPrefetcher: closing the wrapped generator raised {e!r}", RuntimeWarning, stacklevel=1)
 
 
 def _note(error: BaseException, text: str) -> None:

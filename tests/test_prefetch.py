@@ -119,10 +119,10 @@ def test_same_batches_same_order_nested() -> None:
     assert not _wait_no_threads()
 
 
-def test_device_none_without_cuda_is_cpu_and_non_tensor_batches() -> None:
+def test_device_none_and_non_tensor_batches() -> None:
     items = ["a", 1, None, (2, "b"), {"x": [3]}]
     pf = CUDAPrefetcher(items)
-    assert pf.device == torch.device("cpu")
+    assert pf.device.type == ("cuda" if torch.cuda.is_available() else "cpu")
     assert list(pf) == items and len(pf) == 5
     pf.close()
 
@@ -587,3 +587,43 @@ def test_stats_quantiles() -> None:
         s.add_wait(i / 100, 0)
     snap = s.snapshot()
     assert snap["wait_p50_s"] == 0.5 and snap["wait_p99_s"] == 0.99 and snap["wait_max_s"] == 1.0
+
+
+# --- exact resume through the prefetcher ---------------------------------------------------------
+
+
+@pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_state_dict_counts_only_batches_handed_over(tmp_path, num_workers: int) -> None:
+    import json
+
+    from fastdata.dataset import ShardedDataset
+    from fastdata.loader import DataLoader
+    from fastdata.shards.writer import ShardWriter
+
+    with ShardWriter(tmp_path / "ds", max_samples=6) as w:
+        for i in range(40):
+            w.write({"__key__": f"s{i:04d}", "cls": str(i).encode()})
+
+    def make() -> DataLoader:
+        return DataLoader(ShardedDataset(tmp_path / "ds"), batch_size=3, num_workers=num_workers)
+
+    def ids(b) -> list[int]:
+        return [int(i) for i in b["cls"]]
+
+    full = [ids(b) for b in make()]
+    pf = CUDAPrefetcher(make(), device="cpu", depth=3)
+    it = iter(pf)
+    first = [ids(next(it)) for _ in range(4)]
+    time.sleep(0.05)  # let the thread read ahead
+    state = json.loads(json.dumps(pf.state_dict()))
+    assert state["batches"] == 4
+    pf.close()
+    pf2 = CUDAPrefetcher(make(), device="cpu")
+    pf2.load_state_dict(state)
+    rest = [ids(b) for b in pf2]
+    assert first + rest == full
+    assert pf2.state_dict() == pf2._iterable.state_dict()  # epoch done: nothing in flight any more
+    pf2.close()
+    with pytest.raises(TypeError, match="has no state_dict"):
+        CUDAPrefetcher([1, 2], device="cpu").state_dict()
