@@ -206,10 +206,18 @@ class Store:
             # parent's); this process takes its own shared lock and maps.
             self._reset()
             self._lock_fd = self._acquire_open_lock()
-            self._touch()
-            self._check_meta(read_meta(self.path))
-            self._pid = pid
-            self._refresh_layout()
+            try:
+                self._touch()
+                self._check_meta(read_meta(self.path))
+                self._pid = pid
+                self._refresh_layout()
+            except BaseException:
+                fds = [*self._fds.values(), self._valid_fd, self._lock_fd]
+                self._reset()
+                for fd in fds:
+                    if fd is not None:
+                        os.close(fd)
+                raise
 
     def _acquire_open_lock(self) -> int:
         lock_path = self.path / OPEN_LOCK
@@ -218,6 +226,9 @@ class Store:
                 fd = os.open(lock_path, os.O_RDONLY | _O_CLOEXEC)
             except FileNotFoundError:
                 self._create_dir()
+                if self.path.is_dir() and not lock_path.exists():
+                    raise CacheError(f"cache store {self.path}: no {OPEN_LOCK} (not made by fastdata, or damaged); "
+                                     "remove it with `fastdata cache rm`") from None
                 continue
             # An evictor holds the exclusive lock only while it renames the store away.
             fcntl.flock(fd, fcntl.LOCK_SH)

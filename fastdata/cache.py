@@ -206,21 +206,21 @@ class Cache:
 
     def _delete(self, path: Path) -> bool:
         """Delete one store unless some process has it open. True when it is gone."""
-        lock_path = path / OPEN_LOCK
+        trash = self.directory / f".trash-{path.name}-{uuid.uuid4().hex[:8]}"
         try:
-            fd = os.open(lock_path, os.O_RDONLY)
+            fd = os.open(path / OPEN_LOCK, os.O_RDONLY)
         except FileNotFoundError:
-            return not path.exists()
+            fd = None  # damaged (no process can have it open) or already gone
         try:
-            if not try_lock(fd, fcntl.LOCK_EX):
+            if fd is not None and not try_lock(fd, fcntl.LOCK_EX):
                 return False
-            trash = self.directory / f".trash-{path.name}-{uuid.uuid4().hex[:8]}"
             try:
                 os.rename(path, trash)  # atomic: openers now see no store (or a new one)
             except FileNotFoundError:
                 return True
         finally:
-            os.close(fd)
+            if fd is not None:
+                os.close(fd)
         shutil.rmtree(trash, ignore_errors=True)
         return True
 

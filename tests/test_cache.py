@@ -498,3 +498,13 @@ def test_read_only_cache_serves_hits(tmp_path: Path, monkeypatch: pytest.MonkeyP
     assert check_store(ro) == 3 and ro.get(3) is None
     with pytest.raises(CacheError, match="read-only .*cannot fill sample 3"):
         ro.put(3, expected(3))
+
+
+def test_damaged_store_is_reported_and_removable(tmp_path: Path) -> None:
+    cache = Cache(tmp_path)
+    store = cache.open_store(fingerprint="dmg", num_samples=2)
+    store.close()
+    (store.path / "open.lock").unlink()
+    with pytest.raises(CacheError, match="no open.lock .*remove it with `fastdata cache rm`"):
+        cache.open_store(fingerprint="dmg", num_samples=2)
+    assert [i.fingerprint for i in cache.remove("dmg")] == ["dmg"] and not store.path.exists()
