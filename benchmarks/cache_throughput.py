@@ -186,14 +186,17 @@ def raw_read(store: Any, *, batch_size: int) -> dict[str, float]:
 
 
 def gather_read(store: Any, *, batch_size: int) -> dict[str, float]:
-    """One process: ``Store.get_batch`` of shuffled index batches into a reused buffer."""
+    """One process, one core: ``Store.get_batch`` of shuffled index batches into a reused buffer."""
     order = np.random.default_rng(0).permutation(store.num_samples)
     out = {f.name: torch.empty((batch_size, *f.shape), dtype=torch.from_numpy(np.empty(0, f.dtype)).dtype)
            for f in store.fields}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # per core (and immune to thread oversubscription on a busy machine)
     t0 = time.perf_counter()
     for start in range(0, len(order), batch_size):
         store.get_batch(order[start:start + batch_size], out=out)
     wall = time.perf_counter() - t0
+    torch.set_num_threads(threads)
     nbytes = len(order) * sum(f.nbytes for f in store.fields)
     return {"samples_per_s": len(order) / wall, "gb_per_s": nbytes / wall / 1e9}
 
@@ -237,12 +240,14 @@ def main(argv: list[str] | None = None) -> int:
 
         uncached_loader = pipe.uncached_loader(**loader_kw)
         epoch(uncached_loader)  # warm-up: worker start, page cache for the shards
-        unc = [epoch(uncached_loader) for _ in range(repeats)]
-        del uncached_loader
         cached_loader = pipe.cached_loader(**loader_kw)
         fill = epoch(cached_loader)  # first cached epoch: decode, resize, write
-        cached = [epoch(cached_loader) for _ in range(max(repeats, 3))]
-        del cached_loader
+        epoch(cached_loader)  # warm-up of the cached path
+        unc, cached = [], []
+        for _ in range(repeats):  # alternate, so that load changes on a shared machine hit both alike
+            unc.append(epoch(uncached_loader))
+            cached.append(epoch(cached_loader))
+        del uncached_loader, cached_loader
         gc.collect()
         store = pipe.store()
         if store.num_valid() != store.num_samples:
