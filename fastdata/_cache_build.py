@@ -55,10 +55,9 @@ def build_dataset(dataset: Any, *, num_workers: int = 0, progress: bool = False)
     return store.cache.info(store.key)
 
 
-def build_from_source(source: str, *, cache: Cache, size: int, num_workers: int, progress: bool) -> StoreInfo:
-    """``fastdata cache build``: ResizeCenterCrop(size) outputs of every image field of ``source``."""
+def build_from_source(source: str, *, cache: Cache, preprocess: Any, num_workers: int, progress: bool) -> StoreInfo:
+    """``fastdata cache build``: ``preprocess`` outputs of every image field of ``source``."""
     from fastdata.dataset import ShardedDataset
-    from fastdata.transforms import ResizeCenterCrop
 
-    dataset = ShardedDataset(source, preprocess=ResizeCenterCrop(size), cache=cache, rank=0, world_size=1)
+    dataset = ShardedDataset(source, preprocess=preprocess, cache=cache, rank=0, world_size=1)
     return build_dataset(dataset, num_workers=num_workers, progress=progress)

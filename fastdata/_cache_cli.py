@@ -72,7 +72,10 @@ def cmd_rm(args: argparse.Namespace) -> int:
 def cmd_build(args: argparse.Namespace) -> int:
     from fastdata._cache_build import build_from_source
 
-    info = build_from_source(args.source, cache=_cache(args), size=args.size, num_workers=args.workers,
+    from fastdata.transforms import ResizeCenterCrop
+
+    preprocess = ResizeCenterCrop(args.size, resize=args.resize, interpolation=args.interpolation)
+    info = build_from_source(args.source, cache=_cache(args), preprocess=preprocess, num_workers=args.workers,
                              progress=not args.quiet)
     print(f"{info.key}: {info.num_valid}/{info.num_samples} samples ({info.fill_ratio:.1%}), "
           f"{human_bytes(info.size_bytes)} on disk, {human_bytes(info.sample_nbytes)} per sample")
@@ -113,10 +116,16 @@ def add_cache_subparser(subparsers: Any) -> argparse.ArgumentParser:
     common(rm)
     rm.set_defaults(func=cmd_rm)
 
-    build = sub.add_parser("build", help="fill the cache for SOURCE ahead of time (decode, resize, centre crop)")
+    build = sub.add_parser(
+        "build", help="fill the cache for SOURCE ahead of time (decode, resize, centre crop)",
+        description="Fill the store that ShardedDataset(SOURCE, preprocess=ResizeCenterCrop(SIZE, resize=RESIZE, "
+                    "interpolation=...), cache=DIR) reads, by iterating SOURCE once.")
     build.add_argument("source", metavar="SOURCE", help="shard folder with manifest.json")
     common(build)
-    build.add_argument("--size", type=_positive, default=224, help="output side: resize shorter side + centre crop")
+    build.add_argument("--size", type=_positive, default=224, help="output side (centre crop)")
+    build.add_argument("--resize", type=_positive, default=None,
+                       help="shorter side before cropping (default: size * 256 / 224)")
+    build.add_argument("--interpolation", default="bilinear", choices=("bilinear", "bicubic", "lanczos", "nearest"))
     build.add_argument("--workers", type=_nonneg, default=2, help="DataLoader worker processes (0: in process)")
     build.add_argument("--max-bytes", type=parse_bytes, default=None, metavar="SIZE",
                        help="size limit of the cache directory (e.g. 50GB); older stores are evicted")
