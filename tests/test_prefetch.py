@@ -327,6 +327,13 @@ def test_argument_validation(kwargs: dict, match: str) -> None:
         CUDAPrefetcher(5)  # type: ignore[arg-type]
 
 
+def test_one_shot_iterator_warns() -> None:
+    with pytest.warns(UserWarning, match="one-shot iterator"):
+        pf = CUDAPrefetcher(iter([1, 2]), device="cpu")
+    assert list(pf) == [1, 2] and list(pf) == []
+    pf.close()
+
+
 def test_keep_on_host_normalised() -> None:
     assert PrefetchOptions(keep_on_host="meta").keep_on_host == ("meta",)
     assert PrefetchOptions(keep_on_host=["a", 1]).keep_on_host == ("a", 1)

