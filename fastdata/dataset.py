@@ -31,7 +31,6 @@ from fastdata._split import (
     random_floats,
     rng_key,
     split_sizes,
-    stage_counts,
     worker_sequence,
 )
 from fastdata.decode import Decoder, SampleDecoder, image_to_tensor, is_image_field
@@ -137,6 +136,8 @@ class ShardedDataset(IterableDataset):
             raise ValueError("cache= needs preprocess= with a fingerprint (ResizeCenterCrop(...) or "
                              f"Deterministic(fn, version=...)), got preprocess={preprocess!r}")
         self.source: Source = resolve_source(source)
+        if cache is not None and self.source.streaming:
+            raise ValueError("cache= needs random access to samples; a streaming (URL) source has none")
         self.shuffle = ShuffleOptions() if shuffle is True else (shuffle or None)
         if self.shuffle is not None and not isinstance(self.shuffle, ShuffleOptions):
             raise TypeError(f"shuffle must be a bool or ShuffleOptions, got {shuffle!r}")

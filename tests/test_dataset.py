@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import io
+import re
 import tarfile
 from collections import Counter
 from pathlib import Path
@@ -16,6 +17,9 @@ from fastdata.errors import DecodeError
 from fastdata.loader import DataLoader
 from fastdata.shards.writer import ShardWriter
 from fastdata.transforms import Deterministic, ResizeCenterCrop
+
+
+pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
 
 
 def make_shards(dest: Path, n: int, per_shard: int, *, format: str = "tar", bad: tuple[int, ...] = ()) -> Path:
@@ -220,9 +224,12 @@ def test_on_error_skip_counts_and_reports(bad_shards):
 
 def test_on_error_warn(bad_shards):
     ds = ShardedDataset(bad_shards, on_error="warn")
-    with pytest.warns(SkippedSampleWarning, match=r"skipped sample 'k/00002' of shard .*shard-000000\.tar"):
+    with pytest.warns(SkippedSampleWarning) as record:
         got = [s["cls"] for s in ds]
     assert len(got) == 10 and len(ds.skipped) == 2
+    messages = [str(w.message) for w in record]
+    assert len(messages) == 2
+    assert re.match(r"skipped sample 'k/00002' of shard .*shard-000000\.tar: .*field 'cls': ValueError", messages[0])
 
 
 def test_skips_in_workers_reach_the_main_process(bad_shards):
