@@ -157,3 +157,13 @@ def test_reader_pickles_and_works_in_child(shard, method):
     assert proc.exitcode == 0
     assert got["__key__"] == samples[11]["__key__"] and got["img.npy"] == samples[11]["img.npy"].tolist()
     same(reader.read(12), expected(samples[12]))  # the parent's handle still works
+
+
+def test_vlen_fields_whose_values_all_have_the_same_length(tmp_path):
+    from fastdata.shards.hdf5 import HDF5ShardReader, write_hdf5_shard
+
+    samples = [{"__key__": f"k{i}", "txt": f"t{i}", "bin": bytes([i, i])} for i in range(5)]
+    write_hdf5_shard(tmp_path / "s.h5", samples)
+    reader = HDF5ShardReader(tmp_path / "s.h5")
+    assert [reader.read(i)["txt"] for i in range(5)] == [f"t{i}".encode() for i in range(5)]
+    assert reader.read(3)["bin"] == bytes([3, 3])

@@ -140,7 +140,9 @@ def _write_field(f: Any, info: FieldInfo, values: list[Any], keys: list[str]) ->
         ds = f.create_dataset(info.name, shape=(n,), dtype=h5py.vlen_dtype(np.uint8),
                               chunks=(max(1, min(n, 1024)),) if n else None, track_times=False)
         if n:
-            ds[:] = data
+            # write_direct: slice assignment of an object array whose rows all have the same
+            # length makes h5py broadcast it as a 2-D array and fail
+            ds.write_direct(data)
         if info.kind == "array":
             ds.attrs["encoding"] = "npy"
     ds.attrs["kind"] = info.kind
