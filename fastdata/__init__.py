@@ -15,7 +15,23 @@ _EXPORTS: dict[str, str] = {
     "CacheError": "fastdata.errors",
     "DecodeError": "fastdata.errors",
     "FastdataError": "fastdata.errors",
+    "CUDAPrefetcher": "fastdata.prefetch",
+    "Cache": "fastdata.cache",
+    "DataLoader": "fastdata.loader",
+    "Deterministic": "fastdata.transforms",
+    "FieldInfo": "fastdata.manifest",
+    "HDF5ShardReader": "fastdata.shards.hdf5",
     "Manifest": "fastdata.manifest",
+    "ResizeCenterCrop": "fastdata.transforms",
+    "ShardInfo": "fastdata.manifest",
+    "ShardedDataset": "fastdata.dataset",
+    "ShuffleOptions": "fastdata.dataset",
+    "SkippedSampleWarning": "fastdata.dataset",
+    "StallMeter": "fastdata.monitor",
+    "TarShardReader": "fastdata.shards.tar",
+    "TrainStep": "fastdata.train",
+    "open_shard": "fastdata.shards.reader",
+    "verify": "fastdata.shards.reader",
     "ManifestError": "fastdata.errors",
     "ShardError": "fastdata.errors",
     "ShardWriter": "fastdata.shards.writer",
@@ -38,6 +54,16 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # pragma: no cover
+    from fastdata.cache import Cache
+    from fastdata.dataset import ShardedDataset, ShuffleOptions, SkippedSampleWarning
     from fastdata.errors import CacheError, DecodeError, FastdataError, ManifestError, ShardError
-    from fastdata.manifest import Manifest
+    from fastdata.loader import DataLoader
+    from fastdata.manifest import FieldInfo, Manifest, ShardInfo
+    from fastdata.monitor import StallMeter
+    from fastdata.prefetch import CUDAPrefetcher
+    from fastdata.shards.hdf5 import HDF5ShardReader
+    from fastdata.shards.reader import open_shard, verify
+    from fastdata.shards.tar import TarShardReader
     from fastdata.shards.writer import ShardWriter
+    from fastdata.train import TrainStep
+    from fastdata.transforms import Deterministic, ResizeCenterCrop
