@@ -6,6 +6,7 @@ uint8 target (resize shorter side + centre crop) and the same DataLoader workers
 - ``uncached``: every epoch decodes and resizes every JPEG;
 - ``fill``: the first cached epoch (decode, resize, write into the store);
 - ``cached``: later epochs, served from the memory-mapped store;
+- ``cached_no_workers``: the same cached dataset with ``num_workers=0`` (for reference);
 - ``raw_read``: one process on one core reading the store sample by sample (``Store.get``) into
   a reused batch buffer, warm (page cache) and cold (pages dropped with ``posix_fadvise``), GB/s;
 - ``gather_read``: one process, ``Store.get_batch`` of shuffled indices into a reused buffer:
@@ -248,6 +249,11 @@ def main(argv: list[str] | None = None) -> int:
             unc.append(epoch(uncached_loader))
             cached.append(epoch(cached_loader))
         del uncached_loader, cached_loader
+        # the same cached dataset without worker processes: collation in the main process, no IPC
+        inproc_loader = pipe.cached_loader(batch_size=args.batch_size, num_workers=0)
+        epoch(inproc_loader)
+        inproc = [epoch(inproc_loader) for _ in range(repeats)]
+        del inproc_loader
         gc.collect()
         store = pipe.store()
         if store.num_valid() != store.num_samples:
@@ -274,6 +280,7 @@ def main(argv: list[str] | None = None) -> int:
             "uncached_samples_per_s": rate(unc),
             "fill_samples_per_s": rate([fill]),
             "cached_samples_per_s": rate(cached),
+            "cached_no_workers_samples_per_s": rate(inproc),
             "raw_read_warm_gb_per_s": statistics.median(r["gb_per_s"] for r in warm),
             "raw_read_warm_gb_per_cpu_s": statistics.median(r["gb_per_cpu_s"] for r in warm),
             "raw_read_warm_samples_per_s": statistics.median(r["samples_per_s"] for r in warm),
