@@ -170,7 +170,7 @@ def test_hdf5_files_with_arrays_round_trip(tmp_path, capsys):
     expected = {}
     for part in range(2):
         samples = [{"__key__": f"p{part}/{i:03d}", "x.npy": rng.random((2, 3), dtype=np.float32),
-                    "label": i, "txt": f"t{i}"} for i in range(5)]
+                    "label": i, "txt": f"t{i}", "meta.json": {"i": i, "part": part}} for i in range(5)]
         write_hdf5_shard(src / f"part{part}.h5", samples)
         expected.update({s["__key__"]: s for s in samples})
     for fmt in ("tar", "hdf5"):
@@ -183,6 +183,10 @@ def test_hdf5_files_with_arrays_round_trip(tmp_path, capsys):
             x = np.load(io.BytesIO(x)) if isinstance(x, bytes) else x
             np.testing.assert_array_equal(x, s["x.npy"])
             assert int(got[key]["label"]) == s["label"]
+            assert got[key]["txt"] == s["txt"].encode()
+            assert json.loads(got[key]["meta.json"]) == s["meta.json"]
+        kinds = {f.name: f.kind for f in Manifest.load(tmp_path / fmt).fields}
+        assert kinds == {"label": "int", "meta.json": "json", "txt": "text", "x.npy": "array"}
 
 
 @pytest.mark.parametrize("fmt", ["tar", "hdf5"])

@@ -136,7 +136,7 @@ def _convert(args: argparse.Namespace) -> int:
     result = convert(src, dest, options)
     if not args.quiet:
         m = result.manifest
-        rate = m.num_samples / result.seconds if result.seconds > 0 else 0.0
+        rate = result.processed / result.seconds if result.seconds > 0 else 0.0
         kept = f", {result.kept} kept from the interrupted run" if result.kept else ""
         print(f"{dest}: {m.num_samples} samples in {len(m.shards)} {m.format} shards{kept}, "
               f"{len(m.skipped)} skipped, {result.seconds:.1f} s ({rate:.0f} samples/s)")

@@ -22,6 +22,7 @@ Source kinds (:func:`list_source`):
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import struct
 import zipfile
@@ -433,11 +434,16 @@ class SourceReader:
                 stop += 1
             reader = self._reader(file_i)
             name = os.path.basename(self.files[file_i])
+            # HDF5 readers return text/json as their bytes; give writers values of the field's kind
+            decode = {f: k for f, k in reader.fields.items() if k in ("text", "json")} if self.kind == "hdf5" else {}
             for j, sample in enumerate(reader.iter_range(first, first + stop - start)):
                 key = items[start + j][0]
                 if sample["__key__"] != key:
                     raise SourceError(f"{self.files[file_i]}: sample {first + j} has key {sample['__key__']!r}, "
                                       f"expected {key!r}; the shard changed during conversion")
+                for fld, kind in decode.items():
+                    text = bytes(sample[fld]).decode("utf-8")
+                    sample[fld] = text if kind == "text" else json.loads(text)
                 yield f"{name}[{first + j}]", sample
             start = stop
 

@@ -30,6 +30,8 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from contextlib import closing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -154,6 +156,7 @@ class ConvertResult:
     written: int  # shards written by this run
     kept: int  # shards kept from an interrupted earlier run
     seconds: float
+    processed: int  # input samples processed by this run (kept shards excluded)
 
 
 def plan_conversion(src: str | os.PathLike[str], options: ConvertOptions | None = None) -> Plan:
@@ -268,15 +271,15 @@ def convert(src: str | os.PathLike[str], dest: str | os.PathLike[str], options: 
     tasks = [_Task(SourceReader.of(plan.listing), str(dest_path), job, opts.format, opts.resize,
                    _check_level(opts), opts.strict, plan.fields) for job in todo]
     initial = sum(len(plan.jobs[n].items) for n in state.done)
-    with _progress_bar(plan.num_samples, initial, opts) as tick:
-        for result in _execute(tasks, opts, tick):
+    with _progress_bar(plan.num_samples, initial, opts) as tick, closing(_execute(tasks, opts, tick)) as results:
+        for result in results:  # closing(): an error or Ctrl-C here stops the workers at once
             state.record(result)
     manifest = state.finish()
     if manifest.skipped:
         examples = "; ".join(f"{s['source']}: {s['reason']}" for s in manifest.skipped[:3])
         log.warning("skipped %d input(s) (listed in %s under 'skipped'), e.g. %s",
                     len(manifest.skipped), dest_path / MANIFEST_NAME, examples)
-    return ConvertResult(manifest, len(todo), kept, time.perf_counter() - t0)
+    return ConvertResult(manifest, len(todo), kept, time.perf_counter() - t0, plan.num_samples - initial)
 
 
 def _check_dest_vs_src(listing: Listing, dest: Path) -> None:
@@ -298,7 +301,12 @@ class _Task:
 
 
 def _execute(tasks: list[_Task], opts: ConvertOptions, tick: Callable[[int], None]) -> Iterator[ShardResult]:
-    """Run the jobs, yielding results in completion order (in-process for one worker)."""
+    """Run the jobs, yielding results in completion order (in-process for one worker).
+
+    A failing job re-raises its exception here (with the worker's traceback as ``__cause__``); a
+    worker that dies (e.g. killed for memory) raises ``BrokenProcessPool`` instead of hanging. On
+    any error or interrupt the remaining jobs are cancelled and the workers terminated.
+    """
     workers = min(opts.workers or default_workers(), len(tasks))
     if workers <= 1:
         for task in tasks:
@@ -306,23 +314,31 @@ def _execute(tasks: list[_Task], opts: ConvertOptions, tick: Callable[[int], Non
         return
     ctx = _mp_context()
     queue = ctx.SimpleQueue()
-    pool = ctx.Pool(workers, initializer=_init_worker, initargs=(queue,))
+    executor = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker, initargs=(queue,))
     try:
-        results = pool.imap_unordered(_pool_job, tasks)
-        for _ in range(len(tasks)):
-            while True:
-                _drain(queue, tick)
-                try:
-                    result = results.next(timeout=_TICK_S)
-                except mp.TimeoutError:
-                    continue
-                break
+        pending = {executor.submit(_pool_job, task) for task in tasks}
+        while pending:
+            done, pending = wait(pending, timeout=_TICK_S, return_when=FIRST_COMPLETED)
             _drain(queue, tick)
-            yield result
-        pool.close()
-    finally:
-        pool.terminate()  # no-op after close(); stops running jobs on errors and interrupts
-        pool.join()
+            for future in done:
+                yield future.result()
+        executor.shutdown(wait=True)
+    except BaseException:
+        _terminate(executor)
+        raise
+
+
+def _terminate(executor: ProcessPoolExecutor) -> None:
+    """Cancel queued jobs and stop running ones now (their partial ``.tmp`` files are removed on rerun)."""
+    executor.shutdown(wait=False, cancel_futures=True)
+    if hasattr(executor, "terminate_workers"):  # Python >= 3.14
+        executor.terminate_workers()
+        return
+    processes = list((getattr(executor, "_processes", None) or {}).values())  # no public API before 3.14
+    for proc in processes:
+        proc.terminate()
+    for proc in processes:
+        proc.join(timeout=5)
 
 
 def _mp_context() -> Any:
@@ -346,7 +362,7 @@ _worker_queue: Any = None
 def _init_worker(queue: Any) -> None:
     global _worker_queue
     _worker_queue = queue
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and terminates the pool
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and terminates the workers
 
 
 def _pool_job(task: _Task) -> ShardResult:
