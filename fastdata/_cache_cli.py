@@ -47,6 +47,8 @@ def _cache(args: argparse.Namespace) -> Any:
 
 
 def cmd_list(args: argparse.Namespace) -> int:
+    import numpy as np
+
     infos = _cache(args).list()
     if not infos:
         print(f"no stores in {args.cache}")
@@ -58,6 +60,11 @@ def cmd_list(args: argparse.Namespace) -> int:
         print(f"{i.fingerprint[:24]:<24} {i.num_samples:>9d} {i.fill_ratio:>7.1%} {human_bytes(i.size_bytes):>10} "
               f"{human_bytes(i.sample_nbytes):>11} {_age(now - i.last_used):>10}  {'yes' if i.in_use else 'no':<4} "
               f"{i.key}")
+        if args.long:
+            print(f"    fingerprint {i.fingerprint}")
+            print(f"    path        {i.path}")
+            for f in i.fields or ():
+                print(f"    field       {f.name} {np.dtype(f.dtype).name} {tuple(f.shape)}")
     total = sum(i.size_bytes for i in infos)
     print(f"{len(infos)} store(s), {human_bytes(total)} in {args.cache}")
     return 0
@@ -109,6 +116,7 @@ def add_cache_subparser(subparsers: Any) -> argparse.ArgumentParser:
 
     ls = sub.add_parser("list", help="list stores with size, fill ratio and fingerprint")
     common(ls)
+    ls.add_argument("-l", "--long", action="store_true", help="also full fingerprint, path and fields")
     ls.set_defaults(func=cmd_list)
 
     rm = sub.add_parser("rm", help="remove the stores whose fingerprint (or key) starts with FINGERPRINT")

@@ -436,6 +436,9 @@ def test_cli_build_list_rm(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     out = capsys.readouterr().out
     (info,) = Cache(cache_dir).list()
     assert info.fingerprint[:24] in out and "100.0%" in out and "3.1 kB" in out and "1 store(s)" in out
+    assert main(["cache", "list", "-l", "--cache", cache_dir]) == 0
+    out = capsys.readouterr().out
+    assert info.fingerprint in out and "ResizeCenterCrop(size=(32,32)" in out and "jpg uint8 (3, 32, 32)" in out
     assert main(["cache", "rm", info.fingerprint[:12], "--cache", cache_dir]) == 0
     assert f"removed {info.key}" in capsys.readouterr().out and Cache(cache_dir).list() == []
     assert main(["cache", "rm", "nothing", "--cache", cache_dir]) == 1
