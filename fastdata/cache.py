@@ -38,7 +38,7 @@ from fastdata._cache_store import (
 )
 from fastdata.errors import CacheError
 
-__all__ = ["CACHE_FORMAT_VERSION", "Cache", "FieldLayout", "Store", "StoreInfo", "build"]
+__all__ = ["CACHE_FORMAT_VERSION", "Cache", "FieldLayout", "Store", "StoreInfo", "build", "store_key"]
 
 # Leftovers of a crashed store creation older than this are deleted by list()/evict(); a live
 # creation lives for milliseconds.
