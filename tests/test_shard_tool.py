@@ -338,13 +338,15 @@ def test_corrupt_image_is_skipped_and_listed(tmp_path, capsys, images):
     (src / "c1" / "broken.jpg").write_bytes(b"this is not a jpeg")
     (src / "c2" / "truncated.png").write_bytes(image_bytes(1, fmt="PNG")[:-30])
     (src / "c0" / "notes.txt").write_text("hello")
+    (src / "c2" / "gone.jpg").symlink_to(tmp_path / "missing.jpg")
     code, _, err = run(capsys, src, tmp_path / "out")
     assert code == 0, err
-    assert "skipped 3 input(s)" in err
+    assert "skipped 4 input(s)" in err
     skipped = {s["source"]: s["reason"] for s in Manifest.load(tmp_path / "out").skipped}
-    assert skipped.keys() == {"c1/broken.jpg", "c2/truncated.png", "c0/notes.txt"}
+    assert skipped.keys() == {"c1/broken.jpg", "c2/truncated.png", "c0/notes.txt", "c2/gone.jpg"}
     assert skipped["c1/broken.jpg"] == "not a recognised image format"
     assert skipped["c0/notes.txt"] == "not an image file (extension 'txt')"
+    assert skipped["c2/gone.jpg"] == "cannot read file: No such file or directory"
     # nothing readable is lost, and only those were dropped
     assert {k: s["jpg"] for k, s in read_all(tmp_path / "out").items()} == {k: v[0] for k, v in expected.items()}
 

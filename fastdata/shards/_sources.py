@@ -134,14 +134,24 @@ def _file_stamp(root: Path, files: Sequence[Path]) -> str:
 
 # ---------------------------------------------------------------------------------------- images
 
-def _walk_files(top: Path) -> Iterator[tuple[str, os.stat_result]]:
-    """``(path relative to top, stat)`` of non-hidden files below ``top``, sorted, symlinks followed."""
-    for dirpath, dirnames, filenames in os.walk(top, followlinks=True):
+def _walk_files(top: Path) -> Iterator[tuple[str, os.stat_result | OSError]]:
+    """``(path relative to top, stat or the error)`` of non-hidden files below ``top``, sorted.
+
+    Symlinks are followed; a broken one yields its OSError (the input is then skipped).
+    """
+    def fail(err: OSError) -> None:
+        raise SourceError(f"SRC {err.filename}: cannot list folder: {err.strerror}")
+
+    for dirpath, dirnames, filenames in os.walk(top, followlinks=True, onerror=fail):
         dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
         for name in sorted(filenames):
             if not name.startswith("."):
                 full = os.path.join(dirpath, name)
-                yield os.path.relpath(full, top), os.stat(full)
+                try:
+                    st: os.stat_result | OSError = os.stat(full)
+                except OSError as e:
+                    st = e
+                yield os.path.relpath(full, top), st
 
 
 def _image_key(rel: str) -> tuple[str, str]:
@@ -160,7 +170,7 @@ def _list_images(root: Path) -> Listing:
     listing = Listing(kind="images", root=str(root))
     stamps: list[tuple[str, int, int]] = []
     exts: set[str] = set()
-    candidates: list[tuple[str, int | None, os.stat_result]] = []
+    candidates: list[tuple[str, int | None, os.stat_result | OSError]] = []
     if classes:
         listing.extra["classes"] = classes
         for name in top_files:
@@ -169,11 +179,14 @@ def _list_images(root: Path) -> Listing:
             for rel, st in _walk_files(root / cname):
                 candidates.append((os.path.join(cname, rel), cls, st))
     else:
-        candidates = [(name, None, os.stat(root / name)) for name in top_files]
+        candidates = [(rel, None, st) for rel, st in _walk_files(root) if os.sep not in rel]
     for rel, cls, st in candidates:
         key, ext = _image_key(rel)
         if ext not in IMAGE_EXTENSIONS:
             listing.skipped.append({"source": rel, "reason": f"not an image file (extension {ext or 'none'!r})"})
+            continue
+        if isinstance(st, OSError):
+            listing.skipped.append({"source": rel, "reason": f"cannot read file: {st.strerror}"})
             continue
         try:
             check_key(key)
@@ -402,6 +415,11 @@ class SourceReader:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__(**state)  # type: ignore[misc]
+
+    def location(self, origin: str) -> str:
+        """An origin from :meth:`read` as a path a user can find (``/data/wds-0003.tar[17]``)."""
+        base = self.root if os.path.isdir(self.root) else os.path.dirname(self.root)
+        return os.path.join(base, origin)
 
     def close(self) -> None:
         for reader in self._readers.values():
