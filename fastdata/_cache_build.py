@@ -19,7 +19,7 @@ def _count(batch: list[Any]) -> int:
 
 def dataset_store(dataset: Any) -> Store:
     """The cache store a ShardedDataset created with ``cache=`` reads and fills."""
-    get = getattr(dataset, "cache_store", None) or getattr(dataset, "_cache_store", None)
+    get = getattr(dataset, "cache_store", None)
     store = get() if callable(get) else None
     if store is None:
         raise CacheError(f"{type(dataset).__name__} has no cache: create it with cache=DIR and a preprocess= "

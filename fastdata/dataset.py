@@ -13,7 +13,7 @@ import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -35,6 +35,9 @@ from fastdata._split import (
 )
 from fastdata.decode import Decoder, SampleDecoder, image_to_tensor, is_image_field
 from fastdata.errors import FastdataError, ShardError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from fastdata.cache import Store, StoreInfo
 
 __all__ = ["ON_ERROR", "ShardedDataset", "ShuffleOptions", "SkippedSampleWarning"]
 
@@ -173,10 +176,11 @@ class ShardedDataset(IterableDataset):
         self._store_pid: int | None = None
         self._live: _Progress | None = None
         self._plans: dict[tuple[int, int], SplitPlan] = {}
+        self._uncached: tuple[Any, frozenset[str]] | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        for name in ("_readers", "_store", "_store_pid", "_live", "_plans"):
+        for name in ("_readers", "_store", "_store_pid", "_live", "_plans", "_uncached"):
             state.pop(name)
         return state
 
@@ -344,7 +348,12 @@ class ShardedDataset(IterableDataset):
             self._readers.move_to_end(shard)
         return reader
 
-    def _cache_store(self) -> Any:
+    def cache_store(self) -> Store | None:
+        """The cache store this dataset reads and fills (None without ``cache=``).
+
+        Opened once per process and held open: a store open in some process is never evicted,
+        so the main process keeps it safe between epochs even when workers are not persistent.
+        """
         if self._cache_arg is None:
             return None
         if self._store is None or self._store_pid != os.getpid():
@@ -356,33 +365,61 @@ class ShardedDataset(IterableDataset):
             self._store_pid = os.getpid()
         return self._store
 
+    def build_cache(self, *, num_workers: int = 0, progress: bool = False) -> StoreInfo:
+        """Fill the cache store ahead of time by reading every sample once; returns its info.
+
+        ``fastdata.cache.build(self, ...)``: ``num_workers`` DataLoader processes fill in parallel;
+        check ``fill_ratio`` of the result (samples skipped by ``on_error`` stay unfilled).
+        """
+        from fastdata.cache import build
+
+        return build(self, num_workers=num_workers, progress=progress)
+
     def _load(self, shard: int, i: int, g: int, progress: _Progress) -> Any:
-        name = self.source.names[shard]
         try:
-            reader = self._reader(shard)
-            store = self._cache_store()
+            store = self.cache_store()
             hit = store.get(g) if store is not None else None
             if hit is not None:
-                raw = reader.read(i, fields=self._uncached_fields())
-                sample = self._decoder({k: v for k, v in raw.items() if not is_image_field(k)}, shard=name)
+                sample = self._read_uncached(shard, i)
                 sample.update(hit)
             else:
-                sample = self._decoder(reader.read(i, fields=self.fields), shard=name)
+                sample = self._decoder(self._reader(shard).read(i, fields=self.fields), shard=self.source.names[shard])
                 sample = self._apply(self.preprocess, sample)
                 if store is not None:
-                    store.put(g, {k: v for k, v in sample.items() if is_image_field(k)})
+                    outputs = {k: v for k, v in sample.items() if is_image_field(k)}
+                    if outputs:
+                        store.put(g, outputs)
         except (FastdataError, OSError, IndexError) as e:
-            err = e if isinstance(e, FastdataError) else ShardError(f"{name}: sample #{i}: {type(e).__name__}: {e}")
-            self._handle_error(err, e, name, i, g, progress)
+            self._handle_error(self._wrap_error(e, shard, i), e, self.source.names[shard], i, g, progress)
             return None
         sample = self._apply(self.transform, sample)
         return self.sample_transform(sample) if self.sample_transform is not None else sample
+
+    def _read_uncached(self, shard: int, i: int) -> dict[str, Any]:
+        """``__key__`` and the decoded fields of sample ``i`` of ``shard`` that the cache does not hold."""
+        raw = self._reader(shard).read(i, fields=self._uncached_fields())
+        return self._decoder({k: v for k, v in raw.items() if not is_image_field(k)}, shard=self.source.names[shard])
+
+    def _load_uncached(self, shard: int, i: int, g: int, progress: _Progress) -> dict[str, Any] | None:
+        """:meth:`_read_uncached` under the error policy (None: skipped). The cached fast path's read."""
+        try:
+            return self._read_uncached(shard, i)
+        except (FastdataError, OSError, IndexError) as e:
+            self._handle_error(self._wrap_error(e, shard, i), e, self.source.names[shard], i, g, progress)
+            return None
+
+    def _wrap_error(self, e: BaseException, shard: int, i: int) -> FastdataError:
+        if isinstance(e, FastdataError):
+            return e
+        return ShardError(f"{self.source.names[shard]}: sample #{i}: {type(e).__name__}: {e}")
 
     def _uncached_fields(self) -> frozenset[str] | None:
         known = self.fields if self.fields is not None else self.source.fields
         if known is None:
             return None  # unknown field names: read all, image fields are dropped undecoded
-        return frozenset(f for f in known if not is_image_field(f))
+        if self._uncached is None or self._uncached[0] is not known:
+            self._uncached = (known, frozenset(f for f in known if not is_image_field(f)))
+        return self._uncached[1]
 
     @staticmethod
     def _apply(fn: Callable[[Any], Any] | None, sample: dict[str, Any]) -> dict[str, Any]:
