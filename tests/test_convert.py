@@ -196,37 +196,3 @@ def test_progress_bar_reports_samples_per_second(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "5/5" in err and "samples/s" in err
 
-
-def test_readahead_keeps_order_reraises_and_stops_its_thread():
-    import threading
-
-    from fastdata.shards._readahead import readahead
-
-    assert list(readahead(iter(range(100)), 3)) == list(range(100))
-
-    def failing():
-        yield 1
-        raise KeyError("boom at item 2")
-
-    gen = readahead(failing(), 2)
-    assert next(gen) == 1
-    with pytest.raises(KeyError, match="boom at item 2"):
-        next(gen)
-    closed = []
-
-    def endless():
-        try:
-            i = 0
-            while True:
-                yield i
-                i += 1
-        finally:
-            closed.append(True)
-
-    gen = readahead(endless(), 4, name="test-readahead")
-    assert [next(gen) for _ in range(10)] == list(range(10))
-    gen.close()
-    assert closed == [True]
-    assert not any(t.name == "test-readahead" for t in threading.enumerate())
-    with pytest.raises(ValueError, match="depth must be >= 1, got 0"):
-        next(readahead(iter(()), 0))

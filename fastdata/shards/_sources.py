@@ -134,33 +134,44 @@ def _file_stamp(root: Path, files: Sequence[Path]) -> str:
 
 # ---------------------------------------------------------------------------------------- images
 
-def _walk_files(top: Path) -> Iterator[tuple[str, os.stat_result | OSError]]:
+def _walk_files(top: Path, prefix: str = "", _seen: set[tuple[int, int]] | None = None,
+                ) -> Iterator[tuple[str, os.stat_result | OSError]]:
     """``(path relative to top, stat or the error)`` of non-hidden files below ``top``, sorted.
 
-    Symlinks are followed; a broken one yields its OSError (the input is then skipped).
+    Symlinks are followed (each real folder once, so link cycles end); a broken one yields its
+    OSError (the input is then skipped).
     """
-    def fail(err: OSError) -> None:
-        raise SourceError(f"SRC {err.filename}: cannot list folder: {err.strerror}")
-
-    for dirpath, dirnames, filenames in os.walk(top, followlinks=True, onerror=fail):
-        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
-        for name in sorted(filenames):
-            if not name.startswith("."):
-                full = os.path.join(dirpath, name)
-                try:
-                    st: os.stat_result | OSError = os.stat(full)
-                except OSError as e:
-                    st = e
-                yield os.path.relpath(full, top), st
+    seen = set() if _seen is None else _seen
+    try:
+        st_top = top.stat()
+        if (st_top.st_dev, st_top.st_ino) in seen:
+            return
+        seen.add((st_top.st_dev, st_top.st_ino))
+        entries = sorted(os.scandir(top), key=lambda e: e.name)
+    except OSError as e:
+        raise SourceError(f"SRC {top}: cannot list folder: {e.strerror}") from None
+    for entry in entries:
+        if entry.name.startswith("."):
+            continue
+        rel = prefix + entry.name
+        try:
+            if entry.is_dir():
+                yield from _walk_files(Path(entry.path), rel + "/", seen)
+                continue
+            st: os.stat_result | OSError = entry.stat()
+        except OSError as e:
+            st = e
+        yield rel, st
 
 
 def _image_key(rel: str) -> tuple[str, str]:
     """``(key, field)`` for an image file path relative to SRC."""
-    directory, base = os.path.split(rel)
-    stem, ext = os.path.splitext(base)
+    directory, _, base = rel.rpartition("/")
+    stem, dot, ext = base.rpartition(".")
+    if not dot:  # no extension
+        stem, ext = base, ""
     key_base = stem.replace(".", "_")
-    key = f"{directory}/{key_base}" if directory else key_base
-    return key.replace(os.sep, "/"), ext[1:].lower()
+    return (f"{directory}/{key_base}" if directory else key_base), ext.lower()
 
 
 def _list_images(root: Path) -> Listing:
@@ -176,10 +187,9 @@ def _list_images(root: Path) -> Listing:
         for name in top_files:
             listing.skipped.append({"source": name, "reason": "file beside the class folders (not in a class)"})
         for cls, cname in enumerate(classes):
-            for rel, st in _walk_files(root / cname):
-                candidates.append((os.path.join(cname, rel), cls, st))
+            candidates.extend((rel, cls, st) for rel, st in _walk_files(root / cname, cname + "/"))
     else:
-        candidates = [(rel, None, st) for rel, st in _walk_files(root) if os.sep not in rel]
+        candidates = [(rel, None, st) for rel, st in _walk_files(root)]
     for rel, cls, st in candidates:
         key, ext = _image_key(rel)
         if ext not in IMAGE_EXTENSIONS:

@@ -42,7 +42,6 @@ from fastdata.manifest import MANIFEST_NAME, FieldInfo, Manifest
 from fastdata.shards import _progress
 from fastdata.shards._images import CHECK_LEVELS, BadImage, check_image, is_image_field, resize_center_crop
 from fastdata.shards._progress import PROGRESS_DIR, ConversionError, ShardResult
-from fastdata.shards._readahead import readahead
 from fastdata.shards._sources import Listing, SampleUnreadable, SourceReader, list_source, member_bytes
 
 __all__ = [
@@ -57,7 +56,6 @@ _PLAN_VERSION = 1
 _SUFFIX = {"tar": ".tar", "hdf5": ".h5"}
 _TAR_END = 2 * 512  # end-of-archive blocks (record padding comes on top, < 10 KiB)
 _TICK_S = 0.1  # how often workers report progress counts
-_READAHEAD = 16  # samples prepared ahead of the shard writer (a few MB; enough to keep both threads busy)
 
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([kmgtp]?)(i?)(b?)\s*$", re.IGNORECASE)
@@ -388,8 +386,9 @@ def _write_job(task: _Task, tick: Callable[[int], None]) -> ShardResult:
     """Write one planned shard (atomically, through the formats' writers)."""
     path = Path(task.dest) / task.job.name
     skipped: list[dict[str, str]] = []
-    # read/check/decode in a thread while this one encodes, hashes and writes (both release the GIL)
-    samples = readahead(_prepared_samples(task, skipped, tick), _READAHEAD, name=f"fastdata-{task.job.name}")
+    # A readahead thread (reading/checking while this thread writes) was measured slower: the
+    # image check and tar encoding both hold the GIL. Parallelism comes from --workers.
+    samples = _prepared_samples(task, skipped, tick)
     if task.format == "tar":
         from fastdata.shards.tar import write_tar_shard
 
