@@ -12,10 +12,11 @@ Every failure prints one line ``shard.py: error: <problem>`` (a traceback too wi
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import sys
 import traceback
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 PROG = "shard.py"
 
@@ -97,16 +98,30 @@ def build_parser() -> argparse.ArgumentParser:
 
 class _OneLine(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
-        return f"{PROG}: {record.levelname.lower()}: {record.getMessage()}"
+        message = record.getMessage()
+        if record.name == "py.warnings":  # "file:line: UserWarning: text\n  source line"
+            message = message.strip().splitlines()[0].split("Warning: ", 1)[-1]
+        return f"{PROG}: {record.levelname.lower()}: {message}"
 
 
-def _setup_logging(quiet: bool) -> logging.Handler:
+@contextlib.contextmanager
+def _logging_to_stderr(quiet: bool) -> Iterator[None]:
+    """fastdata's log records and Python warnings as ``shard.py: warning: ...`` lines, for one run."""
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(_OneLine())
-    logger = logging.getLogger("fastdata")
-    logger.addHandler(handler)
-    logger.setLevel(logging.WARNING if quiet else logging.INFO)
-    return handler
+    loggers = [logging.getLogger("fastdata"), logging.getLogger("py.warnings")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.addHandler(handler)
+        lg.setLevel(logging.WARNING if quiet else logging.INFO)
+    logging.captureWarnings(True)
+    try:
+        yield
+    finally:
+        logging.captureWarnings(False)
+        for lg, level in zip(loggers, levels):
+            lg.removeHandler(handler)
+            lg.setLevel(level)
 
 
 def _verify(dest: str, quiet: bool) -> int:
@@ -159,19 +174,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.verify is None and len(args.paths) != 2:
         print(f"{PROG}: error: expected SRC and DEST, got {len(args.paths)} path(s) (see --help)", file=sys.stderr)
         return 2
-    handler = _setup_logging(args.quiet)
     try:
-        return _verify(args.verify, args.quiet) if args.verify is not None else _convert(args)
+        with _logging_to_stderr(args.quiet):
+            return _verify(args.verify, args.quiet) if args.verify is not None else _convert(args)
     except KeyboardInterrupt:
         print(f"{PROG}: error: interrupted; rerun the same command to resume", file=sys.stderr)
         return 130
-    except (Exception) as e:  # noqa: BLE001 - the CLI's single error boundary: one line, status 1
+    except Exception as e:  # noqa: BLE001 - the CLI's single error boundary: one line, status 1
         if args.debug:
             traceback.print_exc()
         print(f"{PROG}: error: {_one_line(e)}", file=sys.stderr)
         return 1
-    finally:
-        logging.getLogger("fastdata").removeHandler(handler)
 
 
 def _one_line(err: BaseException) -> str:
