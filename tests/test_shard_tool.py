@@ -351,6 +351,15 @@ def test_corrupt_image_is_skipped_and_listed(tmp_path, capsys, images):
     assert {k: s["jpg"] for k, s in read_all(tmp_path / "out").items()} == {k: v[0] for k, v in expected.items()}
 
 
+def test_no_readable_input_is_an_error(tmp_path, capsys):
+    (tmp_path / "src" / "a").mkdir(parents=True)
+    (tmp_path / "src" / "a" / "x.jpg").write_bytes(b"junk")
+    code, _, err = run(capsys, tmp_path / "src", tmp_path / "out")
+    assert code == 1
+    assert "none of its 1 inputs could be read" in error_line(err) and "a/x.jpg: not a recognised image" in err
+    assert Manifest.load(tmp_path / "out").skipped == ({"source": "a/x.jpg", "reason": "not a recognised image format"},)
+
+
 def test_corrupt_image_with_strict_fails_naming_the_file(tmp_path, capsys, images):
     src, _ = images
     (src / "c1" / "broken.jpg").write_bytes(b"this is not a jpeg")

@@ -275,6 +275,10 @@ def convert(src: str | os.PathLike[str], dest: str | os.PathLike[str], options: 
         for result in results:  # closing(): an error or Ctrl-C here stops the workers at once
             state.record(result)
     manifest = state.finish()
+    if manifest.num_samples == 0:
+        raise ConversionError(f"SRC {plan.listing.root}: none of its {len(manifest.skipped)} inputs could be read "
+                              f"(reasons in {dest_path / MANIFEST_NAME}, e.g. {manifest.skipped[0]['source']}: "
+                              f"{manifest.skipped[0]['reason']})")
     if manifest.skipped:
         examples = "; ".join(f"{s['source']}: {s['reason']}" for s in manifest.skipped[:3])
         log.warning("skipped %d input(s) (listed in %s under 'skipped'), e.g. %s",
@@ -330,10 +334,10 @@ def _execute(tasks: list[_Task], opts: ConvertOptions, tick: Callable[[int], Non
 
 def _terminate(executor: ProcessPoolExecutor) -> None:
     """Cancel queued jobs and stop running ones now (their partial ``.tmp`` files are removed on rerun)."""
-    executor.shutdown(wait=False, cancel_futures=True)
     if hasattr(executor, "terminate_workers"):  # Python >= 3.14
         executor.terminate_workers()
         return
+    executor.shutdown(wait=False, cancel_futures=True)
     processes = list((getattr(executor, "_processes", None) or {}).values())  # no public API before 3.14
     for proc in processes:
         proc.terminate()
@@ -389,15 +393,17 @@ def _write_job(task: _Task, tick: Callable[[int], None]) -> ShardResult:
     # A readahead thread (reading/checking while this thread writes) was measured slower: the
     # image check and tar encoding both hold the GIL. Parallelism comes from --workers.
     samples = _prepared_samples(task, skipped, tick)
-    if task.format == "tar":
-        from fastdata.shards.tar import write_tar_shard
+    try:
+        if task.format == "tar":
+            from fastdata.shards.tar import write_tar_shard
 
-        info = write_tar_shard(path, samples)
-    else:
-        from fastdata.shards.hdf5 import write_hdf5_shard
+            info = write_tar_shard(path, samples)
+        else:
+            from fastdata.shards.hdf5 import write_hdf5_shard
 
-        info = write_hdf5_shard(path, samples, fields=task.fields)
-    task.reader.close()
+            info = write_hdf5_shard(path, samples, fields=task.fields)
+    finally:
+        task.reader.close()
     if info.num_samples == 0:
         path.unlink()
         if info.index:
