@@ -95,11 +95,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--images", type=int, default=2000, help="JPEGs in the folder (default 2000)")
     p.add_argument("--resize-images", type=int, default=1000, help="JPEGs used for the --resize runs")
     p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--quick", action="store_true", help="300 images (200 resized), 3 repetitions (about 10 s)")
+    p.add_argument("--quick", action="store_true", help="1000 images (200 resized), 3 repetitions (about 15 s once the images exist)")
     p.add_argument("--json", metavar="PATH", help="write the results here")
     args = p.parse_args(argv)
     if args.quick:
-        args.images, args.resize_images, args.reps = 300, 200, 3
+        args.images, args.resize_images, args.reps = 1000, 200, 3
     import webdataset  # noqa: F401 - imported before timing (it imports torch: seconds)
 
     src = image_folder(args.images)

@@ -17,8 +17,14 @@ import logging
 import sys
 import traceback
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 
 PROG = "shard.py"
+
+try:  # installed (pip install -e .) or on the path
+    import fastdata  # noqa: F401
+except ImportError:  # run from a source checkout without installing
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 _DESCRIPTION = """\
 SRC is an image folder (one subfolder per class -> 'cls' label = index of the sorted class
@@ -70,7 +76,8 @@ def _size(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog=PROG, description=_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = _Parser(prog=PROG, description=_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter,
+                usage=f"{PROG} SRC DEST [options]\n       {PROG} --verify DEST")
     p.add_argument("paths", nargs="*", metavar="SRC DEST", help="input and output (DEST is created)")
     p.add_argument("--verify", metavar="DEST", help="re-read every shard of DEST against its manifest and exit")
     p.add_argument("--format", choices=("tar", "hdf5"), default="tar", help="shard format (default: tar)")
