@@ -138,6 +138,26 @@ def test_webdataset_written_tar_shards_as_src(tmp_path, capsys, fmt):
     assert read_all(tmp_path / "out") == expected
 
 
+def test_foreign_tar_members_without_a_field_are_listed_as_skipped(tmp_path, capsys):
+    import tarfile
+    import warnings
+
+    (tmp_path / "src").mkdir()
+    with tarfile.open(tmp_path / "src" / "a.tar", "w") as tf:
+        for name, data in (("s0.txt", b"zero"), ("README", b"not a sample"), ("s1.txt", b"one")):
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tf.addfile(info, io.BytesIO(data))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        code, _, err = run(capsys, tmp_path / "src", tmp_path / "out")
+        assert code == 0, err
+        assert Manifest.load(tmp_path / "out").skipped == (
+            {"source": "a.tar:README", "reason": "tar member name is not '<key>.<field>'"},)
+        code, _, err = run(capsys, tmp_path / "src", tmp_path / "out2", "--strict")
+    assert code == 1 and "a.tar:README" in error_line(err)
+
+
 def test_tar_output_is_read_by_webdataset(tmp_path, capsys, images):
     wds = pytest.importorskip("webdataset")
     src, expected = images

@@ -241,6 +241,8 @@ def _list_tar(root: Path, files: Sequence[Path], indexes: Sequence[str | None]) 
     names: set[str] = set()
     for i, (path, index) in enumerate(zip(files, indexes)):
         idx = TarShardReader(path, index=index).index  # ShardError names shard and byte offset
+        listing.skipped.extend({"source": f"{os.path.relpath(path, root)}:{name}", "reason": "tar member name is not '<key>.<field>'"}
+                               for name in idx.ignored)
         for j, (key, members) in enumerate(zip(idx.keys, idx.members)):
             listing.keys.append(key)
             listing.refs.append((i, j))

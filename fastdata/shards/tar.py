@@ -52,9 +52,10 @@ class TarIndex:
     Attributes: ``keys`` (tuple of str), ``members`` (``members[i]`` is a tuple of
     ``(field, start, stop)`` byte ranges of sample i's member data, in archive order) and
     ``tar_size`` (bytes of the indexed tar, checked against the file before reading).
+    ``ignored`` lists members that are not ``<key>.<field>`` (only filled by :meth:`build`).
     """
 
-    __slots__ = ("keys", "members", "tar_size")
+    __slots__ = ("keys", "members", "tar_size", "ignored")
 
     def __init__(self, keys: Sequence[str], members: Sequence[Sequence[tuple[str, int, int]]], tar_size: int):
         if len(keys) != len(members):
@@ -64,6 +65,7 @@ class TarIndex:
         self.members: tuple[tuple[tuple[str, int, int], ...], ...] = tuple(
             tuple((f, int(off), int(off) + int(size)) for f, off, size in m) for m in members)
         self.tar_size = int(tar_size)
+        self.ignored: tuple[str, ...] = ()
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -96,12 +98,15 @@ class TarIndex:
                 members = _tarfmt.walk(header, payload, shard, want_data=False)
                 keys: list[str] = []
                 groups: list[list[tuple[str, int, int]]] = []
-                for key, fld, offset, sz, _ in _group(members, shard):
+                ignored: list[str] = []
+                for key, fld, offset, sz, _ in _group(members, shard, ignored):
                     if not keys or keys[-1] != key:
                         keys.append(key)
                         groups.append([])
                     groups[-1].append((fld, offset, sz))
-        return cls(keys, groups, size)
+        index = cls(keys, groups, size)
+        index.ignored = tuple(ignored)
+        return index
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write the sidecar index (deterministic bytes) atomically."""
@@ -179,6 +184,7 @@ class TarIndex:
         index.keys = tuple(keys)
         index.members = tuple(tuple(flat[a:b]) for a, b in zip(bounds, bounds[1:]))
         index.tar_size = tar_size
+        index.ignored = ()
         return index
 
 
@@ -202,12 +208,16 @@ def _unblob(blob: memoryview, ends: np.ndarray) -> list[str]:
     return out
 
 
-def _group(members: Iterable[tuple[str, int, int, Any]], shard: str) -> Iterator[tuple[str, str, int, int, Any]]:
-    """Split member names into (key, field) and enforce that a sample's members are consecutive."""
+def _group(members: Iterable[tuple[str, int, int, Any]], shard: str,
+           skipped: list[str] | None = None) -> Iterator[tuple[str, str, int, int, Any]]:
+    """Split member names into (key, field) and enforce that a sample's members are consecutive.
+
+    Members that are not ``<key>.<field>`` are left out with a warning and appended to ``skipped``.
+    """
     seen: set[str] = set()
     current: str | None = None
     fields: set[str] = set()
-    skipped: list[str] = []
+    skipped = [] if skipped is None else skipped
     for name, offset, size, data in members:
         parts = split_member_name(name)
         if parts is None or is_meta(parts[1]) or name.startswith("__"):
