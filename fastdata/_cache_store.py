@@ -370,6 +370,13 @@ class Store:
             raise IndexError(f"cache store {self.path}: index {index} out of range for {self.num_samples} samples")
         return i
 
+    def _indices(self, indices: Any) -> np.ndarray:
+        idx = np.asarray(indices, dtype=np.int64).reshape(-1)
+        if len(idx) and (idx.min() < 0 or idx.max() >= self.num_samples):
+            bad = idx[(idx < 0) | (idx >= self.num_samples)][0]
+            raise IndexError(f"cache store {self.path}: index {bad} out of range for {self.num_samples} samples")
+        return idx
+
     def is_valid(self, index: int) -> bool:
         """Whether sample ``index`` is filled (cheap: one byte of a shared memory map)."""
         self._ensure_open()
@@ -403,10 +410,7 @@ class Store:
         This is the fast path for fully cached data: no per-sample tensors, no collation.
         """
         self._ensure_open()
-        idx = np.asarray(indices, dtype=np.int64).reshape(-1)
-        if len(idx) and (idx.min() < 0 or idx.max() >= self.num_samples):
-            bad = idx[(idx < 0) | (idx >= self.num_samples)][0]
-            raise IndexError(f"cache store {self.path}: index {bad} out of range for {self.num_samples} samples")
+        idx = self._indices(indices)
         if self._valid is None and not self._refresh_layout():
             return None
         if not self._valid[idx].all():  # type: ignore[index]
@@ -467,6 +471,14 @@ class Store:
                     f"the {self.num_valid()} samples already filled stay valid and usable"
                 ) from e
             raise CacheError(f"cache store {self.path}: cannot write sample {i} ({field}): {e}") from e
+
+    def missing(self, indices: Any) -> np.ndarray:
+        """The entries of ``indices`` that are not filled (int64, in the given order; empty: all filled)."""
+        self._ensure_open()
+        idx = self._indices(indices)
+        if self._valid is None and not self._refresh_layout():
+            return idx
+        return idx[self._valid[idx] == 0]  # type: ignore[index]
 
     def num_valid(self) -> int:
         """Number of filled samples."""

@@ -95,7 +95,9 @@ class ShardedDataset(IterableDataset):
         transform: random transform of each image field, applied after ``preprocess`` every time.
         sample_transform: function of the whole sample dict, applied last (e.g. to a tuple).
         fields: read only these fields (default: all).
-        cache: a directory or :class:`fastdata.cache.Cache` for ``preprocess`` outputs.
+        cache: a directory or :class:`fastdata.cache.Cache` for ``preprocess`` outputs. With a
+            cache, a sample's keys are ordered ``__key__``, the other fields as read, then the
+            image fields sorted by name, whether the sample was a hit or a miss.
         rank, world_size: explicit, or from ``torch.distributed`` when initialised.
         even: "pad" (default: repeat samples from the start of the epoch so every rank gets
             ``ceil(N / world_size)``) or "drop" (``floor``; the tail is not read).
@@ -386,9 +388,11 @@ class ShardedDataset(IterableDataset):
                 sample = self._decoder(self._reader(shard).read(i, fields=self.fields), shard=self.source.names[shard])
                 sample = self._apply(self.preprocess, sample)
                 if store is not None:
-                    outputs = {k: v for k, v in sample.items() if is_image_field(k)}
+                    # the order a hit gives: uncached fields as read, then cached ones in store order
+                    outputs = {k: sample.pop(k) for k in sorted(k for k in sample if is_image_field(k))}
                     if outputs:
                         store.put(g, outputs)
+                    sample.update(outputs)
         except (FastdataError, OSError, IndexError) as e:
             self._handle_error(self._wrap_error(e, shard, i), e, self.source.names[shard], i, g, progress)
             return None

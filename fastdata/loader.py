@@ -9,11 +9,16 @@ position in its index sequence to the batch; the main process strips it before t
 yielded and records it. ``state_dict()`` therefore reflects exactly the batches the caller has
 received, whatever the worker count, prefetching or skipped samples.
 
+Cached fast path (``cached_fast_path=``, :mod:`fastdata._cache_loader`): when the dataset's cache
+store holds every sample of the epoch and no per-sample work needs a worker, the batches are
+gathered from the store in the calling process instead, identical in content and order.
+
 Everything else is ``torch.utils.data.DataLoader`` unchanged; with any other dataset this class
 behaves exactly like torch's (``state_dict()`` then raises TypeError).
 """
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -21,13 +26,16 @@ from typing import Any
 import torch.utils.data
 from torch.utils.data._utils.pin_memory import pin_memory as _pin_memory
 
+from fastdata import _cache_loader
 from fastdata import dataset as _dataset
 from fastdata._split import Stage, stage_counts
 from fastdata.dataset import ShardedDataset
+from fastdata.errors import CacheError, FastdataError
 
 __all__ = ["DataLoader"]
 
 LOADER_STATE_VERSION = 1
+_log = logging.getLogger(__name__)
 
 
 class _Tagged:
@@ -71,17 +79,23 @@ class _Run:
 
 
 class _LoaderIter:
-    def __init__(self, loader: DataLoader, inner: Any, run: _Run):
-        self._loader, self._inner, self._run = loader, inner, run
+    def __init__(self, loader: DataLoader, inner: Any, run: _Run, length: int | None = None):
+        self._loader, self._inner, self._run, self._length = loader, inner, run, length
 
     def __iter__(self) -> _LoaderIter:
         return self
 
     def __len__(self) -> int:
-        return len(self._inner)
+        return len(self._inner) if self._length is None else self._length
 
     def __next__(self) -> Any:
         item = next(self._inner)
+        if type(item) is tuple:  # cached fast path: (batch, worker, position); skips already recorded
+            batch, worker, pos = item
+            self._run.pos[worker] = pos
+            self._run.last = worker
+            self._run.batches += 1
+            return batch
         if isinstance(item, _Tagged):
             if item.tag is not None:
                 worker, _, pos, skips = item.tag
@@ -102,13 +116,39 @@ class DataLoader(torch.utils.data.DataLoader):
     epoch: in the same order with the same ``num_workers``; exactly once but in another order
     with a different ``num_workers``. ``len()`` is the exact number of batches per epoch
     (each worker yields its own final partial batch unless ``drop_last``).
+
+    Args:
+        cached_fast_path: ``"auto"`` (default): an epoch whose samples are all in the dataset's
+            cache store, with no ``transform=``/``sample_transform=``, the default
+            ``collate_fn`` and no ``worker_init_fn``, is read in this process with one store
+            gather per batch instead of through worker processes; the batches are the same
+            (content, keys, order, partial batches, resume state) as the workers would give.
+            ``True``: always (``CacheError`` when the store lacks samples of the epoch; a custom
+            ``collate_fn`` runs in this process; ``worker_init_fn`` is not called). ``False``:
+            always the workers. ``last_path`` tells which path the latest epoch took and
+            ``fallback_reason`` why not the fast one.
+        Everything else: as ``torch.utils.data.DataLoader``.
     """
 
-    def __init__(self, dataset: Any, *args: Any, **kwargs: Any):
+    def __init__(self, dataset: Any, *args: Any, cached_fast_path: bool | str = "auto", **kwargs: Any):
+        mode = _cache_loader.check_mode(cached_fast_path)
         super().__init__(dataset, *args, **kwargs)
         self._run: _Run | None = None
+        self.cached_fast_path = mode
+        self.last_path: str | None = None  # "cached" or "workers": the path the latest iteration took
+        self.fallback_reason: str | None = None  # why the latest iteration did not take the fast path
+        self._fast_seed_drawn = False
+        self._user_collate = self.collate_fn
+        if mode is True:
+            reason = self._static_reason(forced=True)
+            if reason is not None:
+                raise ValueError(f"cached_fast_path=True: {reason}")
         if isinstance(dataset, ShardedDataset):
             self.collate_fn = _TaggingCollate(self.collate_fn, dataset._token)
+
+    def _static_reason(self, *, forced: bool) -> str | None:
+        return _cache_loader.static_reason(self.dataset, batch_size=self.batch_size, collate_fn=self._user_collate,
+                                           worker_init_fn=self.worker_init_fn, forced=forced)
 
     def _sharded(self) -> ShardedDataset:
         if not isinstance(self.dataset, ShardedDataset):
@@ -132,10 +172,58 @@ class DataLoader(torch.utils.data.DataLoader):
         ds._resolve_dist()
         epoch = ds.epoch
         stages, first = ds._pending(epoch, self.num_workers)
+        fast = self._fast_iter(ds, epoch, stages, first)
+        if fast is not None:
+            self.last_path, self.fallback_reason = "cached", None
+            ds._resume = None
+            self._draw_base_seed()
+            return _LoaderIter(self, fast, self._run, len(self))
+        self.last_path = "workers"
         inner = super().__iter__()  # workers now hold a copy of the dataset with the resume state
         ds._resume = None
         self._run = _Run(epoch, stages, list(stages[-1][1]), first)
         return _LoaderIter(self, inner, self._run)
+
+    def _fast_iter(self, ds: ShardedDataset, epoch: int, stages: list[Stage], first: int) -> Iterator[Any] | None:
+        """The cached fast path's batches for this epoch, or None (``fallback_reason`` says why)."""
+        mode = self.cached_fast_path
+        reason = "cached_fast_path=False" if mode is False else self._static_reason(forced=mode is True)
+        plan: Any = None
+        store = None
+        if ds._cache_arg is not None:
+            try:
+                store = ds.cache_store()  # opened (and held) in this process too: no eviction between epochs
+            except FastdataError as e:
+                if mode is True:
+                    raise
+                reason = reason or f"the cache store cannot be opened: {e}"
+        if reason is None:
+            plan = _cache_loader.plan_fast_epoch(ds, store, epoch, stages)
+            if isinstance(plan, str):
+                if mode is True:
+                    raise CacheError(f"cached_fast_path=True: {plan}; fill it first (ShardedDataset.build_cache, "
+                                     "`fastdata cache build`, or one epoch with cached_fast_path='auto')")
+                reason = plan
+        if reason is not None:
+            self.fallback_reason = reason
+            _log.debug("fastdata.DataLoader: epoch %d through workers: %s", epoch, reason)
+            return None
+        self._run = _Run(epoch, stages, list(stages[-1][1]), first)
+        pin = _cache_loader.pin_device() if self.pin_memory else None
+        seqs, missing = plan
+        return _cache_loader.cached_batches(
+            ds, store, seqs, missing=missing, stages=stages, first=first, epoch=epoch, batch_size=self.batch_size,  # type: ignore[arg-type]
+            drop_last=self.drop_last, collate_fn=self._user_collate, pin=pin,
+        )
+
+    def _draw_base_seed(self) -> None:
+        """Consume the global torch RNG as torch's iterator would (its workers' base seed), so the
+        random stream of the training loop does not depend on which path an epoch took."""
+        if self.persistent_workers and self.num_workers > 0:
+            if self._iterator is not None or self._fast_seed_drawn:
+                return
+            self._fast_seed_drawn = True
+        torch.empty((), dtype=torch.int64).random_(generator=self.generator)
 
     def _next_worker(self, run: _Run) -> int:
         """Logical worker of the next batch: torch deals batches round-robin, skipping exhausted workers."""

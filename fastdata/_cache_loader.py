@@ -1,0 +1,178 @@
+"""The cached fast path of :class:`fastdata.DataLoader`: batches gathered from a complete cache store.
+
+Once a cache store holds every sample an epoch reads and nothing per sample needs a worker
+process (no ``transform=``, no ``sample_transform=``), workers only add cost: each collates its
+batch into fresh shared memory (9.6 MB for 64 x 3 x 224 x 224 uint8) and hands it to the main
+process, which caps a cached epoch at a few thousand samples/s. The fast path produces the same
+batches in the calling process instead: one :meth:`Store.get_batch` gather per batch for the
+cached (image) fields, a cheap per-sample read for the others (``__key__``, ``cls``, ...),
+collated by the loader's ``collate_fn``.
+
+Same batches, same order. The per-worker index sequences are those the worker processes would
+read (``num_workers`` virtual workers, resume stages included); batches are dealt round-robin
+over the virtual workers starting with the one that yields first, skipping exhausted ones, as
+torch's DataLoader does; each virtual worker yields its own partial last batch unless
+``drop_last``; samples skipped by ``on_error`` shift batch boundaries exactly as in a worker.
+Each batch carries (virtual worker, position after it), so ``state_dict()`` is exact and a
+state saved on either path resumes on the other.
+"""
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import default_collate
+from torch.utils.data._utils.pin_memory import pin_memory as _pin_memory
+
+from fastdata._split import Stage, _check_consumed, stage_counts, stage_sequences
+from fastdata.dataset import ShardedDataset, _Progress
+from fastdata.errors import CacheError
+
+__all__ = ["FAST_PATH_MODES", "cached_batches", "check_mode", "pin_device", "plan_fast_epoch", "static_reason"]
+
+FAST_PATH_MODES = ("auto", True, False)
+# Samples of an epoch that may be missing from the store on the fast path: they are read, decoded
+# and filled in the calling process (those that fail to decode are never filled, so a dataset
+# with a few bad samples and on_error="skip" would otherwise never take the fast path).
+MISSING_FRACTION = 0.001
+
+Batch = tuple[Any, int, int]  # (batch, virtual worker, position in its sequence after the batch)
+
+
+def check_mode(value: Any) -> str | bool:
+    if value is True or value is False or value == "auto":
+        return value
+    raise ValueError(f"cached_fast_path must be 'auto', True or False, got {value!r}")
+
+
+def static_reason(ds: Any, *, batch_size: int | None, collate_fn: Callable[[Any], Any],
+                  worker_init_fn: Any, forced: bool) -> str | None:
+    """Why the fast path cannot serve this loader whatever the store holds (None: it can)."""
+    if not isinstance(ds, ShardedDataset):
+        return f"the dataset is a {type(ds).__name__}, not a fastdata.ShardedDataset"
+    if ds._cache_arg is None:
+        return "the dataset has no cache= store"
+    if ds.transform is not None:
+        return "transform= runs per sample (in the workers)"
+    if ds.sample_transform is not None:
+        return "sample_transform= runs per sample (in the workers)"
+    if batch_size is None:
+        return "batch_size=None (no automatic batching)"
+    if not forced:
+        if collate_fn is not default_collate:
+            return "a custom collate_fn is set (cached_fast_path=True runs it in this process)"
+        if worker_init_fn is not None:
+            return "worker_init_fn= is set (cached_fast_path=True skips it: no workers are started)"
+    return None
+
+
+def _sequences(ds: ShardedDataset, epoch: int, stages: Sequence[Stage]) -> list[np.ndarray]:
+    seqs = stage_sequences(ds._plan(), epoch, stages)
+    _check_consumed(seqs, stages[-1][1], stages[-1][0])
+    return seqs
+
+
+def plan_fast_epoch(
+    ds: ShardedDataset, store: Any, epoch: int, stages: Sequence[Stage]
+) -> tuple[list[np.ndarray], frozenset[int]] | str:
+    """(per-virtual-worker index sequences, samples to compute in this process), or why the
+    store cannot serve the rest of the epoch."""
+    counts = stage_counts(ds._plan(), stages)
+    need = sum(c - k for c, k in zip(counts, stages[-1][1]))
+    allowed = int(need * MISSING_FRACTION)
+    have = store.num_valid()
+    # distinct samples needed >= need - (world_size - 1) padded repeats, without samples_per_epoch
+    if have < store.num_samples and ds.samples_per_epoch is None and have < need - ds.world_size + 1 - allowed:
+        return (f"cache store {store.path} has {have} of {store.num_samples} samples filled; rank {ds.rank} reads "
+                f"{need} in epoch {epoch} (at most {allowed} may be missing)")
+    seqs = _sequences(ds, epoch, stages)
+    missing: frozenset[int] = frozenset()
+    if have < store.num_samples:
+        missing = frozenset(store.missing(np.concatenate([s[c:] for s, c in zip(seqs, stages[-1][1])])).tolist())
+        if len(missing) > allowed:
+            return (f"cache store {store.path} lacks {len(missing)} of the samples rank {ds.rank} reads in epoch "
+                    f"{epoch} (e.g. sample {min(missing)}; at most {allowed} may be missing)")
+    return seqs, missing
+
+
+def pin_device() -> str | None:
+    """The device torch's DataLoader would pin for (None: no pinning), with torch's warning."""
+    if not torch.accelerator.is_available():
+        warnings.warn("'pin_memory' argument is set as true but no accelerator is found, "
+                      "then device pinned memory won't be used.", stacklevel=4)
+        return None
+    acc = torch.accelerator.current_accelerator()
+    return None if acc is None or acc.type == "mps" else acc.type
+
+
+def _empty_like_fields(store: Any, n: int) -> dict[str, torch.Tensor]:
+    """Fresh pinned tensors for ``n`` rows of every store field (gathered into directly)."""
+    out = {}
+    for f in store.fields:
+        dtype = torch.from_numpy(np.empty(0, dtype=f.dtype)).dtype
+        out[f.name] = torch.empty((n, *f.shape), dtype=dtype, pin_memory=True)
+    return out
+
+
+def cached_batches(
+    ds: ShardedDataset, store: Any, seqs: list[np.ndarray], *, missing: frozenset[int], stages: Sequence[Stage],
+    first: int, epoch: int, batch_size: int, drop_last: bool, collate_fn: Callable[[Any], Any], pin: str | None,
+) -> Iterator[Batch]:
+    """The batches of one epoch, in the worker path's order (see the module docstring)."""
+    n = len(seqs)
+    plan = ds._plan()
+    progress = [_Progress(ds._token, epoch, list(stages), w, stages[-1][1][w]) for w in range(n)]
+    if n == 1:
+        ds._live = progress[0]  # ds.state_dict() follows, as with num_workers=0 on the worker path
+    located = []
+    for s in seqs:
+        shards = np.searchsorted(plan.offsets, s, side="right") - 1
+        located.append((s.tolist(), shards.tolist(), (s - plan.offsets[shards]).tolist()))
+    fast_collate = collate_fn is default_collate
+    cached_fields = frozenset(f.name for f in store.fields or ())
+    active = [True] * n
+    w = first
+    while any(active):
+        if active[w]:
+            prog = progress[w]
+            gs, shards, local = located[w]
+            metas: list[dict[str, Any]] = []
+            rows: list[int] = []
+            p = prog.pos
+            while len(rows) < batch_size and p < len(gs):
+                if gs[p] in missing:  # decode, preprocess and fill, as a worker would
+                    meta = ds._load(shards[p], local[p], gs[p], prog)
+                    if meta is not None:
+                        meta = {k: v for k, v in meta.items() if k not in cached_fields}
+                else:
+                    meta = ds._load_uncached(shards[p], local[p], gs[p], prog)
+                p += 1
+                if meta is not None:
+                    metas.append(meta)
+                    rows.append(gs[p - 1])
+            prog.new_skips.clear()  # recorded in ds.skipped by the error policy already
+            full = len(rows) == batch_size
+            if full or (rows and not drop_last):
+                prog.pos = p
+                yield _assemble(store, metas, rows, collate_fn, fast_collate, pin), w, p
+            if not full:
+                prog.pos = p
+                active[w] = False
+        w = (w + 1) % n
+
+
+def _assemble(store: Any, metas: list[dict[str, Any]], rows: list[int], collate_fn: Callable[[Any], Any],
+              fast_collate: bool, pin: str | None) -> Any:
+    out = _empty_like_fields(store, len(rows)) if pin is not None else None
+    cached = store.get_batch(rows, out=out)  # a fresh tensor per batch: the caller owns it
+    if cached is None:
+        raise CacheError(f"cache store {store.path}: samples of this batch are no longer filled ({rows[:8]}...)")
+    if fast_collate:
+        batch = collate_fn(metas)
+        batch.update(cached)  # cached fields come last, as in the samples of the worker path
+    else:
+        batch = collate_fn([{**m, **{k: v[j] for k, v in cached.items()}} for j, m in enumerate(metas)])
+    return _pin_memory(batch, pin) if pin is not None else batch

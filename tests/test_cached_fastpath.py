@@ -1,0 +1,290 @@
+"""Cached fast path of fastdata.DataLoader: same batches as the worker path, exact resume across paths."""
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from fastdata._synth import jpeg_bytes, synth_image
+from fastdata.cache import Cache
+from fastdata.dataset import ShardedDataset, ShuffleOptions
+from fastdata.errors import CacheError
+from fastdata.loader import DataLoader
+from fastdata.shards.writer import ShardWriter
+from fastdata.transforms import ResizeCenterCrop
+
+pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
+
+N = 45
+BAD = (5, 30)  # undecodable cls: skipped with on_error="skip"
+
+
+def _write(dest: Path, bad: tuple[int, ...] = ()) -> Path:
+    with ShardWriter(dest, max_samples=7) as w:  # 7 shards, the last one short
+        for i in range(N):
+            img = synth_image(np.random.default_rng(i), 30 + (i * 7) % 20, 30 + (i * 5) % 20)
+            w.write({"__key__": f"s{i:04d}", "jpg": jpeg_bytes(img, 90), "cls": b"x" if i in bad else str(i).encode(),
+                     "txt": f"t{i}".encode()})
+    return dest
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> tuple[Path, Path]:
+    """(shards, cache dir with a complete store for ResizeCenterCrop(16))."""
+    root = tmp_path_factory.mktemp("fastpath")
+    shards = _write(root / "ds")
+    info = _make(shards, root / "cache").build_cache()
+    assert info.fill_ratio == 1.0
+    return shards, root / "cache"
+
+
+def _make(shards: Path, cache: Path, **kw: Any) -> ShardedDataset:
+    kw.setdefault("shuffle", ShuffleOptions(open_shards=3, buffer_size=5))
+    kw.setdefault("seed", 7)
+    return ShardedDataset(shards, preprocess=ResizeCenterCrop(16), cache=cache, **kw)
+
+
+def _epoch(loader: DataLoader, path: str) -> list[Any]:
+    out = list(loader)
+    assert loader.last_path == path, loader.fallback_reason
+    return out
+
+
+def assert_same(a: list[Any], b: list[Any]) -> None:
+    """Bit for bit: batch count, keys and their order, dtypes, shapes, values."""
+    assert len(a) == len(b)
+    for j, (x, y) in enumerate(zip(a, b)):
+        assert list(x) == list(y), f"batch {j}"
+        for k in x:
+            if isinstance(x[k], torch.Tensor):
+                assert x[k].dtype == y[k].dtype and x[k].shape == y[k].shape, f"batch {j} field {k}"
+                assert torch.equal(x[k], y[k]), f"batch {j} field {k}"
+            else:
+                assert x[k] == y[k], f"batch {j} field {k}"
+
+
+def _keys(batches: list[Any]) -> list[str]:
+    return [k for b in batches for k in b["__key__"]]
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize(("drop_last", "batch_size"), [(False, 4), (True, 4), (False, 64)])
+def test_fast_path_equals_worker_path(data, num_workers, drop_last, batch_size):
+    shards, cache = data
+    kw = dict(batch_size=batch_size, num_workers=num_workers, drop_last=drop_last)
+    for epoch in (0, 1):
+        ds_fast, ds_work = _make(shards, cache), _make(shards, cache)
+        ds_fast.set_epoch(epoch), ds_work.set_epoch(epoch)
+        fast = DataLoader(ds_fast, **kw)
+        got = _epoch(fast, "cached")
+        assert_same(got, _epoch(DataLoader(ds_work, cached_fast_path=False, **kw), "workers"))
+        assert len(got) == len(fast)
+        assert list(got[0]) == ["__key__", "cls", "txt", "jpg"] and got[0]["jpg"].shape[1:] == (3, 16, 16)
+    if not drop_last and batch_size == 4:
+        assert len(set(_keys(got))) == N
+
+
+def test_fast_path_batches_are_owned(data):
+    shards, cache = data
+    batches = list(DataLoader(_make(shards, cache), batch_size=8, num_workers=2))
+    ptrs = {b["jpg"].untyped_storage().data_ptr() for b in batches}
+    assert len(ptrs) == len(batches)  # a fresh tensor per batch, never a reused buffer
+    before = batches[1]["jpg"].clone()
+    batches[0]["jpg"].zero_()  # writable (not the read-only map) and independent of the other batches
+    assert torch.equal(batches[1]["jpg"], before)
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_fast_path_equals_worker_path_ranks_padding_and_samples_per_epoch(data, rank):
+    shards, cache = data
+    for extra in ({"even": "pad"}, {"samples_per_epoch": 60}):
+        make = lambda: _make(shards, cache, rank=rank, world_size=4, **extra)  # noqa: E731
+        kw = dict(batch_size=3, num_workers=3)
+        assert_same(_epoch(DataLoader(make(), **kw), "cached"),
+                    _epoch(DataLoader(make(), cached_fast_path=False, **kw), "workers"))
+
+
+def _strict_cls(data: bytes) -> int:
+    i = int(bytes(data))
+    if i in BAD:
+        raise ValueError(f"bad label {i}")
+    return i
+
+
+def test_skipped_samples_shift_batches_like_workers(data):
+    shards, cache = data
+    make = lambda: _make(shards, cache, on_error="skip", decode={"cls": _strict_cls})  # noqa: E731
+    ds_fast, ds_work = make(), make()
+    kw = dict(batch_size=4, num_workers=2)
+    fast = _epoch(DataLoader(ds_fast, **kw), "cached")
+    assert_same(fast, _epoch(DataLoader(ds_work, cached_fast_path=False, **kw), "workers"))
+    assert sum(len(b["cls"]) for b in fast) == N - len(BAD)
+    assert sorted(s["key"] for s in ds_fast.skipped) == sorted(s["key"] for s in ds_work.skipped) == ["s0005", "s0030"]
+
+
+def test_a_few_missing_samples_are_computed_in_process(tmp_path, monkeypatch):
+    shards = _write(tmp_path / "ds", bad=())
+    broken = tmp_path / "broken"
+    with ShardWriter(broken, max_samples=7) as w:  # sample 30 has a corrupt JPEG: it can never be cached
+        for s in ShardedDataset(shards, decode=False):
+            w.write({**s, "jpg": b"not a jpeg" if s["__key__"] == "s0030" else s["jpg"]})
+    make = lambda: ShardedDataset(broken, preprocess=ResizeCenterCrop(16), cache=tmp_path / "c",  # noqa: E731
+                                  on_error="skip", shuffle=True, seed=1)
+    info = make().build_cache()
+    assert info.num_valid == N - 1
+    with open(info.path / "valid.bin", "r+b") as f:  # sample 12 unfilled again
+        f.seek(12)
+        f.write(b"\0")
+    kw = dict(batch_size=4, num_workers=2)
+    dl = DataLoader(make(), **kw)
+    _epoch(dl, "workers")
+    assert "has 43 of 45 samples filled; rank 0 reads 45 in epoch 0 (at most 0 may be missing)" in dl.fallback_reason
+    with open(info.path / "valid.bin", "r+b") as f:
+        f.seek(12)
+        f.write(b"\0")
+    monkeypatch.setattr("fastdata._cache_loader.MISSING_FRACTION", 0.05)  # 2 of 45 may be missing
+    ds_fast, ds_work = make(), make()
+    fast = _epoch(DataLoader(ds_fast, **kw), "cached")
+    assert Cache(tmp_path / "c").info(info.key).num_valid == N - 1  # sample 12 was filled on the way
+    assert_same(fast, _epoch(DataLoader(ds_work, cached_fast_path=False, **kw), "workers"))
+    assert [s["key"] for s in ds_fast.skipped] == [s["key"] for s in ds_work.skipped] == ["s0030"]
+
+
+@pytest.mark.parametrize(("before", "after"), [("workers", "cached"), ("cached", "workers"), ("cached", "cached")])
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_resume_across_paths(data, before, after, num_workers):
+    shards, cache = data
+    mode = {"workers": False, "cached": "auto"}
+
+    def loader(path: str, nw: int = num_workers) -> DataLoader:
+        ds = _make(shards, cache)
+        ds.set_epoch(2)
+        return DataLoader(ds, batch_size=4, num_workers=nw, cached_fast_path=mode[path])
+
+    full = _epoch(loader("workers"), "workers")
+    for k in (1, 5, len(full) - 1, len(full)):
+        dl = loader(before)
+        it = iter(dl)
+        first = [next(it) for _ in range(k)]
+        assert dl.last_path == before
+        state = json.loads(json.dumps(dl.state_dict()))
+        del it
+        dl2 = loader(after)
+        dl2.load_state_dict(state)
+        dl2.set_epoch(2)
+        rest = _epoch(dl2, after)
+        assert_same(first + rest, full)
+        dl2.set_epoch(3)  # the next epoch starts from scratch
+        assert sum(len(b["cls"]) for b in _epoch(dl2, after)) == N
+
+
+def test_resume_with_other_worker_count_across_paths(data):
+    shards, cache = data
+    make = lambda: _make(shards, cache)  # noqa: E731
+    full = _keys(DataLoader(make(), batch_size=4, num_workers=2, cached_fast_path=False))
+    dl = DataLoader(make(), batch_size=4, num_workers=2, cached_fast_path=False)
+    it = iter(dl)
+    first = _keys([next(it) for _ in range(3)])
+    state = dl.state_dict()
+    del it
+    dl2 = DataLoader(make(), batch_size=4, num_workers=3)
+    dl2.load_state_dict(state)
+    rest = _keys(_epoch(dl2, "cached"))
+    assert sorted(first + rest) == sorted(full) and len(first + rest) == N
+
+
+def test_auto_falls_back_and_says_why(data, tmp_path):
+    shards, cache = data
+    # incomplete store: a fresh cache filled by half an epoch
+    part = DataLoader(_make(shards, tmp_path / "c2"), batch_size=4, num_workers=0)
+    it = iter(part)
+    [next(it) for _ in range(3)]
+    del it
+    dl = DataLoader(_make(shards, tmp_path / "c2"), batch_size=4, num_workers=2)
+    first = _epoch(dl, "workers")  # fills the rest
+    assert "lacks" in dl.fallback_reason or "filled" in dl.fallback_reason
+    assert_same(_epoch(dl, "cached"), first)  # complete now: the next epoch takes the fast path
+    cases = [
+        (dict(transform=lambda x: x.flip(-1)), {}, "transform= runs per sample"),
+        (dict(sample_transform=lambda s: s), {}, "sample_transform="),
+        ({}, dict(collate_fn=lambda b: b), "custom collate_fn"),
+        ({}, dict(worker_init_fn=lambda w: None), "worker_init_fn"),
+        ({}, dict(batch_size=None), r"batch_size=None"),
+    ]
+    for ds_kw, dl_kw, reason in cases:
+        dl_kw.setdefault("batch_size", 4)
+        dl = DataLoader(_make(shards, cache, **ds_kw), num_workers=0, **dl_kw)
+        next(iter(dl))
+        assert dl.last_path == "workers" and reason in dl.fallback_reason
+    dl = DataLoader(ShardedDataset(shards, fields=["cls"]), batch_size=4)
+    next(iter(dl))
+    assert dl.last_path == "workers" and "no cache= store" in dl.fallback_reason
+
+
+def test_rank_needs_only_its_own_samples(data, tmp_path):
+    shards, _ = data
+    make = lambda rank: _make(shards, tmp_path / "c", rank=rank, world_size=2)  # noqa: E731
+    _epoch(DataLoader(make(0), batch_size=4, num_workers=2), "workers")  # fills rank 0's half of epoch 0
+    _epoch(DataLoader(make(0), batch_size=4, num_workers=2), "cached")
+    dl = DataLoader(make(1), batch_size=4, num_workers=2)
+    _epoch(dl, "workers")
+    assert "samples rank 1 reads in epoch 0" in dl.fallback_reason
+
+
+def test_forced_mode(data, tmp_path):
+    shards, cache = data
+    empty = DataLoader(_make(shards, tmp_path / "c3"), batch_size=4, cached_fast_path=True)
+    with pytest.raises(CacheError, match=r"cached_fast_path=True: cache store .* has 0 of 45 samples filled; "
+                                         r"rank 0 reads 45 in epoch 0 \(at most 0 may be missing\); fill it first"):
+        iter(empty)
+    with pytest.raises(ValueError, match="cached_fast_path=True: transform= runs per sample"):
+        DataLoader(_make(shards, cache, transform=lambda x: x), batch_size=4, cached_fast_path=True)
+    with pytest.raises(ValueError, match="cached_fast_path=True: the dataset is a list, not a fastdata.ShardedDataset"):
+        DataLoader([1, 2], cached_fast_path=True)
+    with pytest.raises(ValueError, match="cached_fast_path must be 'auto', True or False, got 1"):
+        DataLoader([1, 2], cached_fast_path=1)
+    # forced: a custom collate_fn runs in this process on the same samples
+    collate = lambda b: [(s["__key__"], s["cls"], s["jpg"].sum().item()) for s in b]  # noqa: E731
+    kw = dict(batch_size=5, num_workers=2, collate_fn=collate)
+    forced = DataLoader(_make(shards, cache), cached_fast_path=True, **kw)
+    assert _epoch(forced, "cached") == _epoch(DataLoader(_make(shards, cache), **kw), "workers")
+
+
+def test_no_workers_started_and_store_held_open(data):
+    shards, cache = data
+    dl = DataLoader(_make(shards, cache), batch_size=8, num_workers=2, persistent_workers=True)
+    _epoch(dl, "cached")
+    assert dl._iterator is None  # persistent workers were never started
+    (info,) = Cache(cache).list()
+    assert info.in_use  # the main process holds the store: safe from eviction between epochs
+    assert Cache(cache, max_bytes=1).evict() == []
+
+
+def test_global_rng_and_pin_memory_match_worker_path(data):
+    shards, cache = data
+    draws = []
+    batches = []
+    for mode in ("auto", False):
+        torch.manual_seed(0)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            batches.append(list(DataLoader(_make(shards, cache), batch_size=8, num_workers=0, pin_memory=True,
+                                           cached_fast_path=mode)))
+        if not torch.accelerator.is_available():
+            assert any("no accelerator is found" in str(w.message) for w in caught)
+        draws.append(torch.rand(3))
+    assert torch.equal(draws[0], draws[1])
+    assert_same(batches[0], batches[1])
+
+
+def test_fill_epoch_and_cached_epoch_give_the_same_keys_in_the_same_order(tmp_path):
+    shards = _write(tmp_path / "ds")
+    fill = list(_make(shards, tmp_path / "cache", shuffle=False))
+    hit = list(_make(shards, tmp_path / "cache", shuffle=False))
+    assert [list(s) for s in fill] == [list(s) for s in hit] == [["__key__", "cls", "txt", "jpg"]] * N
+    assert all(torch.equal(a["jpg"], b["jpg"]) for a, b in zip(fill, hit))
