@@ -1,32 +1,33 @@
-"""Preprocessing cache throughput: uncached epoch vs cached epoch, raw cached reading, store size.
+"""Preprocessing cache throughput: uncached epoch vs cached epoch, cached reading per core, store size.
 
-On a photo-like JPEG corpus (``fastdata._synth.make_image_folder``, 300-640 px) with a 224x224
-uint8 target (resize shorter side + centre crop) and the same DataLoader workers and batch size:
+On a photo-like JPEG corpus (``fastdata._synth.make_image_folder``, 300-640 px) written to tar
+shards, ``ShardedDataset(shards, preprocess=ResizeCenterCrop(size), cache=...)`` through
+``fastdata.DataLoader`` with the same settings (workers, persistent workers, batch size) for
+every pipeline:
 
-- ``uncached``: every epoch decodes and resizes every JPEG;
-- ``fill``: the first cached epoch (decode, resize, write into the store);
-- ``cached``: later epochs, served from the memory-mapped store;
-- ``cached_no_workers``: the same cached dataset with ``num_workers=0`` (for reference);
-- ``raw_read``: one process on one core reading the store sample by sample (``Store.get``) into
-  a reused batch buffer, warm (page cache) and cold (pages dropped with ``posix_fadvise``), GB/s;
-- ``gather_read``: one process, ``Store.get_batch`` of shuffled indices into a reused buffer:
-  the ceiling for a loader that gathers cached batches instead of collating samples.
+- ``uncached``: no cache; every epoch decodes and resizes every JPEG in the workers;
+- ``fill``: the first cached epoch (decode, resize, write into the store; through the workers);
+- ``cached``: later epochs with ``cached_fast_path="auto"``: the store is complete, so the
+  loader gathers each batch from the store in this process (``Store.get_batch``) instead of
+  handing it over from a worker; ``cached_gb_per_cpu_s`` is its image bytes per CPU second
+  of this process (all its threads), i.e. cached reading per core;
+- ``cached_workers``: the same cached epoch forced through the workers
+  (``cached_fast_path=False``), for reference: bounded by the per-batch worker-to-main hand-off
+  (a 64 x 150 kB batch is 9.6 MB of fresh shared memory), not by the cache;
+- ``raw_read``: one thread, ``Store.get`` per sample copied into a reused batch buffer, warm
+  (page cache) and cold (pages dropped with ``posix_fadvise``), GB/s;
+- ``gather_read``: one thread, ``Store.get_batch`` of shuffled indices into a reused buffer.
 
-The cached epoch through DataLoader workers is bounded by collation into fresh shared memory
-per batch (a 64 x 150 kB batch is 9.6 MB of first-touch pages) and by the worker-to-main
-transfer, not by the cache; ``gather_read`` shows what the store itself delivers.
-
-The pipeline is ``fastdata.ShardedDataset(shards, preprocess=ResizeCenterCrop(size), cache=...)``
-when the dataset layer is available, otherwise a minimal map-style dataset over the JPEG files
-with the same decode+resize and the same ``Store``; the JSON says which (``pipeline``).
+Uncached and cached epochs alternate, so that load changes on a shared machine hit both alike;
+figures are medians over ``--repeats`` epochs. ``cached_over_uncached`` is the headline ratio.
 
     python benchmarks/cache_throughput.py --quick --json /tmp/cache.json
+    python benchmarks/cache_throughput.py --json /tmp/cache.json        # 2048 images, 3 repeats
 """
 from __future__ import annotations
 
 import argparse
 import gc
-import io
 import json
 import os
 import platform
@@ -39,7 +40,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -47,66 +47,8 @@ from fastdata._synth import make_image_folder  # noqa: E402
 from fastdata.cache import Cache  # noqa: E402
 
 
-def decode_resize_pil(data: bytes, size: int) -> torch.Tensor:
-    """Decode a JPEG and resize its centred square straight to size x size (draft when >= 2x)."""
-    img = Image.open(io.BytesIO(data))
-    w, h = img.size
-    if min(w, h) >= 2 * size:
-        img.draft("RGB", (w * size // min(w, h) + 1, h * size // min(w, h) + 1))
-    img = img.convert("RGB")
-    w, h = img.size
-    s = min(w, h)
-    box = ((w - s) / 2, (h - s) / 2, (w + s) / 2, (h + s) / 2)
-    arr = np.asarray(img.resize((size, size), Image.BILINEAR, box=box))
-    return torch.from_numpy(np.ascontiguousarray(arr.transpose(2, 0, 1)))
-
-
-class JpegFolder(torch.utils.data.Dataset):
-    """Minimal map-style pipeline: decode + resize every time, or through a cache ``Store``."""
-
-    def __init__(self, files: list[Path], size: int, store: Any = None) -> None:
-        self.files, self.size, self.store = files, size, store
-
-    def __len__(self) -> int:
-        return len(self.files)
-
-    def __getitem__(self, i: int) -> dict[str, Any]:
-        if self.store is not None:
-            hit = self.store.get(i)
-            if hit is not None:
-                return hit
-        out = {"img": decode_resize_pil(self.files[i].read_bytes(), self.size)}
-        if self.store is not None:
-            self.store.put(i, out)
-        return out
-
-
-class MinimalPipelines:
-    kind = "minimal"
-
-    def __init__(self, corpus: Path, *, size: int, cache: Cache) -> None:
-        self.files = sorted(corpus.rglob("*.jpg"))
-        self.size = size
-        self._store = cache.open_store(fingerprint=f"bench-minimal/{corpus}/{size}", num_samples=len(self.files))
-
-    def uncached_loader(self, **kw: Any) -> Any:
-        return torch.utils.data.DataLoader(JpegFolder(self.files, self.size), **kw)
-
-    def cached_loader(self, **kw: Any) -> Any:
-        return torch.utils.data.DataLoader(JpegFolder(self.files, self.size, self._store), **kw)
-
-    def store(self) -> Any:
-        return self._store
-
-    def close(self) -> None:
-        self._store.close()
-
-
-class DatasetPipelines:
-    """The real path: tar shards + ``ShardedDataset(preprocess=ResizeCenterCrop(size), cache=...)``
-    through ``fastdata.DataLoader``."""
-
-    kind = "dataset"
+class Pipelines:
+    """Tar shards of the corpus and ``fastdata.DataLoader``s over them, uncached and cached."""
 
     def __init__(self, corpus: Path, work: Path, *, size: int, cache: Cache) -> None:
         from fastdata.shards.writer import ShardWriter
@@ -122,22 +64,15 @@ class DatasetPipelines:
         self.cache = cache
         self._store: Any = None
 
-    def _loader(self, cache: Any, **kw: Any) -> Any:
+    def loader(self, *, cached: bool, **kw: Any) -> Any:
         from fastdata.dataset import ShardedDataset
         from fastdata.loader import DataLoader
 
-        ds = ShardedDataset(self.shards, preprocess=self.preprocess, cache=cache, rank=0, world_size=1)
-        if cache is not None and self._store is None:
-            from fastdata._cache_build import dataset_store
-
-            self._store = dataset_store(ds)
+        ds = ShardedDataset(self.shards, preprocess=self.preprocess, cache=self.cache if cached else None,
+                            rank=0, world_size=1)
+        if cached and self._store is None:
+            self._store = ds.cache_store()
         return DataLoader(ds, **kw)
-
-    def uncached_loader(self, **kw: Any) -> Any:
-        return self._loader(None, **kw)
-
-    def cached_loader(self, **kw: Any) -> Any:
-        return self._loader(self.cache, **kw)
 
     def store(self) -> Any:
         return self._store
@@ -147,25 +82,16 @@ class DatasetPipelines:
             self._store.close()
 
 
-def make_pipelines(corpus: Path, work: Path, *, size: int, cache: Cache, kind: str) -> Any:
-    if kind in ("auto", "dataset"):
-        try:
-            from fastdata.dataset import ShardedDataset  # noqa: F401
-        except ImportError:
-            if kind == "dataset":
-                raise
-        else:
-            return DatasetPipelines(corpus, work, size=size, cache=cache)
-    return MinimalPipelines(corpus, size=size, cache=cache)
-
-
-def epoch(loader: Any) -> tuple[int, float]:
-    """(samples, seconds) of one pass over ``loader``."""
+def epoch(loader: Any, *, path: str | None = None) -> tuple[int, float, float]:
+    """(samples, wall seconds, CPU seconds of this process) of one pass over ``loader``."""
     n = 0
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     for batch in loader:
-        n += len(batch["img"] if "img" in batch else batch["jpg"])
-    return n, time.perf_counter() - t0
+        n += len(batch["jpg"])
+    wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+    if path is not None and loader.last_path != path:
+        raise RuntimeError(f"expected the {path} path, the loader took {loader.last_path}: {loader.fallback_reason}")
+    return n, wall, cpu
 
 
 def raw_read(store: Any, *, batch_size: int) -> dict[str, float]:
@@ -222,7 +148,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--size", type=int, default=224)
     p.add_argument("--repeats", type=int, default=None, help="epochs per measurement (default 3, --quick 1)")
     p.add_argument("--dir", default=None, help="work folder (corpus is kept and reused); default: temporary")
-    p.add_argument("--pipeline", choices=("auto", "dataset", "minimal"), default="auto")
     p.add_argument("--json", default=None, metavar="PATH", help="write results here")
     args = p.parse_args(argv)
     images = args.images or (256 if args.quick else 2048)
@@ -234,30 +159,29 @@ def main(argv: list[str] | None = None) -> int:
         cache_dir = work / "cache"
         for info in Cache(cache_dir).list():  # measure a fill from scratch
             Cache(cache_dir).remove(info.key)
-        pipe = make_pipelines(corpus, work, size=args.size, cache=Cache(cache_dir), kind=args.pipeline)
+        pipe = Pipelines(corpus, work, size=args.size, cache=Cache(cache_dir))
         loader_kw: dict[str, Any] = dict(batch_size=args.batch_size, num_workers=args.workers)
-        if args.workers:  # the same persistent workers for both pipelines, as in a training loop
+        if args.workers:  # the same persistent workers for every pipeline, as in a training loop
             loader_kw.update(persistent_workers=True, multiprocessing_context="fork")
 
-        uncached_loader = pipe.uncached_loader(**loader_kw)
+        uncached_loader = pipe.loader(cached=False, **loader_kw)
+        cached_loader = pipe.loader(cached=True, **loader_kw)  # cached_fast_path="auto"
+        workers_loader = pipe.loader(cached=True, cached_fast_path=False, **loader_kw)
         epoch(uncached_loader)  # warm-up: worker start, page cache for the shards
-        cached_loader = pipe.cached_loader(**loader_kw)
-        fill = epoch(cached_loader)  # first cached epoch: decode, resize, write
-        epoch(cached_loader)  # warm-up of the cached path
-        unc, cached = [], []
-        for _ in range(repeats):  # alternate, so that load changes on a shared machine hit both alike
+        fill = epoch(cached_loader, path="workers")  # first cached epoch: decode, resize, write
+        epoch(cached_loader, path="cached")  # warm-up of the cached paths
+        epoch(workers_loader, path="workers")
+        unc, cached, cached_workers = [], [], []
+        for _ in range(repeats):  # alternate, so that load changes on a shared machine hit all alike
             unc.append(epoch(uncached_loader))
-            cached.append(epoch(cached_loader))
-        del uncached_loader, cached_loader
-        # the same cached dataset without worker processes: collation in the main process, no IPC
-        inproc_loader = pipe.cached_loader(batch_size=args.batch_size, num_workers=0)
-        epoch(inproc_loader)
-        inproc = [epoch(inproc_loader) for _ in range(repeats)]
-        del inproc_loader
+            cached.append(epoch(cached_loader, path="cached"))
+            cached_workers.append(epoch(workers_loader, path="workers"))
+        del uncached_loader, cached_loader, workers_loader
         gc.collect()
         store = pipe.store()
         if store.num_valid() != store.num_samples:
             raise RuntimeError(f"fill epoch left {store.num_samples - store.num_valid()} samples unfilled")
+        sample_nbytes = sum(f.nbytes for f in store.fields)
         warm = [raw_read(store, batch_size=args.batch_size) for _ in range(max(repeats, 3))]
         gather = [gather_read(store, batch_size=args.batch_size) for _ in range(max(repeats, 3))]
         key, fingerprint, n = store.key, store.fingerprint, store.num_samples
@@ -269,18 +193,19 @@ def main(argv: list[str] | None = None) -> int:
         cold_store.close()
         info = Cache(cache_dir).info(key)
 
-        def rate(runs: list[tuple[int, float]]) -> float:
-            return statistics.median(n / s for n, s in runs)
+        def rate(runs: list[tuple[int, float, float]]) -> float:
+            return statistics.median(k / wall for k, wall, _ in runs)
 
         res = {
             "benchmark": "cache_throughput",
-            "pipeline": pipe.kind,
             "images": images, "workers": args.workers, "batch_size": args.batch_size, "size": args.size,
             "repeats": repeats,
             "uncached_samples_per_s": rate(unc),
             "fill_samples_per_s": rate([fill]),
             "cached_samples_per_s": rate(cached),
-            "cached_no_workers_samples_per_s": rate(inproc),
+            "cached_gb_per_s": rate(cached) * sample_nbytes / 1e9,
+            "cached_gb_per_cpu_s": statistics.median(k * sample_nbytes / cpu / 1e9 for k, _, cpu in cached),
+            "cached_workers_samples_per_s": rate(cached_workers),
             "raw_read_warm_gb_per_s": statistics.median(r["gb_per_s"] for r in warm),
             "raw_read_warm_gb_per_cpu_s": statistics.median(r["gb_per_cpu_s"] for r in warm),
             "raw_read_warm_samples_per_s": statistics.median(r["samples_per_s"] for r in warm),
@@ -292,9 +217,10 @@ def main(argv: list[str] | None = None) -> int:
             "sample_nbytes": info.sample_nbytes,
             "corpus_jpeg_bytes_per_sample": sum(f.stat().st_size for f in corpus.rglob("*.jpg")) / images,
             "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
-                        "numpy": np.__version__},
+                        "numpy": np.__version__, "load_avg_1m": os.getloadavg()[0]},
         }
         res["cached_over_uncached"] = res["cached_samples_per_s"] / res["uncached_samples_per_s"]
+        res["cached_workers_over_uncached"] = res["cached_workers_samples_per_s"] / res["uncached_samples_per_s"]
 
     for k, v in res.items():
         if k != "machine":

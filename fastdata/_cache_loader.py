@@ -31,16 +31,13 @@ from fastdata._split import Stage, _check_consumed, stage_counts, stage_sequence
 from fastdata.dataset import ShardedDataset, _Progress
 from fastdata.errors import CacheError
 
-__all__ = ["FAST_PATH_MODES", "cached_batches", "check_mode", "pin_device", "plan_fast_epoch", "static_reason"]
+__all__ = ["FAST_PATH_MODES", "MISSING_FRACTION", "FastBatch", "cached_batches", "check_mode", "pin_device", "plan_fast_epoch", "static_reason"]
 
 FAST_PATH_MODES = ("auto", True, False)
 # Samples of an epoch that may be missing from the store on the fast path: they are read, decoded
 # and filled in the calling process (those that fail to decode are never filled, so a dataset
 # with a few bad samples and on_error="skip" would otherwise never take the fast path).
 MISSING_FRACTION = 0.001
-
-Batch = tuple[Any, int, int]  # (batch, virtual worker, position in its sequence after the batch)
-
 
 def check_mode(value: Any) -> str | bool:
     if value is True or value is False or value == "auto":
@@ -117,50 +114,73 @@ def _empty_like_fields(store: Any, n: int) -> dict[str, torch.Tensor]:
     return out
 
 
+class FastBatch:
+    """A batch of the fast path with the virtual worker that yields it and its position after it."""
+
+    __slots__ = ("batch", "worker", "pos")
+
+    def __init__(self, batch: Any, worker: int, pos: int):
+        self.batch, self.worker, self.pos = batch, worker, pos
+
+
+class _VirtualWorker:
+    """What one DataLoader worker would read: its index sequence, located in the shards."""
+
+    def __init__(self, ds: ShardedDataset, seq: np.ndarray, progress: _Progress):
+        offsets = ds._plan().offsets
+        self.ds, self.progress = ds, progress
+        self.seq = seq
+        self.shard = np.searchsorted(offsets, seq, side="right") - 1
+        self.local = seq - offsets[self.shard]
+
+    def take(self, batch_size: int, missing: frozenset[int], cached_fields: frozenset[str]
+             ) -> tuple[list[dict[str, Any]], list[int], int]:
+        """(uncached fields, global indices, position after) of the next ``batch_size`` samples
+        that load; fewer at the end of the sequence. Samples skipped by ``on_error`` do not count,
+        exactly as in a worker's fetch loop."""
+        ds, prog = self.ds, self.progress
+        metas: list[dict[str, Any]] = []
+        rows: list[int] = []
+        p = prog.pos
+        while len(rows) < batch_size and p < len(self.seq):
+            hi = min(len(self.seq), p + batch_size - len(rows))
+            for g, shard, i in zip(self.seq[p:hi].tolist(), self.shard[p:hi].tolist(), self.local[p:hi].tolist()):
+                if g in missing:  # decode, preprocess and fill it here, as a worker would
+                    meta = ds._load(shard, i, g, prog)
+                    if meta is not None:
+                        meta = {k: v for k, v in meta.items() if k not in cached_fields}
+                else:
+                    meta = ds._load_uncached(shard, i, g, prog)
+                if meta is not None:
+                    metas.append(meta)
+                    rows.append(g)
+            p = hi
+        prog.new_skips.clear()  # the error policy recorded them in ds.skipped already
+        prog.pos = p
+        return metas, rows, p
+
+
 def cached_batches(
     ds: ShardedDataset, store: Any, seqs: list[np.ndarray], *, missing: frozenset[int], stages: Sequence[Stage],
     first: int, epoch: int, batch_size: int, drop_last: bool, collate_fn: Callable[[Any], Any], pin: str | None,
-) -> Iterator[Batch]:
+) -> Iterator[FastBatch]:
     """The batches of one epoch, in the worker path's order (see the module docstring)."""
     n = len(seqs)
-    plan = ds._plan()
-    progress = [_Progress(ds._token, epoch, list(stages), w, stages[-1][1][w]) for w in range(n)]
+    workers = [_VirtualWorker(ds, seq, _Progress(ds._token, epoch, list(stages), w, stages[-1][1][w]))
+               for w, seq in enumerate(seqs)]
     if n == 1:
-        ds._live = progress[0]  # ds.state_dict() follows, as with num_workers=0 on the worker path
-    located = []
-    for s in seqs:
-        shards = np.searchsorted(plan.offsets, s, side="right") - 1
-        located.append((s.tolist(), shards.tolist(), (s - plan.offsets[shards]).tolist()))
+        ds._live = workers[0].progress  # ds.state_dict() follows, as with num_workers=0 on the worker path
     fast_collate = collate_fn is default_collate
     cached_fields = frozenset(f.name for f in store.fields or ())
     active = [True] * n
     w = first
-    while any(active):
+    while any(active):  # round-robin over the workers that are not exhausted, like torch
         if active[w]:
-            prog = progress[w]
-            gs, shards, local = located[w]
-            metas: list[dict[str, Any]] = []
-            rows: list[int] = []
-            p = prog.pos
-            while len(rows) < batch_size and p < len(gs):
-                if gs[p] in missing:  # decode, preprocess and fill, as a worker would
-                    meta = ds._load(shards[p], local[p], gs[p], prog)
-                    if meta is not None:
-                        meta = {k: v for k, v in meta.items() if k not in cached_fields}
-                else:
-                    meta = ds._load_uncached(shards[p], local[p], gs[p], prog)
-                p += 1
-                if meta is not None:
-                    metas.append(meta)
-                    rows.append(gs[p - 1])
-            prog.new_skips.clear()  # recorded in ds.skipped by the error policy already
+            metas, rows, pos = workers[w].take(batch_size, missing, cached_fields)
             full = len(rows) == batch_size
             if full or (rows and not drop_last):
-                prog.pos = p
-                yield _assemble(store, metas, rows, collate_fn, fast_collate, pin), w, p
-            if not full:
-                prog.pos = p
-                active[w] = False
+                yield FastBatch(_assemble(store, metas, rows, collate_fn, fast_collate, pin), w, pos)
+            active[w] = full
         w = (w + 1) % n
 
 

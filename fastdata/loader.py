@@ -90,12 +90,11 @@ class _LoaderIter:
 
     def __next__(self) -> Any:
         item = next(self._inner)
-        if type(item) is tuple:  # cached fast path: (batch, worker, position); skips already recorded
-            batch, worker, pos = item
-            self._run.pos[worker] = pos
-            self._run.last = worker
+        if isinstance(item, _cache_loader.FastBatch):  # skips are recorded in this process already
+            self._run.pos[item.worker] = item.pos
+            self._run.last = item.worker
             self._run.batches += 1
-            return batch
+            return item.batch
         if isinstance(item, _Tagged):
             if item.tag is not None:
                 worker, _, pos, skips = item.tag

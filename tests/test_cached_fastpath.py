@@ -265,7 +265,8 @@ def test_no_workers_started_and_store_held_open(data):
     assert Cache(cache, max_bytes=1).evict() == []
 
 
-def test_global_rng_and_pin_memory_match_worker_path(data):
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_global_rng_and_pin_memory_match_worker_path(data, num_workers):
     shards, cache = data
     draws = []
     batches = []
@@ -273,8 +274,9 @@ def test_global_rng_and_pin_memory_match_worker_path(data):
         torch.manual_seed(0)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            batches.append(list(DataLoader(_make(shards, cache), batch_size=8, num_workers=0, pin_memory=True,
-                                           cached_fast_path=mode)))
+            dl = DataLoader(_make(shards, cache), batch_size=8, num_workers=num_workers, pin_memory=True,
+                            cached_fast_path=mode)
+            batches.append(_epoch(dl, "cached" if mode else "workers"))
         if not torch.accelerator.is_available():
             assert any("no accelerator is found" in str(w.message) for w in caught)
         draws.append(torch.rand(3))
@@ -288,3 +290,19 @@ def test_fill_epoch_and_cached_epoch_give_the_same_keys_in_the_same_order(tmp_pa
     hit = list(_make(shards, tmp_path / "cache", shuffle=False))
     assert [list(s) for s in fill] == [list(s) for s in hit] == [["__key__", "cls", "txt", "jpg"]] * N
     assert all(torch.equal(a["jpg"], b["jpg"]) for a, b in zip(fill, hit))
+
+
+def test_prefetcher_over_the_fast_path_keeps_exact_resume(data):
+    from fastdata.prefetch import CUDAPrefetcher
+
+    shards, cache = data
+    full = _epoch(DataLoader(_make(shards, cache), batch_size=4, num_workers=2, cached_fast_path=False), "workers")
+    dl = DataLoader(_make(shards, cache), batch_size=4, num_workers=2)
+    with CUDAPrefetcher(dl, device="cpu") as pf:  # reads ahead in its own thread
+        it = iter(pf)
+        first = [next(it) for _ in range(3)]
+        state = pf.state_dict()
+    assert dl.last_path == "cached" and state["batches"] == 3
+    dl2 = DataLoader(_make(shards, cache), batch_size=4, num_workers=2)
+    dl2.load_state_dict(state)
+    assert_same(first + _epoch(dl2, "cached"), full)
