@@ -170,6 +170,7 @@ def cached_batches(
                for w, seq in enumerate(seqs)]
     if n == 1:
         ds._live = workers[0].progress  # ds.state_dict() follows, as with num_workers=0 on the worker path
+    ds._reader_sets = max(ds._reader_sets, n)  # keep every virtual worker's open shards open
     fast_collate = collate_fn is default_collate
     cached_fields = frozenset(f.name for f in store.fields or ())
     active = [True] * n

@@ -174,6 +174,7 @@ class ShardedDataset(IterableDataset):
     # ----- configuration ------------------------------------------------------------------
     def _reset_process_state(self) -> None:
         self._readers: OrderedDict[int, Any] = OrderedDict()
+        self._reader_sets = 1  # iterations that read through this process's readers at once
         self._store: Any = None
         self._store_pid: int | None = None
         self._live: _Progress | None = None
@@ -182,7 +183,7 @@ class ShardedDataset(IterableDataset):
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        for name in ("_readers", "_store", "_store_pid", "_live", "_plans", "_uncached"):
+        for name in ("_readers", "_reader_sets", "_store", "_store_pid", "_live", "_plans", "_uncached"):
             state.pop(name)
         return state
 
@@ -342,7 +343,9 @@ class ShardedDataset(IterableDataset):
         if reader is None:
             reader = self.source.reader(shard)
             self._readers[shard] = reader
-            keep = (self.shuffle.open_shards if self.shuffle else 1) + 2
+            # the shard pieces one iteration interleaves (times the virtual workers of the cached
+            # fast path, which reads for all of them in this process), plus slack at piece ends
+            keep = (self.shuffle.open_shards if self.shuffle else 1) * self._reader_sets + 2
             while len(self._readers) > keep:
                 _, old = self._readers.popitem(last=False)
                 old.close()

@@ -306,3 +306,13 @@ def test_prefetcher_over_the_fast_path_keeps_exact_resume(data):
     dl2 = DataLoader(_make(shards, cache), batch_size=4, num_workers=2)
     dl2.load_state_dict(state)
     assert_same(first + _epoch(dl2, "cached"), full)
+
+
+def test_virtual_workers_keep_their_shards_open(data):
+    shards, cache = data
+    ds = _make(shards, cache, shuffle=ShuffleOptions(open_shards=3, buffer_size=0))
+    opened = []
+    real = ds.source._opener
+    ds.source._opener = lambda i: opened.append(i) or real(i)
+    _epoch(DataLoader(ds, batch_size=2, num_workers=3), "cached")
+    assert sorted(opened) == list(range(7))  # each shard opened once, not once per switch between workers
