@@ -6,7 +6,8 @@ batch into fresh shared memory (9.6 MB for 64 x 3 x 224 x 224 uint8) and hands i
 process, which caps a cached epoch at a few thousand samples/s. The fast path produces the same
 batches in the calling process instead: one :meth:`Store.get_batch` gather per batch for the
 cached (image) fields, a cheap per-sample read for the others (``__key__``, ``cls``, ...),
-collated by the loader's ``collate_fn``.
+collated by the loader's ``collate_fn``. Up to :data:`MISSING_FRACTION` of the epoch's samples
+may be missing from the store; they are loaded (decoded, preprocessed, filled) in this process.
 
 Same batches, same order. The per-worker index sequences are those the worker processes would
 read (``num_workers`` virtual workers, resume stages included); batches are dealt round-robin
@@ -14,7 +15,14 @@ over the virtual workers starting with the one that yields first, skipping exhau
 torch's DataLoader does; each virtual worker yields its own partial last batch unless
 ``drop_last``; samples skipped by ``on_error`` shift batch boundaries exactly as in a worker.
 Each batch carries (virtual worker, position after it), so ``state_dict()`` is exact and a
-state saved on either path resumes on the other.
+state saved on either path resumes on the other. The global torch RNG is advanced as torch's
+iterator would (see ``DataLoader._draw_base_seed``).
+
+It runs in the calling thread, without read-ahead: a read-ahead thread was slower unless the
+consumer releases the GIL for long stretches (measured on 2 cores, 2048 cached 224 px samples,
+batches of 64: 37k vs 7k samples/s with an idle consumer, 11.8k vs 6.9k with 3 ms of sleep per
+batch, 4.8k vs 5.4k with 10 ms); ``CUDAPrefetcher`` already iterates the loader in its own thread.
+Each batch is gathered into a fresh tensor (never a reused buffer the caller may still hold).
 """
 from __future__ import annotations
 
@@ -31,13 +39,23 @@ from fastdata._split import Stage, _check_consumed, stage_counts, stage_sequence
 from fastdata.dataset import ShardedDataset, _Progress
 from fastdata.errors import CacheError
 
-__all__ = ["FAST_PATH_MODES", "MISSING_FRACTION", "FastBatch", "cached_batches", "check_mode", "pin_device", "plan_fast_epoch", "static_reason"]
+__all__ = [
+    "FAST_PATH_MODES",
+    "MISSING_FRACTION",
+    "FastBatch",
+    "cached_batches",
+    "check_mode",
+    "pin_device",
+    "plan_fast_epoch",
+    "static_reason",
+]
 
 FAST_PATH_MODES = ("auto", True, False)
 # Samples of an epoch that may be missing from the store on the fast path: they are read, decoded
 # and filled in the calling process (those that fail to decode are never filled, so a dataset
 # with a few bad samples and on_error="skip" would otherwise never take the fast path).
 MISSING_FRACTION = 0.001
+
 
 def check_mode(value: Any) -> str | bool:
     if value is True or value is False or value == "auto":

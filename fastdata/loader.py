@@ -118,14 +118,15 @@ class DataLoader(torch.utils.data.DataLoader):
 
     Args:
         cached_fast_path: ``"auto"`` (default): an epoch whose samples are all in the dataset's
-            cache store, with no ``transform=``/``sample_transform=``, the default
-            ``collate_fn`` and no ``worker_init_fn``, is read in this process with one store
-            gather per batch instead of through worker processes; the batches are the same
-            (content, keys, order, partial batches, resume state) as the workers would give.
-            ``True``: always (``CacheError`` when the store lacks samples of the epoch; a custom
-            ``collate_fn`` runs in this process; ``worker_init_fn`` is not called). ``False``:
-            always the workers. ``last_path`` tells which path the latest epoch took and
-            ``fallback_reason`` why not the fast one.
+            cache store (all but 0.1%: those are loaded in this process), with no ``transform=``
+            or ``sample_transform=``, the default ``collate_fn`` and no ``worker_init_fn``, is
+            read in this process with one store gather per batch instead of through worker
+            processes (none are started); the batches are the same (content, keys, order,
+            partial batches, resume state) as the workers would give. ``True``: also with a
+            custom ``collate_fn`` (run in this process) or a ``worker_init_fn`` (not called);
+            ``CacheError`` when the store lacks more of the epoch. ``False``: always the
+            workers. ``last_path`` tells which path the latest epoch took ("cached" or
+            "workers") and ``fallback_reason`` why not the fast one.
         Everything else: as ``torch.utils.data.DataLoader``.
     """
 
@@ -210,8 +211,9 @@ class DataLoader(torch.utils.data.DataLoader):
         self._run = _Run(epoch, stages, list(stages[-1][1]), first)
         pin = _cache_loader.pin_device() if self.pin_memory else None
         seqs, missing = plan
+        batch_size: int = self.batch_size  # type: ignore[assignment]  # not None: static_reason checks it
         return _cache_loader.cached_batches(
-            ds, store, seqs, missing=missing, stages=stages, first=first, epoch=epoch, batch_size=self.batch_size,  # type: ignore[arg-type]
+            ds, store, seqs, missing=missing, stages=stages, first=first, epoch=epoch, batch_size=batch_size,
             drop_last=self.drop_last, collate_fn=self._user_collate, pin=pin,
         )
 
