@@ -169,7 +169,8 @@ def main(argv: list[str] | None = None) -> int:
         workers_loader = pipe.loader(cached=True, cached_fast_path=False, **loader_kw)
         epoch(uncached_loader)  # warm-up: worker start, page cache for the shards
         fill = epoch(cached_loader, path="workers")  # first cached epoch: decode, resize, write
-        epoch(cached_loader, path="cached")  # warm-up of the cached paths
+        for _ in range(3):  # warm-up of the fast path: this process maps the store, malloc settles
+            epoch(cached_loader, path="cached")
         epoch(workers_loader, path="workers")
         unc, cached, cached_workers = [], [], []
         for _ in range(repeats):  # alternate, so that load changes on a shared machine hit all alike
