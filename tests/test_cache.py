@@ -361,6 +361,9 @@ def test_get_batch(tmp_path: Path) -> None:
     assert got is not None and got["img"].shape == (3, *IMG) and got["aux"].shape == (3, 16)
     assert torch.equal(got["img"][0], torch.from_numpy(expected(5)["img"])) and got["aux"][2, 0] == 7
     assert store.get_batch([1, 8]) is None  # 8 is not filled
+    assert store.missing([9, 5, 8, 0]).tolist() == [9, 8] and len(store.missing(np.arange(8))) == 0
+    with pytest.raises(IndexError, match="index -1 out of range"):
+        store.missing([-1])
     out = {"img": torch.zeros((4, *IMG), dtype=torch.uint8)}
     got = store.get_batch(np.arange(2, 4), out=out)
     assert got is not None and got["img"].data_ptr() == out["img"].data_ptr()
