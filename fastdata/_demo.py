@@ -35,7 +35,8 @@ def _workdir(path: str | None) -> Iterator[Path]:
         yield Path(tmp)
 
 
-def _make_shards(root: Path, num_images: int, workers: int) -> tuple[Path, Any]:
+def _make_shards(root: Path, num_images: int, workers: int, labels: tuple[str, str] = ("[1/4]", "[2/4]"),
+                 ) -> tuple[Path, Any]:
     from fastdata._synth import make_image_folder
     from fastdata.shards.convert import ConvertOptions, convert
     from fastdata.shards.reader import verify
@@ -43,7 +44,7 @@ def _make_shards(root: Path, num_images: int, workers: int) -> tuple[Path, Any]:
     images = root / "images"
     t0 = time.perf_counter()
     make_image_folder(images, num_images, num_classes=10, seed=0)
-    print(f"[1/4] {num_images} photo-like JPEGs (300-640 px, 10 classes) in {images} "
+    print(f"{labels[0]} {num_images} photo-like JPEGs (300-640 px, 10 classes) in {images} "
           f"({time.perf_counter() - t0:.1f} s)")
     shards = root / "shards"
     opts = ConvertOptions(samples_per_shard=max(64, num_images // 8), workers=max(1, workers),
@@ -54,7 +55,7 @@ def _make_shards(root: Path, num_images: int, workers: int) -> tuple[Path, Any]:
     if problems:
         raise RuntimeError("verification failed: " + "; ".join(problems))
     size = sum(s.bytes for s in m.shards)
-    print(f"[2/4] {m.num_samples} samples -> {len(m.shards)} tar shards, {size / 1e6:.1f} MB in {shards} "
+    print(f"{labels[1]} {m.num_samples} samples -> {len(m.shards)} tar shards, {size / 1e6:.1f} MB in {shards} "
           f"({result.seconds:.1f} s, {m.num_samples / result.seconds:.0f} samples/s), checksums verified")
     return shards, m
 
@@ -91,34 +92,33 @@ def run_demo(*, workdir: str | None, num_images: int, num_workers: int, epochs: 
         model = _model(10).to(device)
         if device.type == "cuda":
             model = model.to(memory_format=torch.channels_last)
-        step = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+        step = TrainStep(model, torch.optim.AdamW(model.parameters(), lr=3e-3),
                          torch.nn.functional.cross_entropy, input_key="jpg", target_key="cls")
         print(f"[3/4] training on {device} ({step.precision}): ShardedDataset(preprocess=ResizeCenterCrop"
               f"({IMAGE_SIZE}), cache) -> DataLoader(workers={num_workers}, batch={batch_size}) -> "
               f"CUDAPrefetcher(Normalize) -> TrainStep")
         print(f"      {'epoch':>5} {'images/s':>9} {'input wait':>10} {'loss':>7}  note")
-        meter = StallMeter(sample_gpu=device.type == "cuda")
         with batches:
             for epoch in range(epochs):
                 loader.set_epoch(epoch)
-                epoch_meter = StallMeter()
+                meter = StallMeter(sample_gpu=device.type == "cuda")
                 t0 = time.perf_counter()
                 losses, seen = [], 0
-                for batch in epoch_meter.wrap(meter.wrap(batches)):
+                for batch in meter.wrap(batches):
                     losses.append(step(batch))
                     seen += int(batch["cls"].shape[0])
                 mean_loss = torch.stack(losses).mean().item()  # the epoch's only sync
                 dt = time.perf_counter() - t0
-                note = "decode + resize, filling the cache" if epoch == 0 else "read from the cache"
-                print(f"      {epoch + 1:>5} {seen / dt:>9.0f} {epoch_meter.report().wait_share:>10.0%} "
+                note = ("read from the cache (in-process fast path)" if loader.last_path == "cached"
+                        else "decode + resize in the workers, filling the cache")
+                print(f"      {epoch + 1:>5} {seen / dt:>9.0f} {meter.report().wait_share:>10.0%} "
                       f"{mean_loss:>7.3f}  {note}")
         rep = meter.report()
         stats = batches.stats()
         moved = f"{stats['bytes'] / 1e6:.0f} MB copied to the GPU as uint8, " if device.type == "cuda" else ""
         print(f"[4/4] prefetcher: {stats['batches']} batches, {moved}"
               f"consumer wait p50 {stats['wait_p50_s'] * 1e3:.2f} ms / p99 {stats['wait_p99_s'] * 1e3:.2f} ms")
-        for line in rep.summary().splitlines():
-            print("      " + line)
+        print("      last epoch: " + rep.summary().replace("\n", "\n      "))
     return 0
 
 
@@ -147,7 +147,7 @@ def run_bench(*, workdir: str | None, num_images: int, num_workers: int, repeats
     results: dict[str, Any] = {"images": num_images, "workers": num_workers, "repeats": repeats,
                                "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
     with _workdir(workdir) as root:
-        shards, manifest = _make_shards(root, num_images, num_workers)
+        shards, manifest = _make_shards(root, num_images, num_workers, labels=("data:", "shards:"))
         m = Manifest.load(shards)
         readers = [open_shard(shards, s, format=m.format) for s in m.shards]
         nbytes = sum(s.bytes for s in m.shards)

@@ -38,5 +38,17 @@ def test_demo_end_to_end(tmp_path, capsys):
                  "--batch-size", "16"]) == 0
     out = capsys.readouterr().out
     assert "checksums verified" in out
-    assert "filling the cache" in out and "read from the cache" in out
+    assert "filling the cache" in out and "read from the cache (in-process fast path)" in out
     assert "[4/4]" in out
+
+
+def test_bench_writes_json(tmp_path, capsys):
+    import json
+
+    out_json = tmp_path / "bench.json"
+    assert main(["bench", "--dir", str(tmp_path / "w"), "--images", "64", "--workers", "0", "--repeats", "1",
+                 "--json", str(out_json)]) == 0
+    res = json.loads(out_json.read_text())
+    assert res["raw_read"]["GB/s"] > 0 and res["decode_pipeline"]["images/s"] > 0
+    assert res["cached_pipeline"]["speedup"] > 1
+    assert "cached pipeline" in capsys.readouterr().out
