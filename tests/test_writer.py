@@ -1,6 +1,7 @@
 """ShardWriter (rolling, atomic shards, manifest last), open_shard and verify."""
 from __future__ import annotations
 
+import io
 import os
 
 import numpy as np
@@ -119,3 +120,24 @@ def test_verify_tar_index_mismatch_and_bad_manifest(tmp_path):
     assert verify(tmp_path) == ["shard-000001.tar: index file shard-000001.tar.idx does not match the shard's headers"]
     (tmp_path / "manifest.json").write_text("[]")
     assert "top level must be a JSON object" in verify(tmp_path)[0]
+
+
+@pytest.mark.parametrize("fmt", ["tar", "hdf5"])
+def test_write_copies_the_sample(tmp_path, fmt):
+    """A caller may reuse its buffers after write(): what was written is what write() was given."""
+    arr, buf = np.zeros(4, np.uint8), bytearray(3)
+    with ShardWriter(tmp_path, format=fmt) as w:
+        for i in range(3):
+            arr[:] = i
+            buf[:] = bytes([i]) * 3
+            sample = {"__key__": f"k{i}", "x.npy": arr, "bin": buf}
+            w.write(sample)
+            sample["__key__"] = "changed"
+    reader = open_shard(tmp_path, w.manifest.shards[0], format=fmt)
+    got = [reader.read(i) for i in range(3)]
+    assert [g["__key__"] for g in got] == ["k0", "k1", "k2"]
+    assert [bytes(g["bin"]) for g in got] == [bytes([i]) * 3 for i in range(3)]
+    if fmt == "tar":
+        assert [np.load(io.BytesIO(g["x.npy"])).tolist() for g in got] == [[i] * 4 for i in range(3)]
+    else:
+        assert [g["x.npy"].tolist() for g in got] == [[i] * 4 for i in range(3)]

@@ -1,6 +1,7 @@
 """``fastdata.ShardWriter``: write samples into a folder of shards plus ``manifest.json``."""
 from __future__ import annotations
 
+import copy
 import os
 from pathlib import Path
 from typing import Any
@@ -98,6 +99,8 @@ class ShardWriter:
         self._tar.add(enc)
 
     def _write_h5(self, sample: dict[str, Any]) -> None:
+        # buffered until the shard is written: take a copy, the caller may reuse its dict and buffers
+        sample = {k: _owned(v) for k, v in sample.items()}
         size = sum(_nbytes(v) for k, v in sample.items() if not is_meta(k))
         if self._h5 and (self._h5_bytes + size > self.max_bytes
                          or (self.max_samples is not None and len(self._h5) >= self.max_samples)):
@@ -157,6 +160,17 @@ class ShardWriter:
 
 def _tar_file_size(content: int) -> int:
     return content + len(_tarfmt.end_of_archive(content))
+
+
+def _owned(value: Any) -> Any:
+    """A copy of a mutable sample value (arrays, bytearray/memoryview, JSON objects); others as is."""
+    if isinstance(value, np.ndarray):
+        return value.copy()
+    if isinstance(value, (bytearray, memoryview)):
+        return bytes(value)
+    if isinstance(value, (dict, list)):
+        return copy.deepcopy(value)
+    return value
 
 
 def _nbytes(value: Any) -> int:
