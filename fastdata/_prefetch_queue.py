@@ -82,9 +82,6 @@ class Channel:
             self._cv.notify_all()
             return left
 
-    def __len__(self) -> int:
-        return len(self._items)
-
 
 class Stats:
     """Thread-safe counters behind ``CUDAPrefetcher.stats()``."""

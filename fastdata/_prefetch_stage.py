@@ -79,7 +79,6 @@ class CpuStager:
     def __init__(self, transform: Callable[[Any], Any] | None, skip: Callable[[Path], bool] | None) -> None:
         self._transform = transform
         self._skip = skip
-        self.lock = threading.Lock()
 
     def begin_epoch(self, depth: int) -> None:
         return None
@@ -186,6 +185,7 @@ class CudaStager:
         self._ensure_capacity(slot, total)
         with torch.no_grad():
             self._pack(slot, plan, leaves)
+            self._order_after_producer(plan, leaves)
             with torch.cuda.stream(self.stream):
                 slot.start.record(self.stream)
                 moved = self._copy(slot, plan, leaves, total)
@@ -200,6 +200,18 @@ class CudaStager:
         tensors = tuple(t for _, t in tensor_leaves(out) if t.device == self.device)
         self._stats.add_batch_bytes(nbytes)
         return Item(out, ready, nbytes, tensors)
+
+    def _order_after_producer(self, plan: list[tuple[str, int]], leaves: list[torch.Tensor]) -> None:
+        """Batch tensors already on the device were made on this thread's current stream (the wrapped
+        iterable runs here): the side stream, and through its ready event the consumer, must wait for
+        that work; and the transform reads them on the side stream, so their memory is protected there."""
+        kept = [t for (kind, _), t in zip(plan, leaves) if kind == "keep"]
+        if not kept:
+            return
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        if self._transform is not None:
+            for t in kept:
+                t.record_stream(self.stream)
 
     def _plan(self, leaves: list[torch.Tensor]) -> tuple[list[tuple[str, int]], int, int]:
         """Per leaf (kind, offset): keep (already there), pack (pageable), direct (pinned), other."""
@@ -270,7 +282,9 @@ class CudaStager:
         """Consumer side: order the current stream after the copy and protect the memory."""
         stream = torch.cuda.current_stream(self.device)
         if marks.handed:
-            done = torch.cuda.Event()
+            # blocking: the producer sleeps in Marks.wait_room instead of spinning a core that the
+            # loader's workers could use (it waits there whenever the GPU is the bottleneck)
+            done = torch.cuda.Event(blocking=True)
             done.record(stream)
             marks.post(done)
         marks.handed += 1

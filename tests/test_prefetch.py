@@ -456,7 +456,7 @@ def test_prefetcher_with_transform_on_cpu() -> None:
 
 
 class _FakeEvent:
-    def __init__(self, enable_timing: bool = False) -> None:
+    def __init__(self, enable_timing: bool = False, blocking: bool = False) -> None:
         self.recorded = 0
 
     def record(self, stream=None) -> None:

@@ -96,6 +96,58 @@ def test_equals_sync_copy_with_slow_consumer(depth: int, cycles_per_ms: float) -
     assert not _threads()
 
 
+def test_busy_copy_stream_new_epoch_and_consumer_wait(cycles_per_ms: float) -> None:
+    """The side stream is kept busy before each epoch, so every copy of an epoch is still queued when
+    the consumer has taken all of its batches and the next epoch packs the same pinned slots again.
+    Catches a slot repacked before its copy ran and a consumer stream that does not wait for the copy."""
+
+    class Epochs:  # different contents every epoch, so a repacked slot shows as a wrong value
+        epoch = 0
+
+        def __iter__(self):
+            e, self.epoch = self.epoch, self.epoch + 1
+            return iter([torch.full((1 << 18,), 10 * e + i, dtype=torch.int64) for i in range(3)])
+
+    pf = CUDAPrefetcher(Epochs(), device=DEV, depth=2)  # 3 slots, 3 batches: epoch e+1 reuses epoch e's slots
+    got = []
+    for _ in range(6):
+        with torch.cuda.stream(stage.side_stream(DEV)):
+            torch.cuda._sleep(int(cycles_per_ms * 20))
+        for b in pf:
+            got.append(torch.stack([b.min(), b.max()]))
+            del b
+    torch.cuda.synchronize()
+    pf.close()
+    assert [g.tolist() for g in got] == [[10 * e + i] * 2 for e in range(6) for i in range(3)]
+    assert not _threads()
+
+
+def test_batch_tensors_already_on_device_are_ordered(cycles_per_ms: float) -> None:
+    """A loader that makes device tensors (on the prefetch thread's stream, late): the transform on the
+    side stream and the consumer must both see the finished values."""
+    n = 1 << 20
+
+    def source():
+        for i in range(20):
+            x = torch.empty(n, dtype=torch.int32, device=DEV)
+            torch.cuda._sleep(int(cycles_per_ms * 2))  # on the producer thread's current stream
+            x.fill_(i)
+            yield {"x": x, "i": i}
+
+    class Re:
+        def __iter__(self):
+            return source()
+
+    got = []
+    with CUDAPrefetcher(Re(), device=DEV, transform=lambda b: {**b, "y": b["x"] * 2}) as pf:
+        for b in pf:
+            assert b["x"].device == DEV and b["y"].device == DEV
+            got.append((b["i"], torch.stack([b["x"].min(), b["x"].max(), b["y"].min(), b["y"].max()])))
+            del b
+        torch.cuda.synchronize()
+    assert [(i, g.tolist()) for i, g in got] == [(i, [i, i, 2 * i, 2 * i]) for i in range(20)]
+
+
 def test_transforms_match_cpu_reference() -> None:
     g = torch.Generator().manual_seed(0)
     batches = [(torch.randint(0, 256, (8, 3, 24, 24), dtype=torch.uint8, generator=g), torch.arange(8)) for _ in range(10)]
