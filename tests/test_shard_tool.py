@@ -415,6 +415,22 @@ def test_duplicate_keys_are_an_error_naming_the_key(tmp_path, capsys):
     assert not (tmp_path / "out").exists()
 
 
+def test_foreign_tar_keys_fastdata_cannot_write_fail_before_writing(tmp_path, capsys):
+    import tarfile
+
+    (tmp_path / "src").mkdir()
+    with tarfile.open(tmp_path / "src" / "a.tar", "w") as tf:  # as made by `tar cf a.tar -C dir .`
+        for name in ("./s0.txt", "./s1.txt"):
+            info = tarfile.TarInfo(name)
+            info.size = 1
+            tf.addfile(info, io.BytesIO(b"x"))
+    code, _, err = run(capsys, tmp_path / "src", tmp_path / "out")
+    assert code == 1
+    assert error_line(err) == (f"shard.py: error: {tmp_path / 'src' / 'a.tar'}: sample 0: invalid sample key "
+                               "'./s0': has an empty, '.' or '..' path component '.'")
+    assert not (tmp_path / "out").exists()
+
+
 def test_image_names_with_dots_map_to_distinct_keys_or_fail(tmp_path, capsys):
     src = tmp_path / "dots"
     (src / "a").mkdir(parents=True)

@@ -244,6 +244,7 @@ def _list_tar(root: Path, files: Sequence[Path], indexes: Sequence[str | None]) 
         listing.skipped.extend({"source": f"{os.path.relpath(path, root)}:{name}", "reason": "tar member name is not '<key>.<field>'"}
                                for name in idx.ignored)
         for j, (key, members) in enumerate(zip(idx.keys, idx.members)):
+            _check_source_key(key, path, j)
             listing.keys.append(key)
             listing.refs.append((i, j))
             total = image = 0
@@ -284,6 +285,7 @@ def _list_hdf5(root: Path, files: Sequence[Path]) -> Listing:
         for info in infos:
             merged[info.name] = merge_field(merged.get(info.name), info, path)
         for j, key in enumerate(keys):
+            _check_source_key(key, path, j)
             listing.keys.append(key)
             listing.refs.append((i, j))
             listing.sizes.append(per_sample)
@@ -296,6 +298,14 @@ def _list_hdf5(root: Path, files: Sequence[Path]) -> Listing:
     listing.fields = tuple(merged[n] for n in sorted(merged))
     listing.stamp = _file_stamp(root, files)
     return listing
+
+
+def _check_source_key(key: str, path: Path, i: int) -> None:
+    """Refuse, before anything is written, a key that fastdata's writers would reject."""
+    try:
+        check_key(key)
+    except ValueError as e:
+        raise SourceError(f"{path}: sample {i}: {e}") from None
 
 
 def merge_field(prev: FieldInfo | None, info: FieldInfo, where: object) -> FieldInfo:
