@@ -145,11 +145,9 @@ class _VirtualWorker:
     """What one DataLoader worker would read: its index sequence, located in the shards."""
 
     def __init__(self, ds: ShardedDataset, seq: np.ndarray, progress: _Progress):
-        offsets = ds._plan().offsets
         self.ds, self.progress = ds, progress
         self.seq = seq
-        self.shard = np.searchsorted(offsets, seq, side="right") - 1
-        self.local = seq - offsets[self.shard]
+        self.shard, self.local = ds._plan().locate(seq)
 
     def take(self, batch_size: int, missing: frozenset[int], cached_fields: frozenset[str]
              ) -> tuple[list[dict[str, Any]], list[int], int]:

@@ -299,10 +299,10 @@ class SplitPlan:
         key = rng_key(self.seed, 1, epoch, self.rank, max(1, num_workers), worker)
         return mix_segments(segs, self.offsets, self.shuffle, key)
 
-    def locate(self, index: int) -> tuple[int, int]:
-        """(shard, position in shard) of a global sample index."""
-        shard = int(np.searchsorted(self.offsets, index, side="right")) - 1
-        return shard, int(index - self.offsets[shard])
+    def locate(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(shards, positions in their shards) of global sample indices (int64 arrays)."""
+        shards = np.searchsorted(self.offsets, indices, side="right") - 1
+        return shards, indices - self.offsets[shards]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -34,7 +34,7 @@ from fastdata._split import (
     worker_sequence,
 )
 from fastdata.decode import Decoder, SampleDecoder, image_to_tensor, is_image_field
-from fastdata.errors import FastdataError, ShardError
+from fastdata.errors import CacheError, FastdataError, ShardError
 
 if TYPE_CHECKING:  # pragma: no cover
     from fastdata.cache import Store, StoreInfo
@@ -43,6 +43,7 @@ __all__ = ["ON_ERROR", "ShardedDataset", "ShuffleOptions", "SkippedSampleWarning
 
 ON_ERROR = ("raise", "skip", "warn")
 STATE_VERSION = 1
+_LOCATE_CHUNK = 1024  # samples whose shards are located at once (bounded memory for long epochs)
 
 
 class SkippedSampleWarning(UserWarning):
@@ -328,15 +329,17 @@ class ShardedDataset(IterableDataset):
         global _CURRENT
         plan = self._plan()
         seq, start = worker_sequence(plan, progress.epoch, progress.stages, progress.worker)
-        for pos in range(start, len(seq)):
-            g = int(seq[pos])
-            shard, i = plan.locate(g)
-            sample = self._load(shard, i, g, progress)
-            progress.pos = pos + 1
-            if sample is None:
-                continue
-            _CURRENT = progress
-            yield sample
+        for lo in range(start, len(seq), _LOCATE_CHUNK):  # shards located per chunk, not per sample
+            part = seq[lo : lo + _LOCATE_CHUNK]
+            shards, local = plan.locate(part)
+            for pos, g, shard, i in zip(range(lo + 1, lo + len(part) + 1), part.tolist(), shards.tolist(),
+                                        local.tolist()):
+                sample = self._load(shard, i, g, progress)
+                progress.pos = pos
+                if sample is None:
+                    continue
+                _CURRENT = progress
+                yield sample
 
     def _reader(self, shard: int) -> Any:
         reader = self._readers.get(shard)
@@ -396,8 +399,10 @@ class ShardedDataset(IterableDataset):
                     if outputs:
                         store.put(g, outputs)
                     sample.update(outputs)
+        except CacheError:
+            raise  # the store, not the sample, failed (e.g. disk full): on_error does not apply
         except (FastdataError, OSError, IndexError) as e:
-            self._handle_error(self._wrap_error(e, shard, i), e, self.source.names[shard], i, g, progress)
+            self._handle_error(self._wrap_error(e, shard, i), e, shard, i, g, progress)
             return None
         sample = self._apply(self.transform, sample)
         return self.sample_transform(sample) if self.sample_transform is not None else sample
@@ -412,13 +417,21 @@ class ShardedDataset(IterableDataset):
         try:
             return self._read_uncached(shard, i)
         except (FastdataError, OSError, IndexError) as e:
-            self._handle_error(self._wrap_error(e, shard, i), e, self.source.names[shard], i, g, progress)
+            self._handle_error(self._wrap_error(e, shard, i), e, shard, i, g, progress)
             return None
+
+    def _key(self, shard: int, i: int) -> str:
+        """Key of sample ``i`` of ``shard`` for error reports (``#i`` when the shard's index is unreadable)."""
+        try:
+            return str(self._reader(shard).keys[i])
+        except Exception:  # noqa: BLE001 - the key is best effort for the report
+            return f"#{i}"
 
     def _wrap_error(self, e: BaseException, shard: int, i: int) -> FastdataError:
         if isinstance(e, FastdataError):
             return e
-        return ShardError(f"{self.source.names[shard]}: sample #{i}: {type(e).__name__}: {e}")
+        return ShardError(f"{self.source.names[shard]}: sample {self._key(shard, i)!r} (#{i}): "
+                          f"{type(e).__name__}: {e}")
 
     def _uncached_fields(self) -> frozenset[str] | None:
         known = self.fields if self.fields is not None else self.source.fields
@@ -439,16 +452,16 @@ class ShardedDataset(IterableDataset):
                 sample[k] = v
         return sample
 
-    def _handle_error(self, err: FastdataError, cause: BaseException, name: str, i: int, g: int,
-                      progress: _Progress) -> None:
+    def _handle_error(self, err: FastdataError, cause: BaseException, shard: int, i: int, g: int,
+                      progress: _Progress, *, key: str | None = None) -> None:
+        """Apply ``on_error`` to a failed sample: ``i`` of ``shard`` (``-1`` and ``key`` when streaming)."""
         if self.on_error == "raise":
             if err is cause:
                 raise err
             raise err from cause
-        try:
-            key = self._reader(self._plan().locate(g)[0]).keys[i] if not self.source.streaming else "?"
-        except Exception:  # noqa: BLE001 - the key is best effort for the report
-            key = f"#{i}"
+        name = self.source.names[shard]
+        if key is None:
+            key = self._key(shard, i)
         record = {"shard": name, "key": key, "index": g, "reason": str(err)}
         self.skipped.append(record)
         progress.new_skips.append(record)
@@ -483,7 +496,8 @@ class ShardedDataset(IterableDataset):
                     raise item
                 sample = self._apply(self.preprocess, self._decoder(item, shard=names[shard]))
             except FastdataError as e:
-                self._handle_error(e, e, names[shard], -1, -1, progress)
+                key = "?" if isinstance(item, FastdataError) else str(item.get("__key__", "?"))
+                self._handle_error(e, e, shard, -1, -1, progress, key=key)
                 progress.pos = pos
                 continue
             sample = self._apply(self.transform, sample)

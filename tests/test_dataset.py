@@ -1,9 +1,12 @@
 """ShardedDataset end to end: sources, splitting through real DataLoaders, epochs, errors, cache."""
 from __future__ import annotations
 
+import errno
 import io
+import os
 import re
 import tarfile
+import warnings
 from collections import Counter
 from pathlib import Path
 
@@ -13,7 +16,7 @@ import torch
 
 from fastdata._synth import jpeg_bytes, synth_image
 from fastdata.dataset import ShardedDataset, ShuffleOptions, SkippedSampleWarning
-from fastdata.errors import DecodeError
+from fastdata.errors import CacheError, DecodeError, ShardError
 from fastdata.loader import DataLoader
 from fastdata.shards.writer import ShardWriter
 from fastdata.transforms import Deterministic, ResizeCenterCrop
@@ -215,7 +218,9 @@ def test_on_error_raise_names_shard_key_reason(bad_shards):
 
 def test_on_error_skip_counts_and_reports(bad_shards):
     ds = ShardedDataset(bad_shards, on_error="skip")
-    got = [s["cls"] for s in ds]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # "skip" records silently; only "warn" warns
+        got = [s["cls"] for s in ds]
     assert got == [i for i in range(12) if i not in (2, 9)]
     assert [(r["key"], Path(r["shard"]).name) for r in ds.skipped] == [
         ("k/00002", "shard-000000.tar"), ("k/00009", "shard-000002.tar")]
@@ -237,6 +242,64 @@ def test_skips_in_workers_reach_the_main_process(bad_shards):
     dl = DataLoader(ds, batch_size=2, num_workers=2)
     assert sorted(_ids(dl)) == [i for i in range(12) if i not in (2, 9)]
     assert sorted(r["key"] for r in ds.skipped) == ["k/00002", "k/00009"]
+
+
+class _FailingReader:
+    """A shard reader whose sample ``bad`` fails with an OSError (an I/O error, not a decode error)."""
+
+    def __init__(self, reader, bad: int):
+        self.reader, self.bad = reader, bad
+        self.keys = reader.keys
+
+    def read(self, i, fields=None):
+        if i == self.bad:
+            raise OSError(errno.EIO, "Input/output error")
+        return self.reader.read(i, fields=fields)
+
+    def close(self):
+        self.reader.close()
+
+
+def test_io_errors_name_shard_and_key(shards):
+    ds = ShardedDataset(shards)
+    real = ds.source._opener
+    ds.source._opener = lambda i: _FailingReader(real(i), bad=2 if i == 1 else -1)
+    with pytest.raises(ShardError, match=r"shard-000001\.tar: sample 'k/00007' \(#2\): OSError: .*Input/output error"):
+        list(ds)
+    ds.on_error = "skip"
+    assert [s["cls"] for s in ds] == [i for i in range(23) if i != 7]
+    assert [(r["key"], r["index"]) for r in ds.skipped] == [("k/00007", 7)]
+
+
+def test_cache_failure_is_not_skipped_as_a_bad_sample(tmp_path, monkeypatch):
+    with ShardWriter(tmp_path / "img", max_samples=3) as w:
+        for i in range(4):
+            w.write({"__key__": f"i{i}", "jpg": jpeg_bytes(synth_image(np.random.default_rng(i), 40, 40), 90),
+                     "cls": i})
+    ds = ShardedDataset(tmp_path / "img", preprocess=ResizeCenterCrop(16), cache=tmp_path / "cache", on_error="skip")
+    it = iter(ds)
+    next(it)  # the store's files exist now; the disk fills up
+
+    def full(fd, data, offset):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "pwrite", full)
+    with pytest.raises(CacheError, match="disk full while writing sample 1"):
+        next(it)
+    assert ds.skipped == []
+
+
+def test_streaming_skips_name_the_key(tmp_path):
+    fsspec = pytest.importorskip("fsspec")
+    make_shards(tmp_path / "s", 6, 3, bad=(4,))
+    fs = fsspec.filesystem("memory")
+    urls = []
+    for p in sorted((tmp_path / "s").glob("*.tar")):
+        fs.pipe(f"/fastdata-skip/{p.name}", p.read_bytes())
+        urls.append(f"memory://fastdata-skip/{p.name}")
+    ds = ShardedDataset(urls, on_error="skip")
+    assert [s["cls"] for s in ds] == [0, 1, 2, 3, 5]
+    assert [(r["key"], r["shard"]) for r in ds.skipped] == [("k/00004", urls[1])]
 
 
 @pytest.mark.parametrize(
