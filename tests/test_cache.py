@@ -212,6 +212,37 @@ def test_fill_killed_at_random_points_never_serves_a_wrong_sample(tmp_path: Path
     assert check_store(store, require_full=True) == n
 
 
+def _fill_killed_after(directory: str, n: int, writes: int) -> None:
+    """Fill, and SIGKILL this process right after its ``writes``-th pwrite (data or valid flag)."""
+    real = cache_store.pwrite_all
+    done = [0]
+
+    def pwrite_then_die(fd: int, data: memoryview, offset: int) -> None:
+        if done[0] == writes:
+            os.kill(os.getpid(), signal.SIGKILL)
+        real(fd, data, offset)
+        done[0] += 1
+
+    cache_store.pwrite_all = pwrite_then_die
+    fill(directory, "cut", n, list(range(n)))
+
+
+def test_fill_killed_at_every_write_of_a_put_never_serves_a_wrong_sample(tmp_path: Path) -> None:
+    """Deterministic companion of the random-kill test: a put is 2 field writes then the valid flag;
+    kill before the first and after each write of two puts and check what a fresh reader sees."""
+    n = 4
+    for writes in range(7):
+        directory = tmp_path / f"w{writes}"
+        p = FORK.Process(target=_fill_killed_after, args=(str(directory), n, writes))
+        p.start()
+        p.join(30)
+        assert p.exitcode == -signal.SIGKILL
+        store = Cache(directory).open_store(fingerprint="cut", num_samples=n)
+        assert check_store(store) == writes // 3  # only samples whose flag was written are served
+        assert [store.is_valid(i) for i in range(n)] == [i < writes // 3 for i in range(n)]
+        store.close()
+
+
 # ----- disk full ---------------------------------------------------------------------------------
 def test_disk_full_mid_fill_gives_clear_error_and_usable_store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     store = Cache(tmp_path).open_store(fingerprint="full", num_samples=20)
