@@ -133,6 +133,11 @@ def test_truncated_tar_names_shard_and_offset(shard):
         TarIndex.build(cut)
     with open(cut, "rb") as f, pytest.raises(ShardError, match=r"cut\.tar.*byte offset \d+"):
         list(iter_tar_stream(f, str(cut)))
+    tmp.write_bytes(data[:1024])  # cut at a member boundary: looks like a shorter tar to `tar tf`
+    with pytest.raises(ShardError, match=r"cut\.tar: truncated tar: ends at byte offset 1024 without"):
+        TarIndex.build(cut)
+    with open(cut, "rb") as f, pytest.raises(ShardError, match=r"cut\.tar: truncated tar: ends at byte offset 1024"):
+        list(iter_tar_stream(f, str(cut)))
     tmp.write_bytes(data[:1100])  # cut inside a header
     with pytest.raises(ShardError, match=r"header at byte offset \d+ is cut off"):
         TarIndex.build(cut)

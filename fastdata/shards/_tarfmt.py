@@ -113,7 +113,9 @@ def walk(header: HeaderFn, payload: PayloadFn, shard: str, *, want_data: bool
          ) -> Iterator[tuple[str, int, int, bytes | None]]:
     """Yield ``(name, data_offset, size, data)`` for each regular member, in archive order.
 
-    ``data`` is None unless ``want_data``. Stops at the first zero block (or a clean end of file).
+    ``data`` is None unless ``want_data``. Stops at the first zero block. A non-empty file that ends
+    without one was cut at a member boundary (tar writers end archives with zero blocks): that is a
+    ShardError, not a silently shorter shard.
     """
     pos = 0
     long_name: str | None = None
@@ -121,7 +123,10 @@ def walk(header: HeaderFn, payload: PayloadFn, shard: str, *, want_data: bool
     while True:
         buf = header(pos)
         if not buf:
-            return
+            if pos == 0:
+                return
+            raise ShardError(f"{shard}: truncated tar: ends at byte offset {pos} without the end-of-archive "
+                             "zero blocks; members after it are missing")
         if len(buf) < BLOCK:
             raise ShardError(f"{shard}: truncated tar: header at byte offset {pos} is cut off "
                              f"after {len(buf)} of {BLOCK} bytes")
