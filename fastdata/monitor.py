@@ -174,8 +174,12 @@ def advise(report: StallReport, loader: Any) -> list[str]:
     if not report.loader_bound:
         return []
     out: list[str] = []
-    inner = getattr(loader, "iterable", None) or getattr(loader, "loader", None)
-    dl = inner if inner is not None and hasattr(inner, "num_workers") else loader
+    dl = loader
+    for name in ("iterable", "loader"):  # a wrapper such as CUDAPrefetcher: advise on the loader inside
+        inner = getattr(loader, name, None)  # no truthiness test: bool() would call a loader's len()
+        if inner is not None and hasattr(inner, "num_workers"):
+            dl = inner
+            break
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # pragma: no cover - not Linux

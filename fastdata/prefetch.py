@@ -150,6 +150,11 @@ class CUDAPrefetcher:
         self._state: Any = None  # the wrapped loader's state after the last batch handed over
         self._state_error: BaseException | None = None
 
+    @property
+    def iterable(self) -> Iterable[Any]:
+        """The wrapped iterable (e.g. for its settings; iterating it directly bypasses the prefetch)."""
+        return self._iterable
+
     def __len__(self) -> int:
         return len(self._iterable)  # type: ignore[arg-type]  # TypeError if the iterable has none
 

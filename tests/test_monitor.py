@@ -57,3 +57,23 @@ def test_early_break_still_counts_wall_time():
 def test_bad_interval_names_argument():
     with pytest.raises(ValueError, match="gpu_interval_s must be > 0, got 0"):
         StallMeter(gpu_interval_s=0)
+
+
+def test_advice_looks_inside_the_prefetcher():
+    from fastdata.prefetch import CUDAPrefetcher
+
+    class NoLen(_SlowLoader):  # like a DataLoader over an IterableDataset: advice must not call len()
+        def __len__(self):
+            raise TypeError("this loader has no len()")
+
+    loader = NoLen(6, 0.02)
+    pf = CUDAPrefetcher(loader, device="cpu", depth=1)
+    meter = StallMeter()
+    for _ in meter.wrap(pf):
+        pass
+    pf.close()
+    rep = meter.report()
+    assert pf.iterable is loader and rep.loader_bound
+    text = rep.summary()
+    assert "num_workers=1" in text and "persistent_workers" in text
+    assert "wrap the loader in fastdata.CUDAPrefetcher" not in text
