@@ -25,10 +25,11 @@ class _Options:
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
-        if not isinstance(self.grad_accum, int) or self.grad_accum < 1:
+        if isinstance(self.grad_accum, bool) or not isinstance(self.grad_accum, int) or self.grad_accum < 1:
             raise ValueError(f"grad_accum must be an int >= 1, got {self.grad_accum!r}")
-        if self.clip_norm is not None and not self.clip_norm > 0:
-            raise ValueError(f"clip_norm must be > 0 or None, got {self.clip_norm!r}")
+        clip = self.clip_norm
+        if clip is not None and (isinstance(clip, bool) or not isinstance(clip, (int, float)) or not clip > 0):
+            raise ValueError(f"clip_norm must be a number > 0 or None, got {clip!r}")
 
 
 def resolve_precision(precision: str, device: torch.device) -> str:

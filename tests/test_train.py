@@ -68,7 +68,10 @@ def test_dict_batches_and_bf16_on_cpu():
 @pytest.mark.parametrize("kwargs, match", [
     ({"precision": "fp8"}, "precision must be one of"),
     ({"grad_accum": 0}, "grad_accum must be an int >= 1, got 0"),
-    ({"clip_norm": -1.0}, "clip_norm must be > 0"),
+    ({"grad_accum": True}, "grad_accum must be an int >= 1, got True"),
+    ({"clip_norm": -1.0}, "clip_norm must be a number > 0 or None, got -1.0"),
+    ({"clip_norm": "1"}, "clip_norm must be a number > 0 or None, got '1'"),
+    ({"clip_norm": float("nan")}, "clip_norm must be a number > 0 or None, got nan"),
     ({"precision": "fp16"}, "needs a CUDA device"),
 ])
 def test_bad_options_name_the_argument(kwargs, match):
