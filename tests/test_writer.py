@@ -68,8 +68,14 @@ def test_duplicate_keys_and_bad_input(tmp_path):
         w.write({"__key__": "x/a.b", "jpg": b""})
     with pytest.raises(ValueError, match="'__key__'"):
         w.write({"jpg": b""})
+    with pytest.raises(TypeError, match="cannot encode field 'arr' of sample 'x/y'"):
+        w.write({"__key__": "x/y", "jpg": b"", "arr": np.zeros(2)})  # arrays go in '.npy' fields
+    with pytest.raises(ValueError, match="field 'jpg' of sample 'x/z' is 'int' but earlier samples had 'bytes'"):
+        w.write({"__key__": "x/z", "new": b"", "jpg": 1})
+    w.write({"__key__": "x/y", "jpg": b""})  # the rejected samples left no key and no field behind
     w.close()
-    assert Manifest.load(tmp_path / "a").num_samples == 3
+    assert Manifest.load(tmp_path / "a").num_samples == 4
+    assert [f.name for f in Manifest.load(tmp_path / "a").fields] == ["cls", "img.npy", "jpg"]
     with pytest.raises(ValueError, match="format must be 'tar' or 'hdf5', got 'zip'"):
         ShardWriter(tmp_path / "b", format="zip")
     with pytest.raises(ValueError, match="max_samples must be None or an int >= 1, got 0"):

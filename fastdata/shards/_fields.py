@@ -42,25 +42,33 @@ class FieldTracker:
         self._info: dict[str, tuple[str, str | None, tuple[int, ...] | None]] = {}
 
     def add(self, sample: Mapping[str, Any]) -> None:
+        """Record the fields of one sample; on a ValueError/TypeError nothing of it is recorded."""
         key = str(sample.get("__key__", ""))
-        for name, value in sample.items():
-            if is_meta(name):
-                continue
-            check_field(name, key)
-            self._merge(name, value_info(name, value, key=key), key)
+        infos = [(check_field(name, key), value_info(name, value, key=key))
+                 for name, value in sample.items() if not is_meta(name)]
+        for name, info in infos:
+            self._check(name, info, key)
+        for name, info in infos:
+            self._merge(name, info)
 
     def merge(self, other: FieldTracker) -> None:
+        """Add the fields another tracker has seen (ValueError when a field's kind differs)."""
         for name, info in other._info.items():
-            self._merge(name, info, "")
+            self._check(name, info, "")
+        for name, info in other._info.items():
+            self._merge(name, info)
 
-    def _merge(self, name: str, info: tuple[str, str | None, tuple[int, ...] | None], key: str) -> None:
+    def _check(self, name: str, info: tuple[str, str | None, tuple[int, ...] | None], key: str) -> None:
+        prev = self._info.get(name)
+        if prev is not None and prev[0] != info[0]:
+            where = f"sample {key!r}" if key else "a merged shard"
+            raise ValueError(f"field {name!r} of {where} is {info[0]!r} but earlier samples had {prev[0]!r}")
+
+    def _merge(self, name: str, info: tuple[str, str | None, tuple[int, ...] | None]) -> None:
         prev = self._info.get(name)
         if prev is None:
             self._info[name] = info
             return
-        if prev[0] != info[0]:
-            where = f"sample {key!r}" if key else "a merged shard"
-            raise ValueError(f"field {name!r} of {where} is {info[0]!r} but earlier samples had {prev[0]!r}")
         if prev != info:
             self._info[name] = (prev[0], prev[1] if prev[1] == info[1] else None,
                                 prev[2] if prev[2] == info[2] else None)

@@ -8,10 +8,11 @@ from typing import Any
 
 import numpy as np
 
-from fastdata.manifest import MANIFEST_NAME, FieldInfo, Manifest, ShardInfo
+from fastdata.manifest import FieldInfo, Manifest, ShardInfo
 from fastdata.shards import _tarfmt
 from fastdata.shards._fields import FieldTracker
 from fastdata.shards._keys import check_key, is_meta
+from fastdata.shards._progress import remove_outputs
 
 __all__ = ["ShardWriter", "shard_name"]
 
@@ -30,8 +31,11 @@ class ShardWriter:
     larger sample gets a shard of its own) or when it holds ``max_samples``. Each shard is written
     under a temporary name and renamed when complete; ``manifest.json`` is written last, by
     :meth:`close`. After an exception inside ``with``, finished shards stay but no manifest is written.
-    Keys must be unique across the whole folder (ValueError naming the key). HDF5 shards are
-    assembled in memory (up to ``max_bytes``), so keep ``max_bytes`` moderate for HDF5.
+    Keys must be unique across the whole folder (ValueError naming the key); a sample rejected by
+    :meth:`write` leaves no key or field behind. HDF5 shards are assembled in memory (a copy of each
+    sample, up to ``max_bytes``), so keep ``max_bytes`` moderate for HDF5. A non-empty ``dest`` is
+    refused unless ``overwrite=True``, which removes the shards, indexes and manifest already there
+    (other files stay). ``extra`` is stored as the manifest's free-form ``extra`` object.
     """
 
     def __init__(self, dest: str | os.PathLike[str], *, format: str = "tar", max_bytes: int = 256 << 20,
@@ -77,17 +81,18 @@ class ShardWriter:
         key = check_key(sample["__key__"])
         if key in self._keys:
             raise ValueError(f"duplicate key {key!r}: already written to {self.dest}")
-        self._fields.add(sample)
         if self.format == "tar":
-            self._write_tar(key, sample)
+            self._write_tar(sample)
         else:
+            self._fields.add(sample)
             self._write_h5(sample)
         self._keys.add(key)
 
-    def _write_tar(self, key: str, sample: dict[str, Any]) -> None:
+    def _write_tar(self, sample: dict[str, Any]) -> None:
         from fastdata.shards.tar import TarShardWriter, encode_sample
 
-        enc = encode_sample(sample)
+        enc = encode_sample(sample)  # a sample that cannot be stored leaves no trace in the manifest
+        self._fields.add(sample)
         cur = self._tar
         if cur is not None and cur.num_samples and (
             _tar_file_size(cur.bytes_written + enc.size) > self.max_bytes
@@ -182,13 +187,12 @@ def _nbytes(value: Any) -> int:
 
 
 def _prepare(dest: Path, overwrite: bool) -> None:
-    """Create ``dest``; refuse a non-empty one unless ``overwrite`` (then remove only shard files)."""
+    """Create ``dest``; refuse a non-empty one unless ``overwrite`` (then remove only what fastdata writes)."""
     if dest.exists() and not dest.is_dir():
         raise NotADirectoryError(f"destination {dest} exists and is not a folder")
     dest.mkdir(parents=True, exist_ok=True)
     existing = sorted(p.name for p in dest.iterdir())
     if existing and not overwrite:
         raise FileExistsError(f"destination {dest} is not empty (found {existing[:3]}); pass overwrite=True")
-    for name in existing:
-        if name == MANIFEST_NAME or (name.startswith("shard-") and name.endswith((".tar", ".h5", ".idx", ".tmp"))):
-            (dest / name).unlink()
+    if existing:
+        remove_outputs(dest)
