@@ -133,6 +133,10 @@ class ShardedDataset(IterableDataset):
             raise ValueError(f"on_error must be one of {ON_ERROR}, got {on_error!r}")
         if even not in EVEN_POLICIES:
             raise ValueError(f"even must be one of {EVEN_POLICIES}, got {even!r}")
+        if samples_per_epoch is not None and (
+            isinstance(samples_per_epoch, bool) or not isinstance(samples_per_epoch, int) or samples_per_epoch < 1
+        ):  # SplitPlan checks it too, but a streaming source has no plan
+            raise ValueError(f"samples_per_epoch must be an int >= 1 or None, got {samples_per_epoch!r}")
         if (rank is None) != (world_size is None):
             raise ValueError(f"pass both rank and world_size or neither, got rank={rank!r}, world_size={world_size!r}")
         for name, fn in (("preprocess", preprocess), ("transform", transform), ("sample_transform", sample_transform)):

@@ -158,6 +158,8 @@ def test_streaming_url_source(tmp_path):
     assert sorted(s["cls"] for s in ds) == list(range(12))
     with pytest.raises(TypeError, match="samples_per_epoch"):
         len(ds)
+    with pytest.raises(ValueError, match="samples_per_epoch must be an int >= 1 or None, got 0"):
+        ShardedDataset(urls, samples_per_epoch=0)
     fixed = ShardedDataset(urls, samples_per_epoch=8, rank=1, world_size=2)
     assert len(fixed) == 4 and len(list(fixed)) == 4
 
