@@ -68,6 +68,7 @@ class FieldInfo:
             object.__setattr__(self, "shape", shape)
 
     def to_json(self) -> dict[str, Any]:
+        """This field as a ``manifest.json`` object."""
         return {"name": self.name, "kind": self.kind, "dtype": self.dtype,
                 "shape": None if self.shape is None else list(self.shape)}
 
@@ -99,6 +100,7 @@ class ShardInfo:
                 raise ValueError(problem)
 
     def to_json(self) -> dict[str, Any]:
+        """This shard as a ``manifest.json`` object."""
         return {"name": self.name, "num_samples": self.num_samples, "bytes": self.bytes,
                 "sha256": self.sha256, "index": self.index}
 
@@ -142,6 +144,7 @@ class Manifest:
         raise KeyError(f"manifest has no field {name!r}; fields: {[f.name for f in self.fields]}")
 
     def to_json(self) -> dict[str, Any]:
+        """The ``manifest.json`` object (with ``num_samples`` summed over shards)."""
         return {
             "format": self.format,
             "format_version": self.format_version,

@@ -198,6 +198,7 @@ class HDF5ShardReader:
 
     @property
     def keys(self) -> tuple[str, ...]:
+        """Sample keys in shard order (from dataset ``__key__``)."""
         self._open()
         assert self._keys is not None
         return self._keys
@@ -253,6 +254,7 @@ class HDF5ShardReader:
         return self.iter_range()
 
     def close(self) -> None:
+        """Close the HDF5 file (reopened on next use; safe to call twice)."""
         if self._file is not None and self._pid == os.getpid():
             self._file.close()
         self._file = None

@@ -21,14 +21,18 @@ class ShardReader(Protocol):
     def __len__(self) -> int: ...
 
     @property
-    def keys(self) -> tuple[str, ...]: ...
+    def keys(self) -> tuple[str, ...]:
+        """Sample keys in shard order."""
 
-    def read(self, i: int, fields: Collection[str] | None = None) -> dict[str, Any]: ...
+    def read(self, i: int, fields: Collection[str] | None = None) -> dict[str, Any]:
+        """Sample ``i`` as ``{"__key__": key, field: value}`` (only ``fields`` when given)."""
 
     def iter_range(self, start: int = 0, stop: int | None = None,
-                   fields: Collection[str] | None = None) -> Iterator[dict[str, Any]]: ...
+                   fields: Collection[str] | None = None) -> Iterator[dict[str, Any]]:
+        """Samples ``start..stop-1`` in order, as :meth:`read` returns them."""
 
-    def close(self) -> None: ...
+    def close(self) -> None:
+        """Release the open file or map (the reader reopens on next use)."""
 
 
 def open_shard(folder: str | os.PathLike[str], shard: ShardInfo, *, format: str, **options: Any) -> ShardReader:

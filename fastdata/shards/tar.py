@@ -299,10 +299,12 @@ class TarShardWriter:
 
     @property
     def num_samples(self) -> int:
+        """Samples added so far."""
         return len(self._keys)
 
     @property
     def bytes_written(self) -> int:
+        """Bytes of the archive so far (without the end-of-archive blocks)."""
         return self._out.pos
 
     def add(self, sample: dict[str, Any] | EncodedSample) -> int:
@@ -393,6 +395,7 @@ class TarShardReader:
 
     @property
     def index(self) -> TarIndex:
+        """The shard's :class:`TarIndex` (sidecar or header scan), checked against the file size."""
         if self._index is None:
             sidecar = self._index_path or self.path + INDEX_SUFFIX
             if self._index_path is None and not os.path.exists(sidecar):
@@ -414,6 +417,7 @@ class TarShardReader:
 
     @property
     def keys(self) -> tuple[str, ...]:
+        """Sample keys in shard order."""
         return self.index.keys
 
     def _map(self) -> mmap.mmap:
@@ -472,6 +476,7 @@ class TarShardReader:
         return self.iter_range()
 
     def close(self) -> None:
+        """Close the memory map (reopened on next use; safe to call twice)."""
         if self._mm is not None and self._pid == os.getpid():
             self._mm.close()
         self._mm = None
