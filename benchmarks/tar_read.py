@@ -27,7 +27,7 @@ import sys
 import tempfile
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -73,44 +73,41 @@ def warm(paths: list[Path]) -> None:
                         pass
 
 
-def run_fastdata(paths: list[Path]) -> tuple[int, int]:
-    samples = nbytes = 0
-    for p in paths:
-        reader = TarShardReader(p)
-        for sample in reader.iter_range():
-            samples += 1
-            for k, v in sample.items():
-                if k != "__key__":
-                    nbytes += len(v)
-        reader.close()
-    return samples, nbytes
+def _count(samples: Iterable[dict]) -> tuple[int, int]:
+    """(samples, payload bytes) of an iterable of samples, touching every value's length."""
+    n = nbytes = 0
+    for sample in samples:
+        n += 1
+        for k, v in sample.items():
+            if not k.startswith("__"):  # __key__, and webdataset's __url__ etc.
+                nbytes += len(v)
+    return n, nbytes
 
 
-def run_fastdata_random(paths: list[Path]) -> tuple[int, int]:
-    samples = nbytes = 0
+def _read_shards(paths: list[Path], order: str) -> Iterator[dict]:
     rng = np.random.default_rng(1)
     for p in paths:
         reader = TarShardReader(p)
-        for i in rng.permutation(len(reader)).tolist():
-            sample = reader.read(i)
-            samples += 1
-            for k, v in sample.items():
-                if k != "__key__":
-                    nbytes += len(v)
+        if order == "shard":
+            yield from reader.iter_range()
+        else:
+            for i in rng.permutation(len(reader)).tolist():
+                yield reader.read(i)
         reader.close()
-    return samples, nbytes
+
+
+def run_fastdata(paths: list[Path]) -> tuple[int, int]:
+    return _count(_read_shards(paths, "shard"))
+
+
+def run_fastdata_random(paths: list[Path]) -> tuple[int, int]:
+    return _count(_read_shards(paths, "random"))
 
 
 def run_webdataset(paths: list[Path]) -> tuple[int, int]:
     import webdataset as wds
 
-    samples = nbytes = 0
-    for sample in wds.WebDataset([str(p) for p in paths], shardshuffle=False):
-        samples += 1
-        for k, v in sample.items():
-            if not k.startswith("__"):
-                nbytes += len(v)
-    return samples, nbytes
+    return _count(wds.WebDataset([str(p) for p in paths], shardshuffle=False))
 
 
 RUNNERS: dict[str, Callable[[list[Path]], tuple[int, int]]] = {
