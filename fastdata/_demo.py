@@ -169,7 +169,11 @@ def run_bench(*, workdir: str | None, num_images: int, num_workers: int, repeats
         t_cached = statistics.median(_timed_epochs(pipeline(root / "cache"), repeats))
         results["cached_pipeline"] = {"images/s": m.num_samples / t_cached, "speedup": t_dec / t_cached}
         if torch.cuda.is_available():
-            results["h2d"] = _h2d(repeats)
+            from fastdata._doctor import measure_h2d
+
+            # one uint8 batch of 256 images
+            rates = measure_h2d(256 * 3 * IMAGE_SIZE * IMAGE_SIZE, repeats=max(repeats, 5))
+            results["h2d"] = {f"{k}_GB/s": v for k, v in rates.items()}
     print(f"{'measurement':<18} result")
     print(f"{'raw shard read':<18} {results['raw_read']['GB/s']:.2f} GB/s, {results['raw_read']['samples/s']:.0f} samples/s")
     print(f"{'decode pipeline':<18} {results['decode_pipeline']['images/s']:.0f} images/s "
@@ -182,22 +186,3 @@ def run_bench(*, workdir: str | None, num_images: int, num_workers: int, repeats
     if json_path:
         Path(json_path).write_text(json.dumps(results, indent=1))
     return 0
-
-
-def _h2d(repeats: int) -> dict[str, float]:
-    nbytes = 256 * 3 * IMAGE_SIZE * IMAGE_SIZE  # one uint8 batch of 256 images
-    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    out = {}
-    for label, pin in (("pinned", True), ("pageable", False)):
-        src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
-        dst.copy_(src, non_blocking=pin)
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(max(repeats, 5)):
-            t0 = time.perf_counter()
-            dst.copy_(src, non_blocking=pin)
-            torch.cuda.synchronize()
-            times.append(time.perf_counter() - t0)
-        out[f"{label}_GB/s"] = nbytes / statistics.median(times) / 1e9
-    return out
-

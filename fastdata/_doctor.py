@@ -78,6 +78,28 @@ def check_files() -> Check:
                  "" if ok else "raise it (ulimit -n 65536): many shards x workers hold many files open")
 
 
+def measure_h2d(nbytes: int, *, repeats: int) -> dict[str, float]:
+    """Host-to-device GB/s of one ``nbytes`` copy from pinned and from pageable memory (medians)."""
+    import statistics
+
+    import torch
+
+    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    rates = {}
+    for label, pin in (("pinned", True), ("pageable", False)):
+        src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+        dst.copy_(src, non_blocking=pin)  # warm-up
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            dst.copy_(src, non_blocking=pin)
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        rates[label] = nbytes / statistics.median(times) / 1e9
+    return rates
+
+
 def check_cuda() -> list[Check]:
     import torch
 
@@ -86,19 +108,7 @@ def check_cuda() -> list[Check]:
     dev = torch.cuda.current_device()
     name = torch.cuda.get_device_name(dev)
     out = [Check("CUDA", True, f"{name} (device {dev}, torch CUDA {torch.version.cuda})")]
-    nbytes = 64 << 20
-    pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    pageable = torch.empty(nbytes, dtype=torch.uint8)
-    dst = torch.empty(nbytes, dtype=torch.uint8, device=dev)
-    rates = {}
-    for label, src in (("pinned", pinned), ("pageable", pageable)):
-        dst.copy_(src, non_blocking=True)
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(5):
-            dst.copy_(src, non_blocking=True)
-        torch.cuda.synchronize()
-        rates[label] = 5 * nbytes / (time.perf_counter() - t0) / 1e9
+    rates = measure_h2d(64 << 20, repeats=5)
     ratio = rates["pinned"] / max(rates["pageable"], 1e-9)
     out.append(Check("host-to-device", True,
                      f"pinned {rates['pinned']:.1f} GB/s, pageable {rates['pageable']:.1f} GB/s ({ratio:.1f}x)",

@@ -123,15 +123,15 @@ class Stats:
         with self._lock:
             out: dict[str, Any] = {n: getattr(self, n) for n in (*self._INTS, *self._FLOATS)}
             waits = sorted(self.waits)
-        out["wait_p50_s"] = _quantile(waits, 0.50)
-        out["wait_p99_s"] = _quantile(waits, 0.99)
+        out["wait_p50_s"] = quantile(waits, 0.50)
+        out["wait_p99_s"] = quantile(waits, 0.99)
         out["wait_max_s"] = waits[-1] if waits else 0.0
         out["copy_gbps"] = out["timed_bytes"] / out["copy_s"] / 1e9 if out["copy_s"] > 0 else 0.0
         del out["timed_bytes"]
         return out
 
 
-def _quantile(sorted_values: list[float], q: float) -> float:
+def quantile(sorted_values: list[float], q: float) -> float:
     """Nearest-rank quantile (no interpolation), 0.0 for no values."""
     if not sorted_values:
         return 0.0

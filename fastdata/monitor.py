@@ -15,6 +15,8 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from fastdata._prefetch_queue import quantile
+
 T = TypeVar("T")
 log = logging.getLogger(__name__)
 
@@ -66,13 +68,6 @@ class StallReport:
             lines.append(f"GPU utilisation mean {self.gpu_util_mean:.0f}% over {self.gpu_util_samples} samples")
         lines.extend(f"- {a}" for a in self.advice)
         return "\n".join(lines)
-
-
-def _percentile(sorted_values: list[float], q: float) -> float:
-    if not sorted_values:
-        return 0.0
-    idx = min(len(sorted_values) - 1, max(0, round(q * (len(sorted_values) - 1))))
-    return sorted_values[idx]
 
 
 class _GPUSampler:
@@ -162,7 +157,7 @@ class StallMeter:
         gpu = self._gpu_samples
         rep = StallReport(
             steps=len(self.waits), wall_s=self.wall_s, wait_s=sum(self.waits),
-            wait_p50_s=_percentile(waits, 0.5), wait_p99_s=_percentile(waits, 0.99),
+            wait_p50_s=quantile(waits, 0.5), wait_p99_s=quantile(waits, 0.99),
             first_wait_s=self.waits[0] if self.waits else 0.0,
             gpu_util_mean=sum(gpu) / len(gpu) if gpu else None, gpu_util_samples=len(gpu),
         )
