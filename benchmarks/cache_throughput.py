@@ -1,6 +1,6 @@
 """Preprocessing cache throughput: uncached epoch vs cached epoch, cached reading per core, store size.
 
-On a photo-like JPEG corpus (``fastdata._synth.make_image_folder``, 300-640 px) written to tar
+On a photo-like JPEG corpus (``fastdata.cli._synth.make_image_folder``, 300-640 px) written to tar
 shards, ``ShardedDataset(shards, preprocess=ResizeCenterCrop(size), cache=...)`` through
 ``fastdata.DataLoader`` with the same settings (workers, persistent workers, batch size) for
 every pipeline:
@@ -43,7 +43,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from fastdata._synth import make_image_folder  # noqa: E402
+from fastdata.cli._synth import make_image_folder  # noqa: E402
 from fastdata.cache import Cache  # noqa: E402
 
 

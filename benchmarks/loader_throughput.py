@@ -1,6 +1,6 @@
 """Loader throughput: fastdata vs webdataset vs an ImageFolder-style Dataset, same work, one run.
 
-Corpus: photo-like JPEGs of 300-640 px per side (``fastdata._synth.make_image_folder``), written
+Corpus: photo-like JPEGs of 300-640 px per side (``fastdata.cli._synth.make_image_folder``), written
 once as pass-through tar shards (jpg + cls) with ``ShardWriter`` and cached under ``--data``.
 Every pipeline produces batches of 64 (uint8 image tensor (64, 3, 224, 224), int labels) with
 the same work per image (decode, resize shorter side to 256, centre crop 224) and the same
@@ -41,7 +41,7 @@ from PIL import Image
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import fastdata.loader  # noqa: E402
-from fastdata._synth import make_image_folder  # noqa: E402
+from fastdata.cli._synth import make_image_folder  # noqa: E402
 from fastdata.dataset import ShardedDataset  # noqa: E402
 from fastdata.manifest import Manifest  # noqa: E402
 from fastdata.shards.writer import ShardWriter  # noqa: E402

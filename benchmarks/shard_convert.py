@@ -1,6 +1,6 @@
 """tools/shard.py's engine on a JPEG folder: pass-through vs a plain webdataset loop, and --resize scaling.
 
-Data: ``fastdata._synth.make_image_folder`` (photo-like JPEGs, 300-640 px, quality 75-95, 10
+Data: ``fastdata.cli._synth.make_image_folder`` (photo-like JPEGs, 300-640 px, quality 75-95, 10
 classes), cached under ``.bench/`` and read once before timing so every run reads from the page
 cache. Measured in the same run, median over ``--reps`` repetitions (order alternated), each into
 a fresh output folder:
@@ -34,7 +34,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from fastdata._synth import make_image_folder  # noqa: E402
+from fastdata.cli._synth import make_image_folder  # noqa: E402
 from fastdata.shards.convert import ConvertOptions, convert, default_workers  # noqa: E402
 
 _ROOT = Path(__file__).resolve().parents[1]

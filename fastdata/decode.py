@@ -32,6 +32,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from fastdata._util import IMAGE_SUFFIXES
 from fastdata.errors import DecodeError
 
 __all__ = [
@@ -44,9 +45,6 @@ __all__ = [
     "suffix",
 ]
 
-IMAGE_SUFFIXES = frozenset(
-    {"jpg", "jpeg", "png", "webp", "gif", "bmp", "ppm", "pgm", "pbm", "pnm", "tif", "tiff"}
-)
 PICKLE_SUFFIXES = frozenset({"pickle", "pkl", "pyd", "pth", "pt"})
 _INT_SUFFIXES = frozenset({"cls", "cls2", "index", "inx"})
 _TEXT_SUFFIXES = frozenset({"txt", "text"})

@@ -5,7 +5,10 @@ the offending input without a debugger.
 """
 from __future__ import annotations
 
-__all__ = ["CacheError", "DecodeError", "FastdataError", "ManifestError", "ShardError"]
+__all__ = [
+    "CacheError", "ConversionError", "DecodeError", "FastdataError", "ManifestError", "RemoteError", "ShardError",
+    "SourceError",
+]
 
 
 class FastdataError(Exception):
@@ -29,3 +32,15 @@ class DecodeError(FastdataError):
 
 class CacheError(FastdataError):
     """The preprocessing cache is unusable (bad metadata, mismatching store)."""
+
+
+class SourceError(FastdataError, ValueError):
+    """A conversion SRC or a dataset source cannot be used; names the file and the problem."""
+
+
+class ConversionError(FastdataError, ValueError):
+    """A conversion cannot proceed; the message names the file, key or argument."""
+
+
+class RemoteError(FastdataError, OSError):
+    """A remote shard or manifest cannot be fetched; names the URL and keeps the reason (status, message)."""

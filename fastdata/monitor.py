@@ -15,7 +15,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from fastdata._prefetch_queue import quantile
+from fastdata._util import quantile
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)

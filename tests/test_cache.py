@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-import fastdata._cache_store as cache_store
+import fastdata.cache._store as cache_store
 from fastdata.cache import CACHE_FORMAT_VERSION, Cache, Store, store_key
 from fastdata.errors import CacheError
 
@@ -407,7 +407,7 @@ def test_get_batch(tmp_path: Path) -> None:
 
 # ----- through ShardedDataset and the command line ----------------------------------------------
 def _shards(dest: Path, *, n: int = 24, changed: int | None = None) -> Path:
-    from fastdata._synth import jpeg_bytes, synth_image
+    from fastdata.cli._synth import jpeg_bytes, synth_image
     from fastdata.shards.writer import ShardWriter
 
     with ShardWriter(dest, max_samples=10, overwrite=True) as w:
@@ -482,11 +482,12 @@ def test_cli_build_list_rm(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
 def test_parse_bytes() -> None:
     import argparse
 
-    from fastdata._cache_cli import parse_bytes
+    from fastdata.cli._args import byte_size
 
-    assert parse_bytes("20GB") == 20 * 10**9 and parse_bytes("512MiB") == 512 << 20 and parse_bytes("1000") == 1000
-    with pytest.raises(argparse.ArgumentTypeError, match="not a size: '12 parsecs'"):
-        parse_bytes("12 parsecs")
+    assert byte_size("20GB") == 20 * 10**9 and byte_size("512MiB") == 512 << 20 and byte_size("1000") == 1000
+    assert byte_size("1e9") == 10**9
+    with pytest.raises(argparse.ArgumentTypeError, match="cannot parse size '12 parsecs'"):
+        byte_size("12 parsecs")
 
 
 def test_threads_share_one_store(tmp_path: Path) -> None:

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from fastdata._synth import jpeg_bytes, synth_image
+from fastdata.cli._synth import jpeg_bytes, synth_image
 from fastdata.cache import Cache
 from fastdata.dataset import ShardedDataset, ShuffleOptions
 from fastdata.errors import CacheError
@@ -147,7 +147,7 @@ def test_a_few_missing_samples_are_computed_in_process(tmp_path, monkeypatch):
     with open(info.path / "valid.bin", "r+b") as f:
         f.seek(12)
         f.write(b"\0")
-    monkeypatch.setattr("fastdata._cache_loader.MISSING_FRACTION", 0.05)  # 2 of 45 may be missing
+    monkeypatch.setattr("fastdata.loader._cached.MISSING_FRACTION", 0.05)  # 2 of 45 may be missing
     ds_fast, ds_work = make(), make()
     fast = _epoch(DataLoader(ds_fast, **kw), "cached")
     assert Cache(tmp_path / "c").info(info.key).num_valid == N - 1  # sample 12 was filled on the way

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from fastdata._synth import jpeg_bytes, synth_image
+from fastdata.cli._synth import jpeg_bytes, synth_image
 from fastdata.dataset import ShardedDataset, ShuffleOptions, SkippedSampleWarning
 from fastdata.errors import CacheError, DecodeError, ShardError
 from fastdata.loader import DataLoader

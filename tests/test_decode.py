@@ -10,7 +10,7 @@ import pytest
 import torch
 from PIL import Image
 
-from fastdata._synth import jpeg_bytes, synth_image
+from fastdata.cli._synth import jpeg_bytes, synth_image
 from fastdata.decode import ImageDecoder, SampleDecoder, image_to_tensor, is_image_field, suffix
 from fastdata.errors import DecodeError
 from fastdata.transforms import Deterministic, ResizeCenterCrop

@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 import torch
 
-from fastdata import _prefetch_stage as stage
-from fastdata._prefetch_queue import Stats
-from fastdata._tree import format_path, keys_matcher, map_tensors, tensor_leaves
+from fastdata.prefetch import _stage as stage
+from fastdata.prefetch._queue import Stats
+from fastdata.prefetch.tree import format_path, keys_matcher, map_tensors, tensor_leaves
 from fastdata.gpu import IMAGENET_MEAN, IMAGENET_STD, ChannelsLast, Compose, Normalize, ToDtype
 from fastdata.prefetch import CUDAPrefetcher, PrefetchOptions, resolve_device
 

@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from fastdata import _prefetch_stage as stage
+from fastdata.prefetch import _stage as stage
 from fastdata.gpu import IMAGENET_MEAN, IMAGENET_STD, Normalize
 from fastdata.prefetch import CUDAPrefetcher
 

@@ -7,7 +7,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from fastdata._split import (
+from fastdata.dataset._split import (
     ShuffleOptions,
     SplitPlan,
     iteration_stages,

@@ -20,12 +20,12 @@ import re
 import numpy as np
 from PIL import Image
 
+from fastdata._util import IMAGE_SUFFIXES
+
 CHECK_LEVELS = ("header", "full")
 
-# Lower-case file extensions treated as images (field name = the extension).
-IMAGE_EXTENSIONS = frozenset(
-    {"jpg", "jpeg", "png", "ppm", "pgm", "pbm", "pnm", "bmp", "gif", "webp", "tif", "tiff"}
-)
+# Lower-case file extensions treated as images (field name = the extension): the package's one set.
+IMAGE_EXTENSIONS = IMAGE_SUFFIXES
 
 # extension -> PIL format name, e.g. "jpg" -> "JPEG"
 _FORMATS = {ext.lstrip("."): fmt for ext, fmt in Image.registered_extensions().items()}

@@ -11,34 +11,18 @@ import json
 import logging
 import os
 import shutil
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from fastdata.errors import FastdataError
+from fastdata.errors import ConversionError
 from fastdata.manifest import MANIFEST_NAME, Manifest, ShardInfo, sha256_file
+from fastdata.shards._plan import Plan, ShardResult
 
-if TYPE_CHECKING:
-    from fastdata.shards.convert import Plan
 
 log = logging.getLogger("fastdata.convert")
 
 PROGRESS_DIR = ".fastdata-progress"
 _PLAN_FILE = "plan.json"
-
-
-class ConversionError(FastdataError, ValueError):
-    """A conversion cannot proceed; the message names the file, key or argument."""
-
-
-@dataclass(frozen=True)
-class ShardResult:
-    """A finished shard job: its ShardInfo (None when every sample was skipped) and skipped inputs."""
-
-    number: int
-    shard: ShardInfo | None
-    skipped: tuple[dict[str, str], ...]
-    num_planned: int
 
 
 def remove_outputs(dest: Path) -> None:

@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from fastdata.errors import SourceError
 from fastdata.manifest import MANIFEST_NAME, FieldInfo, Manifest
 from fastdata.shards._images import IMAGE_EXTENSIONS
 from fastdata.shards._keys import check_field, check_key
@@ -42,10 +43,6 @@ __all__ = ["Listing", "SourceError", "SourceReader", "list_source", "member_byte
 _TAR_SUFFIXES = (".tar",)
 _H5_SUFFIXES = (".h5", ".hdf5")
 _COMPRESSED_TAR = (".tar.gz", ".tgz", ".tar.bz2", ".tar.xz", ".tar.zst")
-
-
-class SourceError(ValueError):
-    """SRC cannot be used; the message names the file and the problem."""
 
 
 def member_bytes(name_len: int, data_len: int) -> int:

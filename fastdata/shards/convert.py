@@ -24,7 +24,6 @@ import json
 import logging
 import multiprocessing as mp
 import os
-import re
 import signal
 import sys
 import threading
@@ -32,17 +31,39 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from contextlib import closing
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from fastdata.manifest import MANIFEST_NAME, FieldInfo, Manifest
+from fastdata._util import parse_size
+from fastdata.errors import ConversionError
+from fastdata.manifest import MANIFEST_NAME, FieldInfo
 from fastdata.shards import _progress
-from fastdata.shards._images import CHECK_LEVELS, BadImage, check_image, is_image_field, resize_center_crop
-from fastdata.shards._progress import PROGRESS_DIR, ConversionError, ShardResult
-from fastdata.shards._sources import Listing, SampleUnreadable, SourceReader, list_source, member_bytes
+from fastdata.shards._images import (
+    BadImage,
+    check_image,
+    is_image_field,
+    resize_center_crop,
+)
+from fastdata.shards._plan import (
+    _SUFFIX,
+    DEFAULT_SHARD_SIZE,
+    ConvertOptions,
+    ConvertResult,
+    Plan,
+    ShardJob,
+    ShardResult,
+)
+from fastdata.shards._progress import PROGRESS_DIR
+from fastdata.shards._sources import (
+    Listing,
+    SampleUnreadable,
+    SourceReader,
+    list_source,
+    member_bytes,
+)
 
 __all__ = [
     "DEFAULT_SHARD_SIZE", "PROGRESS_DIR", "ConversionError", "ConvertOptions", "ConvertResult", "Plan",
@@ -51,33 +72,9 @@ __all__ = [
 
 log = logging.getLogger("fastdata.convert")
 
-DEFAULT_SHARD_SIZE = 256 << 20  # same default as fastdata.ShardWriter
 _PLAN_VERSION = 1
-_SUFFIX = {"tar": ".tar", "hdf5": ".h5"}
 _TAR_END = 2 * 512  # end-of-archive blocks (record padding comes on top, < 10 KiB)
 _TICK_S = 0.1  # how often workers report progress counts
-
-
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([kmgtp]?)(i?)(b?)\s*$", re.IGNORECASE)
-
-
-def parse_size(text: str | int) -> int:
-    """Bytes from ``"256MB"``, ``"1GiB"``, ``"1.5G"``, ``"1000000"`` or an int.
-
-    ``K/M/G/T/P`` (with or without ``B``) are powers of 1000; ``KiB/MiB/GiB/...`` powers of 1024.
-    """
-    if isinstance(text, int) and not isinstance(text, bool):
-        value = text
-    else:
-        match = _SIZE_RE.match(str(text))
-        if match is None or (match.group(3) and not match.group(2)):
-            raise ValueError(f"cannot parse size {text!r} (use e.g. 256MB, 1GiB or 1000000)")
-        number, prefix, binary = float(match.group(1)), match.group(2).lower(), bool(match.group(3))
-        power = " kmgtp".index(prefix) if prefix else 0
-        value = int(number * (1024 if binary else 1000) ** power)
-    if value < 1:
-        raise ValueError(f"size must be at least 1 byte, got {text!r}")
-    return value
 
 
 def default_workers() -> int:
@@ -86,77 +83,6 @@ def default_workers() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
         return os.cpu_count() or 1
-
-
-@dataclass(frozen=True)
-class ConvertOptions:
-    """Options of :func:`convert` (the command-line flags of ``tools/shard.py``)."""
-
-    format: str = "tar"
-    shard_size: int | None = None  # target bytes per shard; DEFAULT_SHARD_SIZE if neither limit is set
-    samples_per_shard: int | None = None
-    workers: int | None = None  # None: default_workers(), capped by the number of shards to write
-    shuffle: bool = False
-    seed: int = 0
-    resize: int | None = None
-    check: str = "header"  # image check for pass-through: "header" (open + verify) or "full" (decode)
-    strict: bool = False
-    overwrite: bool = False
-    progress: bool | None = None  # None: a tqdm bar when stderr is a terminal
-
-    def __post_init__(self) -> None:
-        if self.format not in _SUFFIX:
-            raise ValueError(f"format must be 'tar' or 'hdf5', got {self.format!r}")
-        for name in ("shard_size", "samples_per_shard", "workers", "resize"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-                raise ValueError(f"{name} must be None or an int >= 1, got {value!r}")
-        if not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0:
-            raise ValueError(f"seed must be an int >= 0, got {self.seed!r}")
-        if self.check not in CHECK_LEVELS:
-            raise ValueError(f"check must be one of {CHECK_LEVELS}, got {self.check!r}")
-
-    @property
-    def max_bytes(self) -> int | None:
-        if self.shard_size is None and self.samples_per_shard is None:
-            return DEFAULT_SHARD_SIZE
-        return self.shard_size
-
-
-@dataclass(frozen=True)
-class ShardJob:
-    """One planned shard: its number, file name and ``(key, source reference)`` per sample."""
-
-    number: int
-    name: str
-    items: tuple[tuple[str, tuple], ...]
-
-
-@dataclass(frozen=True)
-class Plan:
-    """A deterministic conversion plan (see :func:`plan_conversion`)."""
-
-    listing: Listing
-    options: ConvertOptions
-    jobs: tuple[ShardJob, ...]
-    fields: tuple[FieldInfo, ...]
-    fingerprint: str
-    extra: dict = field(default_factory=dict)
-
-    @property
-    def num_samples(self) -> int:
-        return sum(len(j.items) for j in self.jobs)
-
-
-@dataclass(frozen=True)
-class ConvertResult:
-    """What :func:`convert` did."""
-
-    manifest: Manifest
-    written: int  # shards written by this run
-    kept: int  # shards kept from an interrupted earlier run
-    seconds: float
-    processed: int  # input samples processed by this run (kept shards excluded)
 
 
 def plan_conversion(src: str | os.PathLike[str], options: ConvertOptions | None = None) -> Plan:
@@ -233,7 +159,7 @@ def _boundaries(sizes: list[int], opts: ConvertOptions) -> Iterator[tuple[int, i
 
 
 def _fingerprint(listing: Listing, opts: ConvertOptions, jobs: list[ShardJob], fields: tuple[FieldInfo, ...]) -> str:
-    from fastdata import __version__
+    from fastdata._version import __version__
 
     h = hashlib.sha256()
     head = {"plan": _PLAN_VERSION, "fastdata": __version__, "kind": listing.kind, "stamp": listing.stamp,

@@ -2,27 +2,10 @@
 from __future__ import annotations
 
 import argparse
-import re
 import time
 from typing import Any
 
-from fastdata.cli import _nonneg, _positive
-
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
-          "t": 10**12, "tb": 10**12, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
-
-
-def parse_bytes(text: str) -> int:
-    """``"20GB"`` -> 20_000_000_000; ``"512MiB"``, ``"1e9"`` and plain integers work too."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
-    unit = m.group(2).lower() if m else ""
-    if m is None or unit not in _UNITS:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 500MB, 20GB, 1TiB)")
-    value = int(float(m.group(1)) * _UNITS[unit])
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"size must be >= 1 byte, got {text!r}")
-    return value
-
+from fastdata.cli._args import byte_size, nonneg_int, positive_int
 
 def human_bytes(n: float) -> str:
     for unit in ("B", "kB", "MB", "GB"):
@@ -79,7 +62,7 @@ def cmd_rm(args: argparse.Namespace) -> int:
 
 
 def cmd_build(args: argparse.Namespace) -> int:
-    from fastdata._cache_build import build_from_source
+    from fastdata.dataset._fill import build_from_source
 
     from fastdata.transforms import ResizeCenterCrop
 
@@ -118,12 +101,12 @@ def add_cache_subparser(subparsers: Any) -> argparse.ArgumentParser:
                     "interpolation=...), cache=DIR) reads, by iterating SOURCE once.")
     build.add_argument("source", metavar="SOURCE", help="shard folder with manifest.json")
     common(build)
-    build.add_argument("--size", type=_positive, default=224, help="output side (centre crop)")
-    build.add_argument("--resize", type=_positive, default=None,
+    build.add_argument("--size", type=positive_int, default=224, help="output side (centre crop)")
+    build.add_argument("--resize", type=positive_int, default=None,
                        help="shorter side before cropping (default: size * 256 / 224)")
     build.add_argument("--interpolation", default="bilinear", choices=("bilinear", "bicubic", "lanczos", "nearest"))
-    build.add_argument("--workers", type=_nonneg, default=2, help="DataLoader worker processes (0: in process)")
-    build.add_argument("--max-bytes", type=parse_bytes, default=None, metavar="SIZE",
+    build.add_argument("--workers", type=nonneg_int, default=2, help="DataLoader worker processes (0: in process)")
+    build.add_argument("--max-bytes", type=byte_size, default=None, metavar="SIZE",
                        help="size limit of the cache directory (e.g. 50GB); older stores are evicted")
     build.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     build.set_defaults(func=cmd_build)

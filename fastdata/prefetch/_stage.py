@@ -33,8 +33,8 @@ from typing import Any
 
 import torch
 
-from fastdata._prefetch_queue import POLL_S, Stats, perf_counter
-from fastdata._tree import Path, map_tensors, tensor_leaves
+from fastdata.prefetch._queue import POLL_S, Stats, perf_counter
+from fastdata.prefetch.tree import Path, map_tensors, tensor_leaves
 
 # Offsets of packed tensors inside a staging buffer: keeps every dtype view legal and the device
 # views aligned for vectorised kernels (the caching allocator itself aligns blocks to 512 bytes).

@@ -38,16 +38,24 @@ import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
-from fastdata._cache_io import DISK_FULL, preallocate, pwrite_all, write_json_atomic
+from fastdata.cache._io import DISK_FULL, preallocate, pwrite_all, write_json_atomic
 from fastdata.errors import CacheError
 
-if TYPE_CHECKING:  # pragma: no cover
-    from fastdata.cache import Cache
+
+
+class StoreOwner(Protocol):
+    """What a store needs from the :class:`~fastdata.cache.Cache` that opened it."""
+
+    directory: Path
+    fsync: bool
+
+    def make_room(self, nbytes: int, *, keep: str) -> None:
+        """Evict other stores so that ``nbytes`` more fit under the cache's byte limit."""
 
 CACHE_FORMAT_VERSION = 1
 META_NAME = "meta.json"
@@ -161,7 +169,7 @@ class Store:
     eviction away.
     """
 
-    def __init__(self, cache: Cache, key: str, *, fingerprint: str, num_samples: int) -> None:
+    def __init__(self, cache: StoreOwner, key: str, *, fingerprint: str, num_samples: int) -> None:
         self.cache = cache
         self.key = key
         self.path = cache.directory / key
@@ -566,7 +574,7 @@ class Store:
     def _allocate(self, fields: list[FieldLayout]) -> None:
         n = self.num_samples
         need = sum(n * f.nbytes for f in fields) + n
-        self.cache._make_room(need, keep=self.key)
+        self.cache.make_room(need, keep=self.key)
         files = [(f.file, n * f.nbytes) for f in fields] + [(VALID_NAME, n)]
         for name, nbytes in files:
             path = self.path / name

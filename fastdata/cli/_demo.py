@@ -37,7 +37,7 @@ def _workdir(path: str | None) -> Iterator[Path]:
 
 def _make_shards(root: Path, num_images: int, workers: int, labels: tuple[str, str] = ("[1/4]", "[2/4]"),
                  ) -> tuple[Path, Any]:
-    from fastdata._synth import make_image_folder
+    from fastdata.cli._synth import make_image_folder
     from fastdata.shards.convert import ConvertOptions, convert
     from fastdata.shards.reader import verify
 
@@ -169,7 +169,7 @@ def run_bench(*, workdir: str | None, num_images: int, num_workers: int, repeats
         t_cached = statistics.median(_timed_epochs(pipeline(root / "cache"), repeats))
         results["cached_pipeline"] = {"images/s": m.num_samples / t_cached, "speedup": t_dec / t_cached}
         if torch.cuda.is_available():
-            from fastdata._doctor import measure_h2d
+            from fastdata.cli._doctor import measure_h2d
 
             # one uint8 batch of 256 images
             rates = measure_h2d(256 * 3 * IMAGE_SIZE * IMAGE_SIZE, repeats=max(repeats, 5))

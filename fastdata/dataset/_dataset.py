@@ -1,6 +1,6 @@
 """ShardedDataset: a torch IterableDataset over shards with exact splitting, shuffling and resume.
 
-The order of samples is pure index math (:mod:`fastdata._split`): shard order shuffled per
+The order of samples is pure index math (:mod:`fastdata.dataset._split`): shard order shuffled per
 epoch, the epoch cut into equal parts per rank and per DataLoader worker, mixing simulated on
 indices; samples are then read by position with the shard readers' random access. Resuming
 regenerates the order and skips the consumed prefix without reading data.
@@ -19,8 +19,8 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from fastdata._source import Source, resolve_source
-from fastdata._split import (
+from fastdata.dataset._source import Source, resolve_source
+from fastdata.dataset._split import (
     EVEN_POLICIES,
     ShuffleOptions,
     SplitPlan,
@@ -380,12 +380,12 @@ class ShardedDataset(IterableDataset):
     def build_cache(self, *, num_workers: int = 0, progress: bool = False) -> StoreInfo:
         """Fill the cache store ahead of time by reading every sample once; returns its info.
 
-        ``fastdata.cache.build(self, ...)``: ``num_workers`` DataLoader processes fill in parallel;
+        ``num_workers`` DataLoader processes fill in parallel;
         check ``fill_ratio`` of the result (samples skipped by ``on_error`` stay unfilled).
         """
-        from fastdata.cache import build
+        from fastdata.dataset._fill import build_dataset
 
-        return build(self, num_workers=num_workers, progress=progress)
+        return build_dataset(self, num_workers=num_workers, progress=progress)
 
     def _load(self, shard: int, i: int, g: int, progress: _Progress) -> Any:
         try:

@@ -6,6 +6,8 @@ import logging
 import sys
 from collections.abc import Sequence
 
+from fastdata.cli._args import nonneg_int, positive_int
+from fastdata.cli._cache_cmd import add_cache_subparser
 from fastdata.errors import FastdataError
 
 log = logging.getLogger("fastdata")
@@ -34,37 +36,23 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def _cmd_doctor(args: argparse.Namespace) -> int:
-    from fastdata._doctor import run_doctor
+    from fastdata.cli._doctor import run_doctor
 
     return run_doctor()
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from fastdata._demo import run_demo
+    from fastdata.cli._demo import run_demo
 
     return run_demo(workdir=args.dir, num_images=args.images, num_workers=args.workers,
                     epochs=args.epochs, batch_size=args.batch_size)
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from fastdata._demo import run_bench
+    from fastdata.cli._demo import run_bench
 
     return run_bench(workdir=args.dir, num_images=args.images, num_workers=args.workers,
                      repeats=args.repeats, json_path=args.json)
-
-
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-def _nonneg(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -74,17 +62,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="generate a small JPEG set, shard it, and train from it end to end")
     demo.add_argument("--dir", default=None, help="working folder (default: a temporary one)")
-    demo.add_argument("--images", type=_positive, default=1024)
-    demo.add_argument("--workers", type=_nonneg, default=2)
-    demo.add_argument("--epochs", type=_positive, default=3)
-    demo.add_argument("--batch-size", type=_positive, default=64)
+    demo.add_argument("--images", type=positive_int, default=1024)
+    demo.add_argument("--workers", type=nonneg_int, default=2)
+    demo.add_argument("--epochs", type=positive_int, default=3)
+    demo.add_argument("--batch-size", type=positive_int, default=64)
     demo.set_defaults(func=_cmd_demo)
 
     bench = sub.add_parser("bench", help="measure this machine: raw reads, decode pipeline, cache, H2D")
     bench.add_argument("--dir", default=None, help="working folder (default: a temporary one)")
-    bench.add_argument("--images", type=_positive, default=1024)
-    bench.add_argument("--workers", type=_nonneg, default=2)
-    bench.add_argument("--repeats", type=_positive, default=3)
+    bench.add_argument("--images", type=positive_int, default=1024)
+    bench.add_argument("--workers", type=nonneg_int, default=2)
+    bench.add_argument("--repeats", type=positive_int, default=3)
     bench.add_argument("--json", default=None, help="write results as JSON to this path")
     bench.set_defaults(func=_cmd_bench)
 
@@ -94,15 +82,10 @@ def build_parser() -> argparse.ArgumentParser:
     inspect = sub.add_parser("inspect", help="summarise a shard folder's manifest")
     inspect.add_argument("dest", help="folder with manifest.json (or the file)")
     inspect.add_argument("--shards", action="store_true", help="list every shard")
-    inspect.add_argument("--show-skipped", type=_nonneg, default=10, metavar="N")
+    inspect.add_argument("--show-skipped", type=nonneg_int, default=10, metavar="N")
     inspect.set_defaults(func=_cmd_inspect)
 
-    try:
-        from fastdata._cache_cli import add_cache_subparser
-    except ImportError:  # pragma: no cover - cache CLI not built
-        pass
-    else:
-        add_cache_subparser(sub)
+    add_cache_subparser(sub)
     return p
 
 

@@ -5,11 +5,12 @@ is noticed within ``POLL_S`` and a KeyboardInterrupt reaches the consumer prompt
 """
 from __future__ import annotations
 
-import math
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
+
+from fastdata._util import quantile
 from typing import Any
 
 # Wake-up period of every blocking wait. Only bounds how late a stop/close is noticed; wake-ups
@@ -129,14 +130,6 @@ class Stats:
         out["copy_gbps"] = out["timed_bytes"] / out["copy_s"] / 1e9 if out["copy_s"] > 0 else 0.0
         del out["timed_bytes"]
         return out
-
-
-def quantile(sorted_values: list[float], q: float) -> float:
-    """Nearest-rank quantile (no interpolation), 0.0 for no values."""
-    if not sorted_values:
-        return 0.0
-    rank = min(len(sorted_values) - 1, max(0, math.ceil(q * len(sorted_values)) - 1))
-    return sorted_values[rank]
 
 
 def perf_counter() -> float:

@@ -2,13 +2,13 @@
 
 A :class:`Cache` is a directory of *stores*. A store holds, for one dataset and one deterministic
 transform, every sample's outputs as fixed-shape arrays in preallocated files, plus one valid byte
-per sample (see :mod:`fastdata._cache_store` for the layout and the crash-safety argument).
+per sample (see :mod:`fastdata.cache._store` for the layout and the crash-safety argument).
 
 The store key combines the fingerprint the dataset passes (manifest fingerprint, i.e. the shard
 checksums, plus the deterministic transform's fingerprint), the number of samples and
 :data:`CACHE_FORMAT_VERSION`; change any of them and a new store is used, so nothing stale is
 ever served. Stores are filled lazily by whichever processes read the data, or ahead of time with
-:func:`build` (``fastdata cache build``). With ``max_bytes`` the directory is kept under a size limit
+``ShardedDataset.build_cache`` (``fastdata cache build``). With ``max_bytes`` the directory is kept under a size limit
 by evicting whole stores, least recently used first, never one that a process has open.
 """
 from __future__ import annotations
@@ -21,12 +21,11 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
-from fastdata._cache_io import disk_usage, try_lock
-from fastdata._cache_store import (
+from fastdata.cache._io import disk_usage, try_lock
+from fastdata.cache._store import (
     CACHE_FORMAT_VERSION,
     LAST_USED,
     OPEN_LOCK,
@@ -38,7 +37,7 @@ from fastdata._cache_store import (
 )
 from fastdata.errors import CacheError
 
-__all__ = ["CACHE_FORMAT_VERSION", "Cache", "FieldLayout", "Store", "StoreInfo", "build", "store_key"]
+__all__ = ["CACHE_FORMAT_VERSION", "Cache", "FieldLayout", "Store", "StoreInfo", "store_key"]
 
 # Leftovers of a crashed store creation older than this are deleted by list()/evict(); a live
 # creation lives for milliseconds.
@@ -270,7 +269,7 @@ class Cache:
                 removed.append(info)
         return removed
 
-    def _make_room(self, nbytes: int, *, keep: str) -> None:
+    def make_room(self, nbytes: int, *, keep: str) -> None:
         """Called before a store allocates ``nbytes``: evict so that it fits under max_bytes."""
         if self.max_bytes is None:
             return
@@ -282,14 +281,3 @@ class Cache:
         if used + nbytes > self.max_bytes:
             raise CacheError(f"cache directory {self.directory}: {nbytes} bytes for a new store do not fit in "
                              f"max_bytes={self.max_bytes}: {used} bytes are held by stores open in running processes")
-
-
-def build(dataset: Any, *, num_workers: int = 0, progress: bool = False) -> StoreInfo:
-    """Fill a dataset's cache ahead of time by iterating it once; returns the store's info.
-
-    ``dataset`` is a :class:`fastdata.ShardedDataset` created with ``cache=...``; misses fill
-    the store as it is read (``num_workers`` DataLoader processes fill in parallel).
-    """
-    from fastdata._cache_build import build_dataset
-
-    return build_dataset(dataset, num_workers=num_workers, progress=progress)

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from fastdata._tree import Path, format_path, keys_matcher, map_tensors
+from fastdata.prefetch.tree import Path, format_path, keys_matcher, map_tensors
 
 __all__ = ["IMAGENET_MEAN", "IMAGENET_STD", "ChannelsLast", "Compose", "Normalize", "ToDtype"]
 

@@ -9,7 +9,7 @@ position in its index sequence to the batch; the main process strips it before t
 yielded and records it. ``state_dict()`` therefore reflects exactly the batches the caller has
 received, whatever the worker count, prefetching or skipped samples.
 
-Cached fast path (``cached_fast_path=``, :mod:`fastdata._cache_loader`): when the dataset's cache
+Cached fast path (``cached_fast_path=``, :mod:`fastdata.loader._cached`): when the dataset's cache
 store holds every sample of the epoch and no per-sample work needs a worker, the batches are
 gathered from the store in the calling process instead, identical in content and order.
 
@@ -26,9 +26,9 @@ from typing import Any
 import torch.utils.data
 from torch.utils.data._utils.pin_memory import pin_memory as _pin_memory
 
-from fastdata import _cache_loader
-from fastdata import dataset as _dataset
-from fastdata._split import Stage, stage_counts
+from fastdata.loader import _cached as _cache_loader
+from fastdata.dataset import _dataset
+from fastdata.dataset._split import Stage, stage_counts
 from fastdata.dataset import ShardedDataset
 from fastdata.errors import CacheError, FastdataError
 

@@ -18,9 +18,9 @@ from typing import Any
 
 import torch
 
-from fastdata._prefetch_queue import CLOSED, END, Channel, Failure, Stats, perf_counter
-from fastdata._prefetch_stage import CpuStager, CudaStager
-from fastdata._tree import keys_matcher
+from fastdata.prefetch._queue import CLOSED, END, Channel, Failure, Stats, perf_counter
+from fastdata.prefetch._stage import CpuStager, CudaStager
+from fastdata.prefetch.tree import keys_matcher
 
 __all__ = ["CUDAPrefetcher", "PrefetchOptions", "resolve_device"]
 

@@ -35,8 +35,8 @@ import torch
 from torch.utils.data import default_collate
 from torch.utils.data._utils.pin_memory import pin_memory as _pin_memory
 
-from fastdata._split import Stage, _check_consumed, stage_counts, stage_sequences
-from fastdata.dataset import ShardedDataset, _Progress
+from fastdata.dataset._split import Stage, _check_consumed, stage_counts, stage_sequences
+from fastdata.dataset._dataset import ShardedDataset, _Progress
 from fastdata.errors import CacheError
 
 __all__ = [

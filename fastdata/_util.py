@@ -1,0 +1,56 @@
+"""Small helpers every stage shares: one byte-size grammar, one integer check, one image-suffix set.
+
+This module sits below every stage (it imports nothing from fastdata), so any stage may use it.
+"""
+from __future__ import annotations
+
+import math
+import re
+from typing import Any
+
+__all__ = ["IMAGE_SUFFIXES", "check_int", "parse_size", "quantile"]
+
+# Lower-case field suffixes / file extensions treated as images, everywhere in fastdata.
+IMAGE_SUFFIXES = frozenset(
+    {"jpg", "jpeg", "png", "webp", "gif", "bmp", "ppm", "pgm", "pbm", "pnm", "tif", "tiff"}
+)
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?(?:e\d+)?|\.\d+(?:e\d+)?)\s*([kmgtp]?)(i?)(b?)\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str | int, *, name: str | None = None) -> int:
+    """Bytes from ``"256MB"``, ``"1GiB"``, ``"1.5G"``, ``"1e9"``, ``"1000000"`` or an int.
+
+    ``K/M/G/T/P`` (with or without ``B``) are powers of 1000; ``KiB/MiB/GiB/...`` powers of 1024.
+    The one grammar for every option that takes a size (``--shard-size``, ``--max-bytes``, ...).
+    """
+    if isinstance(text, int) and not isinstance(text, bool):
+        value = text
+    else:
+        match = _SIZE_RE.match(str(text))
+        if match is None or (match.group(3) and not match.group(2)):
+            where = f"{name}: " if name else ""
+            raise ValueError(f"{where}cannot parse size {text!r} (use e.g. 256MB, 1GiB, 1e9 or 1000000)")
+        number, prefix, binary = float(match.group(1)), match.group(2).lower(), bool(match.group(3))
+        power = " kmgtp".index(prefix) if prefix else 0
+        value = int(number * (1024 if binary else 1000) ** power)
+    if value < 1:
+        raise ValueError(f"{name or 'size'} must be at least 1 byte, got {text!r}")
+    return value
+
+
+def check_int(name: str, value: Any, minimum: int = 0, *, none_ok: bool = False) -> Any:
+    """``value`` if it is an int (not a bool) >= ``minimum`` (or None with ``none_ok``), else ValueError naming it."""
+    if value is None and none_ok:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}{' or None' if none_ok else ''}, got {value!r}")
+    return value
+
+
+def quantile(sorted_values: list[float], q: float) -> float:
+    """Nearest-rank quantile (no interpolation), 0.0 for no values."""
+    if not sorted_values:
+        return 0.0
+    rank = min(len(sorted_values) - 1, max(0, math.ceil(q * len(sorted_values)) - 1))
+    return sorted_values[rank]

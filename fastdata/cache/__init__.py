@@ -1,0 +1,11 @@
+"""Preprocessing cache: memory-mapped stores of deterministic preprocessing outputs.
+
+Stage 3 of the pipeline (shards -> dataset -> **cache** -> loader -> prefetch -> GPU -> train).
+It imports nothing from the dataset or the loader: :class:`Cache` manages a directory of
+:class:`Store` objects; the dataset opens a store and fills it (see
+``fastdata.ShardedDataset.build_cache``).
+"""
+from fastdata.cache._cache import CACHE_FORMAT_VERSION, Cache, StoreInfo, store_key
+from fastdata.cache._store import FieldLayout, Store
+
+__all__ = ["CACHE_FORMAT_VERSION", "Cache", "FieldLayout", "Store", "StoreInfo", "store_key"]

@@ -1,0 +1,10 @@
+"""CUDAPrefetcher: pinned staging, side-stream host-to-device copies, device transforms.
+
+Stage 5 of the pipeline (shards -> dataset -> cache -> loader -> **prefetch** -> GPU -> train).
+Behind it: ``_prefetcher`` (the iterator and its producer thread), ``_stage`` (pinned staging
+and copies), ``_queue`` (the bounded channel and statistics); ``tree`` walks nested batches and
+is shared with :mod:`fastdata.gpu`.
+"""
+from fastdata.prefetch._prefetcher import CUDAPrefetcher, PrefetchOptions, resolve_device
+
+__all__ = ["CUDAPrefetcher", "PrefetchOptions", "resolve_device"]
