@@ -10,27 +10,31 @@ from __future__ import annotations
 import os
 import uuid
 import warnings
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
+from fastdata.dataset._cursor import Cursor, EpochStart
 from fastdata.dataset._source import Source, resolve_source
 from fastdata.dataset._split import (
     EVEN_POLICIES,
     ShuffleOptions,
     SplitPlan,
     Stage,
+    _check_consumed,
     iteration_stages,
     num_batches,
     permutation,
     random_floats,
     rng_key,
     split_sizes,
+    stage_counts,
+    stage_sequences,
     worker_sequence,
 )
 from fastdata.decode import Decoder, SampleDecoder, image_to_tensor, is_image_field
@@ -48,33 +52,6 @@ _LOCATE_CHUNK = 1024  # samples whose shards are located at once (bounded memory
 
 class SkippedSampleWarning(UserWarning):
     """A sample could not be read or decoded and was skipped (``on_error="warn"``)."""
-
-
-@dataclass
-class _Progress:
-    """Live position of one iteration (one worker) in this process."""
-
-    token: str
-    epoch: int
-    stages: list[Stage]
-    worker: int
-    pos: int
-    new_skips: list[dict[str, Any]] = field(default_factory=list)
-
-    def state_stages(self) -> list[Stage]:
-        n, consumed = self.stages[-1]
-        now = list(consumed)
-        now[self.worker] = self.pos
-        return [*self.stages[:-1], (n, tuple(now))]
-
-
-# The iteration that produced a sample last in this process. DataLoader workers collate right
-# after pulling a batch, so fastdata.DataLoader's collate wrapper reads the position from here.
-_CURRENT: _Progress | None = None
-
-
-def current_progress() -> _Progress | None:
-    return _CURRENT
 
 
 def _in_worker() -> bool:
@@ -165,7 +142,7 @@ class ShardedDataset(IterableDataset):
         self._cache_arg = cache
         self._explicit_dist = None if rank is None else (int(rank), int(world_size))  # type: ignore[arg-type]
         self.rank, self.world_size = 0, 1
-        self._resolve_dist()
+        self.resolve_dist()
         self._epoch = 0
         # Shared with DataLoader workers (persistent ones too), so set_epoch reaches them.
         self._epoch_shared = torch.zeros(1, dtype=torch.int64).share_memory_()
@@ -179,16 +156,16 @@ class ShardedDataset(IterableDataset):
     # ----- configuration ------------------------------------------------------------------
     def _reset_process_state(self) -> None:
         self._readers: OrderedDict[int, Any] = OrderedDict()
-        self._reader_sets = 1  # iterations that read through this process's readers at once
+        self._cursors: weakref.WeakSet[Cursor] = weakref.WeakSet()  # live walks reading through _readers
         self._store: Any = None
         self._store_pid: int | None = None
-        self._live: _Progress | None = None
+        self._live: Cursor | None = None
         self._plans: dict[tuple[int, int], SplitPlan] = {}
         self._uncached: tuple[Any, frozenset[str]] | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        for name in ("_readers", "_reader_sets", "_store", "_store_pid", "_live", "_plans", "_uncached"):
+        for name in ("_readers", "_cursors", "_store", "_store_pid", "_live", "_plans", "_uncached"):
             state.pop(name)
         return state
 
@@ -196,8 +173,8 @@ class ShardedDataset(IterableDataset):
         self.__dict__.update(state)
         self._reset_process_state()
 
-    def _resolve_dist(self) -> None:
-        """Rank and world size: explicit, else torch.distributed (main process only)."""
+    def resolve_dist(self) -> None:
+        """Rank and world size: explicit, else torch.distributed (main process only). Package-internal."""
         if self._explicit_dist is not None:
             self.rank, self.world_size = self._explicit_dist
         elif torch.distributed.is_available() and torch.distributed.is_initialized():
@@ -221,6 +198,21 @@ class ShardedDataset(IterableDataset):
         """Samples in one pass over all shards (None for streaming sources)."""
         return None if self.source.sizes is None else sum(self.source.sizes)
 
+    @property
+    def streaming(self) -> bool:
+        """True for a streaming (URL) source: no random access, no index sequences."""
+        return bool(self.source.streaming)
+
+    @property
+    def token(self) -> str:
+        """Identifies this dataset object (and its copies in worker processes) in cursors."""
+        return self._token
+
+    @property
+    def has_cache(self) -> bool:
+        """True when created with ``cache=``."""
+        return self._cache_arg is not None
+
     # ----- epochs and length ----------------------------------------------------------------
     @property
     def epoch(self) -> int:
@@ -231,7 +223,7 @@ class ShardedDataset(IterableDataset):
         if isinstance(epoch, bool) or not isinstance(epoch, (int, np.integer)) or epoch < 0:
             raise ValueError(f"epoch must be an int >= 0, got {epoch!r}")
         if not _in_worker():
-            self._resolve_dist()
+            self.resolve_dist()
         self._epoch = int(epoch)
         self._epoch_shared[0] = int(epoch)
         if self._resume is not None and self._resume[0] != epoch:
@@ -248,7 +240,7 @@ class ShardedDataset(IterableDataset):
     def __len__(self) -> int:
         """Samples this rank yields per epoch (before skipped samples)."""
         if not _in_worker():
-            self._resolve_dist()
+            self.resolve_dist()
         return self._per_rank()
 
     def worker_counts(self, num_workers: int) -> list[int]:
@@ -260,14 +252,55 @@ class ShardedDataset(IterableDataset):
         return num_batches(self.worker_counts(num_workers), batch_size, drop_last)
 
     # ----- state ----------------------------------------------------------------------------
-    def _pending(self, epoch: int, num_workers: int) -> tuple[list[Stage], int]:
-        """Stages of the next iteration of ``epoch`` and the worker that yields first."""
+    # ----- the cursor seam (package-internal: fastdata.loader and friends) ------------------
+    def epoch_start(self, num_workers: int, epoch: int | None = None) -> EpochStart:
+        """Where the next iteration of ``epoch`` (default: the current one) with ``num_workers`` begins.
+
+        Applies a loaded resume state without consuming it (see :meth:`consume_resume`).
+        """
+        epoch = self.epoch if epoch is None else epoch
         stages: list[Stage] = []
         first = 0
         if self._resume is not None and self._resume[0] == epoch:
             stages, first = list(self._resume[1]), self._resume[2]
         out = iteration_stages(stages, num_workers)
-        return out, (first if len(out) == len(stages) else 0)
+        return EpochStart(epoch, tuple(out), first if len(out) == len(stages) else 0)
+
+    def consume_resume(self) -> None:
+        """The resume state was handed to an iteration (workers hold copies): apply it only once."""
+        self._resume = None
+
+    def cursor(self, start: EpochStart, worker: int, *, seq: Any = None, live: bool = False) -> Cursor:
+        """The walk of ``worker`` through its part of ``start``'s epoch (``seq``: its index
+        sequence, if the caller computed it with :meth:`sequences_at`). ``live``: this process's
+        :meth:`state_dict` follows it."""
+        cursor = Cursor(self, start, worker, seq)
+        self._cursors.add(cursor)
+        if live:
+            self._live = cursor
+        return cursor
+
+    def counts_at(self, start: EpochStart) -> list[int]:
+        """Samples each worker of ``start``'s last stage yields in the whole stage (no sequences built)."""
+        return stage_counts(self._plan(), start.stages)
+
+    def sequences_at(self, start: EpochStart) -> list[np.ndarray]:
+        """Index sequences of every worker of ``start``'s last stage."""
+        seqs = stage_sequences(self._plan(), start.epoch, start.stages)
+        _check_consumed(seqs, start.consumed, start.num_workers)
+        return seqs
+
+    def worker_sequence(self, cursor: Cursor) -> np.ndarray:
+        """Index sequence of ``cursor``'s worker."""
+        return worker_sequence(self._plan(), cursor.epoch, cursor.stages, cursor.worker)[0]
+
+    def locate(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(shards, positions in their shards) of global sample indices."""
+        return self._plan().locate(indices)
+
+    def state_at(self, epoch: int, stages: Sequence[Stage], next_worker: int = 0) -> dict[str, Any]:
+        """The ``state_dict()`` of a position: ``stages`` consumed of ``epoch``, ``next_worker`` yields next."""
+        return self._state(epoch, stages, next_worker)
 
     def _state(self, epoch: int, stages: Sequence[Stage], next_worker: int = 0) -> dict[str, Any]:
         return {
@@ -283,7 +316,7 @@ class ShardedDataset(IterableDataset):
         With DataLoader workers the progress lives in the workers: use
         ``fastdata.DataLoader.state_dict()`` instead.
         """
-        self._resolve_dist()
+        self.resolve_dist()
         epoch = self._epoch
         live = self._live
         if live is not None and live.epoch == epoch:
@@ -296,7 +329,7 @@ class ShardedDataset(IterableDataset):
         """Resume: the next iteration of ``state["epoch"]`` yields exactly the rest of that epoch."""
         if not isinstance(state, Mapping) or state.get("version") != STATE_VERSION:
             raise ValueError(f"not a ShardedDataset state (version {STATE_VERSION}): {state!r:.200}")
-        self._resolve_dist()
+        self.resolve_dist()
         mine = self._state(0, [])
         for name in ("seed", "world_size", "num_samples", "shuffle", "even", "samples_per_epoch", "fingerprint"):
             if state.get(name) != mine[name]:
@@ -314,35 +347,33 @@ class ShardedDataset(IterableDataset):
     def __iter__(self) -> Iterator[Any]:
         info = get_worker_info()
         if info is None:
-            self._resolve_dist()
+            self.resolve_dist()
         worker, nw = (info.id, info.num_workers) if info is not None else (0, 0)
-        epoch = self.epoch
-        stages, first = self._pending(epoch, nw)
+        start = self.epoch_start(nw)
         # Physical worker 0 serves the worker that yields first, so that torch's round-robin
         # over workers reproduces the interrupted run's batch order.
-        worker = (worker + first) % max(1, nw)
-        self._resume = None  # a resume state is applied once per copy of the dataset
-        progress = _Progress(self._token, epoch, stages, worker, stages[-1][1][worker])
-        if info is None:
-            self._live = progress
-        if self.source.streaming:
-            return self._iter_stream(progress, nw)
-        return self._iter_indexed(progress)
+        worker = (worker + start.first) % max(1, nw)
+        self.consume_resume()  # a resume state is applied once per copy of the dataset
+        return iter(self.cursor(start, worker, live=info is None))
 
-    def _iter_indexed(self, progress: _Progress) -> Iterator[Any]:
-        global _CURRENT
-        plan = self._plan()
-        seq, start = worker_sequence(plan, progress.epoch, progress.stages, progress.worker)
-        for lo in range(start, len(seq), _LOCATE_CHUNK):  # shards located per chunk, not per sample
+    def iterate(self, cursor: Cursor) -> Iterator[Any]:
+        """The samples of ``cursor`` from its position on, advancing it (``iter(cursor)``)."""
+        if self.source.streaming:
+            return self._iter_stream(cursor)
+        return self._iter_indexed(cursor)
+
+    def _iter_indexed(self, cursor: Cursor) -> Iterator[Any]:
+        seq = cursor.seq
+        for lo in range(cursor.pos, len(seq), _LOCATE_CHUNK):  # shards located per chunk, not per sample
             part = seq[lo : lo + _LOCATE_CHUNK]
-            shards, local = plan.locate(part)
+            shards, local = self.locate(part)
             for pos, g, shard, i in zip(range(lo + 1, lo + len(part) + 1), part.tolist(), shards.tolist(),
                                         local.tolist()):
-                sample = self._load(shard, i, g, progress)
-                progress.pos = pos
+                sample = self.load_sample(shard, i, g, cursor)
+                cursor.pos = pos
                 if sample is None:
                     continue
-                _CURRENT = progress
+                cursor.mark_current()
                 yield sample
 
     def _reader(self, shard: int) -> Any:
@@ -350,9 +381,9 @@ class ShardedDataset(IterableDataset):
         if reader is None:
             reader = self.source.reader(shard)
             self._readers[shard] = reader
-            # the shard pieces one iteration interleaves (times the virtual workers of the cached
-            # fast path, which reads for all of them in this process), plus slack at piece ends
-            keep = (self.shuffle.open_shards if self.shuffle else 1) * self._reader_sets + 2
+            # the shard pieces one walk interleaves, times the walks live in this process (e.g. the
+            # virtual workers of an in-process loader), plus slack at piece ends
+            keep = (self.shuffle.open_shards if self.shuffle else 1) * max(1, len(self._cursors)) + 2
             while len(self._readers) > keep:
                 _, old = self._readers.popitem(last=False)
                 old.close()
@@ -387,7 +418,9 @@ class ShardedDataset(IterableDataset):
 
         return build_dataset(self, num_workers=num_workers, progress=progress)
 
-    def _load(self, shard: int, i: int, g: int, progress: _Progress) -> Any:
+    def load_sample(self, shard: int, i: int, g: int, cursor: Cursor) -> Any:
+        """Sample ``i`` of ``shard`` (global index ``g``) decoded, preprocessed (cache hit or fill) and
+        transformed; None when ``on_error`` skipped it (recorded on ``cursor``)."""
         try:
             store = self.cache_store()
             hit = store.get(g) if store is not None else None
@@ -406,7 +439,7 @@ class ShardedDataset(IterableDataset):
         except CacheError:
             raise  # the store, not the sample, failed (e.g. disk full): on_error does not apply
         except (FastdataError, OSError, IndexError) as e:
-            self._handle_error(self._wrap_error(e, shard, i), e, shard, i, g, progress)
+            self._handle_error(self._wrap_error(e, shard, i), e, shard, i, g, cursor)
             return None
         sample = self._apply(self.transform, sample)
         return self.sample_transform(sample) if self.sample_transform is not None else sample
@@ -416,12 +449,12 @@ class ShardedDataset(IterableDataset):
         raw = self._reader(shard).read(i, fields=self._uncached_fields())
         return self._decoder({k: v for k, v in raw.items() if not is_image_field(k)}, shard=self.source.names[shard])
 
-    def _load_uncached(self, shard: int, i: int, g: int, progress: _Progress) -> dict[str, Any] | None:
+    def load_uncached(self, shard: int, i: int, g: int, cursor: Cursor) -> dict[str, Any] | None:
         """:meth:`_read_uncached` under the error policy (None: skipped). The cached fast path's read."""
         try:
             return self._read_uncached(shard, i)
         except (FastdataError, OSError, IndexError) as e:
-            self._handle_error(self._wrap_error(e, shard, i), e, shard, i, g, progress)
+            self._handle_error(self._wrap_error(e, shard, i), e, shard, i, g, cursor)
             return None
 
     def _key(self, shard: int, i: int) -> str:
@@ -457,7 +490,7 @@ class ShardedDataset(IterableDataset):
         return sample
 
     def _handle_error(self, err: FastdataError, cause: BaseException, shard: int, i: int, g: int,
-                      progress: _Progress, *, key: str | None = None) -> None:
+                      cursor: Cursor, *, key: str | None = None) -> None:
         """Apply ``on_error`` to a failed sample: ``i`` of ``shard`` (``-1`` and ``key`` when streaming)."""
         if self.on_error == "raise":
             if err is cause:
@@ -468,24 +501,23 @@ class ShardedDataset(IterableDataset):
             key = self._key(shard, i)
         record = {"shard": name, "key": key, "index": g, "reason": str(err)}
         self.skipped.append(record)
-        progress.new_skips.append(record)
+        cursor.skips.append(record)
         if self.on_error == "warn":
             warnings.warn(f"skipped sample {key!r} of shard {name}: {err}", SkippedSampleWarning, stacklevel=3)
 
     # ----- streaming sources (URLs) -----------------------------------------------------------
-    def _iter_stream(self, progress: _Progress, nw: int) -> Iterator[Any]:
-        global _CURRENT
-        if len(progress.stages) > 1:
+    def _iter_stream(self, cursor: Cursor) -> Iterator[Any]:
+        if len(cursor.stages) > 1:
             raise ValueError("a streaming (URL) source resumes only with the num_workers it was saved with")
-        nwe = max(1, nw)
-        slots, slot = self.world_size * nwe, self.rank * nwe + progress.worker
+        nwe = cursor.stages[-1][0]
+        slots, slot = self.world_size * nwe, self.rank * nwe + cursor.worker
         names = self.source.names
         if len(names) < slots:
             raise ValueError(f"a streaming source needs at least world_size x num_workers = {slots} shards, "
                              f"got {len(names)}")
-        quota = None if self.samples_per_epoch is None else split_sizes(self._per_rank(), nwe)[progress.worker]
-        key = rng_key(self.seed, 2, progress.epoch, self.rank, nwe, progress.worker)
-        raw = self._stream_raw(progress.epoch, slot, slots, quota is not None)
+        quota = None if self.samples_per_epoch is None else split_sizes(self._per_rank(), nwe)[cursor.worker]
+        key = rng_key(self.seed, 2, cursor.epoch, self.rank, nwe, cursor.worker)
+        raw = self._stream_raw(cursor.epoch, slot, slots, quota is not None)
         if self.shuffle is not None and self.shuffle.buffer_size > 1:
             raw = _shuffle_buffer(raw, self.shuffle.buffer_size, key)
         pos = 0
@@ -493,7 +525,7 @@ class ShardedDataset(IterableDataset):
             if quota is not None and pos >= quota:
                 break
             pos += 1
-            if pos <= progress.pos:
+            if pos <= cursor.pos:
                 continue  # resume: consumed before, skipped without decoding
             try:
                 if isinstance(item, FastdataError):
@@ -501,12 +533,12 @@ class ShardedDataset(IterableDataset):
                 sample = self._apply(self.preprocess, self._decoder(item, shard=names[shard]))
             except FastdataError as e:
                 key = "?" if isinstance(item, FastdataError) else str(item.get("__key__", "?"))
-                self._handle_error(e, e, shard, -1, -1, progress, key=key)
-                progress.pos = pos
+                self._handle_error(e, e, shard, -1, -1, cursor, key=key)
+                cursor.pos = pos
                 continue
             sample = self._apply(self.transform, sample)
-            progress.pos = pos
-            _CURRENT = progress
+            cursor.pos = pos
+            cursor.mark_current()
             yield self.sample_transform(sample) if self.sample_transform is not None else sample
 
     def _stream_raw(self, epoch: int, slot: int, slots: int, endless: bool) -> Iterator[tuple[int, Any]]:

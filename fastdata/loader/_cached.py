@@ -27,7 +27,7 @@ Each batch is gathered into a fresh tensor (never a reused buffer the caller may
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -35,8 +35,7 @@ import torch
 from torch.utils.data import default_collate
 from torch.utils.data._utils.pin_memory import pin_memory as _pin_memory
 
-from fastdata.dataset._split import Stage, _check_consumed, stage_counts, stage_sequences
-from fastdata.dataset._dataset import ShardedDataset, _Progress
+from fastdata.dataset import Cursor, EpochStart, ShardedDataset
 from fastdata.errors import CacheError
 
 __all__ = [
@@ -68,7 +67,7 @@ def static_reason(ds: Any, *, batch_size: int | None, collate_fn: Callable[[Any]
     """Why the fast path cannot serve this loader whatever the store holds (None: it can)."""
     if not isinstance(ds, ShardedDataset):
         return f"the dataset is a {type(ds).__name__}, not a fastdata.ShardedDataset"
-    if ds._cache_arg is None:
+    if not ds.has_cache:
         return "the dataset has no cache= store"
     if ds.transform is not None:
         return "transform= runs per sample (in the workers)"
@@ -84,29 +83,22 @@ def static_reason(ds: Any, *, batch_size: int | None, collate_fn: Callable[[Any]
     return None
 
 
-def _sequences(ds: ShardedDataset, epoch: int, stages: Sequence[Stage]) -> list[np.ndarray]:
-    seqs = stage_sequences(ds._plan(), epoch, stages)
-    _check_consumed(seqs, stages[-1][1], stages[-1][0])
-    return seqs
-
-
-def plan_fast_epoch(
-    ds: ShardedDataset, store: Any, epoch: int, stages: Sequence[Stage]
-) -> tuple[list[np.ndarray], frozenset[int]] | str:
+def plan_fast_epoch(ds: ShardedDataset, store: Any, start: EpochStart) -> tuple[list[np.ndarray], frozenset[int]] | str:
     """(per-virtual-worker index sequences, samples to compute in this process), or why the
     store cannot serve the rest of the epoch."""
-    counts = stage_counts(ds._plan(), stages)
-    need = sum(c - k for c, k in zip(counts, stages[-1][1]))
+    epoch = start.epoch
+    counts = ds.counts_at(start)
+    need = sum(c - k for c, k in zip(counts, start.consumed))
     allowed = int(need * MISSING_FRACTION)
     have = store.num_valid()
     # distinct samples needed >= need - (world_size - 1) padded repeats, without samples_per_epoch
     if have < store.num_samples and ds.samples_per_epoch is None and have < need - ds.world_size + 1 - allowed:
         return (f"cache store {store.path} has {have} of {store.num_samples} samples filled; rank {ds.rank} reads "
                 f"{need} in epoch {epoch} (at most {allowed} may be missing)")
-    seqs = _sequences(ds, epoch, stages)
+    seqs = ds.sequences_at(start)
     missing: frozenset[int] = frozenset()
     if have < store.num_samples:
-        missing = frozenset(store.missing(np.concatenate([s[c:] for s, c in zip(seqs, stages[-1][1])])).tolist())
+        missing = frozenset(store.missing(np.concatenate([s[c:] for s, c in zip(seqs, start.consumed)])).tolist())
         if len(missing) > allowed:
             return (f"cache store {store.path} lacks {len(missing)} of the samples rank {ds.rank} reads in epoch "
                     f"{epoch} (e.g. sample {min(missing)}; at most {allowed} may be missing)")
@@ -142,19 +134,19 @@ class FastBatch:
 
 
 class _VirtualWorker:
-    """What one DataLoader worker would read: its index sequence, located in the shards."""
+    """What one DataLoader worker would read: its cursor, with the whole sequence located in the shards."""
 
-    def __init__(self, ds: ShardedDataset, seq: np.ndarray, progress: _Progress):
-        self.ds, self.progress = ds, progress
-        self.seq = seq
-        self.shard, self.local = ds._plan().locate(seq)
+    def __init__(self, cursor: Cursor):
+        self.cursor = cursor
+        self.seq = cursor.seq
+        self.shard, self.local = cursor.locate(0, len(self.seq))
 
     def take(self, batch_size: int, missing: frozenset[int], cached_fields: frozenset[str]
              ) -> tuple[list[dict[str, Any]], list[int], int]:
         """(uncached fields, global indices, position after) of the next ``batch_size`` samples
         that load; fewer at the end of the sequence. Samples skipped by ``on_error`` do not count,
         exactly as in a worker's fetch loop."""
-        ds, prog = self.ds, self.progress
+        prog = self.cursor
         metas: list[dict[str, Any]] = []
         rows: list[int] = []
         p = prog.pos
@@ -162,31 +154,30 @@ class _VirtualWorker:
             hi = min(len(self.seq), p + batch_size - len(rows))
             for g, shard, i in zip(self.seq[p:hi].tolist(), self.shard[p:hi].tolist(), self.local[p:hi].tolist()):
                 if g in missing:  # decode, preprocess and fill it here, as a worker would
-                    meta = ds._load(shard, i, g, prog)
+                    meta = prog.load(shard, i, g)
                     if meta is not None:
                         meta = {k: v for k, v in meta.items() if k not in cached_fields}
                 else:
-                    meta = ds._load_uncached(shard, i, g, prog)
+                    meta = prog.load_uncached(shard, i, g)
                 if meta is not None:
                     metas.append(meta)
                     rows.append(g)
             p = hi
-        prog.new_skips.clear()  # the error policy recorded them in ds.skipped already
+        prog.drain_skips()  # the error policy recorded them in ds.skipped already
         prog.pos = p
         return metas, rows, p
 
 
 def cached_batches(
-    ds: ShardedDataset, store: Any, seqs: list[np.ndarray], *, missing: frozenset[int], stages: Sequence[Stage],
-    first: int, epoch: int, batch_size: int, drop_last: bool, collate_fn: Callable[[Any], Any], pin: str | None,
+    ds: ShardedDataset, store: Any, seqs: list[np.ndarray], *, missing: frozenset[int], start: EpochStart,
+    batch_size: int, drop_last: bool, collate_fn: Callable[[Any], Any], pin: str | None,
 ) -> Iterator[FastBatch]:
     """The batches of one epoch, in the worker path's order (see the module docstring)."""
     n = len(seqs)
-    workers = [_VirtualWorker(ds, seq, _Progress(ds._token, epoch, list(stages), w, stages[-1][1][w]))
-               for w, seq in enumerate(seqs)]
-    if n == 1:
-        ds._live = workers[0].progress  # ds.state_dict() follows, as with num_workers=0 on the worker path
-    ds._reader_sets = max(ds._reader_sets, n)  # keep every virtual worker's open shards open
+    # one live cursor per virtual worker: the dataset keeps every one's open shards open;
+    # with one worker ds.state_dict() follows, as with num_workers=0 on the worker path
+    workers = [_VirtualWorker(ds.cursor(start, w, seq=seq, live=n == 1)) for w, seq in enumerate(seqs)]
+    first = start.first
     fast_collate = collate_fn is default_collate
     cached_fields = frozenset(f.name for f in store.fields or ())
     active = [True] * n

@@ -26,11 +26,9 @@ from typing import Any
 import torch.utils.data
 from torch.utils.data._utils.pin_memory import pin_memory as _pin_memory
 
-from fastdata.loader import _cached as _cache_loader
-from fastdata.dataset import _dataset
-from fastdata.dataset._split import Stage, stage_counts
-from fastdata.dataset import ShardedDataset
+from fastdata.dataset import EpochStart, ShardedDataset, current_cursor
 from fastdata.errors import CacheError, FastdataError
+from fastdata.loader import _cached as _cache_loader
 
 __all__ = ["DataLoader"]
 
@@ -58,24 +56,26 @@ class _TaggingCollate:
 
     def __call__(self, data: Any) -> _Tagged:
         batch = self.collate_fn(data)
-        prog = _dataset.current_progress()
-        if prog is None or prog.token != self.token:
+        cursor = current_cursor()
+        if cursor is None or cursor.token != self.token:
             return _Tagged(batch, None)
-        skips, prog.new_skips = prog.new_skips, []
-        return _Tagged(batch, (prog.worker, prog.epoch, prog.pos, skips))
+        return _Tagged(batch, (cursor.worker, cursor.epoch, cursor.pos, cursor.drain_skips()))
 
 
 @dataclass
 class _Run:
-    epoch: int
-    stages: list[Stage]
+    start: EpochStart
     pos: list[int]
-    first: int  # logical worker that yields the first batch
     batches: int = 0
     last: int | None = None  # logical worker of the last batch yielded
 
-    def stages_now(self) -> list[Stage]:
-        return [*self.stages[:-1], (self.stages[-1][0], tuple(self.pos))]
+    @property
+    def epoch(self) -> int:
+        return self.start.epoch
+
+    def stages_now(self) -> list[Any]:
+        stages = self.start.stages
+        return [*stages[:-1], (stages[-1][0], tuple(self.pos))]
 
 
 class _LoaderIter:
@@ -144,7 +144,7 @@ class DataLoader(torch.utils.data.DataLoader):
             if reason is not None:
                 raise ValueError(f"cached_fast_path=True: {reason}")
         if isinstance(dataset, ShardedDataset):
-            self.collate_fn = _TaggingCollate(self.collate_fn, dataset._token)
+            self.collate_fn = _TaggingCollate(self.collate_fn, dataset.token)
 
     def _static_reason(self, *, forced: bool) -> str | None:
         return _cache_loader.static_reason(self.dataset, batch_size=self.batch_size, collate_fn=self._user_collate,
@@ -169,28 +169,27 @@ class DataLoader(torch.utils.data.DataLoader):
         ds = self.dataset
         if not isinstance(ds, ShardedDataset):
             return super().__iter__()
-        ds._resolve_dist()
-        epoch = ds.epoch
-        stages, first = ds._pending(epoch, self.num_workers)
-        fast = self._fast_iter(ds, epoch, stages, first)
+        ds.resolve_dist()
+        start = ds.epoch_start(self.num_workers)
+        fast = self._fast_iter(ds, start)
         if fast is not None:
             self.last_path, self.fallback_reason = "cached", None
-            ds._resume = None
+            ds.consume_resume()
             self._draw_base_seed()
             return _LoaderIter(self, fast, self._run, len(self))
         self.last_path = "workers"
         inner = super().__iter__()  # workers now hold a copy of the dataset with the resume state
-        ds._resume = None
-        self._run = _Run(epoch, stages, list(stages[-1][1]), first)
+        ds.consume_resume()
+        self._run = _Run(start, list(start.consumed))
         return _LoaderIter(self, inner, self._run)
 
-    def _fast_iter(self, ds: ShardedDataset, epoch: int, stages: list[Stage], first: int) -> Iterator[Any] | None:
+    def _fast_iter(self, ds: ShardedDataset, start: EpochStart) -> Iterator[Any] | None:
         """The cached fast path's batches for this epoch, or None (``fallback_reason`` says why)."""
         mode = self.cached_fast_path
         reason = "cached_fast_path=False" if mode is False else self._static_reason(forced=mode is True)
         plan: Any = None
         store = None
-        if ds._cache_arg is not None:
+        if ds.has_cache:
             try:
                 store = ds.cache_store()  # opened (and held) in this process too: no eviction between epochs
             except FastdataError as e:
@@ -198,7 +197,7 @@ class DataLoader(torch.utils.data.DataLoader):
                     raise
                 reason = reason or f"the cache store cannot be opened: {e}"
         if reason is None:
-            plan = _cache_loader.plan_fast_epoch(ds, store, epoch, stages)
+            plan = _cache_loader.plan_fast_epoch(ds, store, start)
             if isinstance(plan, str):
                 if mode is True:
                     raise CacheError(f"cached_fast_path=True: {plan}; fill it first (ShardedDataset.build_cache, "
@@ -206,14 +205,14 @@ class DataLoader(torch.utils.data.DataLoader):
                 reason = plan
         if reason is not None:
             self.fallback_reason = reason
-            _log.debug("fastdata.DataLoader: epoch %d through workers: %s", epoch, reason)
+            _log.debug("fastdata.DataLoader: epoch %d through workers: %s", start.epoch, reason)
             return None
-        self._run = _Run(epoch, stages, list(stages[-1][1]), first)
+        self._run = _Run(start, list(start.consumed))
         pin = _cache_loader.pin_device() if self.pin_memory else None
         seqs, missing = plan
         batch_size: int = self.batch_size  # type: ignore[assignment]  # not None: static_reason checks it
         return _cache_loader.cached_batches(
-            ds, store, seqs, missing=missing, stages=stages, first=first, epoch=epoch, batch_size=batch_size,
+            ds, store, seqs, missing=missing, start=start, batch_size=batch_size,
             drop_last=self.drop_last, collate_fn=self._user_collate, pin=pin,
         )
 
@@ -229,11 +228,11 @@ class DataLoader(torch.utils.data.DataLoader):
     def _next_worker(self, run: _Run) -> int:
         """Logical worker of the next batch: torch deals batches round-robin, skipping exhausted workers."""
         if run.last is None:
-            return run.first
-        n = run.stages[-1][0]
-        if self.num_workers == 0 or self._sharded().source.streaming:
+            return run.start.first
+        n = run.start.num_workers
+        if self.num_workers == 0 or self._sharded().streaming:
             return 0 if n == 1 else (run.last + 1) % n
-        counts = stage_counts(self._sharded()._plan(), run.stages)
+        counts = self._sharded().counts_at(run.start)
         b = self.batch_size or 1
         for d in range(1, n + 1):
             w = (run.last + d) % n
@@ -247,7 +246,7 @@ class DataLoader(torch.utils.data.DataLoader):
         ds = self._sharded()
         run = self._run
         if run is not None and run.epoch == ds.epoch:
-            state = ds._state(run.epoch, run.stages_now(), self._next_worker(run))
+            state = ds.state_at(run.epoch, run.stages_now(), self._next_worker(run))
             batches = run.batches
         else:
             state, batches = ds.state_dict(), 0

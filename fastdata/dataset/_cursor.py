@@ -1,0 +1,116 @@
+"""The seam between a :class:`~fastdata.ShardedDataset` and whatever iterates it.
+
+Everything that walks a dataset's epoch — a DataLoader worker process, the loader's cached fast
+path, an in-process thread decoder — does it through two small objects defined here, and never
+through the dataset's private members:
+
+* :class:`EpochStart`: where the next iteration of an epoch begins (the resume stages and the
+  worker that yields first), from ``ShardedDataset.epoch_start(num_workers)``;
+* :class:`Cursor`: one (possibly virtual) worker's walk through its index sequence of that epoch,
+  from ``ShardedDataset.cursor(start, worker)``: its global sample indices (``seq``), the
+  position reached (``pos``), reading one sample under the error policy (``load``), the samples
+  skipped since the last look (``drain_skips``) and iteration (``iter(cursor)``).
+
+:func:`current_cursor` is the cursor that yielded the last sample in this process: torch's
+DataLoader collates in the worker right after pulling a batch from the dataset, so a collate
+function reads the worker's exact position from it.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from fastdata.dataset._split import Stage
+
+__all__ = ["Cursor", "EpochStart", "current_cursor"]
+
+
+@dataclass(frozen=True)
+class EpochStart:
+    """Where the next iteration of ``epoch`` begins: resume ``stages`` and the worker that yields ``first``."""
+
+    epoch: int
+    stages: tuple[Stage, ...]
+    first: int
+
+    @property
+    def num_workers(self) -> int:
+        """Workers of this iteration (1 for an in-process iteration)."""
+        return self.stages[-1][0]
+
+    @property
+    def consumed(self) -> tuple[int, ...]:
+        """Samples each worker consumed before this iteration (resume), per worker."""
+        return self.stages[-1][1]
+
+
+_CURRENT: Cursor | None = None
+
+
+def current_cursor() -> Cursor | None:
+    """The cursor that yielded the last sample in this process (None before any)."""
+    return _CURRENT
+
+
+class Cursor:
+    """One worker's walk through its index sequence of one epoch (see the module docstring).
+
+    ``seq`` holds the global sample indices the worker reads in the epoch's last stage and
+    ``pos`` how many of them were consumed; samples skipped under ``on_error`` are recorded in
+    the dataset's ``skipped`` list and collected here until :meth:`drain_skips`.
+    """
+
+    def __init__(self, dataset: Any, start: EpochStart, worker: int, seq: np.ndarray | None = None):
+        n = start.num_workers
+        if not 0 <= worker < n:
+            raise ValueError(f"worker must be in [0, {n}), got {worker!r}")
+        self.dataset = dataset
+        self.token: str = dataset.token
+        self.epoch = start.epoch
+        self.stages: list[Stage] = list(start.stages)
+        self.worker = worker
+        self.pos = start.consumed[worker]
+        self.skips: list[dict[str, Any]] = []
+        self._seq = seq
+
+    @property
+    def seq(self) -> np.ndarray:
+        """Global sample indices of this worker in the epoch (indexed sources only)."""
+        if self._seq is None:
+            self._seq = self.dataset.worker_sequence(self)
+        return self._seq
+
+    def locate(self, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
+        """(shards, positions in their shards) of ``seq[lo:hi]``."""
+        return self.dataset.locate(self.seq[lo:hi])
+
+    def load(self, shard: int, i: int, g: int) -> dict[str, Any] | None:
+        """Sample ``i`` of ``shard`` (global index ``g``) decoded and transformed; None if skipped."""
+        return self.dataset.load_sample(shard, i, g, self)
+
+    def load_uncached(self, shard: int, i: int, g: int) -> dict[str, Any] | None:
+        """The fields of a sample that the cache store does not hold; None if skipped."""
+        return self.dataset.load_uncached(shard, i, g, self)
+
+    def drain_skips(self) -> list[dict[str, Any]]:
+        """Skip records since the last call (each also in ``dataset.skipped`` of this process)."""
+        out, self.skips = self.skips, []
+        return out
+
+    def state_stages(self) -> list[Stage]:
+        """The resume stages after the samples consumed so far."""
+        n, consumed = self.stages[-1]
+        now = list(consumed)
+        now[self.worker] = self.pos
+        return [*self.stages[:-1], (n, tuple(now))]
+
+    def mark_current(self) -> None:
+        """Record this cursor as the one that yielded last in this process (see :func:`current_cursor`)."""
+        global _CURRENT
+        _CURRENT = self
+
+    def __iter__(self) -> Iterator[Any]:
+        return self.dataset.iterate(self)
