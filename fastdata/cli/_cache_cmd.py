@@ -62,13 +62,12 @@ def cmd_rm(args: argparse.Namespace) -> int:
 
 
 def cmd_build(args: argparse.Namespace) -> int:
-    from fastdata.dataset._fill import build_from_source
-
+    from fastdata.dataset import ShardedDataset
     from fastdata.transforms import ResizeCenterCrop
 
     preprocess = ResizeCenterCrop(args.size, resize=args.resize, interpolation=args.interpolation)
-    info = build_from_source(args.source, cache=_cache(args), preprocess=preprocess, num_workers=args.workers,
-                             progress=not args.quiet)
+    dataset = ShardedDataset(args.source, preprocess=preprocess, cache=_cache(args), rank=0, world_size=1)
+    info = dataset.build_cache(num_workers=args.workers, progress=not args.quiet)
     print(f"{info.key}: {info.num_valid}/{info.num_samples} samples ({info.fill_ratio:.1%}), "
           f"{human_bytes(info.size_bytes)} on disk, {human_bytes(info.sample_nbytes)} per sample")
     return 0 if info.num_valid == info.num_samples else 1

@@ -8,7 +8,7 @@ import torch
 from fastdata.errors import CacheError
 
 if TYPE_CHECKING:  # pragma: no cover
-    from fastdata.cache import Cache, Store, StoreInfo
+    from fastdata.cache import Store, StoreInfo
 
 _BATCH = 64  # samples per worker hand-off; only a count crosses the process boundary
 
@@ -53,11 +53,3 @@ def build_dataset(dataset: Any, *, num_workers: int = 0, progress: bool = False)
         if bar is not None:
             bar.close()
     return store.cache.info(store.key)
-
-
-def build_from_source(source: str, *, cache: Cache, preprocess: Any, num_workers: int, progress: bool) -> StoreInfo:
-    """``fastdata cache build``: ``preprocess`` outputs of every image field of ``source``."""
-    from fastdata.dataset import ShardedDataset
-
-    dataset = ShardedDataset(source, preprocess=preprocess, cache=cache, rank=0, world_size=1)
-    return build_dataset(dataset, num_workers=num_workers, progress=progress)

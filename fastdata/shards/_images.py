@@ -21,6 +21,7 @@ import numpy as np
 from PIL import Image
 
 from fastdata._util import IMAGE_SUFFIXES
+from fastdata.errors import DecodeError
 
 CHECK_LEVELS = ("header", "full")
 
@@ -34,7 +35,7 @@ _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 # input; every Exception from decoding untrusted bytes means "bad image".
 
 
-class BadImage(Exception):
+class BadImage(DecodeError):
     """An input image could not be read; ``str(self)`` is a deterministic reason."""
 
 

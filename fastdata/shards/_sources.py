@@ -410,7 +410,7 @@ def _list_npz(path: Path) -> Listing:
 
 # ---------------------------------------------------------------------------------------- reading
 
-class SampleUnreadable(Exception):
+class SampleUnreadable(SourceError):
     """One input could not be read (e.g. a file vanished); the sample is skipped with this reason."""
 
 

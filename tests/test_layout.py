@@ -1,0 +1,313 @@
+"""The package layout: one folder per pipeline stage, imports only downward, no circles.
+
+Every ``import`` in ``fastdata`` is found with :mod:`ast` (module level, inside functions and
+under ``if TYPE_CHECKING:`` alike), so a lazy import cannot hide an upward dependency. The
+stage order (low to high) is the README's pipeline::
+
+    _version, _util, errors < manifest < shards < decode, transforms < cache < dataset < loader
+    < prefetch < gpu < train < monitor < cli (and __main__)
+
+``fastdata/__init__.py`` (the lazy public names) sits above all of them, so no module may import
+``fastdata`` itself. The rules, one test each, parametrized per module so that a failure names
+the file in pytest's summary line:
+
+- a module imports only its own stage or stages below it;
+- a private module (``_name``) is imported only from inside the package that holds it (a
+  subpackage's ``__init__`` re-exports what other stages need); the same for private names;
+- there is no import circle between modules.
+"""
+from __future__ import annotations
+
+import ast
+import importlib
+import inspect
+import pkgutil
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "fastdata"
+
+# Low to high; a module may import from its own stage and the ones before it.
+STAGES: tuple[tuple[str, ...], ...] = (
+    ("_version", "_util", "errors"),
+    ("manifest",),
+    ("shards",),
+    ("decode", "transforms"),
+    ("cache",),
+    ("dataset",),
+    ("loader",),
+    ("prefetch",),
+    ("gpu",),
+    ("train",),
+    ("monitor",),
+    ("cli", "__main__"),
+)
+_RANK = {name: rank for rank, names in enumerate(STAGES) for name in names}
+TOP = len(STAGES)  # fastdata/__init__.py: the public facade, above every stage
+
+# Documented import paths (README, ARCHITECTURE.md) that must keep working.
+DOCUMENTED_MODULES = (
+    "fastdata.cache", "fastdata.dataset", "fastdata.loader", "fastdata.prefetch", "fastdata.decode",
+    "fastdata.gpu", "fastdata.transforms", "fastdata.shards.tar", "fastdata.shards.hdf5",
+    "fastdata.shards.reader", "fastdata.shards.writer", "fastdata.shards.convert", "fastdata.manifest",
+    "fastdata.errors", "fastdata.train", "fastdata.monitor", "fastdata.cli",
+)
+
+
+@dataclass(frozen=True)
+class Import:
+    """One import statement's target: a module of fastdata, and a name imported from it (if any)."""
+
+    importer: str
+    line: int
+    module: str  # the fastdata module that gets executed/imported
+    name: str | None  # ``from module import name`` where name is not a module itself
+
+    def where(self) -> str:
+        return f"{module_path(self.importer)}:{self.line}"
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def module_path(name: str) -> str:
+    base = ROOT.joinpath(*name.split("."))
+    return str((base / "__init__.py" if base.is_dir() else base.with_suffix(".py")).relative_to(ROOT))
+
+
+def all_modules() -> dict[str, Path]:
+    return {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+MODULES = all_modules()
+
+
+def is_package(name: str) -> bool:
+    return name in MODULES and MODULES[name].name == "__init__.py"
+
+
+def _resolve_relative(importer: str, module: str | None, level: int) -> str:
+    base = importer.split(".")
+    if not is_package(importer):
+        base = base[:-1]
+    if level > 1:
+        base = base[: len(base) - (level - 1)]
+    return ".".join(base + ([module] if module else []))
+
+
+def imports_of(name: str) -> list[Import]:
+    """Every import of a fastdata module by module ``name`` (anywhere in the file)."""
+    return list(imports_in(name, MODULES[name].read_text(encoding="utf-8")))
+
+
+def imports_in(name: str, text: str) -> Iterator[Import]:
+    tree = ast.parse(text, filename=module_path(name) if name in MODULES else name)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name == "fastdata" or alias.name.startswith("fastdata."):
+                    yield Import(name, node.lineno, alias.name, None)
+        elif isinstance(node, ast.ImportFrom):
+            source = _resolve_relative(name, node.module, node.level) if node.level else node.module
+            if source is None or not (source == "fastdata" or source.startswith("fastdata.")):
+                continue
+            for alias in node.names:
+                child = f"{source}.{alias.name}"
+                if child in MODULES:  # ``from fastdata.shards import tar``: the module itself
+                    yield Import(name, node.lineno, child, None)
+                else:
+                    yield Import(name, node.lineno, source, alias.name)
+
+
+def rank(module: str) -> int:
+    parts = module.split(".")
+    if len(parts) == 1:
+        return TOP
+    if parts[1] not in _RANK:
+        raise AssertionError(f"{module_path(module)} belongs to no stage: add '{parts[1]}' to STAGES in "
+                             "tests/test_layout.py (and to the import rule in the README's Layout section)")
+    return _RANK[parts[1]]
+
+
+def stage_label(module: str) -> str:
+    r = rank(module)
+    return "fastdata/__init__ (public facade)" if r == TOP else "/".join(STAGES[r])
+
+
+def owner_package(module: str) -> str | None:
+    """The package holding the first private component of ``module`` (None: all public)."""
+    parts = module.split(".")
+    for i, part in enumerate(parts):
+        if part.startswith("_") and not part.startswith("__"):
+            return ".".join(parts[:i])
+    return None
+
+
+def inside(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def home_package(module: str) -> str:
+    return module if is_package(module) else module.rsplit(".", 1)[0]
+
+
+# ------------------------------------------------------------------------------------ the rules
+
+def upward_imports(name: str) -> list[str]:
+    return [f"{imp.where()}: imports {imp.module} ({stage_label(imp.module)}), a stage above "
+            f"{stage_label(name)}" for imp in imports_of(name) if rank(imp.module) > rank(name)]
+
+
+def private_imports(name: str) -> list[str]:
+    problems = []
+    for imp in imports_of(name):
+        owner = owner_package(imp.module)
+        if owner is not None and not inside(name, owner):
+            problems.append(f"{imp.where()}: imports private module {imp.module} of {owner}; import what "
+                            f"{owner}'s __init__ re-exports instead")
+        elif (imp.name and imp.name.startswith("_") and not imp.name.startswith("__")
+              and not inside(name, home_package(imp.module))):
+            problems.append(f"{imp.where()}: imports private name {imp.name} from {imp.module}")
+    return problems
+
+
+def import_graph() -> dict[str, set[str]]:
+    graph: dict[str, set[str]] = {name: set() for name in MODULES}
+    for name in MODULES:
+        for imp in imports_of(name):
+            if imp.module != name and imp.module in MODULES:
+                graph[name].add(imp.module)
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan), each as a closed path."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(_cycle_path(graph, set(component)))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def _cycle_path(graph: dict[str, set[str]], component: set[str]) -> list[str]:
+    """One closed path through a strongly connected component (for the message)."""
+    start = min(component)
+    path, seen = [start], {start}
+    while True:
+        nxt = sorted(w for w in graph[path[-1]] if w in component)
+        back = [w for w in nxt if w == start]
+        fresh = [w for w in nxt if w not in seen]
+        if back and (not fresh or len(path) > 1):
+            return [*path, start]
+        if not fresh:  # dead end inside the component: close it via any member already seen
+            return [*path, nxt[0]]
+        path.append(fresh[0])
+        seen.add(fresh[0])
+
+
+# ------------------------------------------------------------------------------------ the tests
+
+def test_the_rules_can_fail():
+    """The checks see function-level and TYPE_CHECKING imports, private names, and circles."""
+    sample = ("import os\nimport fastdata.shards.tar as t\ndef f():\n    from fastdata.cli._args import positive_int\n"
+              "if TYPE_CHECKING:\n    from fastdata.loader import DataLoader\n"
+              "from fastdata.shards import tar, _keys\nfrom fastdata.manifest import _private\n")
+    found = sorted((i.line, i.module, i.name or "") for i in imports_in("fastdata.shards.sample", sample))
+    assert [(module, name or None) for _, module, name in found] == [("fastdata.shards.tar", None), ("fastdata.cli._args", "positive_int"),
+                     ("fastdata.loader", "DataLoader"), ("fastdata.shards._keys", None),
+                     ("fastdata.shards.tar", None), ("fastdata.manifest", "_private")]
+    assert owner_package("fastdata.cli._args") == "fastdata.cli" and owner_package("fastdata._util") == "fastdata"
+    assert rank("fastdata.cli._main") > rank("fastdata.loader._loader") > rank("fastdata.shards.tar")
+    assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c", "a"]]
+    assert circles({"a": {"b"}, "b": set()}) == []
+
+
+def test_every_module_belongs_to_a_stage():
+    for name in MODULES:
+        rank(name)
+
+
+@pytest.mark.parametrize("name", sorted(MODULES), ids=lambda n: module_path(n))
+def test_no_upward_imports(name):
+    problems = upward_imports(name)
+    assert not problems, "imports a stage above its own:\n  " + "\n  ".join(problems)
+
+
+@pytest.mark.parametrize("name", sorted(MODULES), ids=lambda n: module_path(n))
+def test_no_private_imports_across_packages(name):
+    problems = private_imports(name)
+    assert not problems, "reaches into another package's private parts:\n  " + "\n  ".join(problems)
+
+
+def test_no_import_circles():
+    found = circles(import_graph())
+    assert not found, "import circles:\n  " + "\n  ".join(" -> ".join(c) for c in found)
+
+
+def test_public_names_resolve():
+    import fastdata
+
+    missing = [name for name in fastdata.__all__ if not hasattr(fastdata, name)]
+    assert not missing, f"fastdata.__all__ names that do not resolve: {missing}"
+    for name in fastdata.__all__:
+        if name != "__version__":
+            assert getattr(fastdata, name) is not None
+
+
+@pytest.mark.parametrize("module", DOCUMENTED_MODULES)
+def test_documented_module_paths_import(module):
+    imported = importlib.import_module(module)
+    for name in getattr(imported, "__all__", ()):
+        assert hasattr(imported, name), f"{module}.__all__ lists {name!r}, which it does not define"
+
+
+def test_every_exception_derives_from_fastdata_error():
+    from fastdata.errors import FastdataError
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        modules = [importlib.import_module(m.name)
+                   for m in pkgutil.walk_packages([str(PACKAGE)], prefix="fastdata.")
+                   if not m.name.endswith("__main__")]  # running it would run the CLI
+    stray = []
+    for module in modules:
+        for _, cls in inspect.getmembers(module, inspect.isclass):
+            if (cls.__module__ == module.__name__ and issubclass(cls, BaseException)
+                    and not issubclass(cls, (Warning, FastdataError))):
+                stray.append(f"{module.__name__}.{cls.__qualname__}{tuple(b.__name__ for b in cls.__bases__)}")
+    assert not stray, f"exception classes outside the FastdataError hierarchy: {stray}"
