@@ -30,6 +30,11 @@ _EXPORTS: dict[str, str] = {
     "StallMeter": "fastdata.monitor",
     "TarShardReader": "fastdata.shards.tar",
     "TrainStep": "fastdata.train",
+    "Checkpoint": "fastdata.train",
+    "CheckpointError": "fastdata.train",
+    "evaluate": "fastdata.train",
+    "load_checkpoint": "fastdata.train",
+    "save_checkpoint": "fastdata.train",
     "open_shard": "fastdata.shards.reader",
     "verify": "fastdata.shards.reader",
     "ManifestError": "fastdata.errors",
@@ -65,5 +70,5 @@ if TYPE_CHECKING:  # pragma: no cover
     from fastdata.shards.reader import open_shard, verify
     from fastdata.shards.tar import TarShardReader
     from fastdata.shards.writer import ShardWriter
-    from fastdata.train import TrainStep
+    from fastdata.train import Checkpoint, CheckpointError, TrainStep, evaluate, load_checkpoint, save_checkpoint
     from fastdata.transforms import Deterministic, ResizeCenterCrop

@@ -1,0 +1,172 @@
+"""Checkpoints that resume a run exactly: model, optimizer, scaler, step counters, the loader's
+position, the random generators and (mid-accumulation) the gradients accumulated so far, in one file.
+
+The loader state comes from ``loader.state_dict()``: for a :class:`fastdata.CUDAPrefetcher` that
+is the wrapped ``fastdata.DataLoader``'s position as of the last batch handed to the training loop
+(not of the batches read ahead), so a resumed run continues with exactly the next batch. The file
+is written to a temporary name, flushed to disk and renamed over ``path``, so a crash while saving
+leaves the previous checkpoint intact. It is loaded with ``torch.load(weights_only=True)``: it holds
+only tensors and plain Python values, and loading never runs code from the file.
+
+Under DDP every rank holds the same model and optimizer and, with ``fastdata.DataLoader``, the
+same per-worker positions, so rank 0 saves and every rank loads the same file (``extra`` is the
+place for anything else rank-specific).
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fastdata.errors import FastdataError
+from fastdata.train._step import TrainStep, unwrap
+
+FORMAT = "fastdata-checkpoint"
+VERSION = 1
+
+
+class CheckpointError(FastdataError, ValueError):
+    """A checkpoint file is missing, not a fastdata checkpoint, or does not fit what it is loaded into."""
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """What :func:`load_checkpoint` restored besides the objects it was given."""
+
+    path: Path
+    steps: int  # optimiser steps taken before the checkpoint
+    epoch: int | None  # the ``epoch=`` given to save_checkpoint
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _rng_state(device: torch.device) -> dict[str, Any]:
+    state: dict[str, Any] = {"torch": torch.get_rng_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def _grads(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {name: p.grad.detach().clone() for name, p in module.named_parameters() if p.grad is not None}
+
+
+def save_checkpoint(
+    path: str | os.PathLike[str],
+    step: TrainStep,
+    *,
+    loader: Any = None,
+    epoch: int | None = None,
+    extra: Mapping[str, Any] | None = None,
+) -> Path:
+    """Write everything a run needs to continue exactly where it is now; returns the path.
+
+    Args:
+        path: the file to write (its folder is created; an existing file is replaced atomically).
+        step: the :class:`TrainStep`: its model (unwrapped from DDP/``torch.compile``), optimizer,
+            ``GradScaler``, counters and, between two optimiser steps, the accumulated gradients.
+        loader: anything with ``state_dict()`` (a ``CUDAPrefetcher`` or ``fastdata.DataLoader``), or None.
+        epoch: the epoch being trained, returned by :func:`load_checkpoint` to restart the epoch loop.
+        extra: more plain values or tensors to store (e.g. the learning-rate scheduler's state).
+    """
+    if not isinstance(step, TrainStep):
+        raise CheckpointError(f"step must be a fastdata.TrainStep, got {type(step).__name__}")
+    if epoch is not None and (isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0):
+        raise CheckpointError(f"epoch must be an int >= 0 or None, got {epoch!r}")
+    loader_state = None
+    if loader is not None:
+        fn = getattr(loader, "state_dict", None)
+        if not callable(fn):
+            raise CheckpointError(f"loader must have a state_dict() method, got {type(loader).__name__}")
+        loader_state = fn()
+    module = unwrap(step.module)
+    payload = {
+        "format": FORMAT,
+        "version": VERSION,
+        "model": module.state_dict(),
+        "optimizer": step.optimizer.state_dict(),
+        "train_step": step.state_dict(),
+        "grads": _grads(module) if step.micro_step else None,
+        "loader": loader_state,
+        "epoch": epoch,
+        "rng": _rng_state(step.device),
+        "extra": dict(extra) if extra is not None else {},
+    }
+    dest = Path(path)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(payload, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, dest)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return dest
+
+
+def _read(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise CheckpointError(f"{path}: no such checkpoint file")
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=True)
+    except (RuntimeError, EOFError, OSError, ValueError) as e:  # pickle/zip errors surface as these
+        raise CheckpointError(f"{path}: not a readable checkpoint: {e}") from e
+    if not isinstance(payload, dict) or payload.get("format") != FORMAT:
+        raise CheckpointError(f"{path}: not a fastdata checkpoint (written by save_checkpoint)")
+    if payload.get("version") != VERSION:
+        raise CheckpointError(f"{path}: checkpoint version {payload.get('version')!r}, this fastdata reads {VERSION}")
+    return payload
+
+
+def load_checkpoint(
+    path: str | os.PathLike[str],
+    step: TrainStep,
+    *,
+    loader: Any = None,
+    restore_rng: bool = True,
+) -> Checkpoint:
+    """Restore a :func:`save_checkpoint` file into ``step`` (model, optimizer, scaler, counters,
+    accumulated gradients) and ``loader``; with ``restore_rng`` also torch's random generators.
+
+    Build the model, optimizer, ``TrainStep`` and loader as for a fresh run, then call this before
+    the training loop; iterate from ``Checkpoint.epoch`` (its ``loader.set_epoch`` keeps the
+    loaded position). A checkpoint saved with a loader state needs ``loader=``.
+    """
+    src = Path(path)
+    payload = _read(src)
+    if payload["loader"] is not None and loader is None:
+        raise CheckpointError(f"{src}: the checkpoint holds a loader position; pass loader= to resume from it")
+    if loader is not None and payload["loader"] is None:
+        raise CheckpointError(f"{src}: the checkpoint holds no loader position (it was saved without loader=)")
+    module = unwrap(step.module)
+    try:
+        module.load_state_dict(payload["model"])
+        step.optimizer.load_state_dict(payload["optimizer"])
+        step.load_state_dict(payload["train_step"])
+    except (RuntimeError, ValueError, KeyError) as e:
+        raise CheckpointError(f"{src}: does not fit this TrainStep: {e}") from e
+    grads = payload["grads"] or {}
+    params = dict(module.named_parameters())
+    unknown = sorted(set(grads) - set(params))
+    if unknown:
+        raise CheckpointError(f"{src}: gradients for parameters this model lacks: {unknown[:5]}")
+    for name, p in params.items():
+        p.grad = grads[name].to(p.device, p.dtype) if name in grads else None
+    if loader is not None:
+        fn = getattr(loader, "load_state_dict", None)
+        if not callable(fn):
+            raise CheckpointError(f"loader must have a load_state_dict() method, got {type(loader).__name__}")
+        fn(payload["loader"])
+    if restore_rng:
+        rng = payload["rng"]
+        torch.set_rng_state(rng["torch"])
+        if "cuda" in rng and step.device.type == "cuda":
+            torch.cuda.set_rng_state(rng["cuda"], step.device)
+    return Checkpoint(path=src, steps=step.steps, epoch=payload["epoch"], extra=dict(payload["extra"]))

@@ -1,0 +1,196 @@
+"""``TrainStep``: a mixed-precision training step that never synchronises with the GPU on its own.
+
+It does forward, loss, backward and (every ``grad_accum`` calls) the optimiser step under
+autocast, and returns the loss as a detached device tensor: reading it (``.item()``, ``print``) is
+the only sync, so log every N steps rather than every step. Inputs are cast to the dtype the model
+computes in, so any ``Normalize(dtype=...)`` works on the CPU and the GPU; a DDP model skips the
+gradient all-reduce on the micro-steps before the last one of an accumulation (``no_sync``).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from fastdata.train._precision import (
+    autocast,
+    check_precision,
+    enable_tf32,
+    input_dtype,
+    model_device_dtype,
+    prepare,
+    resolve_precision,
+)
+
+
+@dataclass(frozen=True)
+class _Options:
+    precision: str
+    grad_accum: int
+    clip_norm: float | None
+    tf32: bool
+
+    def __post_init__(self) -> None:
+        check_precision(self.precision)
+        if isinstance(self.grad_accum, bool) or not isinstance(self.grad_accum, int) or self.grad_accum < 1:
+            raise ValueError(f"grad_accum must be an int >= 1, got {self.grad_accum!r}")
+        clip = self.clip_norm
+        if clip is not None and (isinstance(clip, bool) or not isinstance(clip, (int, float)) or not clip > 0):
+            raise ValueError(f"clip_norm must be a number > 0 or None, got {clip!r}")
+        if not isinstance(self.tf32, bool):
+            raise ValueError(f"tf32 must be a bool, got {self.tf32!r}")
+
+
+def split_batch(batch: Any, input_key: str, target_key: str) -> tuple[Any, Any]:
+    """``(inputs, targets)`` of a ``(inputs, targets, ...)`` sequence or a mapping with the two keys."""
+    if isinstance(batch, Mapping):
+        missing = [k for k in (input_key, target_key) if k not in batch]
+        if missing:
+            raise KeyError(f"batch has no key(s) {missing}; it has {sorted(map(str, batch))} "
+                           "(set input_key=/target_key=)")
+        return batch[input_key], batch[target_key]
+    if isinstance(batch, (tuple, list)) and len(batch) >= 2:
+        return batch[0], batch[1]
+    raise TypeError(f"batch must be (inputs, targets, ...) or a mapping, got {type(batch).__name__}")
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The plain module inside ``torch.compile`` (``_orig_mod``) and DDP/FSDP-style (``module``) wrappers."""
+    while True:
+        inner = getattr(model, "_orig_mod", None)
+        if not isinstance(inner, torch.nn.Module):
+            inner = getattr(model, "module", None) if hasattr(model, "no_sync") else None
+        if not isinstance(inner, torch.nn.Module):
+            return model
+        model = inner
+
+
+class TrainStep:
+    """One AMP training step: ``loss = step(batch)``.
+
+    Args:
+        model: the module to train, already on its device (a ``DistributedDataParallel`` model too).
+        optimizer: its optimiser.
+        loss_fn: ``loss_fn(outputs, targets)`` returning a scalar tensor.
+        precision: ``"auto"`` (bf16 on GPUs that support it, else fp16 with a ``GradScaler``; fp32
+            on the CPU), ``"fp32"``, ``"bf16"`` or ``"fp16"`` (CUDA only).
+        grad_accum: optimiser step every this many calls; the loss is divided by it. A model with
+            ``no_sync()`` (DDP) skips the gradient all-reduce on all but the last micro-step.
+        clip_norm: clip the global gradient norm to this value (computed on the device, no sync).
+        compile: wrap the model in ``torch.compile``.
+        tf32: allow TF32 tensor cores for fp32 matmuls/convolutions (CUDA; a process-wide setting).
+            ``False`` leaves torch's settings as they are.
+        input_key, target_key: the entries of a mapping batch that are the model's input and the
+            loss target; a sequence batch is ``(inputs, targets, ...)`` (extra items are ignored).
+
+    Floating-point inputs (also nested in dicts/tuples) are cast to the autocast dtype, or to the
+    model's parameter dtype without autocast, and inputs/targets on another device are moved to the
+    model's (``non_blocking``). fp16 uses a ``GradScaler``, whose overflow check is torch's one sync
+    per optimiser step; bf16 and fp32 need none.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        loss_fn: Callable[[Any, Any], torch.Tensor],
+        *,
+        precision: str = "auto",
+        grad_accum: int = 1,
+        clip_norm: float | None = None,
+        compile: bool = False,
+        tf32: bool = False,
+        input_key: str = "input",
+        target_key: str = "target",
+    ) -> None:
+        self.options = _Options(precision, grad_accum, clip_norm, tf32)
+        if not isinstance(model, torch.nn.Module):
+            raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise ValueError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if not callable(loss_fn):
+            raise ValueError(f"loss_fn must be callable, got {loss_fn!r}")
+        try:
+            self.device, param_dtype = model_device_dtype(model)
+        except ValueError:
+            raise ValueError("model has no parameters to train") from None
+        self.precision = resolve_precision(precision, self.device)
+        self.input_dtype = input_dtype(self.precision, param_dtype)
+        if tf32:
+            enable_tf32(self.device)
+        self.module = model  # as given (DDP included): its no_sync(); checkpoints unwrap it
+        self.model = torch.compile(model) if compile else model
+        self.optimizer = optimizer
+        self.loss_fn = loss_fn
+        self.input_key = input_key
+        self.target_key = target_key
+        self.scaler = torch.amp.GradScaler("cuda") if self.precision == "fp16" else None
+        self._no_sync = getattr(model, "no_sync", None)
+        self._micro = 0  # micro-batches accumulated since the last optimiser step
+        self.steps = 0  # optimiser steps taken
+
+    @property
+    def micro_step(self) -> int:
+        """Micro-batches accumulated since the last optimiser step (0 right after one)."""
+        return self._micro
+
+    def __call__(self, batch: Any) -> torch.Tensor:
+        """Run one micro-batch; step the optimiser every ``grad_accum`` calls. Returns the detached loss."""
+        inputs, targets = split_batch(batch, self.input_key, self.target_key)
+        inputs = prepare(inputs, self.device, self.input_dtype)
+        targets = prepare(targets, self.device, None)
+        self.model.train()
+        last = self._micro + 1 == self.options.grad_accum
+        if last or self._no_sync is None:
+            loss = self._forward_backward(inputs, targets)
+        else:
+            with self._no_sync():  # DDP: accumulate locally, all-reduce on the last micro-step only
+                loss = self._forward_backward(inputs, targets)
+        self._micro += 1
+        if last:
+            self._step()
+        return loss.detach()
+
+    def _forward_backward(self, inputs: Any, targets: Any) -> torch.Tensor:
+        with autocast(self.precision, self.device):
+            loss = self.loss_fn(self.model(inputs), targets)
+        scaled = loss / self.options.grad_accum if self.options.grad_accum > 1 else loss
+        if self.scaler is not None:
+            self.scaler.scale(scaled).backward()
+        else:
+            scaled.backward()
+        return loss
+
+    def _step(self) -> None:
+        if self.options.clip_norm is not None:
+            if self.scaler is not None:
+                self.scaler.unscale_(self.optimizer)
+            params = [p for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
+            # scales by a clamped coefficient computed on the device: no host sync
+            torch.nn.utils.clip_grad_norm_(params, self.options.clip_norm)
+        if self.scaler is not None:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self._micro = 0
+        self.steps += 1
+
+    def state_dict(self) -> dict[str, Any]:
+        """Scaler state and counters (model and optimizer state are saved by their owners, or
+        all together by :func:`fastdata.save_checkpoint`)."""
+        return {"scaler": self.scaler.state_dict() if self.scaler else None,
+                "micro": self._micro, "steps": self.steps}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict`."""
+        if self.scaler is not None and state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])
+        micro = int(state.get("micro", 0))
+        if not 0 <= micro < self.options.grad_accum:
+            raise ValueError(f"state has micro={micro}, out of range for grad_accum={self.options.grad_accum}")
+        self._micro = micro
+        self.steps = int(state.get("steps", 0))
