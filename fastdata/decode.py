@@ -24,7 +24,6 @@ from __future__ import annotations
 import io
 import json
 import pickle
-import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -40,6 +39,7 @@ __all__ = [
     "PICKLE_SUFFIXES",
     "ImageDecoder",
     "SampleDecoder",
+    "check_max_pixels",
     "image_to_tensor",
     "is_image_field",
     "suffix",
@@ -51,6 +51,13 @@ _TEXT_SUFFIXES = frozenset({"txt", "text"})
 _JSON_SUFFIXES = frozenset({"json", "jsn"})
 
 Decoder = Callable[[bytes], Any]
+
+
+def check_max_pixels(max_pixels: int | None) -> int | None:
+    """Validate a ``max_pixels`` argument (None: only Pillow's ``MAX_IMAGE_PIXELS`` applies)."""
+    if max_pixels is not None and (isinstance(max_pixels, bool) or not isinstance(max_pixels, int) or max_pixels < 1):
+        raise ValueError(f"max_pixels must be an int >= 1 or None, got {max_pixels!r}")
+    return max_pixels
 
 
 def suffix(field: str) -> str:
@@ -80,22 +87,29 @@ class ImageDecoder:
             this are decoded at a reduced DCT scale (``Image.draft``), still >= ``draft_size``.
     """
 
-    def __init__(self, mode: str | None = "RGB", *, draft_size: int | None = None):
+    def __init__(self, mode: str | None = "RGB", *, draft_size: int | None = None, max_pixels: int | None = None):
         if draft_size is not None and (not isinstance(draft_size, int) or draft_size < 1):
             raise ValueError(f"draft_size must be an int >= 1 or None, got {draft_size!r}")
         self.mode = mode
         self.draft_size = draft_size
+        self.max_pixels = check_max_pixels(max_pixels)
 
     def pil(self, data: bytes | memoryview, *, draft_size: int | None = None) -> Image.Image:
-        """Decoded (fully loaded) PIL image."""
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            img = Image.open(io.BytesIO(data))
-            want = draft_size or self.draft_size
-            if want and img.format == "JPEG" and min(img.size) >= 2 * want:
-                scale = want / min(img.size)
-                img.draft(self.mode or img.mode, (int(img.size[0] * scale) + 1, int(img.size[1] * scale) + 1))
-            img.load()
+        """Decoded (fully loaded) PIL image.
+
+        Pillow's own limit stays in force: above ``PIL.Image.MAX_IMAGE_PIXELS`` it warns
+        (``DecompressionBombWarning``, not silenced here), above twice that it raises. With
+        ``max_pixels``, an image whose header claims more pixels is refused (ValueError) before decoding.
+        """
+        img = Image.open(io.BytesIO(data))
+        if self.max_pixels is not None and img.size[0] * img.size[1] > self.max_pixels:
+            raise ValueError(f"image of {img.size[0]}x{img.size[1]} = {img.size[0] * img.size[1]} pixels exceeds "
+                              f"max_pixels={self.max_pixels} (a decompression bomb or an unexpectedly large image)")
+        want = draft_size or self.draft_size
+        if want and img.format == "JPEG" and min(img.size) >= 2 * want:
+            scale = want / min(img.size)
+            img.draft(self.mode or img.mode, (int(img.size[0] * scale) + 1, int(img.size[1] * scale) + 1))
+        img.load()
         if self.mode is not None and img.mode != self.mode:
             img = img.convert(self.mode)
         return img
@@ -104,7 +118,7 @@ class ImageDecoder:
         return image_to_tensor(self.pil(data))
 
     def __repr__(self) -> str:
-        return f"ImageDecoder(mode={self.mode!r}, draft_size={self.draft_size!r})"
+        return f"ImageDecoder(mode={self.mode!r}, draft_size={self.draft_size!r}, max_pixels={self.max_pixels!r})"
 
 
 def _decode_npy(data: bytes, allow_pickle: bool) -> np.ndarray:
@@ -140,6 +154,8 @@ class SampleDecoder:
         allow_pickle: allow pickle/torch members and object arrays in npy (runs code from the
             shard: only for data you trust).
         draft_size: forwarded to image decoding (see :class:`ImageDecoder`).
+        max_pixels: refuse images whose header claims more pixels (a ``DecodeError`` naming shard,
+            key and field) before decoding them; None: Pillow's ``MAX_IMAGE_PIXELS`` rules only.
         images_as_pil: return default-decoded images as PIL images instead of tensors (for a
             transform that works on PIL images).
     """
@@ -151,6 +167,7 @@ class SampleDecoder:
         allow_pickle: bool = False,
         draft_size: int | None = None,
         images_as_pil: bool = False,
+        max_pixels: int | None = None,
     ):
         if not isinstance(decode, (bool, Mapping)):
             raise TypeError(f"decode must be True, False or a mapping of field -> decoder, got {decode!r}")
@@ -160,7 +177,7 @@ class SampleDecoder:
                     raise TypeError(f"decode[{name!r}] must be callable or None, got {fn!r}")
         self.decode = decode
         self.allow_pickle = allow_pickle
-        self.image = ImageDecoder(draft_size=draft_size)
+        self.image = ImageDecoder(draft_size=draft_size, max_pixels=max_pixels)
         self.images_as_pil = images_as_pil
 
     def __call__(self, sample: dict[str, Any], *, shard: str) -> dict[str, Any]:
