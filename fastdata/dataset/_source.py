@@ -3,26 +3,71 @@
 - A folder (or ``manifest.json``) -> the manifest's shards, random access (tar or HDF5).
 - Local tar paths or brace patterns (``data/shard-{000000..000099}.tar``) without a manifest ->
   random access; each shard is indexed by its sidecar ``.idx`` or by a header scan.
-- URLs (``s3://``, ``https://``, ... through fsspec) -> streaming only: shards are split
-  between ranks and workers whole, samples are read in file order (no random access).
+- A folder URL with a ``manifest.json`` (``https://host/ds/``, ``s3://bucket/ds``, or
+  :class:`RemoteShards` for options) -> random access like a local folder: each shard is
+  downloaded once per host into the node-local cache (:mod:`fastdata.dataset._nodecache`),
+  verified against the manifest's sha256, and read from local disk.
+- URLs of tar files (``s3://``, ``https://``, ... through fsspec) -> streaming only: shards are
+  split between ranks and workers whole, samples are read in file order (no random access);
+  each shard is one sequential GET (no Range requests), resumed after transient drops.
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import os
+import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fastdata._util import parse_size
+from fastdata.errors import ManifestError
 from fastdata.manifest import MANIFEST_NAME, Manifest
+from fastdata.shards import RemoteStream, RetryPolicy, env_retry, is_url, read_bytes, url_join
 
-__all__ = ["Source", "resolve_source"]
+__all__ = ["RemoteShards", "Source", "resolve_source"]
+
+_is_url = is_url
+_TAR_SUFFIXES = (".tar", ".tar.gz", ".tgz")
 
 
-def _is_url(path: str) -> bool:
-    return "://" in path and not path.startswith("file://")
+@dataclass(frozen=True)
+class RemoteShards:
+    """A remote shard folder (``manifest.json`` at ``url``) read through a node-local cache.
+
+    Pass it as ``ShardedDataset(source=...)``; a plain folder URL string means the defaults.
+
+    Args:
+        url: folder URL (``https://``, ``s3://``, ``gs://``, anything fsspec opens) or the URL of
+            its ``manifest.json``.
+        cache_dir: node-local folder for verified shards (default ``$FASTDATA_NODE_CACHE`` or
+            ``~/.cache/fastdata/shards``); shared by every process on the host.
+        max_bytes: byte limit of the cache (``"200GB"`` or an int; None: no limit).
+        prefetch: shards each reading process downloads ahead of need.
+        eviction: ``"future"`` (the shard needed furthest in the future goes first) or ``"lru"``.
+        retries: attempts per request on transient failures (exponential backoff with jitter).
+    """
+
+    url: str
+    cache_dir: str | os.PathLike[str] | None = None
+    max_bytes: int | str | None = None
+    prefetch: int = 2
+    eviction: str = "future"
+    retries: int = 5
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.url, str) or not is_url(self.url):
+            raise ValueError(f"RemoteShards.url must be a URL (scheme://...), got {self.url!r}")
+        if self.max_bytes is not None:
+            object.__setattr__(self, "max_bytes", parse_size(self.max_bytes, name="RemoteShards.max_bytes"))
+        RetryPolicy(attempts=self.retries)  # validates
+
+    @property
+    def base_url(self) -> str:
+        url = self.url.rstrip("/")
+        return url[: -len(MANIFEST_NAME) - 1] if url.endswith("/" + MANIFEST_NAME) else url
 
 
 def _expand(pattern: str) -> list[str]:
@@ -43,6 +88,8 @@ class Source:
     streaming: bool = False
     fields: tuple[str, ...] | None = None  # all fields, when a manifest lists them
     _opener: Any = field(default=None, repr=False)
+    node_cache: Any = field(default=None, repr=False)  # ShardCache of a remote manifest
+    retry: RetryPolicy | None = field(default=None, repr=False)  # streaming sources
 
     def reader(self, i: int) -> Any:
         """A random-access reader of shard ``i`` (lazy: opens on first use)."""
@@ -53,12 +100,19 @@ class Source:
         from fastdata.shards.tar import iter_tar_stream
 
         url = self.names[i]
-        try:
-            import fsspec
-        except ImportError as e:  # pragma: no cover - depends on the environment
-            raise ImportError(f"reading {url} needs fsspec: pip install 'fastdata[remote]'") from e
-        with fsspec.open(url, "rb", compression="infer") as f:
-            yield from iter_tar_stream(f, url)
+        with RemoteStream(url, retry=self.retry or env_retry()) as raw:
+            if url.endswith((".gz", ".tgz")):
+                import gzip
+
+                with gzip.GzipFile(fileobj=raw, mode="rb") as f:  # type: ignore[arg-type]
+                    yield from iter_tar_stream(f, url)  # type: ignore[arg-type]
+            else:
+                yield from iter_tar_stream(raw, url)  # type: ignore[arg-type]
+
+    def plan_reads(self, order: Sequence[int], schedule: dict[int, float], now: float) -> None:
+        """Tell the node cache (remote manifests) what this process reads next; no-op otherwise."""
+        if self.node_cache is not None:
+            self.node_cache.plan(order, schedule, now)
 
 
 class _ManifestOpener:
@@ -91,6 +145,109 @@ def _from_manifest(path: Path) -> Source:
     )
 
 
+class _CachedShard:
+    """Lazy reader of shard ``i`` of a remote manifest: fetched into the node cache on first use.
+
+    ``len()`` comes from the manifest (no download); everything else reads the local copy.
+    """
+
+    def __init__(self, cache: Any, i: int, fmt: str):
+        self._cache, self._i, self._fmt = cache, i, fmt
+        self.path = cache.url(i)
+        self._inner: Any = None
+
+    def _open(self) -> Any:
+        if self._inner is None:
+            local = self._cache.acquire(self._i)
+            try:
+                if self._fmt == "tar":
+                    from fastdata.shards.tar import TarShardReader
+
+                    self._inner = TarShardReader(local, index=self._cache.index_path(self._i))
+                else:
+                    from fastdata.shards.hdf5 import HDF5ShardReader
+
+                    self._inner = HDF5ShardReader(local)
+            except BaseException:
+                self._cache.release(self._i)
+                raise
+        return self._inner
+
+    def __len__(self) -> int:
+        return self._cache.manifest.shards[self._i].num_samples
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        return self._open().keys
+
+    def read(self, i: int, fields: Any = None) -> dict[str, Any]:
+        return self._open().read(i, fields=fields)
+
+    def iter_range(self, start: int = 0, stop: int | None = None, fields: Any = None) -> Iterator[dict[str, Any]]:
+        return self._open().iter_range(start, stop, fields=fields)
+
+    def close(self) -> None:
+        inner, self._inner = self._inner, None
+        if inner is not None:
+            try:
+                inner.close()
+            finally:
+                self._cache.release(self._i)
+
+    def __enter__(self) -> _CachedShard:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"_cache": self._cache, "_i": self._i, "_fmt": self._fmt, "path": self.path, "_inner": None}
+
+
+class _NodeCacheOpener:
+    def __init__(self, cache: Any):
+        self.cache = cache
+
+    def __call__(self, i: int) -> Any:
+        return _CachedShard(self.cache, i, self.cache.manifest.format)
+
+
+def _load_remote_manifest(spec: RemoteShards) -> tuple[Manifest, Path]:
+    """Fetch and validate ``manifest.json`` of ``spec``; keep a copy in the cache folder."""
+    from fastdata.dataset._nodecache import default_cache_dir
+
+    url = url_join(spec.base_url, MANIFEST_NAME)
+    data = read_bytes(url, retry=RetryPolicy(attempts=spec.retries), what="fetching manifest")
+    root = Path(spec.cache_dir) if spec.cache_dir is not None else default_cache_dir()
+    folder = root / "manifests"
+    folder.mkdir(parents=True, exist_ok=True)
+    local = folder / (hashlib.sha256(data).hexdigest()[:24] + ".json")
+    if not local.is_file():
+        tmp = folder / f".{local.name}.{os.getpid()}.{uuid.uuid4().hex}.tmp"
+        tmp.write_bytes(data)
+        os.replace(tmp, local)
+    try:
+        return Manifest.load(local), root
+    except ManifestError as e:
+        raise ManifestError(str(e).replace(str(local), url)) from None
+
+
+def _from_remote_manifest(spec: RemoteShards) -> Source:
+    from fastdata.dataset._nodecache import ShardCache
+
+    manifest, root = _load_remote_manifest(spec)
+    cache = ShardCache(spec.base_url, manifest, directory=root, max_bytes=spec.max_bytes,  # type: ignore[arg-type]
+                       prefetch=spec.prefetch, eviction=spec.eviction, retry=RetryPolicy(attempts=spec.retries))
+    return Source(
+        names=[url_join(spec.base_url, s.name) for s in manifest.shards],
+        sizes=[s.num_samples for s in manifest.shards],
+        fingerprint=manifest.fingerprint(),
+        fields=tuple(f.name for f in manifest.fields),
+        _opener=_NodeCacheOpener(cache),
+        node_cache=cache,
+    )
+
+
 def _from_local_tars(paths: list[str]) -> Source:
     from fastdata.shards.tar import TarShardReader
 
@@ -112,8 +269,12 @@ def _from_local_tars(paths: list[str]) -> Source:
                   _opener=_TarOpener(readers))
 
 
-def resolve_source(source: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]) -> Source:
+def resolve_source(source: str | os.PathLike[str] | RemoteShards | Sequence[str | os.PathLike[str]]) -> Source:
     """Turn the ``source`` argument of ShardedDataset into a :class:`Source`."""
+    if isinstance(source, RemoteShards):
+        return _from_remote_manifest(source)
+    if isinstance(source, str) and is_url(source) and "{" not in source and not source.endswith(_TAR_SUFFIXES):
+        return _from_remote_manifest(RemoteShards(source))
     if isinstance(source, (str, os.PathLike)):
         text = os.fspath(source)
         p = Path(text)

@@ -8,3 +8,17 @@
 
 Heavy optional imports (h5py) happen only in :mod:`fastdata.shards.hdf5`.
 """
+
+# Remote files (fsspec; imported lazily inside): used by the dataset's sources, convert and verify.
+from fastdata.shards._remote import (  # noqa: E402
+    RemoteStream,
+    RetryPolicy,
+    env_retry,
+    filesystem,
+    is_transient,
+    is_url,
+    read_bytes,
+    remote_error,
+    url_join,
+    with_retries,
+)

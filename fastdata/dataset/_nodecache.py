@@ -1,0 +1,450 @@
+"""Node-local cache of a remote manifest's shards: download once per host, verify, evict wisely.
+
+Layout of a dataset's cache folder (``<directory>/<id>/``, ``id`` from URL and manifest)::
+
+    <shard name>          verified shard (present only after sha256 and size matched the manifest)
+    <shard name>.idx      tar only: sidecar index rebuilt locally from the verified shard
+    .locks/<n>.lock       flock held while shard n is downloaded (one download per host)
+    .locks/<n>.use        shared flock held while a process reads shard n (not evicted then)
+    .locks/space.lock     flock held while space is reserved or freed
+    .tmp/<n>-<bytes>-<pid>-<uuid>.part   download in progress (its size counts against the limit)
+
+Protocol of :meth:`ShardCache.ensure` (any number of processes, threads and ranks on a host):
+take the shard's download lock; if the verified file exists, reuse it (whoever waited on the
+lock now finds it); else reserve space (evicting under ``space.lock``), stream the download into
+a uniquely named temporary file while hashing it, compare size and sha256 with the manifest,
+``os.replace`` it into place, release the lock. A process killed mid-download leaves a ``.part``
+that the next holder of that shard's lock (or the next cache opened) removes.
+
+Eviction (``eviction="future"``, the default): the shard whose next use lies furthest in the
+future goes first (Belady's rule). Each process knows the epoch's shard order in advance: the
+dataset tells the cache, per iteration, which shards the ranks on this host read and at which
+fraction of the epoch (:meth:`ShardCache.plan`); shards not needed again in this epoch or the
+next rank last. Ties and processes without a plan fall back to least recently used, which is
+also what ``eviction="lru"`` does (kept for comparison). Shards being read by any process on
+the host (``.use`` lock) are never evicted.
+"""
+from __future__ import annotations
+
+import errno
+import fcntl
+import hashlib
+import logging
+import math
+import os
+import threading
+import time
+import uuid
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fastdata.shards import RemoteStream, RetryPolicy, is_transient, remote_error, url_join
+from fastdata.errors import RemoteError
+from fastdata.manifest import Manifest, ShardInfo
+
+__all__ = ["EVICTION_POLICIES", "ShardCache", "default_cache_dir"]
+
+EVICTION_POLICIES = ("future", "lru")
+_CHUNK = 4 << 20
+_log = logging.getLogger(__name__)
+
+
+def default_cache_dir() -> Path:
+    """``$FASTDATA_NODE_CACHE``, else ``$XDG_CACHE_HOME/fastdata/shards`` (``~/.cache/...``)."""
+    env = os.environ.get("FASTDATA_NODE_CACHE")
+    if env:
+        return Path(env)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "fastdata" / "shards"
+
+
+@contextmanager
+def _flock(path: Path, mode: int = fcntl.LOCK_EX) -> Iterator[int]:
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, mode)
+        try:
+            yield fd
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)  # explicit: a forked child may share the description
+    finally:
+        os.close(fd)
+
+
+def _try_flock(path: Path, mode: int) -> int | None:
+    """An fd holding ``mode | LOCK_NB`` on ``path``, or None when someone else holds it."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, mode | fcntl.LOCK_NB)
+    except OSError as e:
+        os.close(fd)
+        if e.errno in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+            return None
+        raise
+    return fd
+
+
+def _unlock(fd: int) -> None:
+    fcntl.flock(fd, fcntl.LOCK_UN)
+    os.close(fd)
+
+
+@dataclass
+class _Stats:
+    hits: int = 0  # shard found verified on local disk
+    downloads: int = 0  # shards this process downloaded
+    waited: int = 0  # shards another process downloaded while this one waited for its lock
+    evictions: int = 0
+    downloaded_bytes: int = 0
+    retries: int = 0
+
+
+class ShardCache:
+    """One process's handle on the node-local cache folder of one remote manifest.
+
+    Args:
+        base_url: folder URL of the shard set (shard ``name`` is at ``base_url/name``).
+        manifest: its manifest (names, sizes, sha256).
+        directory: the node-local cache root (default :func:`default_cache_dir`).
+        max_bytes: byte limit for verified shards plus downloads in progress (None: no limit).
+        prefetch: shards downloaded ahead of need, in this process's read order.
+        eviction: ``"future"`` (furthest next use first) or ``"lru"``.
+        retry: retries of transient download failures (checksum mismatches included).
+    """
+
+    def __init__(self, base_url: str, manifest: Manifest, *, directory: str | os.PathLike[str] | None = None,
+                 max_bytes: int | None = None, prefetch: int = 2, eviction: str = "future",
+                 retry: RetryPolicy | None = None):
+        if eviction not in EVICTION_POLICIES:
+            raise ValueError(f"eviction must be one of {EVICTION_POLICIES}, got {eviction!r}")
+        if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+            raise ValueError(f"prefetch must be an int >= 0, got {prefetch!r}")
+        biggest = max((s.bytes for s in manifest.shards), default=0)
+        if max_bytes is not None and max_bytes < biggest:
+            raise ValueError(f"node cache max_bytes={max_bytes} is smaller than the largest shard of {base_url} "
+                             f"({biggest} bytes)")
+        self.base_url = base_url.rstrip("/")
+        self.manifest = manifest
+        self.max_bytes = max_bytes
+        self.prefetch = prefetch
+        self.eviction = eviction
+        self.retry = retry or RetryPolicy()
+        ident = hashlib.sha256(f"{self.base_url}\n{manifest.fingerprint()}".encode()).hexdigest()[:24]
+        self.root = Path(directory if directory is not None else default_cache_dir()) / ident
+        self._index = {s.name: i for i, s in enumerate(manifest.shards)}
+        self.stats = _Stats()
+        self._schedule: dict[int, float] = {}  # shard -> time of next need (epochs; fraction inside)
+        self._order: list[int] = []  # this process's read order of shards in the current iteration
+        self._pos_in_order: dict[int, int] = {}
+        self._now = 0.0
+        self._setup()
+
+    # ----- process-local state (recreated after fork) -----------------------------------------
+    def _setup(self) -> None:
+        self._pid = os.getpid()
+        self._lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
+        self._pending: dict[int, Future[Any]] = {}
+        self._use: dict[int, list[int]] = {}  # shard -> fds holding its shared use lock
+        for sub in (".locks", ".tmp"):
+            (self.root / sub).mkdir(parents=True, exist_ok=True)
+
+    def _check_pid(self) -> None:
+        if self._pid != os.getpid():
+            self._setup()  # threads and locks of the parent do not exist here
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        for name in ("_lock", "_pool", "_pending", "_use"):
+            state.pop(name)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._setup()
+
+    # ----- paths ----------------------------------------------------------------------------
+    def path(self, i: int) -> Path:
+        """Local path of shard ``i`` (present only once verified)."""
+        return self.root / self.manifest.shards[i].name
+
+    def index_path(self, i: int) -> Path:
+        return self.root / (self.manifest.shards[i].name + ".idx")
+
+    def url(self, i: int) -> str:
+        return url_join(self.base_url, self.manifest.shards[i].name)
+
+    def _lock_path(self, i: int, kind: str) -> Path:
+        return self.root / ".locks" / f"{i}.{kind}"
+
+    def is_local(self, i: int) -> bool:
+        return self.path(i).is_file()
+
+    # ----- plan (what the dataset will read) ---------------------------------------------------
+    def plan(self, order: Sequence[int], schedule: dict[int, float], now: float) -> None:
+        """This process reads shards in ``order`` next; the host's ranks need shard ``s`` at time
+        ``schedule[s]`` (epochs, fractions inside one); the current time is ``now``.
+
+        Starts downloading the first ``prefetch`` shards of ``order`` in the background.
+        """
+        self._check_pid()
+        with self._lock:
+            self._order = list(dict.fromkeys(int(s) for s in order))
+            self._pos_in_order = {s: k for k, s in enumerate(self._order)}
+            self._schedule = dict(schedule)
+            self._now = float(now)
+        self._prefetch_after(-1)
+
+    def _advance(self, i: int) -> None:
+        k = self._pos_in_order.get(i)
+        if k is None or not self._order:
+            return
+        epoch = math.floor(self._now)
+        t = epoch + k / len(self._order)
+        if t > self._now:
+            self._now = t
+        self._prefetch_after(k)
+
+    def _next_use(self, i: int) -> float:
+        t = self._schedule.get(i)
+        if t is None or t < self._now:
+            return math.inf
+        return t
+
+    # ----- prefetch --------------------------------------------------------------------------
+    def _prefetch_after(self, k: int) -> None:
+        if not self.prefetch or not self._order:
+            return
+        want = [s for s in self._order[k + 1 : k + 1 + self.prefetch] if not self.is_local(s)]
+        if not want:
+            return
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(max_workers=min(4, self.prefetch),
+                                                thread_name_prefix="fastdata-nodecache")
+            for s in want:
+                if s not in self._pending:
+                    self._pending[s] = self._pool.submit(self._prefetch_one, s)
+
+    def _prefetch_one(self, i: int) -> None:
+        try:
+            self._fetch(i, demand=False)
+        except Exception as e:  # noqa: BLE001 - the demand fetch repeats it and raises to the reader
+            _log.debug("node cache: prefetch of %s failed: %s", self.url(i), e)
+        finally:
+            with self._lock:
+                self._pending.pop(i, None)
+
+    # ----- public entry points ------------------------------------------------------------------
+    def ensure(self, i: int) -> Path:
+        """Local path of verified shard ``i``, downloading it first if needed (blocks)."""
+        self._check_pid()
+        path = self.path(i)
+        if path.is_file():
+            self.stats.hits += 1
+            _touch(path)
+        else:
+            pending = self._pending.get(i)
+            if pending is not None:
+                pending.result()  # never raises (see _prefetch_one); the demand fetch below decides
+            if path.is_file():
+                self.stats.hits += 1
+            else:
+                self._fetch(i, demand=True)
+        self._advance(i)
+        return path
+
+    def acquire(self, i: int) -> Path:
+        """:meth:`ensure` and mark shard ``i`` as in use by this process until :meth:`release`."""
+        self._check_pid()
+        while True:
+            path = self.ensure(i)
+            fd = os.open(self._lock_path(i, "use"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            if path.is_file():  # not evicted between ensure and the lock
+                self._use.setdefault(i, []).append(fd)
+                return path
+            _unlock(fd)
+
+    def release(self, i: int) -> None:
+        """Undo one :meth:`acquire` of shard ``i`` (in this process)."""
+        if self._pid != os.getpid():
+            return  # the parent's locks are not ours to release
+        fds = self._use.get(i)
+        if fds:
+            _unlock(fds.pop())
+            if not fds:
+                del self._use[i]
+
+    def close(self) -> None:
+        """Stop prefetching and release every use lock of this process."""
+        if self._pid != os.getpid():
+            return
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
+        for i in list(self._use):
+            while self._use.get(i):
+                self.release(i)
+
+    # ----- download ----------------------------------------------------------------------------
+    def _fetch(self, i: int, *, demand: bool) -> None:
+        path = self.path(i)
+        t0 = time.perf_counter()
+        with _flock(self._lock_path(i, "lock")):
+            if path.is_file():  # another process or thread downloaded it while we waited
+                self.stats.waited += 1
+                return
+            for stale in (self.root / ".tmp").glob(f"{i}-*.part"):  # a killed downloader's leftovers
+                stale.unlink(missing_ok=True)
+            shard = self.manifest.shards[i]
+            for attempt in range(1, self.retry.attempts + 1):
+                tmp = self._reserve(i, shard, demand=demand)
+                if tmp is None:
+                    return  # prefetch without room: leave it to the demand fetch
+                try:
+                    self._download(i, shard, tmp)
+                    if self.manifest.format == "tar":
+                        self._build_index(i, tmp)
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                    os.replace(tmp, path)
+                    break
+                except BaseException as e:
+                    tmp.unlink(missing_ok=True)
+                    self.index_path(i).unlink(missing_ok=True)
+                    if not isinstance(e, Exception):
+                        raise
+                    if getattr(e, "checksum", False):  # maybe a bad proxy or a torn write: try again
+                        if attempt < self.retry.attempts:
+                            self.stats.retries += 1
+                            time.sleep(self.retry.delay(attempt))
+                            continue
+                        raise RemoteError(f"{e} (after {attempt} attempts)") from e
+                    raise remote_error(self.url(i), e, "downloading") from e  # RemoteStream retried already
+        self.stats.downloads += 1
+        self.stats.downloaded_bytes += shard.bytes
+        _log.debug("node cache: %s downloaded in %.2fs", self.url(i), time.perf_counter() - t0)
+
+    def _download(self, i: int, shard: ShardInfo, tmp: Path) -> None:
+        url = self.url(i)
+        digest = hashlib.sha256()
+        size = 0
+        with RemoteStream(url, size=shard.bytes, retry=self.retry, what="downloading") as src, open(tmp, "wb") as out:
+            while True:
+                chunk = src.read(_CHUNK)
+                if not chunk:
+                    break
+                digest.update(chunk)
+                out.write(chunk)
+                size += len(chunk)
+                if size > shard.bytes:
+                    break
+        if size != shard.bytes or digest.hexdigest() != shard.sha256:
+            what = (f"size {size} bytes, manifest says {shard.bytes}" if size != shard.bytes
+                    else f"sha256 {digest.hexdigest()}, manifest says {shard.sha256}")
+            err = RemoteError(f"downloading {url}: content does not match the manifest ({what})")
+            err.url, err.status, err.transient, err.checksum = url, None, False, True  # type: ignore[attr-defined]
+            raise err
+
+    def _build_index(self, i: int, tmp: Path) -> None:
+        from fastdata.shards.tar import TarIndex
+
+        index = TarIndex.build(tmp)
+        if len(index) != self.manifest.shards[i].num_samples:
+            raise RemoteError(f"{self.url(i)}: has {len(index)} samples, manifest says "
+                              f"{self.manifest.shards[i].num_samples}")
+        self.index_path(i).parent.mkdir(parents=True, exist_ok=True)
+        index.save(self.index_path(i))
+
+    # ----- space ---------------------------------------------------------------------------------
+    def _reserve(self, i: int, shard: ShardInfo, *, demand: bool) -> Path | None:
+        """Create the temporary file of shard ``i`` once its bytes fit under the limit."""
+        tmp = self.root / ".tmp" / f"{i}-{shard.bytes}-{os.getpid()}-{uuid.uuid4().hex}.part"
+        if self.max_bytes is None:
+            tmp.touch()
+            return tmp
+        while True:
+            with _flock(self.root / ".locks" / "space.lock"):
+                used, victims = self._usage(exclude=i)
+                need = used + shard.bytes - self.max_bytes
+                mine = self._next_use(i)
+                while need > 0 and victims:
+                    victim = victims.pop(0)
+                    if not demand and self.eviction == "future" and self._next_use(victim) <= mine:
+                        return None  # evicting would throw away something needed sooner
+                    freed = self._evict(victim)
+                    need -= freed
+                if need <= 0:
+                    tmp.touch()
+                    self._stalled_since = None
+                    return tmp
+            if not demand:
+                return None
+            # everything left is in use or being downloaded: wait for readers to move on
+            time.sleep(0.05)
+            if self._stalled_since is None:
+                self._stalled_since = time.monotonic()
+            elif time.monotonic() - self._stalled_since > 120:
+                self._stalled_since = None
+                raise RemoteError(f"node cache {self.root}: max_bytes={self.max_bytes} cannot hold shard "
+                                  f"{shard.name} ({shard.bytes} bytes) next to the shards in use on this host "
+                                  "for 120 s; raise the limit or read fewer shards at once (open_shards, workers)")
+
+    _stalled_since: float | None = None
+
+    def _usage(self, *, exclude: int) -> tuple[int, list[int]]:
+        """(bytes used by verified shards and downloads in progress, evictable shards best first)."""
+        used = 0
+        entries: list[tuple[float, float, int]] = []
+        for part in (self.root / ".tmp").glob("*.part"):
+            bits = part.name.split("-")
+            try:
+                used += int(bits[1])
+            except (IndexError, ValueError):
+                continue
+        for j, shard in enumerate(self.manifest.shards):
+            p = self.root / shard.name
+            try:
+                st = p.stat()
+            except FileNotFoundError:
+                continue
+            used += st.st_size
+            if j == exclude:
+                continue
+            rank = -self._next_use(j) if self.eviction == "future" else 0.0
+            entries.append((rank, st.st_mtime, j))
+        entries.sort()
+        return used, [j for _, _, j in entries]
+
+    def _evict(self, j: int) -> int:
+        """Delete verified shard ``j`` unless a process reads it; the bytes freed."""
+        fd = _try_flock(self._lock_path(j, "use"), fcntl.LOCK_EX)
+        if fd is None:
+            return 0
+        try:
+            p = self.path(j)
+            try:
+                size = p.stat().st_size
+            except FileNotFoundError:
+                return 0
+            p.unlink()
+            self.index_path(j).unlink(missing_ok=True)
+            self.stats.evictions += 1
+            return size
+        finally:
+            _unlock(fd)
+
+    def used_bytes(self) -> int:
+        """Bytes of verified shards in the cache folder now."""
+        return sum((self.root / s.name).stat().st_size for s in self.manifest.shards if (self.root / s.name).is_file())
+
+
+def _touch(path: Path) -> None:
+    try:
+        os.utime(path)  # mtime = last use, for LRU order
+    except OSError:
+        pass

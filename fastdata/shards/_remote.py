@@ -1,0 +1,267 @@
+"""Remote files through fsspec: sequential reads, downloads and small reads with retries.
+
+* Every failure becomes :class:`fastdata.errors.RemoteError` naming the URL and keeping the
+  reason: the HTTP status and message (also when fsspec wraps it in a bare
+  ``FileNotFoundError(url)``), or the exception type and text.
+* Transient failures (connection drops, truncated bodies, timeouts, HTTP 408/425/429/5xx) are
+  retried with exponential backoff and full jitter (:class:`RetryPolicy`); the error after the
+  last attempt says how many were made.
+* :class:`RemoteStream` reads a file sequentially with one GET per attempt (no ``Range``
+  requests over HTTP), so servers without Range support work for files of any size; after a
+  drop it reopens and skips what it had already delivered (seeks where the file allows it).
+"""
+from __future__ import annotations
+
+import io
+import os
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from fastdata.errors import RemoteError
+
+__all__ = [
+    "RemoteStream", "RetryPolicy", "env_retry", "filesystem", "is_transient", "is_url", "read_bytes", "remote_error",
+    "url_join", "with_retries",
+]
+
+T = TypeVar("T")
+_TRANSIENT_STATUS = frozenset({408, 425, 429, 500, 502, 503, 504})
+_CHUNK = 4 << 20
+
+
+def is_url(path: str) -> bool:
+    """True for ``scheme://...`` other than ``file://``."""
+    return "://" in path and not path.startswith("file://")
+
+
+def url_join(base: str, name: str) -> str:
+    """``base/name`` for a folder URL (``base`` may end with ``/``)."""
+    return base.rstrip("/") + "/" + name
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """Retries of transient remote failures: ``attempts`` in all, sleeping
+    ``uniform(0, min(max_delay, base_delay * 2**k))`` before attempt ``k + 1`` (full jitter)."""
+
+    attempts: int = 5
+    base_delay: float = 0.25
+    max_delay: float = 8.0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.attempts, bool) or not isinstance(self.attempts, int) or self.attempts < 1:
+            raise ValueError(f"RetryPolicy.attempts must be an int >= 1, got {self.attempts!r}")
+        for name in ("base_delay", "max_delay"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not v >= 0:
+                raise ValueError(f"RetryPolicy.{name} must be a number >= 0, got {v!r}")
+
+    def delay(self, attempt: int) -> float:
+        """Seconds to sleep after failed attempt number ``attempt`` (1-based)."""
+        return random.uniform(0.0, min(self.max_delay, self.base_delay * (2 ** (attempt - 1))))
+
+
+def _status(e: BaseException) -> tuple[int | None, str | None]:
+    """(HTTP status, server message) found anywhere in the cause chain of ``e``."""
+    seen: set[int] = set()
+    cur: BaseException | None = e
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        status = getattr(cur, "status", None)
+        if isinstance(status, int) and not isinstance(status, bool) and 100 <= status < 600:
+            return status, str(getattr(cur, "message", "") or "") or None
+        resp = getattr(cur, "response", None)  # botocore ClientError
+        if isinstance(resp, dict):
+            meta = resp.get("ResponseMetadata", {}) or {}
+            err = resp.get("Error", {}) or {}
+            code = meta.get("HTTPStatusCode")
+            if isinstance(code, int):
+                return code, " ".join(str(x) for x in (err.get("Code"), err.get("Message")) if x) or None
+        cur = cur.__cause__ or cur.__context__
+    return None, None
+
+
+def _reason(e: BaseException) -> str:
+    status, message = _status(e)
+    if status is not None:
+        return f"HTTP {status}" + (f" {message}" if message else "")
+    if isinstance(e, FileNotFoundError):  # fsspec raises a bare FileNotFoundError(url) for HTTP 404 / no object
+        return "not found (HTTP 404 or no such object)"
+    text = str(e)
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+def is_transient(e: BaseException) -> bool:
+    """Whether retrying may help: connection trouble, truncation, timeouts, HTTP 408/425/429/5xx."""
+    if isinstance(e, RemoteError):
+        return bool(getattr(e, "transient", False))
+    status, _ = _status(e)
+    if status is not None:
+        return status in _TRANSIENT_STATUS
+    if isinstance(e, (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)):
+        return False
+    name = type(e).__name__
+    if isinstance(e, (ConnectionError, TimeoutError, EOFError)) or "Timeout" in name:
+        return True
+    try:
+        import aiohttp
+
+        if isinstance(e, (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, aiohttp.ServerTimeoutError)):
+            return True
+    except ImportError:  # pragma: no cover - depends on the environment
+        pass
+    return False
+
+
+def remote_error(url: str, e: BaseException, what: str = "reading", *, attempts: int | None = None,
+                 at: int | None = None) -> RemoteError:
+    """A RemoteError for failure ``e`` of ``what`` on ``url`` (status and message kept)."""
+    if isinstance(e, RemoteError):
+        return e
+    status, _ = _status(e)
+    where = f" at byte {at}" if at else ""
+    tries = f" after {attempts} attempts" if attempts and attempts > 1 else ""
+    err = RemoteError(f"{what} {url} failed{where}{tries}: {_reason(e)}")
+    err.url, err.status, err.transient = url, status, is_transient(e)  # type: ignore[attr-defined]
+    return err
+
+
+def with_retries(fn: Callable[[], T], url: str, policy: RetryPolicy, what: str = "reading") -> T:
+    """``fn()``, retried on transient failures per ``policy``; RemoteError after the last attempt."""
+    for attempt in range(1, policy.attempts + 1):
+        try:
+            return fn()
+        except RemoteError:
+            raise
+        except Exception as e:  # noqa: BLE001 - classified and re-raised as RemoteError below
+            if not is_transient(e) or attempt == policy.attempts:
+                raise remote_error(url, e, what, attempts=attempt) from e
+            time.sleep(policy.delay(attempt))
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def filesystem(url: str) -> tuple[Any, str]:
+    """(fsspec filesystem, path) for ``url``; an ImportError names the extra to install."""
+    scheme = url.split("://", 1)[0].lower()
+    try:
+        import fsspec.core
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        raise ImportError(f"reading {url} needs fsspec: pip install 'fastdata[remote]'") from e
+    try:
+        return fsspec.core.url_to_fs(url)
+    except ImportError as e:
+        extra = {"http": "http", "https": "http", "s3": "s3", "gs": "gcs", "gcs": "gcs"}.get(scheme, "remote")
+        raise ImportError(f"reading {url} needs a package fsspec could not import ({e}); "
+                          f"pip install 'fastdata[{extra}]'") from e
+
+
+def _open_raw(url: str, size: int | None) -> Any:
+    fs, path = filesystem(url)
+    kwargs: dict[str, Any] = {}
+    if url.split("://", 1)[0].lower() in ("http", "https"):
+        kwargs["block_size"] = 0  # one streaming GET, no Range requests
+        if size is not None:
+            kwargs["size"] = size  # no HEAD request first
+    else:
+        kwargs["block_size"] = _CHUNK
+        kwargs["cache_type"] = "readahead"
+    return fs.open(path, "rb", **kwargs)
+
+
+class RemoteStream(io.RawIOBase):
+    """A remote file read front to back, reopened transparently after transient failures.
+
+    ``size`` (bytes, when known from a manifest) spares a metadata request and lets a short
+    body be detected as truncation.
+    """
+
+    def __init__(self, url: str, *, size: int | None = None, retry: RetryPolicy | None = None,
+                 what: str = "reading"):
+        super().__init__()
+        self.url, self.size, self.what = url, size, what
+        self.retry = retry or RetryPolicy()
+        self._f: Any = None
+        self._pos = 0
+        self._failures = 0  # consecutive failed attempts
+
+    def readable(self) -> bool:
+        return True
+
+    def _reopen(self) -> None:
+        self._close_inner()
+        f = _open_raw(self.url, self.size)
+        try:
+            if self._pos:
+                if f.seekable():
+                    f.seek(self._pos)
+                else:  # no Range support: read and discard what was delivered already
+                    left = self._pos
+                    while left > 0:
+                        got = f.read(min(left, _CHUNK))
+                        if not got:
+                            raise EOFError(f"body ended at byte {self._pos - left} while skipping to {self._pos}")
+                        left -= len(got)
+        except BaseException:
+            f.close()
+            raise
+        self._f = f
+
+    def _close_inner(self) -> None:
+        f, self._f = self._f, None
+        if f is not None:
+            try:
+                f.close()
+            except Exception:  # noqa: BLE001 - a broken connection may fail to close; it is dropped
+                pass
+
+    def read(self, n: int = -1) -> bytes:
+        if self.closed:
+            raise ValueError(f"read of closed RemoteStream {self.url}")
+        while True:
+            try:
+                if self._f is None:
+                    self._reopen()
+                data = self._f.read(n if n is not None and n >= 0 else -1)
+                if not data and self.size is not None and self._pos < self.size and n != 0:
+                    raise EOFError(f"body ended at byte {self._pos} of {self.size}")
+                self._pos += len(data)
+                self._failures = 0
+                return data
+            except Exception as e:  # noqa: BLE001 - classified below
+                self._close_inner()
+                self._failures += 1
+                if not is_transient(e) or self._failures >= self.retry.attempts:
+                    raise remote_error(self.url, e, self.what, attempts=self._failures, at=self._pos) from e
+                time.sleep(self.retry.delay(self._failures))
+
+    def readinto(self, b: Any) -> int:
+        data = self.read(len(b))
+        b[: len(data)] = data
+        return len(data)
+
+    def tell(self) -> int:
+        return self._pos
+
+    def close(self) -> None:
+        self._close_inner()
+        super().close()
+
+
+def read_bytes(url: str, *, retry: RetryPolicy | None = None, what: str = "reading") -> bytes:
+    """The whole content of a (small) remote file, with retries."""
+    with RemoteStream(url, retry=retry, what=what) as s:
+        return s.read()
+
+
+def env_retry() -> RetryPolicy:
+    """The default policy, overridable by ``FASTDATA_REMOTE_RETRIES`` (attempts)."""
+    text = os.environ.get("FASTDATA_REMOTE_RETRIES")
+    if not text:
+        return RetryPolicy()
+    try:
+        return RetryPolicy(attempts=int(text))
+    except ValueError as e:
+        raise ValueError(f"FASTDATA_REMOTE_RETRIES must be an int >= 1, got {text!r}") from e
