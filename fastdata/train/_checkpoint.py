@@ -1,5 +1,5 @@
 """Checkpoints that resume a run exactly: model, optimizer, scaler, step counters, the loader's
-position, the random generators and (mid-accumulation) the gradients accumulated so far, in one file.
+position, the step's random stream (dropout masks) and (mid-accumulation) the gradients accumulated so far, in one file.
 
 The loader state comes from ``loader.state_dict()``: for a :class:`fastdata.CUDAPrefetcher` that
 is the wrapped ``fastdata.DataLoader``'s position as of the last batch handed to the training loop
@@ -15,6 +15,7 @@ place for anything else rank-specific).
 from __future__ import annotations
 
 import os
+import pickle
 import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -44,13 +45,6 @@ class Checkpoint:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def _rng_state(device: torch.device) -> dict[str, Any]:
-    state: dict[str, Any] = {"torch": torch.get_rng_state()}
-    if device.type == "cuda":
-        state["cuda"] = torch.cuda.get_rng_state(device)
-    return state
-
-
 def _grads(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {name: p.grad.detach().clone() for name, p in module.named_parameters() if p.grad is not None}
 
@@ -68,7 +62,8 @@ def save_checkpoint(
     Args:
         path: the file to write (its folder is created; an existing file is replaced atomically).
         step: the :class:`TrainStep`: its model (unwrapped from DDP/``torch.compile``), optimizer,
-            ``GradScaler``, counters and, between two optimiser steps, the accumulated gradients.
+            ``GradScaler``, counters, random stream and, between two optimiser steps, the
+            accumulated gradients.
         loader: anything with ``state_dict()`` (a ``CUDAPrefetcher`` or ``fastdata.DataLoader``), or None.
         epoch: the epoch being trained, returned by :func:`load_checkpoint` to restart the epoch loop.
         extra: more plain values or tensors to store (e.g. the learning-rate scheduler's state).
@@ -93,7 +88,6 @@ def save_checkpoint(
         "grads": _grads(module) if step.micro_step else None,
         "loader": loader_state,
         "epoch": epoch,
-        "rng": _rng_state(step.device),
         "extra": dict(extra) if extra is not None else {},
     }
     dest = Path(path)
@@ -116,7 +110,7 @@ def _read(path: Path) -> dict[str, Any]:
         raise CheckpointError(f"{path}: no such checkpoint file")
     try:
         payload = torch.load(path, map_location="cpu", weights_only=True)
-    except (RuntimeError, EOFError, OSError, ValueError) as e:  # pickle/zip errors surface as these
+    except (pickle.UnpicklingError, RuntimeError, EOFError, OSError, ValueError) as e:
         raise CheckpointError(f"{path}: not a readable checkpoint: {e}") from e
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
         raise CheckpointError(f"{path}: not a fastdata checkpoint (written by save_checkpoint)")
@@ -130,10 +124,9 @@ def load_checkpoint(
     step: TrainStep,
     *,
     loader: Any = None,
-    restore_rng: bool = True,
 ) -> Checkpoint:
     """Restore a :func:`save_checkpoint` file into ``step`` (model, optimizer, scaler, counters,
-    accumulated gradients) and ``loader``; with ``restore_rng`` also torch's random generators.
+    random stream, accumulated gradients) and ``loader``.
 
     Build the model, optimizer, ``TrainStep`` and loader as for a fresh run, then call this before
     the training loop; iterate from ``Checkpoint.epoch`` (its ``loader.set_epoch`` keeps the
@@ -164,9 +157,4 @@ def load_checkpoint(
         if not callable(fn):
             raise CheckpointError(f"loader must have a load_state_dict() method, got {type(loader).__name__}")
         fn(payload["loader"])
-    if restore_rng:
-        rng = payload["rng"]
-        torch.set_rng_state(rng["torch"])
-        if "cuda" in rng and step.device.type == "cuda":
-            torch.cuda.set_rng_state(rng["cuda"], step.device)
     return Checkpoint(path=src, steps=step.steps, epoch=payload["epoch"], extra=dict(payload["extra"]))

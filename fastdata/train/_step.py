@@ -5,6 +5,13 @@ autocast, and returns the loss as a detached device tensor: reading it (``.item(
 the only sync, so log every N steps rather than every step. Inputs are cast to the dtype the model
 computes in, so any ``Normalize(dtype=...)`` works on the CPU and the GPU; a DDP model skips the
 gradient all-reduce on the micro-steps before the last one of an accumulation (``no_sync``).
+
+Random ops inside the step (dropout, stochastic depth) draw from the step's own copy of torch's
+generator state (CPU and the model's CUDA device), swapped in for the step and out after it. The
+copy starts as the global state at construction (so ``torch.manual_seed`` still decides it) and is
+part of ``state_dict()``: a resumed run gets the same dropout masks even though a restarted
+DataLoader draws its worker seed from the global generator at a point where the original run did
+not. Swapping costs two host-side state copies per step (no device sync).
 """
 from __future__ import annotations
 
@@ -128,6 +135,7 @@ class TrainStep:
         self.target_key = target_key
         self.scaler = torch.amp.GradScaler("cuda") if self.precision == "fp16" else None
         self._no_sync = getattr(model, "no_sync", None)
+        self._rng = _RngStream(self.device)
         self._micro = 0  # micro-batches accumulated since the last optimiser step
         self.steps = 0  # optimiser steps taken
 
@@ -143,11 +151,12 @@ class TrainStep:
         targets = prepare(targets, self.device, None)
         self.model.train()
         last = self._micro + 1 == self.options.grad_accum
-        if last or self._no_sync is None:
-            loss = self._forward_backward(inputs, targets)
-        else:
-            with self._no_sync():  # DDP: accumulate locally, all-reduce on the last micro-step only
+        with self._rng:
+            if last or self._no_sync is None:
                 loss = self._forward_backward(inputs, targets)
+            else:
+                with self._no_sync():  # DDP: accumulate locally, all-reduce on the last micro-step only
+                    loss = self._forward_backward(inputs, targets)
         self._micro += 1
         if last:
             self._step()
@@ -183,7 +192,7 @@ class TrainStep:
         """Scaler state and counters (model and optimizer state are saved by their owners, or
         all together by :func:`fastdata.save_checkpoint`)."""
         return {"scaler": self.scaler.state_dict() if self.scaler else None,
-                "micro": self._micro, "steps": self.steps}
+                "micro": self._micro, "steps": self.steps, "rng": self._rng.state_dict()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict`."""
@@ -194,3 +203,41 @@ class TrainStep:
             raise ValueError(f"state has micro={micro}, out of range for grad_accum={self.options.grad_accum}")
         self._micro = micro
         self.steps = int(state.get("steps", 0))
+        if state.get("rng") is not None:
+            self._rng.load_state_dict(state["rng"])
+
+
+class _RngStream:
+    """A private copy of torch's CPU (and one CUDA device's) generator state, entered as a context."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device if device.type == "cuda" else None
+        self.cpu_state = torch.get_rng_state()
+        self.cuda_state = torch.cuda.get_rng_state(self.cuda) if self.cuda is not None else None
+        self._outer: tuple[torch.Tensor, torch.Tensor | None] | None = None
+
+    def __enter__(self) -> None:
+        self._outer = (torch.get_rng_state(), torch.cuda.get_rng_state(self.cuda) if self.cuda else None)
+        torch.set_rng_state(self.cpu_state)
+        if self.cuda is not None:
+            torch.cuda.set_rng_state(self.cuda_state, self.cuda)
+
+    def __exit__(self, *exc: object) -> None:
+        outer, self._outer = self._outer, None
+        assert outer is not None  # entered once at a time (not re-entrant)
+        self.cpu_state = torch.get_rng_state()
+        torch.set_rng_state(outer[0])
+        if self.cuda is not None:
+            self.cuda_state = torch.cuda.get_rng_state(self.cuda)
+            torch.cuda.set_rng_state(outer[1], self.cuda)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        state = {"cpu": self.cpu_state.clone()}
+        if self.cuda_state is not None:
+            state["cuda"] = self.cuda_state.clone()
+        return state
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.cpu_state = state["cpu"].clone()
+        if self.cuda is not None and "cuda" in state:
+            self.cuda_state = state["cuda"].clone()
