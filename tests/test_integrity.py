@@ -46,3 +46,70 @@ def test_12_max_pixels_refuses_before_decoding():
     for bad in (0, -5, 2.5, True):
         with pytest.raises(ValueError, match="max_pixels must be an int >= 1 or None"):
             ImageDecoder(max_pixels=bad)
+
+
+# ------------------------------------------------------------- 4: hardlinks and symlinks in tars
+
+def links_tar(tmp_path, name: str = "links.tar", a: bytes = b"AAAA", c: bytes = b"CCCCCC"):
+    """GNU-style tar: a.jpg; b.jpg hardlinked to a; c.jpg; d.jpg -> c.jpg; e.jpg and f.jpg leave the archive."""
+    import tarfile
+
+    path = tmp_path / name
+
+    def add(tf, info, data=None):
+        tf.addfile(info, None if data is None else io.BytesIO(data))
+
+    with tarfile.open(path, "w", format=tarfile.GNU_FORMAT) as tf:
+        info = tarfile.TarInfo("a.jpg")
+        info.size = len(a)
+        add(tf, info, a)
+        info = tarfile.TarInfo("b.jpg")
+        info.type, info.linkname = tarfile.LNKTYPE, "a.jpg"
+        add(tf, info)
+        info = tarfile.TarInfo("c.jpg")
+        info.size = len(c)
+        add(tf, info, c)
+        for n, target in (("d.jpg", "c.jpg"), ("e.jpg", "../../etc/passwd"), ("f.jpg", "/etc/hostname")):
+            info = tarfile.TarInfo(n)
+            info.type, info.linkname = tarfile.SYMTYPE, target
+            add(tf, info)
+    return path
+
+
+LINK_SKIPS = [("e.jpg", "symlink to '../../etc/passwd' points outside the archive (refused)"),
+              ("f.jpg", "symlink to '/etc/hostname' points outside the archive (refused)")]
+
+
+def test_4_tar_links_on_random_access_read(tmp_path):
+    from fastdata.shards.tar import TarShardReader
+
+    with pytest.warns(UserWarning, match="skipped 2 member"):
+        reader = TarShardReader(links_tar(tmp_path))
+        assert reader.keys == ("a", "b", "c", "d")
+    assert bytes(reader.read(1)["jpg"]) == b"AAAA"  # hardlink: the target's data
+    assert bytes(reader.read(3)["jpg"]) == b"CCCCCC"  # symlink inside the archive: followed
+    assert list(reader.index.skipped) == LINK_SKIPS
+
+
+def test_4_tar_links_in_a_stream(tmp_path):
+    from fastdata.shards.tar import iter_tar_stream
+
+    skipped: list = []
+    with open(links_tar(tmp_path), "rb") as f, pytest.warns(UserWarning, match="skipped 2 member"):
+        samples = list(iter_tar_stream(f, "links.tar", skipped))
+    assert [(s["__key__"], bytes(s["jpg"])) for s in samples] == [
+        ("a", b"AAAA"), ("b", b"AAAA"), ("c", b"CCCCCC"), ("d", b"CCCCCC")]
+    assert skipped == LINK_SKIPS
+
+
+def test_4_tar_links_in_conversion(tmp_path):
+    from fastdata.shards.convert import ConvertOptions, convert
+    from fastdata.shards.tar import TarShardReader
+
+    a, c = jpeg(8, 8, 1), jpeg(8, 8, 2)
+    with pytest.warns(UserWarning, match="skipped 2 member"):
+        result = convert(links_tar(tmp_path, a=a, c=c), tmp_path / "out", ConvertOptions(workers=1, progress=False))
+    got = {s["__key__"]: bytes(s["jpg"]) for s in TarShardReader(tmp_path / "out" / "shard-000000.tar")}
+    assert got == {"a": a, "b": a, "c": c, "d": c}
+    assert [(s["source"], s["reason"]) for s in result.manifest.skipped] == [
+        (f"links.tar:{n}", r) for n, r in LINK_SKIPS]

@@ -238,8 +238,9 @@ def _list_tar(root: Path, files: Sequence[Path], indexes: Sequence[str | None]) 
     names: set[str] = set()
     for i, (path, index) in enumerate(zip(files, indexes)):
         idx = TarShardReader(path, index=index).index  # ShardError names shard and byte offset
-        listing.skipped.extend({"source": f"{os.path.relpath(path, root)}:{name}", "reason": "tar member name is not '<key>.<field>'"}
-                               for name in idx.ignored)
+        where = os.path.relpath(path, root) if Path(path) != root else Path(path).name
+        listing.skipped.extend({"source": f"{where}:{name}", "reason": reason}
+                               for name, reason in idx.skipped)
         for j, (key, members) in enumerate(zip(idx.keys, idx.members)):
             _check_source_key(key, path, j)
             listing.keys.append(key)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import tarfile
 from collections.abc import Callable, Iterator
-from typing import BinaryIO
+from typing import BinaryIO, NamedTuple
 
 from fastdata.errors import ShardError
 
@@ -18,6 +18,26 @@ RECORD = 20 * BLOCK  # tarfile pads archives to whole records; we do the same fo
 ZERO_BLOCK = bytes(BLOCK)
 _REGULAR = (b"0", b"\x00", b"7")
 _NO_DATA = (b"1", b"2", b"3", b"4", b"5", b"6")  # links, devices, directories, fifos
+_KIND = {b"1": "hardlink", b"2": "symlink", b"3": "character device", b"4": "block device", b"5": "directory",
+         b"6": "fifo"}
+
+
+class Member(NamedTuple):
+    """One archive member as :func:`walk` reports it.
+
+    ``kind``: ``"file"`` (regular: ``data_offset``/``size`` locate its data, ``data`` holds it when
+    asked for), ``"hardlink"``/``"symlink"`` (``link`` is the target name as archived), or
+    ``"directory"``, ``"fifo"``, ``"character device"``, ``"block device"``, ``"other (type 'X')"``
+    (no data). ``offset`` is the byte offset of the member's (first) header.
+    """
+
+    name: str
+    offset: int
+    data_offset: int
+    size: int
+    data: bytes | None
+    kind: str
+    link: str = ""
 
 
 def pad(size: int) -> int:
@@ -109,16 +129,16 @@ HeaderFn = Callable[[int], bytes]
 PayloadFn = Callable[[int, int, bool], "bytes | None"]
 
 
-def walk(header: HeaderFn, payload: PayloadFn, shard: str, *, want_data: bool
-         ) -> Iterator[tuple[str, int, int, bytes | None]]:
-    """Yield ``(name, data_offset, size, data)`` for each regular member, in archive order.
+def walk(header: HeaderFn, payload: PayloadFn, shard: str, *, want_data: bool) -> Iterator[Member]:
+    """Yield a :class:`Member` for every member (regular, link or other), in archive order.
 
-    ``data`` is None unless ``want_data``. Stops at the first zero block. A non-empty file that ends
-    without one was cut at a member boundary (tar writers end archives with zero blocks): that is a
-    ShardError, not a silently shorter shard.
+    ``data`` is None unless ``want_data`` (regular members only). Stops at the first zero block. A
+    non-empty file that ends without one was cut at a member boundary (tar writers end archives
+    with zero blocks): that is a ShardError, not a silently shorter shard.
     """
     pos = 0
     long_name: str | None = None
+    long_link: str | None = None
     pax: dict[str, str] = {}
     while True:
         buf = header(pos)
@@ -139,6 +159,8 @@ def walk(header: HeaderFn, payload: PayloadFn, shard: str, *, want_data: bool
             assert data is not None
             if typ == b"L":
                 long_name = _nts(data)
+            elif typ == b"K":
+                long_link = _nts(data)
             elif typ in (b"x", b"X"):
                 pax = parse_pax(data, pos, shard)
             pos = start + size + pad(size)
@@ -154,13 +176,17 @@ def walk(header: HeaderFn, payload: PayloadFn, shard: str, *, want_data: bool
                 size = int(pax["size"])
             except ValueError as e:
                 raise ShardError(f"{shard}: bad PAX size {pax['size']!r} at byte offset {pos}") from e
-        long_name, pax = None, {}
+        link = pax.get("linkpath", long_link if long_link is not None else _nts(buf[157:257]))
+        long_name, long_link, pax = None, None, {}
         if typ in _NO_DATA:
+            yield Member(name, pos, start, 0, None, _KIND[typ], link if typ in (b"1", b"2") else "")
             pos = start
             continue
         data = payload(start, size, want_data and typ in _REGULAR)
         if typ in _REGULAR:
-            yield name, start, size, data
+            yield Member(name, pos, start, size, data, "file")
+        else:  # unknown type: data is skipped, the member is reported
+            yield Member(name, pos, start, size, None, f"other (type {typ.decode('latin-1')!r})")
         pos = start + size + pad(size)
 
 

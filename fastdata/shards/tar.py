@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import mmap
 import os
+import posixpath
 import struct
 import warnings
 import zlib
@@ -52,10 +53,13 @@ class TarIndex:
     Attributes: ``keys`` (tuple of str), ``members`` (``members[i]`` is a tuple of
     ``(field, start, stop)`` byte ranges of sample i's member data, in archive order) and
     ``tar_size`` (bytes of the indexed tar, checked against the file before reading).
-    ``ignored`` lists members that are not ``<key>.<field>`` (only filled by :meth:`build`).
+    ``skipped`` lists ``(member name, reason)`` of the members that give no sample data: names
+    that are not ``<key>.<field>``, symlinks out of the archive or to nothing, devices, fifos
+    (only filled by :meth:`build`; directories are not listed). Hardlinks, and symlinks to a
+    member of the archive, read their target's data.
     """
 
-    __slots__ = ("keys", "members", "tar_size", "ignored")
+    __slots__ = ("keys", "members", "tar_size", "skipped")
 
     def __init__(self, keys: Sequence[str], members: Sequence[Sequence[tuple[str, int, int]]], tar_size: int):
         if len(keys) != len(members):
@@ -65,7 +69,7 @@ class TarIndex:
         self.members: tuple[tuple[tuple[str, int, int], ...], ...] = tuple(
             tuple((f, int(off), int(off) + int(size)) for f, off, size in m) for m in members)
         self.tar_size = int(tar_size)
-        self.ignored: tuple[str, ...] = ()
+        self.skipped: tuple[tuple[str, str], ...] = ()
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -95,17 +99,17 @@ class TarIndex:
                     raise ShardError(f"{shard}: is gzip-compressed; random access needs an uncompressed tar "
                                      "(stream it with iter_tar_stream(gzip.open(path), path))")
                 header, payload = _tarfmt.mmap_source(mm, shard)
-                members = _tarfmt.walk(header, payload, shard, want_data=False)
+                members = list(_tarfmt.walk(header, payload, shard, want_data=False))
                 keys: list[str] = []
                 groups: list[list[tuple[str, int, int]]] = []
-                ignored: list[str] = []
-                for key, fld, offset, sz, _ in _group(members, shard, ignored):
+                skipped: list[tuple[str, str]] = []
+                for key, fld, offset, sz, _ in _group(_resolve_links(members, skipped), shard, skipped):
                     if not keys or keys[-1] != key:
                         keys.append(key)
                         groups.append([])
                     groups[-1].append((fld, offset, sz))
         index = cls(keys, groups, size)
-        index.ignored = tuple(ignored)
+        index.skipped = tuple(skipped)
         return index
 
     def save(self, path: str | os.PathLike[str]) -> None:
@@ -184,7 +188,7 @@ class TarIndex:
         index.keys = tuple(keys)
         index.members = tuple(tuple(flat[a:b]) for a, b in zip(bounds, bounds[1:]))
         index.tar_size = tar_size
-        index.ignored = ()
+        index.skipped = ()
         return index
 
 
@@ -208,35 +212,122 @@ def _unblob(blob: memoryview, ends: np.ndarray) -> list[str]:
     return out
 
 
-def _group(members: Iterable[tuple[str, int, int, Any]], shard: str,
-           skipped: list[str] | None = None) -> Iterator[tuple[str, str, int, int, Any]]:
+_LINK_HOPS = 16  # symlink chains longer than this are reported, not followed
+_STREAM_LINK_BYTES = 64 << 20  # data of the latest regular members kept for hardlinks in a stream
+
+
+def _link_target(member: _tarfmt.Member) -> str | None:
+    """The archive path a link refers to (None: a symlink that leaves the archive)."""
+    if member.kind == "hardlink":  # the target's member name as archived
+        return _norm(member.link)
+    if member.link.startswith("/"):
+        return None
+    target = posixpath.normpath(posixpath.join(posixpath.dirname(_norm(member.name)), member.link))
+    return None if target == ".." or target.startswith("../") else _norm(target)
+
+
+def _norm(name: str) -> str:
+    while name.startswith("./"):
+        name = name[2:]
+    return name.rstrip("/")
+
+
+def _resolve_links(members: Iterable[_tarfmt.Member], skipped: list[tuple[str, str]], *, stream: bool = False,
+                   ) -> Iterator[tuple[str, int, int, int, Any]]:
+    """``(name, header_offset, data_offset, size, data)`` of every member that has data, in archive order.
+
+    A hardlink (and a symlink to a member of the archive) gives its target's data under its own
+    name. Members without data are appended to ``skipped`` as ``(name, reason)``: symlinks that
+    leave the archive (refused: never read), links to a member that is not in the archive (in a
+    stream: not among the recent members), devices and fifos; directories are structure, not data.
+    Random access (``stream=False``) needs the whole member list (a symlink may point forward).
+    """
+    files: dict[str, tuple[int, int, Any]] = {}
+    dirs: set[str] = set()
+    kept = 0
+
+    def resolve(m: _tarfmt.Member) -> tuple[int, int, Any] | str:
+        seen = m
+        for _ in range(_LINK_HOPS):
+            target = _link_target(seen)
+            if target is None:
+                return f"symlink to {seen.link!r} points outside the archive (refused)"
+            if target in files:
+                return files[target]
+            link = links.get(target)
+            if link is None:
+                if target in dirs:
+                    return f"{m.kind} to {m.link!r} names a directory, not a file"
+                if stream and m.kind == "hardlink":
+                    return (f"hardlink to {m.link!r}: its target is not among the last "
+                            f"{_STREAM_LINK_BYTES >> 20} MiB of members read from the stream")
+                return f"{m.kind} to {m.link!r}: no such file in the archive"
+            seen = link
+        return f"{m.kind} to {m.link!r}: more than {_LINK_HOPS} links in a row (a cycle?)"
+
+    links: dict[str, _tarfmt.Member] = {}
+    if not stream:
+        members = list(members)
+        for m in members:
+            if m.kind == "file":
+                files[_norm(m.name)] = (m.data_offset, m.size, m.data)
+            elif m.kind in ("hardlink", "symlink"):
+                links[_norm(m.name)] = m
+            elif m.kind == "directory":
+                dirs.add(_norm(m.name))
+    for m in members:
+        if m.kind == "file":
+            if stream:
+                files[_norm(m.name)] = (m.data_offset, m.size, m.data)
+                kept += m.size
+                while kept > _STREAM_LINK_BYTES and len(files) > 1:
+                    old = files.pop(next(iter(files)))
+                    kept -= old[1]
+            yield m.name, m.offset, m.data_offset, m.size, m.data
+        elif m.kind in ("hardlink", "symlink"):
+            if stream:
+                links[_norm(m.name)] = m
+            got = resolve(m)
+            if isinstance(got, str):
+                skipped.append((m.name, got))
+                continue
+            yield m.name, m.offset, got[0], got[1], got[2]
+        elif m.kind == "directory":
+            dirs.add(_norm(m.name))
+        else:
+            skipped.append((m.name, f"not a regular file ({m.kind})"))
+
+
+def _group(members: Iterable[tuple[str, int, int, int, Any]], shard: str,
+           skipped: list[tuple[str, str]] | None = None) -> Iterator[tuple[str, str, int, int, Any]]:
     """Split member names into (key, field) and enforce that a sample's members are consecutive.
 
-    Members that are not ``<key>.<field>`` are left out with a warning and appended to ``skipped``.
+    Members that are not ``<key>.<field>`` are left out and appended to ``skipped``; one warning
+    per shard names the first of everything skipped (link problems included).
     """
     seen: set[str] = set()
     current: str | None = None
     fields: set[str] = set()
     skipped = [] if skipped is None else skipped
-    for name, offset, size, data in members:
+    for name, header_offset, offset, size, data in members:
         parts = split_member_name(name)
         if parts is None or is_meta(parts[1]) or name.startswith("__"):
-            skipped.append(name)
+            skipped.append((name, "tar member name is not '<key>.<field>'"))
             continue
         key, fld = parts
         if key != current:
             if key in seen:
-                raise ShardError(f"{shard}: key {key!r} reappears at byte offset {offset - _tarfmt.BLOCK} "
+                raise ShardError(f"{shard}: key {key!r} reappears at byte offset {header_offset} "
                                  "after other keys; members of one sample must be consecutive")
             seen.add(key)
             current, fields = key, set()
         if fld in fields:
-            raise ShardError(f"{shard}: duplicate member {name!r} at byte offset {offset - _tarfmt.BLOCK}")
+            raise ShardError(f"{shard}: duplicate member {name!r} at byte offset {header_offset}")
         fields.add(fld)
         yield key, fld, offset, size, data
     if skipped:
-        warnings.warn(f"{shard}: skipped {len(skipped)} member(s) whose names are not '<key>.<field>', "
-                      f"e.g. {skipped[0]!r}", stacklevel=3)
+        name, reason = skipped[0]
+        warnings.warn(f"{shard}: skipped {len(skipped)} member(s), e.g. {name!r}: {reason}", stacklevel=3)
 
 
 class _HashingFile:
@@ -502,15 +593,20 @@ class TarShardReader:
         return f"TarShardReader({self.path!r})"
 
 
-def iter_tar_stream(fileobj: BinaryIO, name: str) -> Iterator[dict[str, Any]]:
+def iter_tar_stream(fileobj: BinaryIO, name: str, skipped: list[tuple[str, str]] | None = None,
+                    ) -> Iterator[dict[str, Any]]:
     """Samples of a tar stream (e.g. gzip or remote), grouped by consecutive key.
 
     ``name`` is used in error messages. A key that reappears non-consecutively, a truncated
     stream or a corrupt header raise ShardError naming ``name`` and the (uncompressed) byte offset.
+    Members that give no data are appended to ``skipped`` as ``(member, reason)`` (see
+    :meth:`TarIndex.build`; a hardlink reads its target when that was among the last 64 MiB).
     """
+    skipped = [] if skipped is None else skipped
     header, payload = _tarfmt.stream_source(fileobj, name)
     sample: dict[str, Any] | None = None
-    for key, fld, _, _, data in _group(_tarfmt.walk(header, payload, name, want_data=True), name):
+    members = _resolve_links(_tarfmt.walk(header, payload, name, want_data=True), skipped, stream=True)
+    for key, fld, _, _, data in _group(members, name, skipped):
         if sample is None or sample["__key__"] != key:
             if sample is not None:
                 yield sample
