@@ -1,9 +1,12 @@
 """tools/shard.py end to end: every source kind to tar and HDF5, bad inputs, resume, --verify.
 
-The CLI is called in-process through ``main(argv)`` (fast); two tests run the script itself.
+The CLI is called in-process through ``main(argv)`` (fast); two tests run the script itself. The
+same command ships as ``fastdata shard`` / ``fastdata verify`` (fastdata.cli._shard_cmd): tested
+at the end, down to the exit status of each outcome.
 """
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import io
 import json
@@ -453,8 +456,11 @@ def test_dest_not_empty_needs_overwrite(tmp_path, capsys, images):
     assert error_line(err) == (f"shard.py: error: DEST {dest} is not empty (holds keep.txt); pass --overwrite "
                                "to replace its shards or choose an empty folder")
     assert run(capsys, src, dest, "--samples-per-shard", 5, "--overwrite")[0] == 0
-    code, _, err = run(capsys, src, dest, "--samples-per-shard", 5)
-    assert code == 1 and f"DEST {dest} is not empty (holds keep.txt, manifest.json, shard-000000.tar, ...)" in err
+    code, _, err = run(capsys, src, dest, "--samples-per-shard", 6)  # another plan: not this conversion
+    assert code == 1 and error_line(err) == (
+        f"shard.py: error: DEST {dest} is not empty (a finished conversion with different arguments or inputs; "
+        "holds keep.txt, manifest.json, shard-000000.tar, ...); pass --overwrite to replace its shards or choose "
+        "an empty folder")
     code, _, err = run(capsys, src, dest, "--samples-per-shard", 50, "--overwrite")
     assert code == 0, err
     assert sorted(p.name for p in dest.iterdir()) == ["keep.txt", "manifest.json", "shard-000000.tar",
@@ -524,7 +530,9 @@ def test_verify_names_the_mismatching_shard(tmp_path, capsys, images):
     ([], "expected SRC and DEST, got 0 path(s)"),
     (["a"], "expected SRC and DEST, got 1 path(s)"),
     (["a", "b", "--shard-size", "12XB"], "argument --shard-size: cannot parse size '12XB'"),
-    (["a", "b", "--workers", "0"], "argument --workers: expected a positive integer, got '0'"),
+    (["a", "b", "--workers", "0"], "argument --workers: expected an integer >= 1, got 0"),
+    (["a", "b", "--seed", "-1"], "argument --seed: expected an integer >= 0, got -1"),
+    (["a", "b", "--resize", "x"], "argument --resize: expected an integer >= 1, got 'x'"),
     (["a", "b", "--format", "zip"], "argument --format: invalid choice: 'zip'"),
     (["--verify", "d", "a", "b"], "--verify DEST takes no SRC DEST arguments"),
 ])
@@ -577,3 +585,118 @@ def test_strict_names_the_shard_of_a_corrupt_image_in_tar_src(tmp_path, capsys):
     assert run(capsys, src, tmp_path / "out2")[0] == 0
     skipped = Manifest.load(tmp_path / "out2").skipped
     assert skipped == ({"source": "a.tar[1]", "reason": "not a recognised image format"},)
+
+
+# ------------------------------------------------------- a finished conversion, verify, fastdata shard
+
+def test_rerun_of_a_finished_conversion_is_complete(tmp_path, capsys, images, monkeypatch):
+    src, _ = images
+    dest = tmp_path / "out"
+    args = (src, dest, "--samples-per-shard", 10, "--shuffle", "--seed", 3)
+    assert run(capsys, *args)[0] == 0
+    before = {p.name: p.stat().st_mtime_ns for p in dest.iterdir()}
+    monkeypatch.setattr(convert_mod, "_write_job", lambda task, tick: pytest.fail("rerun wrote a shard"))
+    code = tool.main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert out.strip() == (f"{dest}: complete, 24 samples in 3 tar shards, 0 skipped (converted earlier with these "
+                           "arguments and inputs; nothing to do)")
+    assert {p.name: p.stat().st_mtime_ns for p in dest.iterdir()} == before
+    # a changed input is another plan: refused without --overwrite, redone with it
+    monkeypatch.undo()
+    os.utime(src / "c0" / "im000.jpg", ns=(1, 1))
+    code, _, err = run(capsys, *args)
+    assert code == 1 and "a finished conversion with different arguments or inputs" in error_line(err)
+    assert run(capsys, *args, "--overwrite")[0] == 0
+    # a finished conversion with a missing shard is not complete: the rerun says so
+    (dest / "shard-000002.tar").unlink()
+    code, _, err = run(capsys, *args)
+    assert code == 1 and "is not empty" in error_line(err)
+
+
+def test_rerun_with_strict_of_a_finished_conversion_with_skips_fails(tmp_path, capsys, images):
+    src, _ = images
+    (src / "c1" / "broken.jpg").write_bytes(b"junk")
+    assert run(capsys, src, tmp_path / "out")[0] == 0
+    code, _, err = run(capsys, src, tmp_path / "out", "--strict")
+    assert code == 1 and error_line(err) == f"shard.py: error: {src / 'c1' / 'broken.jpg'}: not a recognised image format (--strict)"
+
+
+def _flip(path: Path, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+@pytest.mark.parametrize("workers", [1, 3])
+def test_verify_lists_every_problem_in_manifest_order(tmp_path, capsys, images, workers):
+    src, _ = images
+    dest = tmp_path / "out"
+    assert run(capsys, src, dest, "--samples-per-shard", 4)[0] == 0
+    _flip(dest / "shard-000001.tar", 1000)
+    (dest / "shard-000003.tar").unlink()
+    (dest / "shard-000004.tar.idx").unlink()
+    with open(dest / "shard-000005.tar", "ab") as f:
+        f.write(b"\0" * 512)
+    code = tool.main(["--verify", str(dest), "--workers", str(workers), "--quiet"])
+    err = capsys.readouterr().err
+    assert code == 1
+    prefix = f"shard.py: error: {dest}: "
+    problems = [line[len(prefix):] for line in err.splitlines() if line.startswith(prefix)]
+    assert [p.split(":")[0] for p in problems] == [
+        "shard-000001.tar", "shard-000003.tar", "shard-000004.tar", "shard-000005.tar", "shard-000005.tar"]
+    assert problems[0].startswith("shard-000001.tar: sha256 mismatch")
+    assert problems[1] == "shard-000003.tar: shard file is missing"
+    assert problems[2] == "shard-000004.tar: index file shard-000004.tar.idx is missing"
+    size = Manifest.load(dest).shards[5].bytes
+    assert problems[3] == f"shard-000005.tar: size is {size + 512} bytes, manifest says {size}"
+    assert problems[4] == "shard-000005.tar: index file shard-000005.tar.idx does not match the shard's headers"
+    assert err.splitlines()[-1] == f"shard.py: {dest}: 5 problems"
+
+
+def test_verify_of_an_unfinished_conversion_says_so(tmp_path, capsys, images, monkeypatch):
+    src, _ = images
+    monkeypatch.setattr(convert_mod, "_write_job", lambda task, tick: (_ for _ in ()).throw(OSError("crash")))
+    assert run(capsys, src, tmp_path / "out", "--workers", 1)[0] == 1
+    code, _, err = run(capsys, "--verify", tmp_path / "out")
+    assert code == 1 and "the conversion into it did not finish (rerun it to resume)" in error_line(err)
+
+
+def test_fastdata_shard_and_verify_subcommands(tmp_path, capsys, images):
+    from fastdata.cli import main as fastdata_main
+
+    src, expected = images
+    dest = tmp_path / "out"
+    assert fastdata_main(["shard", str(src), str(dest), "--samples-per-shard", "10", "--format", "hdf5"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"{dest}: 24 samples in 3 hdf5 shards")
+    assert set(read_all(dest)) == set(expected)
+    assert fastdata_main(["shard", str(src), str(dest), "--samples-per-shard", "10", "--format", "hdf5"]) == 0
+    assert capsys.readouterr().out.startswith(f"{dest}: complete, 24 samples")
+    assert fastdata_main(["verify", str(dest), "--workers", "2"]) == 0
+    assert capsys.readouterr().out.strip() == f"{dest}: ok, 3 shards, 24 samples"
+    _flip(dest / "shard-000002.h5", 100)
+    assert fastdata_main(["verify", str(dest)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"fastdata verify: error: {dest}: shard-000002.h5: sha256 mismatch")
+    assert fastdata_main(["shard", str(tmp_path / "nope"), str(tmp_path / "o")]) == 1
+    assert capsys.readouterr().err == f"fastdata shard: error: SRC {tmp_path / 'nope'}: no such file or directory\n"
+    with pytest.raises(SystemExit) as info:  # argparse's usage error: status 2, like shard.py
+        fastdata_main(["shard", str(src), str(dest), "--shard-size", "12XB"])
+    assert info.value.code == 2
+    assert "argument --shard-size: cannot parse size '12XB'" in capsys.readouterr().err
+
+
+def test_every_option_says_its_default():
+    from fastdata.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    for parser in (tool.build_tool_parser() if hasattr(tool, "build_tool_parser") else None,
+                   sub.choices["shard"], sub.choices["verify"]):
+        if parser is None:
+            continue
+        for action in parser._actions:
+            if action.option_strings and action.dest not in ("help", "verify"):
+                assert action.help and "default" in action.help, (parser.prog, action.dest)

@@ -1,4 +1,4 @@
-"""The ``fastdata`` command (also ``python -m fastdata``): demo, doctor, bench, inspect, cache."""
+"""The ``fastdata`` command (also ``python -m fastdata``): demo, doctor, bench, inspect, cache, shard, verify."""
 from __future__ import annotations
 
 import argparse
@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 from fastdata.cli._args import nonneg_int, positive_int
 from fastdata.cli._cache_cmd import add_cache_subparser
+from fastdata.cli._shard_cmd import add_shard_subparsers
 from fastdata.errors import FastdataError
 
 log = logging.getLogger("fastdata")
@@ -86,6 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.set_defaults(func=_cmd_inspect)
 
     add_cache_subparser(sub)
+    add_shard_subparsers(sub)
     return p
 
 

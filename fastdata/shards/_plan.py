@@ -82,6 +82,7 @@ class ConvertResult:
     kept: int  # shards kept from an interrupted earlier run
     seconds: float
     processed: int  # input samples processed by this run (kept shards excluded)
+    complete: bool = False  # DEST already held this finished conversion (same plan): nothing was done
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ log = logging.getLogger("fastdata.convert")
 
 PROGRESS_DIR = ".fastdata-progress"
 _PLAN_FILE = "plan.json"
+FINGERPRINT_KEY = "plan_fingerprint"  # in manifest.extra: the plan a finished DEST was written by
 
 
 def remove_outputs(dest: Path) -> None:
@@ -87,6 +88,39 @@ class ProgressState:
         return manifest
 
 
+def finished(dest: Path, plan: Plan) -> Manifest | None:
+    """DEST's manifest when DEST holds this plan's finished conversion, else None.
+
+    Finished: ``manifest.json`` records the same plan fingerprint (same arguments, same inputs by
+    name, size and mtime, same fastdata version), no progress folder is left, and every shard and
+    index file is present with the recorded size. Checksums are ``verify``'s job.
+    """
+    if not (dest / MANIFEST_NAME).is_file() or (dest / PROGRESS_DIR).exists():
+        return None
+    try:
+        manifest = Manifest.load(dest)
+    except (OSError, ValueError):
+        return None
+    if manifest.extra.get(FINGERPRINT_KEY) != plan.fingerprint:
+        return None
+    for shard in manifest.shards:
+        try:
+            if (dest / shard.name).stat().st_size != shard.bytes:
+                return None
+        except OSError:
+            return None
+        if shard.index is not None and not (dest / shard.index).is_file():
+            return None
+    return manifest
+
+
+def _converted(dest: Path) -> bool:
+    """Whether DEST's manifest was written by a conversion (it records a plan fingerprint)."""
+    saved = _read_json(dest / MANIFEST_NAME)
+    extra = saved.get("extra") if isinstance(saved, dict) else None
+    return isinstance(extra, dict) and FINGERPRINT_KEY in extra
+
+
 def prepare(dest: Path, plan: Plan, *, overwrite: bool) -> ProgressState:
     """Make DEST ready: fresh, overwritten, or resumed (same plan fingerprint)."""
     if dest.exists() and not dest.is_dir():
@@ -99,8 +133,8 @@ def prepare(dest: Path, plan: Plan, *, overwrite: bool) -> ProgressState:
         existing = sorted(os.listdir(dest))
         if existing and not overwrite:
             shown = ", ".join(existing[:3]) + (", ..." if len(existing) > 3 else "")
-            hint = ("an interrupted conversion with different arguments or inputs; "
-                    if folder.is_dir() else "")
+            hint = ("an interrupted conversion with different arguments or inputs; " if folder.is_dir()
+                    else "a finished conversion with different arguments or inputs; " if _converted(dest) else "")
             raise ConversionError(f"DEST {dest} is not empty ({hint}holds {shown}); pass --overwrite to replace "
                                   "its shards or choose an empty folder")
         if existing:

@@ -103,7 +103,9 @@ def plan_conversion(src: str | os.PathLike[str], options: ConvertOptions | None 
                              "shuffle": opts.shuffle, "resize": opts.resize, "check": _check_level(opts)}
     if opts.shuffle:
         extra["seed"] = opts.seed
-    return Plan(listing, opts, tuple(jobs), fields, _fingerprint(listing, opts, jobs, fields), extra)
+    fingerprint = _fingerprint(listing, opts, jobs, fields)
+    extra[_progress.FINGERPRINT_KEY] = fingerprint  # lets a rerun recognise the finished conversion
+    return Plan(listing, opts, tuple(jobs), fields, fingerprint, extra)
 
 
 def _check_level(opts: ConvertOptions) -> str:
@@ -185,6 +187,13 @@ def convert(src: str | os.PathLike[str], dest: str | os.PathLike[str], options: 
     if opts.strict and plan.listing.skipped:
         first = plan.listing.skipped[0]
         raise ConversionError(f"{os.path.join(plan.listing.root, first['source'])}: {first['reason']} (--strict)")
+    finished = None if opts.overwrite else _progress.finished(dest_path, plan)
+    if finished is not None:
+        if opts.strict and finished.skipped:
+            first = finished.skipped[0]
+            raise ConversionError(f"{os.path.join(plan.listing.root, first['source'])}: {first['reason']} (--strict)")
+        log.debug("%s already holds this conversion, finished (same arguments and inputs)", dest_path)
+        return ConvertResult(finished, 0, len(finished.shards), time.perf_counter() - t0, 0, complete=True)
     state = _progress.prepare(dest_path, plan, overwrite=opts.overwrite)
     if opts.strict:
         for result in state.done.values():

@@ -9,7 +9,7 @@ from typing import Any, Protocol, runtime_checkable
 from fastdata.errors import FastdataError, ManifestError
 from fastdata.manifest import Manifest, ShardInfo, sha256_file
 
-__all__ = ["ShardReader", "open_shard", "verify"]
+__all__ = ["ShardReader", "open_shard", "verify", "verify_shard"]
 
 
 @runtime_checkable
@@ -57,8 +57,9 @@ def open_shard(folder: str | os.PathLike[str], shard: ShardInfo, *, format: str,
 def verify(folder: str | os.PathLike[str]) -> list[str]:
     """Re-read every shard of ``folder`` against its manifest; return the problems (empty if none).
 
-    Checks per shard: file present, byte size, sha256, sample count, the layout (HDF5) or the
-    sidecar index against a fresh header scan (tar), and that the shard's fields are in the manifest.
+    Checks per shard (:func:`verify_shard`): file present, byte size, sha256, sample count, the
+    layout (HDF5) or the sidecar index against a fresh header scan (tar), and that the shard's
+    fields are in the manifest.
     """
     try:
         manifest = Manifest.load(folder)
@@ -66,49 +67,51 @@ def verify(folder: str | os.PathLike[str]) -> list[str]:
         return [str(e)]
     problems: list[str] = []
     for shard in manifest.shards:
-        problems.extend(_verify_shard(Path(folder), manifest, shard))
+        problems.extend(verify_shard(folder, manifest, shard))
     return problems
 
 
-def _verify_shard(folder: Path, manifest: Manifest, shard: ShardInfo) -> list[str]:
+def verify_shard(folder: str | os.PathLike[str], manifest: Manifest, shard: ShardInfo) -> list[str]:
+    """Every problem of one shard of ``manifest`` in ``folder`` (empty if none); safe to run in threads."""
+    folder = Path(folder)
     path = folder / shard.name
     if not path.is_file():
         return [f"{shard.name}: shard file is missing"]
+    problems = []
     size = path.stat().st_size
     if size != shard.bytes:
-        return [f"{shard.name}: size is {size} bytes, manifest says {shard.bytes}"]
-    digest = sha256_file(path)
-    if digest != shard.sha256:
-        return [f"{shard.name}: sha256 mismatch (file {digest}, manifest {shard.sha256})"]
+        problems.append(f"{shard.name}: size is {size} bytes, manifest says {shard.bytes}")
+    else:  # a different size implies a different sha256: hash only when it can tell something
+        digest = sha256_file(path)
+        if digest != shard.sha256:
+            problems.append(f"{shard.name}: sha256 mismatch (file {digest}, manifest {shard.sha256})")
     try:
         if manifest.format == "tar":
-            fields = _verify_tar(folder, shard)
+            fields = _verify_tar(folder, shard, problems)
         else:
             reader: Any = open_shard(folder, shard, format="hdf5")
             with reader:
                 count, fields = len(reader), set(reader.fields)
-                if count != shard.num_samples:
-                    return [f"{shard.name}: has {count} samples, manifest says {shard.num_samples}"]
+            if count != shard.num_samples:
+                problems.append(f"{shard.name}: has {count} samples, manifest says {shard.num_samples}")
     except (FastdataError, OSError) as e:
-        return [f"{shard.name}: {e}"]
-    if isinstance(fields, str):
-        return [fields]
+        return [*problems, f"{shard.name}: {e}"]
     unknown = sorted(fields - {f.name for f in manifest.fields})
     if unknown:
-        return [f"{shard.name}: fields {unknown} are not listed in the manifest"]
-    return []
+        problems.append(f"{shard.name}: fields {unknown} are not listed in the manifest")
+    return problems
 
 
-def _verify_tar(folder: Path, shard: ShardInfo) -> set[str] | str:
+def _verify_tar(folder: Path, shard: ShardInfo, problems: list[str]) -> set[str]:
     from fastdata.shards.tar import TarIndex
 
     scanned = TarIndex.build(folder / shard.name)
     if len(scanned) != shard.num_samples:
-        return f"{shard.name}: has {len(scanned)} samples, manifest says {shard.num_samples}"
+        problems.append(f"{shard.name}: has {len(scanned)} samples, manifest says {shard.num_samples}")
     if shard.index is not None:
         index_path = folder / shard.index
         if not index_path.is_file():
-            return f"{shard.name}: index file {shard.index} is missing"
-        if TarIndex.load(index_path) != scanned:
-            return f"{shard.name}: index file {shard.index} does not match the shard's headers"
+            problems.append(f"{shard.name}: index file {shard.index} is missing")
+        elif TarIndex.load(index_path) != scanned:
+            problems.append(f"{shard.name}: index file {shard.index} does not match the shard's headers")
     return {f for m in scanned.members for f, _, _ in m}
