@@ -1,0 +1,513 @@
+"""The thread decoder of :class:`fastdata.DataLoader` (``decode_threads=N``): no worker processes.
+
+Worker processes pay for every batch twice: the worker collates it into fresh shared memory and
+the main process receives, unpickles and (with ``pin_memory``) copies it again. Pillow and
+libjpeg-turbo release the GIL while decoding and resampling, so a pool of threads in the loading
+process decodes in parallel too, and each sample can land straight in its batch's buffer.
+
+Same batches as the worker path. Each of the ``num_workers`` virtual workers walks the index
+sequence a worker process would walk (a dataset :class:`~fastdata.dataset.Cursor`, resume stages
+included); batches are dealt round-robin over the virtual workers from the one that yields first,
+skipping exhausted ones; each yields its own partial last batch unless ``drop_last``; a sample
+skipped by ``on_error`` shifts the batch boundary exactly as in a worker. Each batch carries
+(virtual worker, position after it), so ``state_dict()`` is exact and a state saved on either path
+resumes on the other. Only the pool's thread count (``decode_threads``) is free: it changes speed,
+never batches. (Random transforms drawing from a global RNG see a different order of draws than
+in worker processes, which are seeded per worker; content is then not reproducible either way.)
+
+Scheduling. The consumer's ``next()`` dispatches the samples of the coming batches (predicted by
+the same round-robin) to the pool in chunks, keeping about ``LOOKAHEAD + 1`` batches in flight,
+then takes the current batch's results in sequence order. Nothing runs in the consumer thread but
+the dispatch, the collation of small fields and a copy for a sample that did not land in place.
+
+Writing in place. Once the first sample of an epoch shows its tensor fields (shape, dtype), each
+dispatched sample is told the batch row it will most likely occupy (its *predicted ordinal*: the
+number of samples of its virtual worker dispatched before it since the last re-base) and the pool
+thread copies its tensors there. A skipped sample makes the later samples' true rows smaller than
+predicted; those are copied to their true rows by the consumer. This is race-free because
+predictions only grow along a virtual worker's sequence and are never below the true ordinal: a
+row is written speculatively only by the one sample predicted for it, which is consumed (its task
+finished) before any later sample's true row is filled, and a batch's buffer is handed over only
+after every sample predicted into it has been consumed. Predictions re-base to the true count
+whenever the virtual worker has nothing in flight.
+
+Buffer ownership. Measured on the 2-core dev box (``/tmp/buf_bench.py`` in the note of issue 9:
+fill 64 or 256 samples of 3x224x224 uint8 into a batch while the consumer holds the previous two
+batches): a fresh tensor per batch costs 3.5-4.0 ms per 64 and 16 ms per 256 samples, a reused
+one 1.5 ms and 6 ms (first-touch page faults). So CPU batch memory comes from a ring whose
+buffers are reused only when provably free: not assigned to a batch in flight and no tensor but
+the ring's own refers to its storage (``torch._C._storage_Use_Count``; the consumer always gets
+views, so any batch, slice or NumPy array it keeps pins the buffer; a test guards this torch
+behaviour). When every ring buffer is held, a fresh one is allocated. Pinned memory
+(``pin_memory=True``) is not ringed: a consumer may drop a pinned batch while a ``non_blocking``
+copy still reads it, which only torch's caching host allocator knows (it records an event on the
+copy's stream and reuses the block after it completes); so pinned buffers are fresh
+``torch.empty(pin_memory=True)`` per batch, which that allocator serves from its cache.
+
+Threads. The pool's threads are daemons named ``fastdata-decode-<k>``, hold no reference to the
+iterator (dropping it, an early ``break``, ``close()`` or the end of the epoch stops and joins
+them), and are paused (joined after their current chunk) before any ``os.fork`` of this process,
+so a DataLoader with worker processes elsewhere never forks while they run; they restart on the
+next ``next()``. An exception in a pool thread reaches the consumer at the batch where the worker
+path would raise it, as the same exception object with its traceback and a note naming the thread,
+virtual worker, sample and batch.
+"""
+from __future__ import annotations
+
+import os
+import threading
+import weakref
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import default_collate
+from torch.utils.data._utils.pin_memory import pin_memory as _pin_memory
+
+__all__ = ["LOOKAHEAD", "ThreadBatches", "check_threads"]
+
+# Batches dispatched beyond the one the consumer waits for. Two keep every thread busy while the
+# consumer holds a batch (a third gained nothing on 2 cores) at (LOOKAHEAD + 1) batches of memory.
+LOOKAHEAD = 2
+# Ring buffers kept per field beyond those in flight: batches the consumer (or a prefetcher) may
+# still hold; more are allocated fresh (and dropped) rather than waited for.
+RING_SPARE = 4
+# Tensor fields smaller than this are collated normally; bigger ones are written in place.
+MIN_INPLACE_BYTES = 1024
+_POLL_S = 0.1  # how often a waiting consumer checks that the pool is alive
+
+
+def check_threads(value: Any) -> int:
+    """Validate ``decode_threads``: an int >= 0 (0: worker processes as usual)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"decode_threads must be an int >= 0 (0: decode in worker processes), got {value!r}")
+    return value
+
+
+# ----- the pool ---------------------------------------------------------------------------------
+_POOLS: weakref.WeakSet[_Pool] = weakref.WeakSet()
+
+
+def _pause_before_fork() -> None:
+    for pool in list(_POOLS):
+        pool.pause()
+
+
+if hasattr(os, "register_at_fork"):  # pragma: no branch
+    os.register_at_fork(before=_pause_before_fork)
+
+
+class _Pool:
+    """Daemon threads running submitted calls in order of submission; pausable for fork."""
+
+    def __init__(self, threads: int, name: str = "fastdata-decode"):
+        self.size = threads
+        self.name = name
+        self._tasks: deque[tuple[Future[Any], Callable[..., Any], tuple[Any, ...]]] = deque()
+        self._cv = threading.Condition(threading.Lock())
+        self._threads: list[threading.Thread] = []
+        self._stopping = False  # threads exit after their current task (pause or close)
+        self._closed = False
+        self._pid = os.getpid()
+        _POOLS.add(self)
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
+        fut: Future[Any] = Future()
+        with self._cv:
+            if self._closed:
+                raise RuntimeError("fastdata decode pool is closed")
+            self._tasks.append((fut, fn, args))
+            self._cv.notify()
+        self.ensure_running()
+        return fut
+
+    def ensure_running(self) -> None:
+        """(Re)start the threads (after a fork pause); only in the process that created the pool."""
+        if self._pid != os.getpid():
+            raise RuntimeError("a fastdata decode_threads iterator cannot be used in a forked child process; "
+                               "iterate the DataLoader in the child instead")
+        with self._cv:
+            if self._closed or (self._threads and all(t.is_alive() for t in self._threads)):
+                return
+            self._stopping = False
+            self._threads = [t for t in self._threads if t.is_alive()]
+            while len(self._threads) < self.size:
+                t = threading.Thread(target=_run, args=(self._tasks, self._cv, self._should_stop),
+                                     name=f"{self.name}-{len(self._threads)}", daemon=True)
+                t.start()
+                self._threads.append(t)
+
+    def _should_stop(self) -> bool:
+        return self._stopping
+
+    def _join(self) -> None:
+        me = threading.current_thread()
+        with self._cv:
+            self._stopping = True
+            self._cv.notify_all()
+            threads = list(self._threads)
+        for t in threads:
+            if t is not me:
+                t.join()
+        with self._cv:
+            self._threads = [t for t in self._threads if t.is_alive()]
+
+    def pause(self) -> None:
+        """Join the threads after their current task; queued tasks wait for :meth:`ensure_running`."""
+        if self._pid == os.getpid() and self._threads:
+            self._join()
+
+    def close(self) -> None:
+        """Cancel queued tasks and join the threads (safe to call twice)."""
+        with self._cv:
+            self._closed = True
+            tasks, self._tasks = list(self._tasks), deque()
+        for fut, _, _ in tasks:
+            fut.cancel()
+        if self._pid == os.getpid():
+            self._join()
+
+    @property
+    def alive(self) -> int:
+        return sum(t.is_alive() for t in self._threads)
+
+
+def _run(tasks: deque[Any], cv: threading.Condition, should_stop: Callable[[], bool]) -> None:
+    """Thread body: holds only the queue, so a dropped iterator lets its pool be collected."""
+    while True:
+        with cv:
+            while not tasks and not should_stop():
+                cv.wait()
+            if should_stop():
+                return
+            fut, fn, args = tasks.popleft()
+        if not fut.set_running_or_notify_cancel():
+            continue
+        try:
+            fut.set_result(fn(*args))
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer, which re-raises it
+            fut.set_exception(e)
+        del fut, fn, args
+
+
+# ----- batch memory -----------------------------------------------------------------------------
+Spec = dict[str, tuple[tuple[int, ...], torch.dtype]]
+
+
+def _storage_users(t: torch.Tensor) -> int:
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+
+
+class _Buffers:
+    """Batch buffers per field: a ring of provably free CPU buffers, or fresh pinned ones."""
+
+    def __init__(self, pin: str | None, in_flight: int):
+        self.pin = pin
+        self.cap = in_flight + RING_SPARE
+        self._ring: dict[tuple[str, tuple[int, ...], torch.dtype], list[tuple[torch.Tensor, int]]] = {}
+        self._busy: set[int] = set()  # id() of ring tensors assigned to batches in flight
+        self.allocated = 0  # tensors allocated (ring and fresh), for tests and stats
+
+    def take(self, spec: Spec, rows: int) -> dict[str, torch.Tensor]:
+        return {name: self._one(name, (rows, *shape), dtype) for name, (shape, dtype) in spec.items()}
+
+    def _one(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        if self.pin is not None:
+            self.allocated += 1
+            return torch.empty(shape, dtype=dtype, pin_memory=True)
+        ring = self._ring.setdefault((name, shape, dtype), [])
+        for t, base in ring:
+            if id(t) not in self._busy and _storage_users(t) == base:
+                self._busy.add(id(t))
+                return t
+        t = torch.empty(shape, dtype=dtype)
+        self.allocated += 1
+        if len(ring) < self.cap:
+            ring.append((t, _storage_users(t)))
+            self._busy.add(id(t))
+        return t
+
+    def release(self, bufs: dict[str, torch.Tensor]) -> None:
+        """The batch left our hands (handed over as views, or discarded)."""
+        for t in bufs.values():
+            self._busy.discard(id(t))
+
+
+def _spec_of(sample: Any) -> Spec | None:
+    """The fields of a sample written in place: top-level tensors of a plain dict, big enough."""
+    if type(sample) is not dict:
+        return None
+    spec = {k: (tuple(v.shape), v.dtype) for k, v in sample.items()
+            if isinstance(v, torch.Tensor) and v.device.type == "cpu" and not v.requires_grad
+            and v.numel() * v.element_size() >= MIN_INPLACE_BYTES}
+    return spec or None
+
+
+def _write(sample: Any, bufs: dict[str, torch.Tensor], row: int) -> bool:
+    """Copy the sample's in-place fields into ``row``; False when the sample does not fit the spec."""
+    if type(sample) is not dict:
+        return False
+    for name, buf in bufs.items():
+        v = sample.get(name)
+        if not isinstance(v, torch.Tensor) or v.shape != buf.shape[1:] or v.dtype != buf.dtype or v.requires_grad:
+            return False
+    for name, buf in bufs.items():
+        v = sample[name]
+        try:  # NumPy copies without the GIL and without torch's intra-op threads
+            np.copyto(buf[row].numpy(), v.numpy())
+        except TypeError:  # a dtype NumPy lacks (bfloat16): torch's copy
+            buf[row].copy_(v)
+    return True
+
+
+# ----- the iterator ------------------------------------------------------------------------------
+class _Item:
+    """One sample's outcome: the sample (None: skipped), where it was written, or the error."""
+
+    __slots__ = ("pos", "g", "sample", "written", "error")
+
+    def __init__(self, pos: int, g: int, sample: Any = None, written: int = -1, error: BaseException | None = None):
+        self.pos, self.g, self.sample, self.written, self.error = pos, g, sample, written, error
+
+
+Dest = tuple[dict[str, torch.Tensor], int, int]  # (batch buffers, row, predicted ordinal)
+
+
+def _load_chunk(cursor: Any, items: list[tuple[int, int, int, int]], dests: list[Dest | None]) -> list[_Item]:
+    """Pool task: load samples (pos, g, shard, i) of one virtual worker, writing each in place when
+    told where. Stops at the first exception (the consumer raises it there)."""
+    out: list[_Item] = []
+    for (pos, g, shard, i), dest in zip(items, dests):
+        try:
+            sample = cursor.load(shard, i, g)
+            written = -1
+            if sample is not None and dest is not None and _write(sample, dest[0], dest[1]):
+                written = dest[2]
+            out.append(_Item(pos, g, sample, written))
+        except BaseException as e:  # noqa: BLE001 - re-raised by the consumer at this sample
+            e.add_note(f"(in thread {threading.current_thread().name} of fastdata.DataLoader(decode_threads=...), "
+                       f"virtual worker {cursor.worker}, sample {g}, position {pos} of its sequence)")
+            out.append(_Item(pos, g, error=e))
+            break
+    return out
+
+
+class _Walk:
+    """The consumer-side state of one virtual worker."""
+
+    def __init__(self, cursor: Any, seq: np.ndarray):
+        self.cursor = cursor
+        self.seq = seq
+        self.dispatched = int(cursor.pos)  # next position to dispatch
+        self.pending: deque[tuple[Future[list[_Item]], int]] = deque()  # (chunk, its sample count)
+        self.results: deque[_Item] = deque()  # outcomes of the chunk being consumed
+        self.in_flight = 0  # samples dispatched and not consumed
+        self.taken = 0  # samples consumed into batches (true ordinal of the next one)
+        self.predicted = 0  # predicted ordinal of the next dispatched sample
+        self.buffers: dict[int, dict[str, torch.Tensor]] = {}  # batch ordinal -> its buffers
+
+    @property
+    def left(self) -> int:
+        return len(self.seq) - self.dispatched
+
+
+class ThreadBatches:
+    """The batches of one epoch, decoded in a thread pool, in the worker path's order.
+
+    Iterates ``(batch, virtual worker, position after the batch)`` tuples. ``cursors`` are the
+    virtual workers' dataset cursors (their ``seq`` and ``pos``); ``first`` yields first.
+    """
+
+    def __init__(self, cursors: Sequence[Any], *, first: int, threads: int, batch_size: int, drop_last: bool,
+                 collate_fn: Callable[[Any], Any], pin: str | None):
+        self._walks = [_Walk(c, c.seq) for c in cursors]
+        self._n = len(cursors)
+        self._w = first
+        self._active = [True] * self._n
+        self._b = batch_size
+        self._drop_last = drop_last
+        self._collate = collate_fn
+        self._inplace = collate_fn is default_collate
+        self._pin = pin
+        self._threads = threads
+        self._chunk = max(1, min(8, batch_size // (4 * threads)))
+        self._spec: Spec | None = None
+        self._buffers = _Buffers(pin, LOOKAHEAD + 1)
+        self._batches = 0
+        self._pool: _Pool | None = _Pool(threads)
+        self._finalizer = weakref.finalize(self, self._pool.close)
+
+    # -- public
+    def __iter__(self) -> ThreadBatches:
+        return self
+
+    def __next__(self) -> tuple[Any, int, int]:
+        if self._pool is None:
+            raise StopIteration
+        try:
+            while any(self._active):
+                w = self._w
+                self._w = (w + 1) % self._n
+                if not self._active[w]:
+                    continue
+                self._dispatch(w)
+                rows, pos = self._take(self._walks[w])
+                full = len(rows) == self._b
+                self._active[w] = full
+                if full or (rows and not self._drop_last):
+                    batch = self._assemble(self._walks[w], rows)
+                    self._batches += 1
+                    return batch, w, pos
+                self._discard(self._walks[w])
+        except BaseException:
+            self.close()
+            raise
+        self.close()
+        raise StopIteration
+
+    def close(self) -> None:
+        """Stop and join the pool's threads (safe to call twice; also on garbage collection)."""
+        if self._pool is not None:
+            self._finalizer()
+            self._pool = None
+            for walk in self._walks:
+                self._discard(walk)
+                walk.pending.clear()
+                walk.results.clear()
+
+    @property
+    def threads_alive(self) -> int:
+        return 0 if self._pool is None else self._pool.alive
+
+    # -- dispatch
+    def _dispatch(self, w: int) -> None:
+        """Keep about LOOKAHEAD + 1 predicted batches in flight, from batch of worker ``w`` on."""
+        budget = (LOOKAHEAD + 1) * self._b - sum(walk.in_flight for walk in self._walks)
+        have = [walk.in_flight for walk in self._walks]
+        active = list(self._active)
+        for _ in range((LOOKAHEAD + 1) * self._n):
+            if budget <= 0 or not any(active):
+                return
+            if active[w]:
+                walk = self._walks[w]
+                need = self._b - min(self._b, have[w])
+                have[w] = max(0, have[w] - self._b)
+                d = min(need, walk.left, budget)
+                if d > 0:
+                    self._submit(walk, d)
+                    budget -= d
+                if need > d and walk.left == 0:
+                    active[w] = False  # predicted to end with this batch
+                elif need > d:
+                    return  # out of budget
+            w = (w + 1) % self._n
+
+    def _submit(self, walk: _Walk, count: int) -> None:
+        assert self._pool is not None
+        if walk.in_flight == 0:
+            walk.predicted = walk.taken  # re-base: nothing in flight can collide
+        lo = walk.dispatched
+        shards, local = walk.cursor.locate(lo, lo + count)
+        gs = walk.seq[lo : lo + count].tolist()
+        items = list(zip(range(lo, lo + count), gs, shards.tolist(), local.tolist()))
+        for k in range(0, count, self._chunk):
+            part = items[k : k + self._chunk]
+            dests = [self._dest(walk, walk.predicted + j) for j in range(len(part))]
+            walk.predicted += len(part)
+            walk.pending.append((self._pool.submit(_load_chunk, walk.cursor, part, dests), len(part)))
+        walk.dispatched += count
+        walk.in_flight += count
+
+    def _dest(self, walk: _Walk, ordinal: int) -> Dest | None:
+        if self._spec is None or not self._inplace:
+            return None
+        b = ordinal // self._b
+        bufs = walk.buffers.get(b)
+        if bufs is None:
+            bufs = walk.buffers[b] = self._buffers.take(self._spec, self._b)
+        return bufs, ordinal % self._b, ordinal
+
+    # -- consumption
+    def _next_item(self, walk: _Walk) -> _Item | None:
+        """The next sample outcome of ``walk`` in sequence order (None: its sequence is done)."""
+        while not walk.results:
+            if not walk.pending:
+                if walk.left == 0:
+                    return None
+                self._submit(walk, min(walk.left, self._b))  # a skip left the prediction short
+            fut, _ = walk.pending.popleft()
+            walk.results.extend(self._wait(fut))
+            if not walk.results:  # pragma: no cover - a chunk always yields or raises
+                raise RuntimeError("fastdata decode thread returned no result")
+        walk.in_flight -= 1
+        return walk.results.popleft()
+
+    def _wait(self, fut: Future[list[_Item]]) -> list[_Item]:
+        assert self._pool is not None
+        while True:
+            self._pool.ensure_running()  # after a fork pause
+            try:
+                return fut.result(timeout=_POLL_S)
+            except TimeoutError:
+                continue
+
+    def _take(self, walk: _Walk) -> tuple[list[Any], int]:
+        """The next ``batch_size`` samples of ``walk`` that load (fewer at its end), and the position after."""
+        rows: list[Any] = []
+        pos = int(walk.cursor.pos)
+        while len(rows) < self._b:
+            item = self._next_item(walk)
+            if item is None:
+                pos = len(walk.seq)
+                break
+            pos = item.pos + 1
+            if item.error is not None:
+                item.error.add_note(f"(fastdata.DataLoader batch {self._batches}, virtual worker {walk.cursor.worker})")
+                raise item.error
+            if item.sample is None:
+                continue  # skipped under on_error; recorded in dataset.skipped by the dataset
+            if self._spec is None and self._inplace:
+                self._spec = _spec_of(item.sample)
+                if self._spec is None:
+                    self._inplace = False
+            rows.append((item.sample, item.written == walk.taken))
+            walk.taken += 1
+        walk.cursor.drain_skips()
+        walk.cursor.pos = pos
+        return rows, pos
+
+    def _assemble(self, walk: _Walk, rows: list[tuple[Any, bool]]) -> Any:
+        b = (walk.taken - len(rows)) // self._b  # batches start at multiples of batch_size
+        samples = [s for s, _ in rows]
+        bufs = walk.buffers.pop(b, None)
+        if not self._inplace or self._spec is None:
+            if bufs is not None:
+                self._buffers.release(bufs)
+            return self._finish(self._collate(samples))
+        if bufs is None:
+            bufs = self._buffers.take(self._spec, self._b)
+        try:
+            for j, (s, in_place) in enumerate(rows):
+                if not in_place and not _write(s, bufs, j):
+                    return self._finish(default_collate(samples))  # torch's error for mismatched samples
+            n = len(samples)
+            first = samples[0]
+            return {k: bufs[k][:n] if k in bufs else self._pinned(default_collate([s[k] for s in samples]))
+                    for k in first}
+        finally:
+            self._buffers.release(bufs)
+
+    def _pinned(self, value: Any) -> Any:
+        return _pin_memory(value, self._pin) if self._pin is not None else value
+
+    def _finish(self, batch: Any) -> Any:
+        return self._pinned(batch)
+
+    def _discard(self, walk: _Walk) -> None:
+        for bufs in walk.buffers.values():
+            self._buffers.release(bufs)
+        walk.buffers.clear()
+
