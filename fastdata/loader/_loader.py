@@ -13,6 +13,10 @@ Cached fast path (``cached_fast_path=``, :mod:`fastdata.loader._cached`): when t
 store holds every sample of the epoch and no per-sample work needs a worker, the batches are
 gathered from the store in the calling process instead, identical in content and order.
 
+Thread decoder (``decode_threads=N``, :mod:`fastdata.loader._threads`): no worker processes; the
+``num_workers`` virtual workers' samples are decoded by N threads of this process straight into
+batch buffers, again identical in content and order to the worker path.
+
 Everything else is ``torch.utils.data.DataLoader`` unchanged; with any other dataset this class
 behaves exactly like torch's (``state_dict()`` then raises TypeError).
 """
@@ -29,6 +33,7 @@ from torch.utils.data._utils.pin_memory import pin_memory as _pin_memory
 from fastdata.dataset import EpochStart, ShardedDataset, current_cursor
 from fastdata.errors import CacheError, FastdataError
 from fastdata.loader import _cached as _cache_loader
+from fastdata.loader import _threads as _thread_loader
 
 __all__ = ["DataLoader"]
 
@@ -88,6 +93,12 @@ class _LoaderIter:
     def __len__(self) -> int:
         return len(self._inner) if self._length is None else self._length
 
+    def close(self) -> None:
+        """Stop the in-process thread decoder's threads now (no-op on the other paths)."""
+        close = getattr(self._inner, "close", None)
+        if isinstance(self._inner, _thread_loader.ThreadBatches) and close is not None:
+            close()
+
     def __next__(self) -> Any:
         item = next(self._inner)
         if isinstance(item, _cache_loader.FastBatch):  # skips are recorded in this process already
@@ -125,17 +136,33 @@ class DataLoader(torch.utils.data.DataLoader):
             partial batches, resume state) as the workers would give. ``True``: also with a
             custom ``collate_fn`` (run in this process) or a ``worker_init_fn`` (not called);
             ``CacheError`` when the store lacks more of the epoch. ``False``: always the
-            workers. ``last_path`` tells which path the latest epoch took ("cached" or
-            "workers") and ``fallback_reason`` why not the fast one.
+            workers. ``last_path`` tells which path the latest epoch took ("cached", "threads"
+            or "workers") and ``fallback_reason`` why not the fast one.
+        decode_threads: ``0`` (default): samples are loaded in ``num_workers`` worker processes.
+            ``N >= 1``: no worker processes; ``N`` threads of this process load (read, decode,
+            transform) the samples the ``num_workers`` workers would load and write them straight
+            into batch buffers (pinned with ``pin_memory=True``), with no per-batch IPC. Batches
+            are the same (content, keys, order, partial batches, resume state) as with worker
+            processes and the same ``num_workers``, which therefore still fixes the order; ``N``
+            only sets the speed. Needs an indexed (not streaming) ``ShardedDataset``, a
+            ``batch_size`` and no ``worker_init_fn``; ``transform=``/``sample_transform=`` and a
+            custom ``collate_fn`` must be thread-safe (the collate runs in the calling thread).
+            An epoch the cached fast path can serve takes that path instead.
         Everything else: as ``torch.utils.data.DataLoader``.
     """
 
-    def __init__(self, dataset: Any, *args: Any, cached_fast_path: bool | str = "auto", **kwargs: Any):
+    def __init__(self, dataset: Any, *args: Any, cached_fast_path: bool | str = "auto", decode_threads: int = 0,
+                 **kwargs: Any):
         mode = _cache_loader.check_mode(cached_fast_path)
+        self.decode_threads = _thread_loader.check_threads(decode_threads)
         super().__init__(dataset, *args, **kwargs)
+        if decode_threads:
+            why = _thread_loader.static_reason(dataset, batch_size=self.batch_size, worker_init_fn=self.worker_init_fn)
+            if why is not None:
+                raise ValueError(f"decode_threads={decode_threads}: {why}")
         self._run: _Run | None = None
         self.cached_fast_path = mode
-        self.last_path: str | None = None  # "cached" or "workers": the path the latest iteration took
+        self.last_path: str | None = None  # "cached", "threads" or "workers": the path the latest iteration took
         self.fallback_reason: str | None = None  # why the latest iteration did not take the fast path
         self._fast_seed_drawn = False
         self._user_collate = self.collate_fn
@@ -177,6 +204,16 @@ class DataLoader(torch.utils.data.DataLoader):
             ds.consume_resume()
             self._draw_base_seed()
             return _LoaderIter(self, fast, self._run, len(self))
+        if self.decode_threads:
+            self.last_path = "threads"
+            pin = _cache_loader.pin_device() if self.pin_memory else None
+            batches = _thread_loader.thread_batches(
+                ds, start, threads=self.decode_threads, batch_size=self.batch_size,  # type: ignore[arg-type]
+                drop_last=self.drop_last, collate_fn=self._user_collate, pin=pin)
+            ds.consume_resume()
+            self._draw_base_seed()
+            self._run = _Run(start, list(start.consumed))
+            return _LoaderIter(self, batches, self._run, len(self))
         self.last_path = "workers"
         inner = super().__iter__()  # workers now hold a copy of the dataset with the resume state
         ds.consume_resume()

@@ -67,7 +67,10 @@ import torch
 from torch.utils.data import default_collate
 from torch.utils.data._utils.pin_memory import pin_memory as _pin_memory
 
-__all__ = ["LOOKAHEAD", "ThreadBatches", "check_threads"]
+from fastdata.dataset import EpochStart, ShardedDataset
+from fastdata.loader._cached import FastBatch
+
+__all__ = ["LOOKAHEAD", "ThreadBatches", "check_threads", "static_reason", "thread_batches"]
 
 # Batches dispatched beyond the one the consumer waits for. Two keep every thread busy while the
 # consumer holds a batch (a third gained nothing on 2 cores) at (LOOKAHEAD + 1) batches of memory.
@@ -85,6 +88,33 @@ def check_threads(value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"decode_threads must be an int >= 0 (0: decode in worker processes), got {value!r}")
     return value
+
+
+def static_reason(ds: Any, *, batch_size: int | None, worker_init_fn: Any) -> str | None:
+    """Why ``decode_threads`` cannot serve this loader (None: it can)."""
+    if not isinstance(ds, ShardedDataset):
+        return f"it needs a fastdata.ShardedDataset, got a {type(ds).__name__}"
+    if ds.streaming:
+        return "a streaming (URL) source has no random access; use worker processes (decode_threads=0)"
+    if batch_size is None:
+        return "batch_size=None (no automatic batching) is not supported"
+    if worker_init_fn is not None:
+        return "worker_init_fn= cannot run: no worker processes are started"
+    return None
+
+
+def thread_batches(ds: ShardedDataset, start: EpochStart, *, threads: int, batch_size: int, drop_last: bool,
+                   collate_fn: Callable[[Any], Any], pin: str | None) -> ThreadBatches:
+    """The batches of ``start``'s epoch decoded in ``threads`` threads (see the module docstring)."""
+    if ds.has_cache:
+        ds.cache_store()  # opened here once, not raced by the pool's first loads
+    seqs = ds.sequences_at(start)
+    n = len(seqs)
+    # one live cursor per virtual worker: the dataset keeps every one's open shards open;
+    # with one worker ds.state_dict() follows, as with num_workers=0 on the worker path
+    cursors = [ds.cursor(start, w, seq=seq, live=n == 1) for w, seq in enumerate(seqs)]
+    return ThreadBatches(cursors, first=start.first, threads=threads, batch_size=batch_size, drop_last=drop_last,
+                         collate_fn=collate_fn, pin=pin)
 
 
 # ----- the pool ---------------------------------------------------------------------------------
@@ -317,7 +347,7 @@ class _Walk:
 class ThreadBatches:
     """The batches of one epoch, decoded in a thread pool, in the worker path's order.
 
-    Iterates ``(batch, virtual worker, position after the batch)`` tuples. ``cursors`` are the
+    Iterates :class:`FastBatch` (batch, virtual worker, position after the batch). ``cursors`` are the
     virtual workers' dataset cursors (their ``seq`` and ``pos``); ``first`` yields first.
     """
 
@@ -344,7 +374,7 @@ class ThreadBatches:
     def __iter__(self) -> ThreadBatches:
         return self
 
-    def __next__(self) -> tuple[Any, int, int]:
+    def __next__(self) -> FastBatch:
         if self._pool is None:
             raise StopIteration
         try:
@@ -360,7 +390,7 @@ class ThreadBatches:
                 if full or (rows and not self._drop_last):
                     batch = self._assemble(self._walks[w], rows)
                     self._batches += 1
-                    return batch, w, pos
+                    return FastBatch(batch, w, pos)
                 self._discard(self._walks[w])
         except BaseException:
             self.close()
