@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import io
 import os
+from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -36,6 +38,16 @@ def jpeg_bytes(img: Image.Image, quality: int) -> bytes:
     return buf.getvalue()
 
 
+def _write_images(root: Path, jobs: list[tuple[int, int, int, int, int]], num_classes: int, seed: int) -> int:
+    for i, cls, w, h, q in jobs:
+        path = root / f"class_{cls:02d}" / f"img_{i:06d}.jpg"
+        if path.exists():
+            continue
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(jpeg_bytes(synth_image(np.random.default_rng([seed, i]), w, h, cls), q))
+    return len(jobs)
+
+
 def make_image_folder(
     dest: str | os.PathLike[str],
     num_images: int,
@@ -45,22 +57,33 @@ def make_image_folder(
     max_side: int = 640,
     quality: tuple[int, int] = (75, 95),
     seed: int = 0,
+    workers: int = 1,
+    progress: Callable[[int, int], None] | None = None,
 ) -> Path:
     """Write ``num_images`` JPEGs into ``dest/class_XX/img_XXXXXX.jpg`` (ImageFolder layout).
 
     Sizes are drawn uniformly in [min_side, max_side] per side and quality in ``quality``;
-    the same arguments always give byte-identical files. Existing files are kept.
+    the same arguments always give byte-identical files, whatever ``workers`` (processes) is.
+    Existing files are kept. ``progress(done, total)`` is called as images are written.
     """
     root = Path(dest)
     rng = np.random.default_rng(seed)
+    jobs = []
     for i in range(num_images):
-        cls = i % num_classes
         w, h = (int(v) for v in rng.integers(min_side, max_side + 1, size=2))
-        q = int(rng.integers(quality[0], quality[1] + 1))
-        path = root / f"class_{cls:02d}" / f"img_{i:06d}.jpg"
-        img_rng = np.random.default_rng([seed, i])
-        if path.exists():
-            continue
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(jpeg_bytes(synth_image(img_rng, w, h, cls), q))
+        jobs.append((i, i % num_classes, w, h, int(rng.integers(quality[0], quality[1] + 1))))
+    chunks = [jobs[i:i + 32] for i in range(0, len(jobs), 32)]
+    done = 0
+    if workers <= 1 or len(chunks) <= 1:
+        for chunk in chunks:
+            done += _write_images(root, chunk, num_classes, seed)
+            if progress is not None:
+                progress(done, num_images)
+        return root
+    with ProcessPoolExecutor(max_workers=workers) as pool:
+        for n in pool.map(_write_images, [root] * len(chunks), chunks, [num_classes] * len(chunks),
+                          [seed] * len(chunks)):
+            done += n
+            if progress is not None:
+                progress(done, num_images)
     return root
