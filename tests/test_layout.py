@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import ast
 import importlib
+import importlib.util
 import inspect
 import pkgutil
+import sys
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -277,6 +279,22 @@ def test_no_private_imports_across_packages(name):
 def test_no_import_circles():
     found = circles(import_graph())
     assert not found, "import circles:\n  " + "\n  ".join(" -> ".join(c) for c in found)
+
+
+def test_no_private_member_reads_across_stages():
+    """``obj._name`` where only other stages define ``_name`` (benchmarks/layout_stats.py's heuristic)."""
+    spec = importlib.util.spec_from_file_location("layout_stats", ROOT / "benchmarks" / "layout_stats.py")
+    layout_stats = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = layout_stats  # dataclasses look their module up
+    try:
+        spec.loader.exec_module(layout_stats)
+        found = layout_stats.stats(ROOT)
+    finally:
+        del sys.modules[spec.name]
+    assert not found.private_attribute_reads, (
+        "reads another stage's private members (add a method to its package-internal API instead):\n  "
+        + "\n  ".join(found.private_attribute_reads))
+    assert found.circles == []  # the same graph, built independently
 
 
 def test_public_names_resolve():
