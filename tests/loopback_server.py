@@ -1,7 +1,7 @@
 """A real HTTP server on 127.0.0.1 for tests and benchmarks of remote shards (never another address).
 
 Serves the files of one folder, with or without ``Range`` support, and a fault mode: a function
-``(path, nth_request_of_path) -> action`` where action is ``None`` (serve), an HTTP status
+``(path, nth GET of path; 0 for HEAD) -> action`` where action is ``None`` (serve), an HTTP status
 (500, 503, 404, ...), ``"drop"`` (send the headers and half the body, then close the
 connection) or ``"corrupt"`` (serve the body with one byte flipped). Bounded: it refuses to serve after ``max_requests`` and shuts itself down after
 ``lifetime`` seconds, so a test that forgets it cannot leave it running.
@@ -36,13 +36,17 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     def log_message(self, format: str, *args: Any) -> None:  # quiet
         pass
 
-    def _begin(self) -> tuple[Path, int] | None:
+    def _begin(self, head: bool = False) -> tuple[Path, int] | None:
         srv = self.server
         path = self.path.split("?", 1)[0]
         with srv.lock:
             srv.total += 1
-            srv.counts[path] += 1
-            nth = srv.counts[path]
+            if head:
+                srv.heads[path] += 1
+                nth = 0
+            else:
+                srv.counts[path] += 1
+                nth = srv.counts[path]
             over = srv.total > srv.max_requests
         if over:
             self.send_error(429, "loopback server: request budget exhausted")
@@ -57,14 +61,14 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         if srv.root not in file.parents or not file.is_file():
             self.send_error(404, "not found")
             return None
-        if action in ("drop", "corrupt"):
+        if action in ("drop", "corrupt") and not head:
             with srv.lock:
                 srv.faults += 1
             return file, -1 if action == "drop" else 1
         return file, 0
 
     def do_HEAD(self) -> None:  # noqa: N802
-        got = self._begin()
+        got = self._begin(head=True)
         if got is None:
             return
         file, _ = got
@@ -143,7 +147,8 @@ class _Server(http.server.ThreadingHTTPServer):
         self.max_requests = max_requests
         self.rate = rate
         self.lock = threading.Lock()
-        self.counts: collections.Counter[str] = collections.Counter()
+        self.counts: collections.Counter[str] = collections.Counter()  # GET requests per path
+        self.heads: collections.Counter[str] = collections.Counter()  # HEAD requests per path
         self.total = 0
         self.faults = 0
 
@@ -168,7 +173,7 @@ class LoopbackServer:
 
     @property
     def counts(self) -> dict[str, int]:
-        """GET/HEAD requests per path so far."""
+        """GET requests per path so far (HEAD requests are not counted here; faults see them as nth=0)."""
         with self._srv.lock:
             return dict(self._srv.counts)
 

@@ -6,9 +6,10 @@ Behind it: ``_source`` (where shards are), ``_split`` (the index math of an epoc
 """
 from fastdata.dataset._cursor import Cursor, EpochStart, current_cursor
 from fastdata.dataset._dataset import ON_ERROR, ShardedDataset, SkippedSampleWarning
+from fastdata.dataset._source import RemoteShards
 from fastdata.dataset._split import ShuffleOptions, num_batches
 
-# Public: ShardedDataset, ShuffleOptions, SkippedSampleWarning, ON_ERROR. Package-internal seam
+# Public: ShardedDataset, RemoteShards, ShuffleOptions, SkippedSampleWarning, ON_ERROR. Package-internal seam
 # for the loader stage: Cursor, EpochStart, current_cursor, num_batches.
-__all__ = ["ON_ERROR", "Cursor", "EpochStart", "ShardedDataset", "ShuffleOptions", "SkippedSampleWarning",
+__all__ = ["ON_ERROR", "Cursor", "RemoteShards", "EpochStart", "ShardedDataset", "ShuffleOptions", "SkippedSampleWarning",
            "current_cursor", "num_batches"]

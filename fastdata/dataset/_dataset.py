@@ -364,6 +364,9 @@ class ShardedDataset(IterableDataset):
 
     def _iter_indexed(self, cursor: Cursor) -> Iterator[Any]:
         seq = cursor.seq
+        if self.source.node_cache is not None:  # remote manifest: prefetch order and eviction plan
+            self.source.plan_reads(self._plan(), cursor.epoch, seq[cursor.pos:], cursor.stages[-1][0],
+                                   cursor.pos / max(1, len(seq)))
         for lo in range(cursor.pos, len(seq), _LOCATE_CHUNK):  # shards located per chunk, not per sample
             part = seq[lo : lo + _LOCATE_CHUNK]
             shards, local = self.locate(part)

@@ -149,6 +149,7 @@ class ShardCache:
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
         self._pending: dict[int, Future[Any]] = {}
+        self._failed: dict[int, Exception] = {}  # prefetches that failed after every retry
         self._use: dict[int, list[int]] = {}  # shard -> fds holding its shared use lock
         for sub in (".locks", ".tmp"):
             (self.root / sub).mkdir(parents=True, exist_ok=True)
@@ -159,7 +160,7 @@ class ShardCache:
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        for name in ("_lock", "_pool", "_pending", "_use"):
+        for name in ("_lock", "_pool", "_pending", "_failed", "_use"):
             state.pop(name)
         return state
 
@@ -233,8 +234,10 @@ class ShardCache:
     def _prefetch_one(self, i: int) -> None:
         try:
             self._fetch(i, demand=False)
-        except Exception as e:  # noqa: BLE001 - the demand fetch repeats it and raises to the reader
+        except Exception as e:  # noqa: BLE001 - handed to the demand fetch of shard i, which raises it
             _log.debug("node cache: prefetch of %s failed: %s", self.url(i), e)
+            with self._lock:
+                self._failed[i] = e
         finally:
             with self._lock:
                 self._pending.pop(i, None)
@@ -250,7 +253,11 @@ class ShardCache:
         else:
             pending = self._pending.get(i)
             if pending is not None:
-                pending.result()  # never raises (see _prefetch_one); the demand fetch below decides
+                pending.result()  # never raises (see _prefetch_one)
+            with self._lock:
+                failed = self._failed.pop(i, None)
+            if failed is not None and not path.is_file():  # the prefetch used up every retry already
+                raise failed
             if path.is_file():
                 self.stats.hits += 1
             else:

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from fastdata._util import parse_size
-from fastdata.errors import ManifestError
+from fastdata.errors import ManifestError, RemoteError, ShardError, SourceError
 from fastdata.manifest import MANIFEST_NAME, Manifest
 from fastdata.shards import RemoteStream, RetryPolicy, env_retry, is_url, read_bytes, url_join
 
@@ -86,10 +86,13 @@ class Source:
     sizes: list[int] | None  # samples per shard; None for streaming sources
     fingerprint: str  # identifies the content (manifest) or the files (path, size, mtime)
     streaming: bool = False
-    fields: tuple[str, ...] | None = None  # all fields, when a manifest lists them
+    fields: tuple[str, ...] | None = None  # all fields: the manifest's, or those the tar indexes hold
     _opener: Any = field(default=None, repr=False)
     node_cache: Any = field(default=None, repr=False)  # ShardCache of a remote manifest
     retry: RetryPolicy | None = field(default=None, repr=False)  # streaming sources
+    # tar members that give no sample data, found while indexing (a symlink out of the archive, ...):
+    # {"shard", "key", "member", "index": None, "reason"}
+    skipped: list[dict[str, Any]] = field(default_factory=list)
 
     def reader(self, i: int) -> Any:
         """A random-access reader of shard ``i`` (lazy: opens on first use)."""
@@ -100,19 +103,36 @@ class Source:
         from fastdata.shards.tar import iter_tar_stream
 
         url = self.names[i]
-        with RemoteStream(url, retry=self.retry or env_retry()) as raw:
-            if url.endswith((".gz", ".tgz")):
-                import gzip
+        try:
+            with RemoteStream(url, retry=self.retry or env_retry()) as raw:
+                if url.endswith((".gz", ".tgz")):
+                    import gzip
 
-                with gzip.GzipFile(fileobj=raw, mode="rb") as f:  # type: ignore[arg-type]
-                    yield from iter_tar_stream(f, url)  # type: ignore[arg-type]
-            else:
-                yield from iter_tar_stream(raw, url)  # type: ignore[arg-type]
+                    with gzip.GzipFile(fileobj=raw, mode="rb") as f:  # type: ignore[arg-type]
+                        yield from iter_tar_stream(f, url)  # type: ignore[arg-type]
+                else:
+                    yield from iter_tar_stream(raw, url)  # type: ignore[arg-type]
+        except ShardError as e:
+            if isinstance(e.__cause__, RemoteError):  # the network failed, not the tar: say so
+                raise e.__cause__ from None
+            raise
 
-    def plan_reads(self, order: Sequence[int], schedule: dict[int, float], now: float) -> None:
-        """Tell the node cache (remote manifests) what this process reads next; no-op otherwise."""
-        if self.node_cache is not None:
-            self.node_cache.plan(order, schedule, now)
+    def plan_reads(self, plan: Any, epoch: int, seq: Any, num_workers: int, done: float) -> None:
+        """Tell the node cache (remote manifests) what this process reads next; no-op otherwise.
+
+        ``plan``: the rank's SplitPlan; ``seq``: the global indices this walk still reads;
+        ``done``: the fraction of the walk already read. The ranks sharing this host
+        (``LOCAL_RANK``/``LOCAL_WORLD_SIZE`` of torchrun, else this rank alone) share the cache.
+        """
+        if self.node_cache is None:
+            return
+        from fastdata.dataset._split import read_order, shard_schedule
+
+        ranks = _host_ranks(plan.rank, plan.world_size)
+        schedule = shard_schedule(plan, epoch + 1, ranks, num_workers)
+        for s, t in shard_schedule(plan, epoch, ranks, num_workers).items():
+            schedule[s] = min(t, schedule.get(s, t))
+        self.node_cache.plan(read_order(plan, seq), schedule, epoch + done)
 
 
 class _ManifestOpener:
@@ -122,7 +142,8 @@ class _ManifestOpener:
     def __call__(self, i: int) -> Any:
         from fastdata.shards.reader import open_shard
 
-        return open_shard(self.folder, self.manifest.shards[i], format=self.manifest.format)
+        return open_shard(self.folder, self.manifest.shards[i], format=self.manifest.format,
+                          fields=self.manifest.fields)  # checked against the manifest when first read
 
 
 class _TarOpener:
@@ -136,6 +157,9 @@ class _TarOpener:
 def _from_manifest(path: Path) -> Source:
     manifest = Manifest.load(path)
     folder = path if path.is_dir() else path.parent
+    if manifest.num_samples == 0:
+        raise SourceError(f"{folder / MANIFEST_NAME}: the dataset has no samples "
+                          f"(the manifest lists {len(manifest.shards)} shard(s), all empty)")
     return Source(
         names=[str(folder / s.name) for s in manifest.shards],
         sizes=[s.num_samples for s in manifest.shards],
@@ -143,6 +167,18 @@ def _from_manifest(path: Path) -> Source:
         fields=tuple(f.name for f in manifest.fields),
         _opener=_ManifestOpener(folder, manifest),
     )
+
+
+def _host_ranks(rank: int, world_size: int) -> list[int]:
+    """Ranks on this host: torchrun's LOCAL_RANK/LOCAL_WORLD_SIZE when they fit, else ``[rank]``."""
+    try:
+        local, local_n = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
+    except (KeyError, ValueError):
+        return [rank]
+    first = rank - local
+    if not (0 <= local < local_n and first >= 0 and first + local_n <= world_size):
+        return [rank]
+    return list(range(first, first + local_n))
 
 
 class _CachedShard:
@@ -264,9 +300,46 @@ def _from_local_tars(paths: list[str]) -> Source:
         readers.append(TarShardReader(local))
         ident.append([os.path.abspath(local), st.st_size, st.st_mtime_ns])
     sizes = [len(r) for r in readers]  # sidecar index or header scan
+    fields, skipped = _check_tar_indexes(readers)
     digest = hashlib.sha256(json.dumps(ident).encode("utf-8")).hexdigest()
     return Source(names=[r.path for r in readers], sizes=sizes, fingerprint=f"files:{digest}",
-                  _opener=_TarOpener(readers))
+                  fields=fields, _opener=_TarOpener(readers), skipped=skipped)
+
+
+def _check_tar_indexes(readers: Sequence[Any]) -> tuple[tuple[str, ...], list[dict[str, Any]]]:
+    """Fields of tar shards without a manifest and the members their indexes left out.
+
+    The keys are known once the shards are indexed: a key in two shards (or one shard listed
+    twice) is a SourceError naming both, an empty source one naming the shards.
+    """
+    from fastdata.shards import split_member_name
+
+    first: dict[str, int] = {}
+    seen_paths: dict[str, int] = {}
+    fields: set[str] = set()
+    skipped: list[dict[str, Any]] = []
+    for s, reader in enumerate(readers):
+        real = os.path.realpath(reader.path)
+        if real in seen_paths:
+            raise SourceError(f"shard {reader.path} is listed twice in the source (also as "
+                              f"{readers[seen_paths[real]].path}); its samples would be read twice")
+        seen_paths[real] = s
+        index = reader.index
+        for key in index.keys:
+            other = first.setdefault(key, s)
+            if other != s:
+                raise SourceError(f"key {key!r} is in shard {readers[other].path} and in shard {reader.path}: "
+                                  "keys must be unique across the shards of a dataset (remove the duplicate "
+                                  "shard or rename the samples)")
+        fields.update(f for m in index.members for f, _, _ in m)
+        for member, reason in index.skipped:
+            parts = split_member_name(member)
+            skipped.append({"shard": reader.path, "key": None if parts is None else parts[0], "member": member,
+                            "index": None, "reason": reason})
+    if not first:
+        names = ", ".join(r.path for r in readers[:3]) + (", ..." if len(readers) > 3 else "")
+        raise SourceError(f"{names}: the dataset has no samples (every shard is empty)")
+    return tuple(sorted(fields)), skipped
 
 
 def resolve_source(source: str | os.PathLike[str] | RemoteShards | Sequence[str | os.PathLike[str]]) -> Source:

@@ -363,3 +363,40 @@ def _check_consumed(seqs: Sequence[np.ndarray], consumed: Sequence[int], n: int)
     for w, (s, c) in enumerate(zip(seqs, consumed)):
         if not 0 <= c <= len(s):
             raise ValueError(f"resume state: worker {w} consumed {c} of {len(s)} samples")
+
+
+# ---------------------------------------------------------------------------------------------
+# When shards are needed (node-local shard cache: prefetch order and eviction)
+
+
+def shard_schedule(plan: SplitPlan, epoch: int, ranks: Sequence[int], num_workers: int) -> dict[int, float]:
+    """``{shard: time of first need}`` in ``epoch`` for the workers of ``ranks``.
+
+    Time is ``epoch + f`` where ``f`` is the fraction of a worker's samples read before the
+    shard's piece starts (every worker advances at about the same rate). Segments only: no index
+    sequences are built, so this is cheap for any epoch length.
+    """
+    from dataclasses import replace
+
+    nw = max(1, num_workers)
+    out: dict[int, float] = {}
+    for r in ranks:
+        p = plan if r == plan.rank else replace(plan, rank=int(r))
+        counts = split_sizes(p.per_rank, nw)
+        for w in range(nw):
+            pos, n = 0, max(1, counts[w])
+            for shard, a, b in p.worker_segments(epoch, w, nw):
+                t = epoch + pos / n
+                if t < out.get(shard, math.inf):
+                    out[shard] = t
+                pos += b - a
+    return out
+
+
+def read_order(plan: SplitPlan, seq: np.ndarray) -> list[int]:
+    """Shards in the order a worker first touches them while reading global indices ``seq``."""
+    if len(seq) == 0:
+        return []
+    shards, _ = plan.locate(np.asarray(seq, dtype=np.int64))
+    _, first = np.unique(shards, return_index=True)
+    return [int(shards[j]) for j in np.sort(first)]

@@ -1,0 +1,211 @@
+"""Node-local shard cache over a real loopback HTTP server (127.0.0.1 only).
+
+One download per host across processes, checksum verification, the byte limit, later epochs
+served locally, furthest-future eviction beating LRU at 2x oversubscription, stale downloads.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+from loopback_server import LoopbackServer  # noqa: E402
+
+from fastdata.dataset import RemoteShards, ShardedDataset, ShuffleOptions  # noqa: E402
+from fastdata.errors import RemoteError  # noqa: E402
+from fastdata.loader import DataLoader  # noqa: E402
+from fastdata.manifest import Manifest  # noqa: E402
+from fastdata.shards import RetryPolicy  # noqa: E402
+from fastdata.shards.writer import ShardWriter  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning",
+                                        "ignore:Unclosed:ResourceWarning")
+FAST = RetryPolicy(attempts=3, base_delay=0.01, max_delay=0.02)
+
+
+def make_set(dest: Path, n: int, per_shard: int, payload: int = 2000) -> Path:
+    rng = np.random.default_rng(1)
+    with ShardWriter(dest, max_samples=per_shard) as w:
+        for i in range(n):
+            w.write({"__key__": f"k{i:05d}", "cls": str(i).encode(), "bin": rng.bytes(payload)})
+    return dest
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    root = tmp_path_factory.mktemp("www")
+    make_set(root / "ds", 48, 4)  # 12 shards of ~8 KB
+    return root
+
+
+def _cache(ds: ShardedDataset):
+    return ds.source.node_cache
+
+
+def _shard_gets(srv: LoopbackServer) -> dict[str, int]:
+    return {p: c for p, c in srv.counts.items() if p.endswith(".tar")}
+
+
+def _fetch_all(cache, order, barrier) -> None:
+    barrier.wait(timeout=30)
+    for i in order:
+        assert cache.ensure(i).is_file()
+    os._exit(0 if cache.stats.downloads + cache.stats.waited + cache.stats.hits == len(order) else 3)
+
+
+def test_concurrent_processes_share_one_download(served, tmp_path):
+    # slow server (2 MB/s) so that the processes really overlap on the same shards
+    with LoopbackServer(served, ranges=False, rate=2e6, max_requests=500, lifetime=90) as srv:
+        ds = ShardedDataset(RemoteShards(srv.url + "/ds", cache_dir=tmp_path, prefetch=0), decode=False)
+        cache = _cache(ds)
+        n = len(cache.manifest.shards)
+        ctx = mp.get_context("fork")
+        barrier = ctx.Barrier(4)
+        orders = [list(range(n)), list(range(n))[::-1], list(range(0, n, 2)) + list(range(1, n, 2)), list(range(n))]
+        procs = [ctx.Process(target=_fetch_all, args=(cache, o, barrier)) for o in orders]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(60)
+        assert [p.exitcode for p in procs] == [0, 0, 0, 0]
+        gets = _shard_gets(srv)
+        assert len(gets) == n and set(gets.values()) == {1}, gets
+        assert not list((cache.root / ".tmp").iterdir())
+        for i in range(n):
+            assert cache.path(i).read_bytes() == (served / "ds" / cache.manifest.shards[i].name).read_bytes()
+
+
+def test_corrupted_download_is_detected_and_retried(served, tmp_path):
+    target = "/ds/shard-000001.tar"
+    with LoopbackServer(served, ranges=False, fault=lambda p, n: "corrupt" if p == target and n == 1 else None,
+                        max_requests=500, lifetime=60) as srv:
+        ds = ShardedDataset(RemoteShards(srv.url + "/ds", cache_dir=tmp_path, prefetch=0), decode=False)
+        _cache(ds).retry = FAST
+        assert [s["cls"] for s in ds] == [str(i).encode() for i in range(48)]
+        assert srv.counts[target] == 2 and srv.faults == 1
+        assert _cache(ds).stats.retries == 1
+
+
+def test_always_corrupted_download_fails_clearly(served, tmp_path):
+    target = "/ds/shard-000002.tar"
+    with LoopbackServer(served, ranges=False, fault=lambda p, n: "corrupt" if p == target else None,
+                        max_requests=500, lifetime=60) as srv:
+        ds = ShardedDataset(RemoteShards(srv.url + "/ds", cache_dir=tmp_path, prefetch=0), decode=False)
+        cache = _cache(ds)
+        cache.retry = FAST
+        with pytest.raises(RemoteError) as info:
+            cache.ensure(2)
+        msg = str(info.value)
+        assert srv.url + target in msg and "sha256" in msg and "after 3 attempts" in msg
+        assert not cache.path(2).exists() and not list((cache.root / ".tmp").iterdir())
+
+
+def _cache_bytes(root: Path, manifest: Manifest) -> int:
+    total = sum((root / s.name).stat().st_size for s in manifest.shards if (root / s.name).is_file())
+    for part in (root / ".tmp").glob("*.part"):
+        total += int(part.name.split("-")[1])  # reserved: the size the download will reach
+    return total
+
+
+def test_byte_limit_respected_with_prefetch(served, tmp_path):
+    manifest = Manifest.load(served / "ds")
+    biggest = max(s.bytes for s in manifest.shards)
+    limit = 3 * biggest
+    with LoopbackServer(served, ranges=False, max_requests=2000, lifetime=90) as srv:
+        ds = ShardedDataset(RemoteShards(srv.url + "/ds", cache_dir=tmp_path, max_bytes=limit, prefetch=2),
+                            shuffle=ShuffleOptions(open_shards=1, buffer_size=0), decode=False)
+        cache = _cache(ds)
+        peak = 0
+        stop = threading.Event()
+
+        def watch() -> None:
+            nonlocal peak
+            while not stop.is_set():
+                try:
+                    peak = max(peak, _cache_bytes(cache.root, manifest))
+                except FileNotFoundError:  # a file vanished between listing and stat
+                    pass
+                time.sleep(0.001)
+
+        t = threading.Thread(target=watch, daemon=True)
+        t.start()
+        try:
+            for epoch in range(2):
+                ds.set_epoch(epoch)
+                got = sorted(int(s["cls"]) for s in ds)
+                assert got == list(range(48))
+                assert cache.used_bytes() <= limit
+        finally:
+            stop.set()
+            t.join(5)
+        assert 0 < peak <= limit
+        assert cache.stats.evictions > 0
+
+
+def test_second_epoch_served_locally(served, tmp_path):
+    with LoopbackServer(served, ranges=False, max_requests=2000, lifetime=90) as srv:
+        spec = RemoteShards(srv.url + "/ds", cache_dir=tmp_path, prefetch=2)
+        ds = ShardedDataset(spec, shuffle=True, decode=False)
+        loader = DataLoader(ds, batch_size=5, num_workers=2, collate_fn=lambda xs: [s["cls"] for s in xs])
+        first = sorted(int(c) for b in loader for c in b)
+        assert first == list(range(48)) and len(_shard_gets(srv)) == 12
+        srv.reset_counts()
+        loader.set_epoch(1)
+        second = sorted(int(c) for b in loader for c in b)
+        assert second == first and _shard_gets(srv) == {}
+        # a new dataset object (a restarted job on the same host) finds them too
+        again = ShardedDataset(spec, shuffle=True, decode=False)
+        assert sorted(int(s["cls"]) for s in again) == first and _shard_gets(srv) == {}
+
+
+def _later_epoch_downloads(url: str, cache_dir: Path, eviction: str, limit: int, epochs: int) -> int:
+    """Downloads in epochs 1.. (epoch 0 downloads every shard whatever the policy)."""
+    ds = ShardedDataset(RemoteShards(url, cache_dir=cache_dir, max_bytes=limit, prefetch=0, eviction=eviction),
+                        shuffle=ShuffleOptions(open_shards=1, buffer_size=0, within_shard=False), decode=False)
+    first = 0
+    for epoch in range(epochs):
+        ds.set_epoch(epoch)
+        assert len(list(ds)) == 48
+        if epoch == 0:
+            first = _cache(ds).stats.downloads
+            assert first == 12
+    return _cache(ds).stats.downloads - first
+
+
+def test_future_eviction_beats_lru_at_2x_oversubscription(served, tmp_path):
+    manifest = Manifest.load(served / "ds")
+    limit = 6 * max(s.bytes for s in manifest.shards)  # 12 shards, room for 6
+    epochs = 6
+    with LoopbackServer(served, ranges=False, max_requests=5000, lifetime=120) as srv:
+        lru = _later_epoch_downloads(srv.url + "/ds", tmp_path / "lru", "lru", limit, epochs)
+        future = _later_epoch_downloads(srv.url + "/ds", tmp_path / "future", "future", limit, epochs)
+    reads = 12 * (epochs - 1)
+    hit_lru, hit_future = 1 - lru / reads, 1 - future / reads
+    # Belady on 2x oversubscription keeps ~half of each later epoch; LRU keeps what it just read
+    assert hit_future >= 0.35, (hit_future, hit_lru)
+    assert hit_future > hit_lru + 0.1, (hit_future, hit_lru)
+
+
+def test_stale_part_from_a_killed_downloader_is_removed(served, tmp_path):
+    with LoopbackServer(served, ranges=False, max_requests=500, lifetime=60) as srv:
+        manifest = Manifest.load(served / "ds")
+        limit = 2 * max(s.bytes for s in manifest.shards)
+        ds = ShardedDataset(RemoteShards(srv.url + "/ds", cache_dir=tmp_path, max_bytes=limit, prefetch=0),
+                            decode=False)
+        cache = _cache(ds)
+        stale = cache.root / ".tmp" / f"3-{manifest.shards[3].bytes}-999999-dead.part"
+        stale.write_bytes(b"partial")
+        assert cache.ensure(3).is_file() and not stale.exists()
+
+
+def test_limit_smaller_than_a_shard_is_refused(served, tmp_path):
+    with LoopbackServer(served, ranges=False, max_requests=50, lifetime=60) as srv:
+        with pytest.raises(ValueError, match="smaller than the largest shard"):
+            ShardedDataset(RemoteShards(srv.url + "/ds", cache_dir=tmp_path, max_bytes=100))
