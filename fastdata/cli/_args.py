@@ -39,6 +39,18 @@ def byte_size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def positive_float(text: str) -> float:
+    """A finite number > 0 (e.g. a duration in milliseconds)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}") from None
+    if not (value > 0 and value != float("inf")):
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text}")
+    return value
+
+
 positive_int.__name__ = "integer >= 1"  # argparse names the type in "invalid <name> value" messages
 nonneg_int.__name__ = "integer >= 0"
 byte_size.__name__ = "size"
+positive_float.__name__ = "number > 0"

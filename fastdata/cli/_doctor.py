@@ -1,12 +1,17 @@
-"""``fastdata doctor``: check the environment for the usual input-pipeline pitfalls."""
+"""``fastdata doctor``: the environment checks, and with SHARDS the stage-by-stage table.
+
+The measurements live in :mod:`fastdata.monitor` (``diagnose``); this module checks the
+environment and prints (or writes as JSON) what was measured.
+"""
 from __future__ import annotations
 
 import importlib
+import json
 import os
 import resource
 import shutil
-import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -78,28 +83,6 @@ def check_files() -> Check:
                  "" if ok else "raise it (ulimit -n 65536): many shards x workers hold many files open")
 
 
-def measure_h2d(nbytes: int, *, repeats: int) -> dict[str, float]:
-    """Host-to-device GB/s of one ``nbytes`` copy from pinned and from pageable memory (medians)."""
-    import statistics
-
-    import torch
-
-    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    rates = {}
-    for label, pin in (("pinned", True), ("pageable", False)):
-        src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
-        dst.copy_(src, non_blocking=pin)  # warm-up
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            dst.copy_(src, non_blocking=pin)
-            torch.cuda.synchronize()
-            times.append(time.perf_counter() - t0)
-        rates[label] = nbytes / statistics.median(times) / 1e9
-    return rates
-
-
 def check_cuda() -> list[Check]:
     import torch
 
@@ -108,6 +91,8 @@ def check_cuda() -> list[Check]:
     dev = torch.cuda.current_device()
     name = torch.cuda.get_device_name(dev)
     out = [Check("CUDA", True, f"{name} (device {dev}, torch CUDA {torch.version.cuda})")]
+    from fastdata.monitor import measure_h2d
+
     rates = measure_h2d(64 << 20, repeats=5)
     ratio = rates["pinned"] / max(rates["pageable"], 1e-9)
     out.append(Check("host-to-device", True,
@@ -116,15 +101,141 @@ def check_cuda() -> list[Check]:
     return out
 
 
-def run_doctor() -> int:
-    """Print one line per check; exit status 1 if a required package is missing."""
-    checks = [*check_packages(), check_jpeg(), check_cpu(), check_shm(), check_files(), *check_cuda()]
+def environment() -> list[Check]:
+    return [*check_packages(), check_jpeg(), check_cpu(), check_shm(), check_files(), *check_cuda()]
+
+
+def format_checks(checks: list[Check]) -> list[str]:
     width = max(len(c.name) for c in checks)
+    lines = []
     for c in checks:
-        mark = "ok  " if c.ok else "WARN"
-        line = f"{mark} {c.name:<{width}}  {c.detail}"
+        line = f"{'ok  ' if c.ok else 'WARN'} {c.name:<{width}}  {c.detail}"
         if c.advice:
             line += f"\n     {'':<{width}}  -> {c.advice}"
-        print(line)
+        lines.append(line)
+    return lines
+
+
+def _num(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:,.0f}"
+
+
+def _use(share: float | None, resource: str, cores: int) -> str:
+    if share is None:
+        return ""
+    if resource == "cores":
+        return f"{share:.0%} of {cores} core{'s' if cores > 1 else ''}"
+    if resource == "step time":
+        return f"busy {share:.0%} of the time"
+    return f"{share:.0%} of the {resource}"
+
+
+def format_diagnosis(d: Any, source: str) -> list[str]:
+    """The stage table, the verdict and the recommendations as printed lines."""
+    o = d.options
+    step = "no training step (pass --model or --step-ms)" if d.step_rate is None else ""
+    lines = [f"stages of {source}: first {o.samples} samples, batch {o.batch_size}, {o.num_workers} workers, "
+             f"depth {o.depth}, {d.device}, {d.cores} cores {step}".rstrip(),
+             f"  {'stage':<31} {'images/s':>9}  {'uses at the job rate':<24} detail"]
+    for r in d.rows:
+        lines.append(f"  {r.name:<31} {_num(r.capacity):>9}  {_use(r.uses, r.resource, d.cores):<24} {r.detail}")
+    if d.job_rate is not None:
+        lines.append(f"  {'job (all stages together)':<31} {_num(d.job_rate):>9}  "
+                     f"{'waited ' + format(d.wait_share, '.0%') + ' of the time':<24} "
+                     f"loader -> CUDAPrefetcher -> step, {o.job_steps} steps")
+    if d.verdict == "loader-bound":
+        verdict = (f"LOADER-BOUND: the job runs at {d.job_rate:,.0f} images/s, the step alone at {d.step_rate:,.0f}: "
+                   f"{d.speedup_if_fed:.1f}x slower than it could; bound by {d.bound}")
+    elif d.verdict == "compute-bound":
+        verdict = (f"COMPUTE-BOUND: the job runs at {d.job_rate:,.0f} images/s, {d.job_rate / d.step_rate:.0%} of the "
+                   f"step alone ({d.step_rate:,.0f}); waited {d.wait_share:.0%} of the time for input")
+    else:
+        verdict = f"input pipeline: {d.rows[4].capacity:,.0f} images/s measured together; weakest stage {d.bound}"
+    lines.append("verdict: " + verdict)
+    if d.stall is not None and d.stall.periodic is not None:
+        lines.append("stalls: " + d.stall.periodic.describe())
+    note = d.measurements.get("gpu_decode_note")
+    if note:
+        lines.append(note)
+    if d.recommendations:
+        lines.append("recommendations (each from a measurement above):")
+        lines.extend(f"  - {r}" for r in d.recommendations)
+    return lines
+
+
+def run_doctor(source: str | None = None, options: Any = None, *, as_json: bool = False) -> int:
+    """Environment checks, then (with ``source``) the stage table; exit status 1 if a required package is missing."""
+    checks = environment()
+    diag = None
+    if source is not None:
+        from fastdata.monitor import diagnose
+
+        diag = diagnose(source, options)
+    if as_json:
+        out: dict[str, Any] = {"environment": [asdict(c) for c in checks]}
+        out["diagnosis"] = None if diag is None else diag.to_dict()
+        print(json.dumps(out, indent=1, default=str))
+    else:
+        print("\n".join(format_checks(checks)))
+        if diag is not None:
+            print()
+            print("\n".join(format_diagnosis(diag, source)))
     missing = [c for c in checks if c.name.startswith("package") and not c.ok]
     return 1 if missing else 0
+
+
+def add_pipeline_arguments(p: Any, *, samples: int = 512) -> None:
+    """The loader settings and training step shared by ``doctor`` and ``tune`` (each states its default)."""
+    from fastdata.cli._args import nonneg_int, positive_float, positive_int
+
+    step = p.add_mutually_exclusive_group()
+    step.add_argument("--model", metavar="NAME", default=None,
+                      help="torchvision model to train on the batches, random weights, no download "
+                           "(e.g. resnet18; default: none)")
+    step.add_argument("--step-ms", type=positive_float, metavar="MS", default=None,
+                      help="a synthetic training step of MS milliseconds instead of a model (default: none)")
+    p.add_argument("--workers", type=nonneg_int, default=2, metavar="N", help="DataLoader workers (default: 2)")
+    p.add_argument("--batch-size", type=positive_int, default=32, metavar="N", help="batch size (default: 32)")
+    p.add_argument("--size", type=positive_int, default=224, metavar="PX",
+                   help="ResizeCenterCrop output side (default: 224)")
+    p.add_argument("--depth", type=positive_int, default=2, metavar="N", help="CUDAPrefetcher depth (default: 2)")
+    p.add_argument("--samples", type=positive_int, default=samples, metavar="N",
+                   help=f"samples copied from SHARDS and measured (default: {samples})")
+    p.add_argument("--steps", type=positive_int, default=20, metavar="N",
+                   help="training steps of the whole-job measurement (default: 20)")
+    p.add_argument("--decode", choices=("pil", "torchvision"), default="pil",
+                   help="CPU image decoder (default: pil, with reduced-scale JPEG decoding)")
+    p.add_argument("--field", default=None, metavar="NAME",
+                   help="image field (default: the manifest's first image field)")
+    p.add_argument("--label", default=None, metavar="NAME",
+                   help="label field (default: the manifest's first cls field, if any)")
+    p.add_argument("--device", default=None, metavar="DEV", help="cpu, cuda or cuda:N (default: cuda if available)")
+
+
+def options_from(args: Any) -> Any:
+    from fastdata.monitor import DoctorOptions
+
+    return DoctorOptions(field=args.field, label=args.label, size=args.size, batch_size=args.batch_size,
+                         num_workers=args.workers, depth=args.depth, samples=args.samples, model=args.model,
+                         step_ms=args.step_ms, device=args.device, decode=args.decode, job_steps=args.steps)
+
+
+def _cmd_doctor(args: Any) -> int:
+    return run_doctor(args.shards, options_from(args) if args.shards else None, as_json=args.json)
+
+
+def add_doctor_subparser(subparsers: Any) -> Any:
+    """Add ``doctor`` to the ``fastdata`` command's subparsers."""
+    p = subparsers.add_parser(
+        "doctor", help="check the environment; with SHARDS, measure every pipeline stage and name the bottleneck",
+        description="Check the environment for input-pipeline pitfalls. With SHARDS, measure each stage of the "
+                    "pipeline (shard read, decode, preprocess, collate + worker hand-off, pin/pack, host-to-device "
+                    "copy, GPU transforms, training step) on its own and together, and print each stage's capacity, "
+                    "which stage bounds the job, by how much it is loader-bound, and recommendations backed by "
+                    "those measurements.")
+    p.add_argument("shards", nargs="?", metavar="SHARDS", default=None,
+                   help="shard folder with manifest.json to measure (default: environment checks only)")
+    add_pipeline_arguments(p)
+    p.add_argument("--json", action="store_true", help="print the results as JSON instead of tables (default: off)")
+    p.set_defaults(func=_cmd_doctor)
+    return p

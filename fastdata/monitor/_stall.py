@@ -1,21 +1,25 @@
 """Stall diagnostics: is this job loader-bound, by how much, and what to change.
 
 ``StallMeter.wrap(loader)`` times every ``next()`` the training thread makes on the loader
-(time it spent waiting for input) against the wall time of the loop. With
+(time it spent waiting for input) against the wall time of the loop. From the per-step waits it
+finds periodic stalls (the saw-tooth of workers refilling in bursts, :mod:`._periodic`). When the
+loop iterates a :class:`fastdata.CUDAPrefetcher`, the prefetcher's counters over the same window
+give per-stage times per batch (loader, staging, throttling, device copy). With
 ``sample_gpu=True`` a background thread also samples GPU utilisation through NVML
-(nvidia-ml-py), which shows the saw-tooth of a starved GPU directly.
+(nvidia-ml-py) for the device the job runs on (:mod:`._nvml`).
 """
 from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from fastdata._util import quantile
+from fastdata.monitor._nvml import GPUSampler
+from fastdata.monitor._periodic import PeriodicStalls, find_periodic_stalls
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -38,6 +42,8 @@ class StallReport:
     gpu_util_mean: float | None = None  # percent, when sampled
     gpu_util_samples: int = 0
     advice: tuple[str, ...] = field(default_factory=tuple)
+    periodic: PeriodicStalls | None = None  # the saw-tooth, when the stalls have a period
+    stage_s: tuple[tuple[str, float], ...] = ()  # per-batch seconds by stage (fastdata pipelines)
 
     @property
     def wait_share(self) -> float:
@@ -64,41 +70,24 @@ class StallReport:
         ]
         if self.loader_bound:
             lines.append(f"feeding the GPU fully would make this loop {self.speedup_if_fed:.2f}x faster")
+        if self.periodic is not None:
+            share = self.periodic.total_s / self.wall_s if self.wall_s > 0 else 0.0
+            lines.append(f"periodic stalls: {self.periodic.describe()}: {share:.0%} of the wall time")
+        if self.stage_s:
+            lines.append("per batch: " + ", ".join(f"{name} {sec * 1e3:.2f} ms" for name, sec in self.stage_s))
         if self.gpu_util_mean is not None:
-            lines.append(f"GPU utilisation mean {self.gpu_util_mean:.0f}% over {self.gpu_util_samples} samples")
+            few = " (few samples: the window is shorter than NVML's sampling period)" if self.gpu_util_samples < 5 else ""
+            lines.append(f"GPU utilisation mean {self.gpu_util_mean:.0f}% over {self.gpu_util_samples} samples{few}")
         lines.extend(f"- {a}" for a in self.advice)
         return "\n".join(lines)
 
-
-class _GPUSampler:
-    """Samples GPU utilisation with NVML in a named daemon thread until stopped."""
-
-    def __init__(self, device_index: int, interval_s: float) -> None:
-        import pynvml  # nvidia-ml-py; optional
-
-        pynvml.nvmlInit()
-        self._nvml = pynvml
-        self._handle = pynvml.nvmlDeviceGetHandleByIndex(device_index)
-        self._interval = interval_s
-        self._stop = threading.Event()
-        self.samples: list[int] = []
-        self.error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="fastdata-gpu-sampler", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        try:
-            while not self._stop.wait(self._interval):
-                self.samples.append(int(self._nvml.nvmlDeviceGetUtilizationRates(self._handle).gpu))
-        except Exception as e:  # reported by stop(), never silently lost
-            self.error = e
-
-    def stop(self) -> list[int]:
-        self._stop.set()
-        self._thread.join(timeout=5)
-        if self.error is not None:
-            log.warning("GPU sampling stopped early: %r", self.error)
-        return self.samples
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready fields, with the derived verdict."""
+        out = {k: v for k, v in self.__dict__.items() if k not in ("periodic", "stage_s", "advice")}
+        out.update(wait_share=self.wait_share, loader_bound=self.loader_bound, speedup_if_fed=self.speedup_if_fed,
+                   advice=list(self.advice), stage_s=dict(self.stage_s),
+                   periodic=None if self.periodic is None else dict(self.periodic.__dict__))
+        return out
 
 
 class StallMeter:
@@ -108,25 +97,33 @@ class StallMeter:
     >>> for batch in meter.wrap(loader):
     ...     step(batch)
     >>> print(meter.report().summary())
+
+    Args:
+        sample_gpu: also sample GPU utilisation with NVML (nvidia-ml-py) while iterating.
+        gpu_interval_s: polling period of the sampler (the driver's buffered samples are
+            collected at its own rate where it keeps them; see :mod:`fastdata.monitor._nvml`).
     """
 
     def __init__(self, *, sample_gpu: bool = False, gpu_interval_s: float = 0.05) -> None:
-        if gpu_interval_s <= 0:
+        if not isinstance(gpu_interval_s, (int, float)) or not gpu_interval_s > 0:
             raise ValueError(f"gpu_interval_s must be > 0, got {gpu_interval_s!r}")
         self.sample_gpu = sample_gpu
-        self.gpu_interval_s = gpu_interval_s
+        self.gpu_interval_s = float(gpu_interval_s)
         self.waits: list[float] = []
         self.wall_s = 0.0
         self._loader: Any = None
         self._gpu_samples: list[int] = []
+        self._stage_totals: dict[str, float] = {}
+        self._stage_batches = 0
 
     def wrap(self, loader: Iterable[T]) -> Iterator[T]:
         """Iterate ``loader``, timing each wait for the next batch."""
         self._loader = loader
-        sampler = self._start_sampler()
+        sampler = self._start_sampler(loader)
+        before = _prefetch_stats(loader)
         start = time.perf_counter()
-        it = iter(loader)
         try:
+            it = iter(loader)
             while True:
                 t0 = time.perf_counter()
                 try:
@@ -139,29 +136,74 @@ class StallMeter:
             self.wall_s += time.perf_counter() - start
             if sampler is not None:
                 self._gpu_samples.extend(sampler.stop())
+            self._add_stage_times(before, _prefetch_stats(loader))
 
-    def _start_sampler(self) -> _GPUSampler | None:
+    def _start_sampler(self, loader: Any) -> GPUSampler | None:
         if not self.sample_gpu:
             return None
         try:
             import torch
 
-            index = torch.cuda.current_device() if torch.cuda.is_available() else 0
-            return _GPUSampler(index, self.gpu_interval_s)
-        except Exception as e:  # no NVML, no GPU: measure waits only, say why
+            if not torch.cuda.is_available():
+                raise RuntimeError("CUDA is not available")
+            device = getattr(loader, "device", None)
+            index = device.index if isinstance(device, torch.device) and device.type == "cuda" else None
+            return GPUSampler(torch.cuda.current_device() if index is None else index, self.gpu_interval_s)
+        except Exception as e:  # noqa: BLE001  no NVML, no GPU: measure waits only, say why
             log.warning("GPU utilisation sampling unavailable (%s); measuring input waits only", e)
             return None
+
+    def _add_stage_times(self, before: dict[str, Any] | None, after: dict[str, Any] | None) -> None:
+        if before is None or after is None:
+            return
+        for key in _STAGE_KEYS:
+            if key in after and key in before:
+                self._stage_totals[key] = self._stage_totals.get(key, 0.0) + after[key] - before[key]
+        self._stage_batches += int(after.get("batches", 0) - before.get("batches", 0))
 
     def report(self) -> StallReport:
         waits = sorted(self.waits)
         gpu = self._gpu_samples
+        n = self._stage_batches
+        stages: tuple[tuple[str, float], ...] = ()
+        if n > 0:
+            steps = max(len(self.waits), 1)
+            loop = max(self.wall_s - sum(self.waits), 0.0) / steps
+            stages = (*((label, self._stage_totals[key] / n) for key, label in _STAGE_KEYS.items()
+                        if key in self._stage_totals), ("step (loop body)", loop))
         rep = StallReport(
             steps=len(self.waits), wall_s=self.wall_s, wait_s=sum(self.waits),
             wait_p50_s=quantile(waits, 0.5), wait_p99_s=quantile(waits, 0.99),
             first_wait_s=self.waits[0] if self.waits else 0.0,
             gpu_util_mean=sum(gpu) / len(gpu) if gpu else None, gpu_util_samples=len(gpu),
+            periodic=find_periodic_stalls(self.waits), stage_s=stages,
         )
         return StallReport(**{**rep.__dict__, "advice": tuple(advise(rep, self._loader))})
+
+
+# CUDAPrefetcher.stats() counters that are per-stage thread or device time, and their labels.
+_STAGE_KEYS = {
+    "load_s": "loader next()",
+    "stage_s": "pin/pack + copy issue",
+    "throttle_s": "held back (depth full)",
+    "copy_s": "host-to-device copy (device time)",
+    "wait_s": "consumer wait",
+}
+
+
+def _prefetch_stats(loader: Any) -> dict[str, Any] | None:
+    """The counters of a fastdata CUDAPrefetcher (None for any other iterable)."""
+    stats = getattr(loader, "stats", None)
+    if type(loader).__name__ != "CUDAPrefetcher" or not callable(stats):
+        return None
+    return stats()
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        return os.cpu_count() or 1
 
 
 def advise(report: StallReport, loader: Any) -> list[str]:
@@ -175,13 +217,11 @@ def advise(report: StallReport, loader: Any) -> list[str]:
         if inner is not None and hasattr(inner, "num_workers"):
             dl = inner
             break
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - not Linux
-        cores = os.cpu_count() or 1
+    cores = _cores()
     workers = getattr(dl, "num_workers", None)
     if workers is not None and workers < cores:
-        out.append(f"num_workers={workers} but {cores} cores are free: raise it to {cores}")
+        out.append(f"num_workers={workers} on {cores} cores: raise it (at most {cores}; "
+                   "`fastdata doctor SHARDS` measures how it scales)")
     if workers and not getattr(dl, "persistent_workers", False):
         out.append("persistent_workers=False restarts workers every epoch: set it to True")
     if type(loader).__name__ != "CUDAPrefetcher":
@@ -189,6 +229,13 @@ def advise(report: StallReport, loader: Any) -> list[str]:
     dataset = getattr(dl, "dataset", None)
     if dataset is not None and getattr(dataset, "cache", None) is None and hasattr(dataset, "preprocess"):
         out.append("decoding and resizing repeat every epoch: pass cache= to ShardedDataset")
-    if report.wait_p99_s > 5 * max(report.wait_p50_s, 1e-6):
+    p = report.periodic
+    if p is not None:
+        burst = " = num_workers, so workers deliver in bursts" if workers and p.period == workers else ""
+        depth = getattr(getattr(loader, "options", None), "depth", None)
+        have = f" (now {depth})" if depth is not None else ""
+        out.append(f"saw-tooth: every {p.period} steps one waits {p.mean_s * 1e3:.1f} ms{burst}; a prefetch depth "
+                   f"of at least {p.period + 1}{have} holds a whole burst, more workers shorten the refill")
+    elif report.wait_p99_s > 5 * max(report.wait_p50_s, 1e-6):
         out.append("waits are spiky (p99 >> p50): raise prefetch depth or prefetch_factor to absorb jitter")
     return out

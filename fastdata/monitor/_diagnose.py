@@ -1,0 +1,323 @@
+"""Stage attribution: which stage bounds a job, by how much, and what to change (``fastdata doctor``).
+
+``diagnose(source, DoctorOptions(...))`` copies the first ``samples`` samples of ``source`` into a
+temporary shard folder (timing the read), then measures on that subset:
+
+- each stage on its own: decode, preprocess and collate in one thread (CPU seconds per image),
+  collate + the worker -> main hand-off with samples that cost nothing to make, packing a batch
+  into pinned memory, the host-to-device copy, the GPU transforms (``Normalize``), and the training
+  step on a resident batch;
+- together: the loader alone with the configured workers, the same with more workers (never more
+  than the cores), the loader from a filled cache, and the whole job (loader -> CUDAPrefetcher ->
+  step) under a :class:`StallMeter`.
+
+A stage's capacity is the images/s it could deliver alone with the parallelism it has; its use is
+the share of the cores (or of the GPU, or of the copy engine) it keeps busy at the job's measured
+rate. The job is loader-bound when it waited for input more than ``LOADER_BOUND_SHARE`` of the time;
+the bounding stage is then the input stage of least capacity, otherwise the training step. Every
+recommendation quotes the measurement it rests on.
+"""
+from __future__ import annotations
+
+import math
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fastdata.monitor import _stages as st
+from fastdata.monitor._stall import StallMeter, StallReport
+
+
+@dataclass(frozen=True)
+class DoctorOptions:
+    """The pipeline to measure (the loader settings of the job) and the step it feeds."""
+
+    field: str | None = None  # image field (default: the manifest's first)
+    label: str | None = None  # label field (default: the first cls-like field)
+    size: int = 224  # ResizeCenterCrop output side
+    batch_size: int = 32
+    num_workers: int = 2
+    depth: int = 2  # CUDAPrefetcher depth
+    samples: int = 512  # samples copied from the source and measured
+    model: str | None = None  # torchvision model name (random weights)
+    step_ms: float | None = None  # or a synthetic step of this duration
+    device: str | None = None  # default: CUDA when available
+    decode: str = "pil"  # "pil" or "torchvision"
+    job_steps: int = 20  # training steps of the whole-job measurement
+
+    def __post_init__(self) -> None:
+        for name in ("size", "batch_size", "depth", "samples", "job_steps"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if isinstance(self.num_workers, bool) or not isinstance(self.num_workers, int) or self.num_workers < 0:
+            raise ValueError(f"num_workers must be an int >= 0, got {self.num_workers!r}")
+        if self.step_ms is not None and not (isinstance(self.step_ms, (int, float)) and self.step_ms > 0):
+            raise ValueError(f"step_ms must be > 0, got {self.step_ms!r}")
+        if self.model is not None and self.step_ms is not None:
+            raise ValueError("give a model or a step time (step_ms), not both")
+        if self.decode not in ("pil", "torchvision"):
+            raise ValueError(f"decode must be 'pil' or 'torchvision', got {self.decode!r}")
+
+
+@dataclass(frozen=True)
+class StageRow:
+    """One line of the table: a stage's capacity and what it uses at the job's rate."""
+
+    name: str
+    capacity: float | None  # images/s; None: does not apply here
+    uses: float | None  # share of ``resource`` busy at the job's rate
+    resource: str  # "cores", "GPU", "copy engine"
+    detail: str
+    input_stage: bool = True
+
+
+@dataclass
+class Diagnosis:
+    """Everything ``fastdata doctor`` measured, and its verdict."""
+
+    options: DoctorOptions
+    device: str
+    cores: int
+    rows: list[StageRow]
+    verdict: str  # "loader-bound", "compute-bound" or "input only" (no step given)
+    bound: str  # the stage that bounds the job
+    job_rate: float | None  # images/s of the whole job
+    step_rate: float | None  # images/s of the step alone
+    wait_share: float | None
+    speedup_if_fed: float | None  # step alone / job: by how much the job is loader-bound
+    recommendations: list[str]
+    measurements: dict[str, Any] = field(default_factory=dict)
+    stall: StallReport | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {k: v for k, v in self.__dict__.items() if k not in ("options", "rows", "stall")}
+        out["options"] = asdict(self.options)
+        out["rows"] = [asdict(r) for r in self.rows]
+        out["stall"] = None if self.stall is None else self.stall.to_dict()
+        return out
+
+
+def _dataset(subset: Path, fields: st.Fields, preprocess: Any, backend: str, cache: Path | None = None) -> Any:
+    from fastdata.dataset import ShardedDataset
+
+    keep = [fields.image] + ([fields.label] if fields.label else [])
+    decode: Any = True
+    if backend != "pil" and fields.encoded:
+        decode = {fields.image: st.decoder(backend, None)}
+    return ShardedDataset(subset, fields=keep, preprocess=preprocess, decode=decode, cache=cache)
+
+
+def _loader(ds: Any, batch_size: int, workers: int) -> Any:
+    from fastdata.loader import DataLoader
+
+    return DataLoader(ds, batch_size=batch_size, num_workers=workers, persistent_workers=workers > 0)
+
+
+def _close(loader: Any) -> None:
+    it = getattr(loader, "_iterator", None)  # torch keeps persistent workers until the loader is collected
+    if it is not None and hasattr(it, "_shutdown_workers"):
+        it._shutdown_workers()
+
+
+def run_job(ds: Any, opts: DoctorOptions, device: torch.device, step: Any, transform: Any,
+            workers: int | None = None, depth: int | None = None) -> tuple[float, StallReport]:
+    """Images/s of loader -> CUDAPrefetcher -> step over ``job_steps`` steps, and the StallMeter's report.
+
+    The rate leaves out the first batch (worker start-up): images after it over the time after it.
+    """
+    from fastdata.prefetch import CUDAPrefetcher
+
+    loader = _loader(ds, opts.batch_size, opts.num_workers if workers is None else workers)
+    meter = StallMeter(sample_gpu=device.type == "cuda")
+    images = first = 0
+    try:
+        with CUDAPrefetcher(loader, device=device, depth=opts.depth if depth is None else depth,
+                            transform=transform) as batches:
+            steps, out = 0, None
+            while steps < opts.job_steps:
+                before = steps
+                for batch in meter.wrap(batches):
+                    out = step(batch)
+                    n = st.batch_images(batch)
+                    images += n
+                    first = first or n
+                    steps += 1
+                    if steps >= opts.job_steps:
+                        break
+                if steps == before:
+                    raise ValueError("the loader yielded no batch: fewer samples than one batch?")
+            del out
+            st.sync(device)
+    finally:
+        _close(loader)
+    rep = meter.report()
+    timed = rep.wall_s - rep.first_wait_s
+    return ((images - first) / timed if timed > 0 else 0.0), rep
+
+
+def diagnose(source: str | Path, opts: DoctorOptions) -> Diagnosis:
+    """Measure every stage of the pipeline ``opts`` describes over ``source`` (see the module docstring)."""
+    from fastdata.gpu import Normalize
+    from fastdata.manifest import Manifest
+    from fastdata.prefetch import resolve_device
+    from fastdata.transforms import ResizeCenterCrop
+
+    device = resolve_device(opts.device)
+    ncores = st.cores()
+    workers = opts.num_workers
+    par = max(1, min(workers, ncores))
+    fields = st.pick_fields(Manifest.load(source), opts.field, opts.label)
+    pre = ResizeCenterCrop(opts.size)
+    B = opts.batch_size
+    meas: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="fastdata-doctor-") as tmp:
+        subset = Path(tmp) / "subset"
+        read = st.copy_subset(source, subset, fields, opts.samples)
+        raws = st.raw_samples(subset, fields, min(64, read.samples))
+        costs = st.cpu_costs(raws, fields, pre, opts.decode, B)
+        shape = (3, *pre.size)
+        handoff = st.handoff_run(read.samples, shape, fields, B, workers)
+        ds = _dataset(subset, fields, pre, opts.decode)
+        loader = _loader(ds, B, workers)
+        try:
+            lrun = st.time_loader(loader, passes=2)
+        finally:
+            _close(loader)
+        meas["loader"] = asdict(lrun)
+        more = min(ncores, max(2, 2 * workers))
+        if workers < ncores and more > workers:
+            loader = _loader(ds, B, more)
+            try:
+                meas["scaling"] = {"workers": [workers, more], "rate": [lrun.rate, st.time_loader(loader).rate]}
+            finally:
+                _close(loader)
+        cached_loader = _loader(_dataset(subset, fields, pre, opts.decode, cache=Path(tmp) / "cache"), B, workers)
+        try:
+            crun = st.time_loader(cached_loader, passes=3)  # the warm-up pass fills the cache; passes are cheap
+        finally:
+            _close(cached_loader)
+        meas["cached"] = asdict(crun)
+
+        batch = next(iter(_loader(ds, B, 0)))
+        img = batch[fields.image]
+        bpi = img[0].numel() * img.element_size()
+        pack_s = h2d = None
+        if device.type == "cuda":
+            pack_s = st.time_pack(img)
+            h2d = st.measure_h2d(img.numel() * img.element_size(), repeats=5)["pinned"]
+            meas["h2d_pinned_GBps"] = h2d
+        dev_batch = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
+        norm = Normalize(keys=[fields.image], channels_last=device.type == "cuda")
+        t_norm = st.time_transform(norm, dev_batch, device)
+        if fields.encoded:
+            gpu_rate, gpu_note = st.probe_gpu_decode([r[fields.image] for r in raws], device)
+            meas["gpu_decode"] = {"images/s": gpu_rate, "note": gpu_note}
+
+        step = st.make_step(opts.model, opts.step_ms, device, fields)
+        step_rate = job_rate = None
+        stall = None
+        if step is not None:
+            step_rate = B / st.time_step(step, norm(dev_batch), device)
+            job_rate, stall = run_job(ds, opts, device, step, norm)
+    rate_for_use = job_rate if job_rate is not None else lrun.rate
+
+    def use(cost_s: float | None, per: float = 1.0) -> float | None:
+        return None if cost_s is None else rate_for_use * cost_s / per
+
+    cpu = "cores"
+    rows = [
+        StageRow("shard read", par * read.samples / read.cpu_s if read.cpu_s > 0 else None,
+                 use(read.cpu_s / read.samples, ncores), cpu,
+                 f"{read.nbytes / max(read.wall_s, 1e-9) / 1e6:.0f} MB/s, {read.nbytes / read.samples / 1e3:.0f} kB/image "
+                 f"(first {read.samples} samples; repeated reads may come from the page cache)"),
+        StageRow("decode", par / costs.decode_s if costs.decode_s else None, use(costs.decode_s, ncores), cpu,
+                 {"pil": "Pillow, reduced-scale JPEG decoding", "torchvision": "torchvision.io.decode_image"}[opts.decode]
+                 if costs.decode_s else "stored decoded"),
+        StageRow("preprocess", par / costs.preprocess_s, use(costs.preprocess_s, ncores), cpu, repr(pre)),
+        StageRow("collate + worker hand-off", handoff.rate, use(costs.collate_s + handoff.main_cpu_s, ncores), cpu,
+                 f"{workers} workers -> main process" if workers else "in process (num_workers=0)"),
+        StageRow("loader, all of the above", lrun.rate,
+                 use((read.cpu_s / read.samples) + (costs.decode_s or 0) + costs.preprocess_s + costs.collate_s
+                     + lrun.main_cpu_s, ncores), cpu, f"measured together, {workers} workers, batch {B}"),
+        StageRow("pin/pack", B / pack_s if pack_s else None, use(pack_s, B * ncores) if pack_s else None, cpu,
+                 "one pageable batch into pinned memory" if pack_s else "no CUDA: batches stay in host memory"),
+        StageRow("host-to-device copy", h2d * 1e9 / bpi if h2d else None, use(bpi / (h2d * 1e9)) if h2d else None,
+                 "copy engine", f"pinned, {h2d:.1f} GB/s, {bpi / 1e3:.0f} kB/image" if h2d else "no CUDA"),
+        StageRow("GPU transforms" if device.type == "cuda" else "device transforms (on the CPU)", B / t_norm,
+                 use(t_norm, B if device.type == "cuda" else B * ncores), "GPU" if device.type == "cuda" else cpu,
+                 "Normalize" + (" (channels_last)" if device.type == "cuda" else ", in the prefetch thread")),
+    ]
+    if step is not None:
+        rows.append(StageRow("training step", step_rate, job_rate / step_rate if step_rate and job_rate else None,
+                             "GPU" if device.type == "cuda" else "step time", f"{step!r}, batch {B}, resident batch",
+                             input_stage=False))
+    singles = [r for r in rows if r.input_stage and r.capacity and not r.name.startswith("loader,")]
+    weakest = min(singles, key=lambda r: r.capacity or math.inf)
+    diag = Diagnosis(opts, str(device), ncores, rows, "input only", weakest.name, job_rate, step_rate,
+                     None, None, [], meas, stall)
+    if stall is not None and step_rate and job_rate:
+        diag.wait_share = stall.wait_share
+        diag.speedup_if_fed = max(1.0, step_rate / job_rate)
+        diag.verdict = "loader-bound" if stall.loader_bound else "compute-bound"
+        if not stall.loader_bound:
+            diag.bound = "training step"
+    diag.recommendations = recommend(diag, lrun, crun, costs, weakest, par)
+    return diag
+
+
+def recommend(d: Diagnosis, lrun: st.LoaderRun, crun: st.LoaderRun, costs: st.CpuCosts, weakest: StageRow,
+              par: int) -> list[str]:
+    """Changes that the measurements just made support, each quoting its measurement."""
+    o = d.options
+    out: list[str] = []
+    if d.verdict == "compute-bound":
+        out.append(f"compute-bound: the loader alone delivers {lrun.rate:,.0f} images/s, {lrun.rate / d.job_rate:.1f}x "
+                   f"what the job consumed ({d.job_rate:,.0f}); input changes will not make this job faster")
+        return out
+    scaling = d.measurements.get("scaling")
+    if o.num_workers >= d.cores:
+        out.append(f"num_workers={o.num_workers} already uses all {d.cores} cores: more workers cannot help")
+    elif scaling:
+        (w1, w2), (r1, r2) = scaling["workers"], scaling["rate"]
+        if r2 > 1.1 * r1:
+            out.append(f"num_workers={w2}: the loader measured {r1:,.0f} -> {r2:,.0f} images/s ({r2 / r1:.2f}x) "
+                       f"going from {w1} to {w2} workers on {d.cores} cores")
+        else:
+            out.append(f"more workers did not help: {w1} -> {w2} workers measured {r1:,.0f} -> {r2:,.0f} images/s "
+                       f"(the {d.cores} cores are busy)")
+    if crun.path == "cached" and crun.rate > 1.1 * lrun.rate:
+        out.append(f"cache= on ShardedDataset: from a filled cache the loader measured {crun.rate:,.0f} images/s, "
+                   f"{crun.rate / lrun.rate:.1f}x uncached ({lrun.rate:,.0f}); the first epoch fills it "
+                   f"(`fastdata cache build` does it ahead of time)")
+    gpu = d.measurements.get("gpu_decode")
+    if gpu is not None:
+        if gpu["images/s"] and costs.decode_s:
+            cpu_rate = par / costs.decode_s
+            if gpu["images/s"] > 1.1 * cpu_rate:
+                out.append(f"decode on the GPU: {gpu['note']} measured {gpu['images/s']:,.0f} images/s, "
+                           f"{gpu['images/s'] / cpu_rate:.1f}x the CPU decode stage ({cpu_rate:,.0f} on {par} workers)")
+        else:
+            d.measurements["gpu_decode_note"] = f"GPU decode: {gpu['note']}"
+    if d.step_rate and d.job_rate and d.stall is not None:
+        step_s = o.batch_size / d.step_rate
+        gaps = (f"batches arrive p50 {lrun.interval_p50_s * 1e3:.1f} ms / p99 {lrun.interval_p99_s * 1e3:.1f} ms "
+                f"apart against {step_s * 1e3:.1f} ms steps")
+        if lrun.rate >= 0.9 * d.step_rate:
+            need = max(o.depth + 1, math.ceil(lrun.interval_p99_s / step_s) + 1)
+            if d.stall.periodic is not None:
+                need = max(need, d.stall.periodic.period + 1)
+            out.append(f"prefetch depth {o.depth} -> {need}: the loader keeps up on average but {gaps}"
+                       + (f"; {d.stall.periodic.describe()}" if d.stall.periodic else "")
+                       + f"; a queue of {need} absorbs that jitter")
+        else:
+            out.append(f"a deeper prefetch queue would not help: the loader is slower on average "
+                       f"({lrun.rate:,.0f} < {d.step_rate:,.0f} images/s); {gaps}")
+    if d.verdict == "loader-bound":
+        out.insert(0, f"loader-bound: waited {d.wait_share:.0%} of the time; fed fully the job would run "
+                      f"{d.speedup_if_fed:.1f}x faster ({d.step_rate:,.0f} vs {d.job_rate:,.0f} images/s). "
+                      f"Weakest input stage: {weakest.name} ({weakest.capacity:,.0f} images/s)")
+    return out

@@ -1,0 +1,439 @@
+"""Measuring one pipeline stage at a time: the primitives behind ``fastdata doctor`` and ``fastdata tune``.
+
+CPU stages (read, decode, preprocess, collate) are timed in one thread with ``time.thread_time``:
+the CPU seconds one image costs, which a busy machine does not inflate the way wall time is
+inflated. A stage run by ``w`` workers on ``c`` cores can then deliver ``min(w, c) / cost`` images/s,
+and at a job rate ``r`` it keeps ``r * cost / c`` of the cores busy. Stages whose cost is a
+hand-off between processes (the worker -> main queue) and the stages together are measured end to
+end in wall time, after a warm-up pass. Device stages are timed with ``torch.cuda.synchronize``.
+"""
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fastdata._util import quantile
+from fastdata.decode import ImageDecoder, is_image_field, suffix
+from fastdata.errors import FastdataError
+
+_LABEL_SUFFIXES = ("cls", "cls2", "index", "inx")
+
+
+def cores() -> int:
+    """CPU cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        return os.cpu_count() or 1
+
+
+@dataclass(frozen=True)
+class Fields:
+    """The image field a pipeline decodes and the label field next to it (if any)."""
+
+    image: str
+    label: str | None
+    encoded: bool  # bytes to decode (tar image members), not stored arrays
+
+
+def pick_fields(manifest: Any, image: str | None = None, label: str | None = None) -> Fields:
+    """The manifest's first image field and first label field, or the named ones (checked)."""
+    names = [f.name for f in manifest.fields]
+    kinds = {f.name: f.kind for f in manifest.fields}
+    if image is None:
+        found = [n for n in names if is_image_field(n)]
+        found += [f.name for f in manifest.fields if f.kind == "array" and f.dtype == "uint8"
+                  and f.shape is not None and len(f.shape) == 3]
+        if not found:
+            raise FastdataError(f"no image field among the manifest's fields {names}: name one with --field")
+        image = found[0]
+    elif image not in names:
+        raise FastdataError(f"field {image!r} is not in the manifest (fields: {names})")
+    if label is None:
+        label = next((n for n in names if suffix(n) in _LABEL_SUFFIXES), None)
+    elif label not in names:
+        raise FastdataError(f"label field {label!r} is not in the manifest (fields: {names})")
+    return Fields(image, label, encoded=kinds[image] != "array")
+
+
+# ------------------------------------------------------------------------------- subset and read
+
+@dataclass(frozen=True)
+class ReadResult:
+    samples: int
+    cpu_s: float  # thread CPU seconds of reading them
+    wall_s: float
+    nbytes: int
+
+
+def copy_subset(source: str | os.PathLike[str], dest: Path, fields: Fields, samples: int) -> ReadResult:
+    """Read the first ``samples`` samples of ``source`` (timed) and write them as shards into ``dest``.
+
+    Every later measurement runs on this subset, so a cache for it stays small whatever the
+    size of the user's dataset.
+    """
+    from fastdata.manifest import Manifest
+    from fastdata.shards.reader import open_shard
+    from fastdata.shards.writer import ShardWriter
+
+    m = Manifest.load(source)
+    keep = [fields.image] + ([fields.label] if fields.label else [])
+    cpu = wall = 0.0
+    nbytes = count = 0
+    with ShardWriter(dest, format=m.format, max_samples=max(16, samples // 8)) as writer:
+        for shard in m.shards:
+            if count >= samples:
+                break
+            reader = open_shard(source, shard, format=m.format)
+            it = reader.iter_range(0, min(len(reader), samples - count), fields=keep)
+            while True:
+                t0, c0 = time.perf_counter(), time.thread_time()
+                try:
+                    sample = next(it)
+                except StopIteration:
+                    break
+                sample = {k: bytes(v) if isinstance(v, memoryview) else v for k, v in sample.items()}
+                cpu += time.thread_time() - c0
+                wall += time.perf_counter() - t0
+                value = sample[fields.image]
+                nbytes += len(value) if isinstance(value, (bytes, bytearray)) else int(getattr(value, "nbytes", 0))
+                writer.write(sample)
+                count += 1
+            reader.close()
+    if count == 0:
+        raise FastdataError(f"{source}: no samples to measure")
+    return ReadResult(count, cpu, wall, nbytes)
+
+
+# ------------------------------------------------------------------------------- per-image CPU costs
+
+def raw_samples(subset: Path, fields: Fields, n: int) -> list[dict[str, Any]]:
+    """Up to ``n`` undecoded samples of the subset."""
+    from fastdata.manifest import Manifest
+    from fastdata.shards.reader import open_shard
+
+    m = Manifest.load(subset)
+    out: list[dict[str, Any]] = []
+    for shard in m.shards:
+        reader = open_shard(subset, shard, format=m.format)
+        for s in reader.iter_range(0, min(len(reader), n - len(out))):
+            out.append({k: bytes(v) if isinstance(v, memoryview) else v for k, v in s.items()})
+        reader.close()
+        if len(out) >= n:
+            break
+    return out
+
+
+def decoder(backend: str, draft_size: int | None) -> Callable[[bytes], Any]:
+    """The image decoder of a backend: "pil" (fastdata's default: Pillow, reduced-scale JPEG
+    decoding where the output is small) or "torchvision" (``torchvision.io.decode_image``, CPU)."""
+    if backend == "pil":
+        dec = ImageDecoder(draft_size=draft_size)
+        return lambda data: dec.pil(data)
+    if backend == "torchvision":
+        return TorchvisionDecoder()
+    raise ValueError(f"decode backend must be 'pil' or 'torchvision', got {backend!r}")
+
+
+class TorchvisionDecoder:
+    """``torchvision.io.decode_image`` (libjpeg-turbo/libpng on the CPU) to a uint8 RGB (C, H, W) tensor.
+
+    A class, not a lambda, so DataLoader workers can receive it under spawn and forkserver too.
+    """
+
+    def __call__(self, data: bytes | memoryview) -> torch.Tensor:
+        from torchvision.io import ImageReadMode, decode_image
+
+        return decode_image(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB)
+
+    def __repr__(self) -> str:
+        return "TorchvisionDecoder()"
+
+
+@dataclass(frozen=True)
+class CpuCosts:
+    """CPU seconds per image of each worker-side stage, measured in one thread."""
+
+    decode_s: float | None  # None: stored decoded
+    preprocess_s: float
+    collate_s: float
+    images: int
+
+
+def cpu_costs(samples: Sequence[dict[str, Any]], fields: Fields, preprocess: Callable[[Any], Any],
+              backend: str, batch_size: int) -> CpuCosts:
+    """Decode, preprocess and collate ``samples`` once each, timing every stage on its own."""
+    from torch.utils.data import default_collate
+
+    decode = decoder(backend, getattr(preprocess, "target_size", None)) if fields.encoded else None
+    images: list[Any] = [s[fields.image] for s in samples]
+    dec_s = None
+    if decode is not None:
+        decode(images[0])  # warm-up (library loading)
+        c0 = time.thread_time()
+        images = [decode(b) for b in images]
+        dec_s = (time.thread_time() - c0) / len(images)
+    preprocess(images[0])
+    c0 = time.thread_time()
+    outs = [preprocess(img) for img in images]
+    pre_s = (time.thread_time() - c0) / len(outs)
+    items = [{fields.image: o, **({fields.label: int(s.get(fields.label, 0) or 0)} if fields.label else {})}
+             for o, s in zip(outs, samples)]
+    c0 = time.thread_time()
+    for i in range(0, len(items), batch_size):
+        default_collate(items[i:i + batch_size])
+    col_s = (time.thread_time() - c0) / len(items)
+    return CpuCosts(dec_s, pre_s, col_s, len(items))
+
+
+# ------------------------------------------------------------------------------- loaders end to end
+
+@dataclass(frozen=True)
+class LoaderRun:
+    """A timed pass of a loader after one warm-up pass (workers started, caches warm)."""
+
+    rate: float  # images/s over the timed pass
+    images: int
+    interval_p50_s: float  # time between consecutive batches
+    interval_p99_s: float
+    main_cpu_s: float  # CPU seconds of this process (all threads) per image
+    path: str | None  # fastdata.DataLoader.last_path
+
+
+def time_loader(loader: Any, *, warmup: bool = True, passes: int = 1, max_batches: int | None = None) -> LoaderRun:
+    """The fastest of ``passes`` timed passes of ``loader`` (after one warm-up pass when ``warmup``).
+
+    The best pass is the one least disturbed by other processes on a shared machine.
+    """
+    if warmup:
+        for i, _ in enumerate(loader):
+            if max_batches is not None and i + 1 >= max_batches:
+                break
+    runs = [_one_pass(loader, max_batches) for _ in range(passes)]
+    return max(runs, key=lambda r: r.rate)
+
+
+def _one_pass(loader: Any, max_batches: int | None) -> LoaderRun:
+    images, intervals = 0, []
+    c0 = time.process_time()
+    t0 = last = time.perf_counter()
+    for i, batch in enumerate(loader):
+        now = time.perf_counter()
+        intervals.append(now - last)
+        last = now
+        images += batch_images(batch)
+        if max_batches is not None and i + 1 >= max_batches:
+            break
+    wall = time.perf_counter() - t0
+    cpu = time.process_time() - c0
+    intervals.sort()
+    return LoaderRun(images / wall if wall > 0 else 0.0, images, quantile(intervals, 0.5), quantile(intervals, 0.99),
+                     cpu / max(images, 1), getattr(loader, "last_path", None))
+
+
+def batch_images(batch: Any) -> int:
+    """Number of samples in a collated batch (dict, sequence or tensor)."""
+    if isinstance(batch, dict):
+        batch = next((v for k, v in batch.items() if k != "__key__"), None)
+    elif isinstance(batch, (list, tuple)) and batch:
+        batch = batch[0]
+    if isinstance(batch, torch.Tensor) and batch.dim() > 0:
+        return int(batch.shape[0])
+    return len(batch) if hasattr(batch, "__len__") else 1
+
+
+class _ConstantSamples(torch.utils.data.IterableDataset):
+    """Yields ``n`` fresh preprocessed-size samples: isolates collate and the worker hand-off."""
+
+    def __init__(self, n: int, shape: tuple[int, ...], fields: Fields) -> None:
+        self.n, self.shape, self.fields = n, shape, fields
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        info = torch.utils.data.get_worker_info()
+        start, step = (0, 1) if info is None else (info.id, info.num_workers)
+        for i in range(start, self.n, step):
+            sample = {self.fields.image: torch.full(self.shape, i % 251, dtype=torch.uint8)}
+            if self.fields.label:
+                sample[self.fields.label] = i % 10
+            yield sample
+
+
+def handoff_run(n: int, shape: tuple[int, ...], fields: Fields, batch_size: int, workers: int) -> LoaderRun:
+    """Collate plus the worker -> main hand-off, measured with samples that cost nothing to make."""
+    loader = torch.utils.data.DataLoader(_ConstantSamples(n, shape, fields), batch_size=batch_size,
+                                         num_workers=workers, persistent_workers=workers > 0)
+    try:
+        return time_loader(loader)
+    finally:
+        del loader
+
+
+# ------------------------------------------------------------------------------- training steps
+
+class SyntheticStep:
+    """A training step that keeps the device busy for ``ms`` milliseconds and nothing else.
+
+    On CUDA it queues a spin kernel (``torch.cuda._sleep``, calibrated once), so the host runs
+    ahead like with a real model; on the CPU it sleeps, leaving the cores to the loader, as a
+    GPU-bound step would.
+    """
+
+    def __init__(self, ms: float, device: torch.device) -> None:
+        if not ms > 0:
+            raise ValueError(f"step_ms must be > 0, got {ms!r}")
+        self.ms, self.device = float(ms), device
+        self._cycles = None
+        if device.type == "cuda" and hasattr(torch.cuda, "_sleep"):
+            self._cycles = int(ms * _cycles_per_ms(device))
+
+    def __call__(self, batch: Any) -> None:
+        if self._cycles is not None:
+            torch.cuda._sleep(self._cycles)
+        else:
+            time.sleep(self.ms / 1e3)
+
+    def __repr__(self) -> str:
+        return f"synthetic {self.ms:g} ms"
+
+
+def _cycles_per_ms(device: torch.device) -> float:
+    with torch.cuda.device(device):
+        torch.cuda._sleep(1_000_000)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        torch.cuda._sleep(10_000_000)
+        torch.cuda.synchronize()
+        return 10_000_000 / ((time.perf_counter() - t0) * 1e3)
+
+
+class ModelStep:
+    """One ``fastdata.TrainStep`` (SGD, cross-entropy) of a torchvision model with random weights."""
+
+    def __init__(self, name: str, device: torch.device, fields: Fields, num_classes: int = 1000) -> None:
+        import torchvision
+
+        from fastdata.train import TrainStep
+
+        try:
+            model = torchvision.models.get_model(name, weights=None, num_classes=num_classes)
+        except ValueError:
+            known = ", ".join(sorted(torchvision.models.list_models(torchvision.models))[:12])
+            raise ValueError(f"unknown torchvision model {name!r} (e.g. {known}, ...)") from None
+        model = model.to(device)
+        if device.type == "cuda":
+            model = model.to(memory_format=torch.channels_last)
+        self.name, self.device, self.fields, self.num_classes = name, device, fields, num_classes
+        self.model = model
+        self.step = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9),
+                              torch.nn.functional.cross_entropy, input_key=fields.image, target_key="__target__")
+
+    def __call__(self, batch: dict[str, Any]) -> Any:
+        x = batch[self.fields.image]
+        label = batch.get(self.fields.label) if self.fields.label else None
+        if not isinstance(label, torch.Tensor):
+            label = torch.zeros(x.shape[0], dtype=torch.long, device=x.device)
+        return self.step({self.fields.image: x, "__target__": label.to(torch.long) % self.num_classes})
+
+    def __repr__(self) -> str:
+        return f"{self.name} (TrainStep)"
+
+
+def make_step(model: str | None, step_ms: float | None, device: torch.device, fields: Fields) -> Any:
+    """The training step to measure, or None when neither a model nor a step time is given."""
+    if model is not None and step_ms is not None:
+        raise ValueError("give a model or a step time, not both")
+    if model is not None:
+        return ModelStep(model, device, fields)
+    if step_ms is not None:
+        return SyntheticStep(step_ms, device)
+    return None
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_step(step: Any, batch: Any, device: torch.device, *, min_s: float = 0.5, max_steps: int = 30) -> float:
+    """Seconds per call of ``step(batch)`` on a resident batch (median of up to ``max_steps``, after 2 warm-ups)."""
+    for _ in range(2):
+        step(batch)
+    sync(device)
+    times: list[float] = []
+    start = time.perf_counter()
+    while len(times) < max_steps and (len(times) < 3 or time.perf_counter() - start < min_s):
+        t0 = time.perf_counter()
+        step(batch)
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+# ------------------------------------------------------------------------------- device stages
+
+def measure_h2d(nbytes: int, *, repeats: int) -> dict[str, float]:
+    """Host-to-device GB/s of one ``nbytes`` copy from pinned and from pageable memory (medians)."""
+    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    rates = {}
+    for label, pin in (("pinned", True), ("pageable", False)):
+        src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+        dst.copy_(src, non_blocking=pin)  # warm-up
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            dst.copy_(src, non_blocking=pin)
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        rates[label] = nbytes / statistics.median(times) / 1e9
+    return rates
+
+
+def time_pack(batch: torch.Tensor, repeats: int = 5) -> float:
+    """Seconds to pack one pageable batch into pinned memory (the prefetcher's staging copy)."""
+    dst = torch.empty(batch.shape, dtype=batch.dtype, pin_memory=True)
+    dst.copy_(batch)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        dst.copy_(batch)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def time_transform(transform: Callable[[Any], Any], batch: Any, device: torch.device, repeats: int = 10) -> float:
+    """Seconds per call of a batch transform on ``device`` (device time on CUDA)."""
+    transform(batch)
+    sync(device)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        transform(batch)
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def probe_gpu_decode(encoded: Sequence[bytes], device: torch.device) -> tuple[float | None, str]:
+    """Images/s of ``torchvision.io.decode_jpeg(..., device="cuda")`` on ``encoded``, or None and why not."""
+    if device.type != "cuda":
+        return None, "no CUDA device"
+    try:
+        from torchvision.io import decode_jpeg
+
+        data = [torch.frombuffer(bytearray(b), dtype=torch.uint8) for b in encoded]
+        decode_jpeg(data[:4], device=device)
+        torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        decode_jpeg(data, device=device)
+        torch.cuda.synchronize(device)
+        return len(data) / (time.perf_counter() - t0), "torchvision.io.decode_jpeg on the GPU"
+    except Exception as e:  # noqa: BLE001  a probe: any failure means "not available here", with the reason
+        return None, f"not available: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"

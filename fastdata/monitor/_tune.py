@@ -1,0 +1,205 @@
+"""``fastdata tune``: search the loader settings that feed a given step fastest, by measuring them.
+
+One dimension at a time, each fixed before the next, in the order in which they change the
+others' optimum:
+
+1. batch size (CUDA and a model only): the largest that fits in GPU memory, less headroom
+   (:func:`search_batch_size`); a larger batch raises the images/s the loader must deliver;
+2. decode backend: CPU seconds per image of decode + preprocess with each CPU decoder, measured
+   in one thread on the same images;
+3. ``num_workers``: the loader's measured images/s at 1, 2, 4, ... workers, never more than the
+   cores; the search stops when doubling gains less than 5%, and the answer is the fewest
+   workers within 5% of the best, or the fewest that deliver 1.25x what the step consumes;
+4. prefetch depth (with a step): the whole job's images/s at depths 1, 2, 4.
+
+The starting and the tuned configuration are then measured back to back, so the speed-up is not
+an artefact of the machine's load drifting during the search.
+"""
+from __future__ import annotations
+
+import dataclasses
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fastdata.monitor import _stages as st
+from fastdata.monitor._batch import BatchSearch, search_batch_size
+from fastdata.monitor._diagnose import DoctorOptions, _close, _dataset, _loader, run_job
+
+# A setting must beat the simpler one by this much to be chosen (measurement noise on a busy machine).
+MIN_GAIN = 0.05
+
+
+@dataclass
+class TuneResult:
+    """The configuration ``tune`` found, the one it started from, and every trial."""
+
+    start: DoctorOptions
+    best: DoctorOptions
+    start_rate: float  # images/s, measured back to back with best_rate
+    best_rate: float
+    measured: str  # "job" (loader -> prefetcher -> step) or "loader" (no step given)
+    trials: list[dict[str, Any]] = field(default_factory=list)
+    batch: BatchSearch | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def speedup(self) -> float:
+        return self.best_rate / self.start_rate if self.start_rate > 0 else float("inf")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"start": dataclasses.asdict(self.start), "best": dataclasses.asdict(self.best),
+                "start_rate": self.start_rate, "best_rate": self.best_rate, "speedup": self.speedup,
+                "measured": self.measured, "trials": self.trials, "notes": self.notes,
+                "batch": None if self.batch is None else dataclasses.asdict(self.batch)}
+
+
+def python_snippet(source: str, o: DoctorOptions, fields: st.Fields, device: torch.device) -> str:
+    """The tuned configuration as code to paste into a training script."""
+    keep = [fields.image] + ([fields.label] if fields.label else [])
+    lines = ["import fastdata", "from fastdata.gpu import Normalize"]
+    decode = ""
+    if o.decode == "torchvision" and fields.encoded:
+        lines += ["import torch", "from torchvision.io import ImageReadMode, decode_image", "", "",
+                  "class DecodeRGB:  # torchvision's decoder measured faster than Pillow here; a class pickles for workers",
+                  "    def __call__(self, data):",
+                  "        return decode_image(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB)",
+                  ""]
+        decode = f", decode={{{fields.image!r}: DecodeRGB()}}"
+    lines += ["",
+              f"ds = fastdata.ShardedDataset({source!r}, shuffle=True, fields={keep!r},",
+              f"                             preprocess=fastdata.ResizeCenterCrop({o.size}){decode})",
+              f"loader = fastdata.DataLoader(ds, batch_size={o.batch_size}, num_workers={o.num_workers}, "
+              f"persistent_workers={o.num_workers > 0}, drop_last=True)",
+              f"batches = fastdata.CUDAPrefetcher(loader, depth={o.depth}, "
+              f"transform=Normalize(keys=[{fields.image!r}], channels_last={device.type == 'cuda'}))"]
+    return "\n".join(lines)
+
+
+def model_fits(step: st.ModelStep, size: int, device: torch.device) -> Any:
+    """``fits(batch)`` for :func:`search_batch_size`: one training step of ``step`` on random inputs."""
+    def fits(b: int) -> None:
+        x = torch.randint(0, 256, (b, 3, size, size), dtype=torch.uint8, device=device)
+        x = x.float().contiguous(memory_format=torch.channels_last)
+        batch: dict[str, Any] = {step.fields.image: x}
+        if step.fields.label:
+            batch[step.fields.label] = torch.zeros(b, dtype=torch.long, device=device)
+        try:
+            step(batch)
+            st.sync(device)
+        finally:
+            del x, batch
+            step.model.zero_grad(set_to_none=True)  # gradients of a failed step must not crowd the next try
+    return fits
+
+
+def tune(source: str | Path, start: DoctorOptions, *, batch_limit: int = 2048) -> TuneResult:
+    """Search batch size (CUDA + model), decode backend, workers and depth; see the module docstring."""
+    from fastdata.gpu import Normalize
+    from fastdata.manifest import Manifest
+    from fastdata.prefetch import resolve_device
+    from fastdata.transforms import ResizeCenterCrop
+
+    device = resolve_device(start.device)
+    ncores = st.cores()
+    fields = st.pick_fields(Manifest.load(source), start.field, start.label)
+    pre = ResizeCenterCrop(start.size)
+    norm = Normalize(keys=[fields.image], channels_last=device.type == "cuda")
+    step = st.make_step(start.model, start.step_ms, device, fields)
+    trials: list[dict[str, Any]] = []
+    notes: list[str] = []
+    best = start
+    batch: BatchSearch | None = None
+    with tempfile.TemporaryDirectory(prefix="fastdata-tune-") as tmp:
+        subset = Path(tmp) / "subset"
+        st.copy_subset(source, subset, fields, start.samples)
+
+        def rate(o: DoctorOptions) -> float:
+            ds = _dataset(subset, fields, pre, o.decode)
+            if step is None:
+                loader = _loader(ds, o.batch_size, o.num_workers)
+                try:
+                    return st.time_loader(loader).rate
+                finally:
+                    _close(loader)
+            return run_job(ds, o, device, step, norm)[0]
+
+        # 1. batch size
+        if isinstance(step, st.ModelStep) and device.type == "cuda":
+            batch = search_batch_size(model_fits(step, start.size, device), start=min(start.batch_size, batch_limit),
+                                      limit=batch_limit, after_oom=torch.cuda.empty_cache)
+            torch.cuda.empty_cache()
+            trials += [{"dimension": "batch_size", "value": b, "fits": ok} for b, ok in batch.tried]
+            best = dataclasses.replace(best, batch_size=batch.batch_size)
+            notes.append(f"batch size: {batch.largest_fit} fits in GPU memory"
+                         + (f", {batch.first_oom} does not" if batch.first_oom else f" (searched up to {batch_limit})")
+                         + f"; {batch.batch_size} leaves {batch.headroom:.0%} headroom")
+        else:
+            why = "no model to size (--model)" if not isinstance(step, st.ModelStep) else "no GPU memory to fill on the CPU"
+            notes.append(f"batch size: kept at {start.batch_size} ({why})")
+
+        # 2. decode backend (CPU seconds per image, one thread: robust on a busy machine)
+        if fields.encoded:
+            raws = st.raw_samples(subset, fields, 48)
+            costs = {}
+            for backend in ("pil", "torchvision"):
+                try:
+                    c = st.cpu_costs(raws, fields, pre, backend, best.batch_size)
+                except Exception as e:  # noqa: BLE001  a backend that cannot decode these images is no candidate
+                    notes.append(f"decode backend {backend}: failed ({type(e).__name__}: {e})")
+                    continue
+                costs[backend] = (c.decode_s or 0.0) + c.preprocess_s
+                trials.append({"dimension": "decode", "value": backend, "images/s per core": 1 / costs[backend]})
+            pick = min(costs, key=lambda k: costs[k] * (1.0 if k == start.decode else 1.0 + MIN_GAIN))
+            best = dataclasses.replace(best, decode=pick)
+
+        # 3. workers
+        need = None
+        if step is not None:
+            need = 1.25 * best.batch_size / st.time_step(step, _resident(subset, fields, pre, best, device, norm),
+                                                         device)
+        candidates = sorted({w for w in (start.num_workers, 1, 2, 4, 8, 16, 32, 64, ncores) if 1 <= w <= ncores}
+                            | ({0} if start.num_workers == 0 else set()))
+        rates: dict[int, float] = {}
+        for w in candidates:
+            ds = _dataset(subset, fields, pre, best.decode)
+            loader = _loader(ds, best.batch_size, w)
+            try:
+                rates[w] = st.time_loader(loader).rate
+            finally:
+                _close(loader)
+            trials.append({"dimension": "num_workers", "value": w, "loader images/s": rates[w]})
+            done = [v for v in rates if v < w]
+            if done and rates[w] < (1 + MIN_GAIN) * max(rates[v] for v in done) and w >= 2:
+                break  # doubling no longer pays
+        top = max(rates.values())
+        enough = [w for w in sorted(rates) if rates[w] >= (1 - MIN_GAIN) * top or (need and rates[w] >= need)]
+        best = dataclasses.replace(best, num_workers=enough[0])
+
+        # 4. prefetch depth, over the whole job
+        if step is not None:
+            depth_rates = {}
+            for d in (1, 2, 4):
+                o = dataclasses.replace(best, depth=d)
+                depth_rates[d] = rate(o)
+                trials.append({"dimension": "depth", "value": d, "job images/s": depth_rates[d]})
+            top = max(depth_rates.values())
+            best = dataclasses.replace(best, depth=min(d for d, r in depth_rates.items() if r >= (1 - MIN_GAIN / 2) * top))
+        else:
+            notes.append(f"prefetch depth: kept at {start.depth} (without a step there is no jitter to absorb)")
+
+        start_rate = rate(start)
+        best_rate = rate(best)
+    return TuneResult(start, best, start_rate, best_rate, "job" if step is not None else "loader", trials, batch, notes)
+
+
+def _resident(subset: Path, fields: st.Fields, pre: Any, o: DoctorOptions, device: torch.device, norm: Any) -> Any:
+    """One batch of ``o.batch_size`` on ``device``, normalised: what the step sees."""
+    ds = _dataset(subset, fields, pre, o.decode)
+    from fastdata.loader import DataLoader
+
+    batch = next(iter(DataLoader(ds, batch_size=o.batch_size, num_workers=0)))
+    return norm({k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()})
