@@ -86,8 +86,11 @@ def test_documented_layout_with_plain_h5py(shard):
 
 
 def test_deterministic_output(tmp_path):
-    a = write_hdf5_shard(tmp_path / "a.h5", make_samples(20))
-    b = write_hdf5_shard(tmp_path / "b.h5", make_samples(20))
+    # same samples, same shard name -> same bytes (the name is recorded: a swapped shard is caught on open)
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    a = write_hdf5_shard(tmp_path / "a" / "shard-000000.h5", make_samples(20))
+    b = write_hdf5_shard(tmp_path / "b" / "shard-000000.h5", make_samples(20))
     assert a.sha256 == b.sha256
 
 

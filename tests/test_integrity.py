@@ -113,3 +113,182 @@ def test_4_tar_links_in_conversion(tmp_path):
     assert got == {"a": a, "b": a, "c": c, "d": c}
     assert [(s["source"], s["reason"]) for s in result.manifest.skipped] == [
         (f"links.tar:{n}", r) for n, r in LINK_SKIPS]
+
+
+# ---------------------------------------------------------------------- shared small data sets
+
+def write_set(dest, n_shards: int = 3, per_shard: int = 100, fmt: str = "tar", size: int = 8, sample=None):
+    """A manifest folder of ``n_shards`` x ``per_shard`` samples ``s<i>`` with an image array and a label."""
+    from fastdata.shards.writer import ShardWriter
+
+    with ShardWriter(dest, format=fmt, max_samples=per_shard) as w:
+        for i in range(n_shards * per_shard):
+            s = {"__key__": f"s{i:04d}", "cls": i % 10,
+                 "img.npy": np.full((3, size, size), i % 251, np.uint8)}
+            w.write(sample(i, s) if sample is not None else s)
+    return dest
+
+
+def keys_of(ds) -> list[str]:
+    return [s["__key__"] for s in ds]
+
+
+def edit_manifest(folder, fn) -> None:
+    import json
+
+    path = folder / "manifest.json"
+    data = json.loads(path.read_text())
+    fn(data)
+    data["num_samples"] = sum(s["num_samples"] for s in data["shards"])
+    path.write_text(json.dumps(data))
+
+
+# -------------------------------------------------------- 2: a manifest that under-counts a shard
+
+@pytest.mark.parametrize("fmt", ["tar", "hdf5"])
+def test_2_manifest_undercount_is_an_error_naming_the_shard(tmp_path, fmt):
+    from fastdata import ShardedDataset
+    from fastdata.errors import ShardError
+
+    if fmt == "hdf5":
+        pytest.importorskip("h5py")
+    folder = write_set(tmp_path / "d", n_shards=3, per_shard=20, fmt=fmt)
+    edit_manifest(folder, lambda m: m["shards"][1].update(num_samples=10))
+    ds = ShardedDataset(folder)
+    assert len(ds) == 50  # what the manifest says: nothing is opened yet
+    name = "shard-000001.tar" if fmt == "tar" else "shard-000001.h5"
+    with pytest.raises(ShardError, match=rf"{name}: has 20 samples but the manifest says 10"):
+        keys_of(ds)
+
+
+# ----------------------------------------------------------------------- 3: replaced shards
+
+def test_3_swapped_tar_shards_with_their_index_are_refused(tmp_path):
+    import os
+
+    from fastdata import ShardedDataset
+    from fastdata.errors import ShardError
+
+    folder = write_set(tmp_path / "d", n_shards=3, per_shard=20)
+    for ext in ("", ".idx"):  # swap shards 0 and 2, each with its index; the manifest stays
+        a, b = folder / f"shard-000000.tar{ext}", folder / f"shard-000002.tar{ext}"
+        os.rename(a, tmp_path / "tmp")
+        os.rename(b, a)
+        os.rename(tmp_path / "tmp", b)
+    with pytest.raises(ShardError, match=r"shard-000000.tar: its index .*shard-000000.tar.idx was written for a "
+                                         r"tar with sha256 [0-9a-f]{64} but the manifest says [0-9a-f]{64}; "
+                                         r"the shard was replaced"):
+        keys_of(ShardedDataset(folder))
+
+
+def test_3_tar_replaced_under_its_index_is_refused(tmp_path):
+    import shutil
+
+    from fastdata import ShardedDataset
+    from fastdata.errors import ShardError
+
+    folder = write_set(tmp_path / "d", n_shards=2, per_shard=20)
+    # same size, other keys: only the tar is replaced, its (old) index and the manifest stay
+    other = write_set(tmp_path / "o", n_shards=1, per_shard=20,
+                      sample=lambda i, s: {**s, "__key__": f"t{i:04d}"})
+    shutil.copy(other / "shard-000000.tar", folder / "shard-000001.tar")
+    with pytest.raises(ShardError, match=r"shard-000001.tar: the tar header at byte offset \d+ is for "
+                                         r"'t0000.cls' .* expects 's0020.cls'"):
+        keys_of(ShardedDataset(folder))
+
+
+def test_3_swapped_hdf5_shards_are_refused(tmp_path):
+    import os
+
+    pytest.importorskip("h5py")
+    from fastdata import ShardedDataset
+    from fastdata.errors import ShardError
+
+    folder = write_set(tmp_path / "d", n_shards=2, per_shard=20, fmt="hdf5")
+    a, b = folder / "shard-000000.h5", folder / "shard-000001.h5"
+    assert a.stat().st_size == b.stat().st_size  # the size check alone cannot tell them apart
+    os.rename(a, tmp_path / "tmp")
+    os.rename(b, a)
+    os.rename(tmp_path / "tmp", b)
+    with pytest.raises(ShardError, match=r"shard-000000.h5: was written as shard 'shard-000001.h5', but the "
+                                         r"manifest lists it as 'shard-000000.h5'"):
+        keys_of(ShardedDataset(folder))
+
+
+def test_3_swapped_shards_never_reach_a_cached_epoch(tmp_path):
+    import os
+
+    from fastdata import ShardedDataset
+    from fastdata.errors import ShardError
+    from fastdata.transforms import Deterministic
+
+    folder = write_set(tmp_path / "d", n_shards=3, per_shard=10,
+                       sample=lambda i, s: {"__key__": s["__key__"], "cls": i, "x.png": png(i)})
+    pre = Deterministic(lambda img: img, version="id")
+    ds = ShardedDataset(folder, preprocess=pre, cache=tmp_path / "cache")
+    assert len(keys_of(ds)) == 30  # fills the cache
+    for ext in ("", ".idx"):
+        a, b = folder / f"shard-000000.tar{ext}", folder / f"shard-000001.tar{ext}"
+        os.rename(a, tmp_path / "tmp")
+        os.rename(b, a)
+        os.rename(tmp_path / "tmp", b)
+    with pytest.raises(ShardError, match="shard-000000.tar: .*the shard was replaced"):
+        keys_of(ShardedDataset(folder, preprocess=pre, cache=tmp_path / "cache"))
+
+
+def png(i: int) -> bytes:
+    buf = io.BytesIO()
+    Image.fromarray(np.full((6, 6, 3), i % 256, np.uint8)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+# ---------------------------------------------------------------- 6: HDF5 shapes vs the manifest
+
+def test_6_hdf5_shape_differing_from_the_manifest_is_refused_on_open(tmp_path):
+    pytest.importorskip("h5py")
+    from fastdata import ShardedDataset
+    from fastdata.errors import ShardError
+    from fastdata.shards.hdf5 import write_hdf5_shard
+
+    folder = write_set(tmp_path / "d", n_shards=2, per_shard=10, fmt="hdf5", size=32)
+    # shard 1 rewritten with (3, 16, 16) images: same keys, manifest untouched except size/sha
+    samples = [{"__key__": f"s{i:04d}", "cls": i % 10, "img.npy": np.zeros((3, 16, 16), np.uint8)}
+               for i in range(10, 20)]
+    info = write_hdf5_shard(folder / "shard-000001.h5", samples)
+    edit_manifest(folder, lambda m: m["shards"][1].update(bytes=info.bytes, sha256=info.sha256))
+    with pytest.raises(ShardError, match=r"shard-000001.h5: field 'img.npy' has rows of shape \(3, 16, 16\) "
+                                         r"uint8, the manifest says \(3, 32, 32\) uint8"):
+        keys_of(ShardedDataset(folder))
+
+
+# -------------------------------------------------------- 7: duplicate keys across foreign tars
+
+def test_7_duplicate_keys_across_tars_without_a_manifest(tmp_path):
+    from fastdata import ShardedDataset
+    from fastdata.errors import SourceError
+    from fastdata.shards.tar import write_tar_shard
+
+    for name, first in (("a.tar", 0), ("b.tar", 3)):  # keys 3..5 are in both
+        write_tar_shard(tmp_path / name, [{"__key__": f"k{i}", "cls": i} for i in range(first, first + 6)])
+        (tmp_path / (name + ".idx")).unlink()  # foreign tars: no sidecar
+    with pytest.raises(SourceError, match=r"key 'k3' is in shard .*a.tar and in shard .*b.tar"):
+        ShardedDataset([str(tmp_path / "a.tar"), str(tmp_path / "b.tar")])
+    with pytest.raises(SourceError, match=r"a.tar is listed twice"):
+        ShardedDataset([str(tmp_path / "a.tar"), str(tmp_path / "a.tar")])
+
+
+# ------------------------------------------------------------ 8: errors name the path / shard
+
+def test_8_empty_dataset_error_names_the_path(tmp_path):
+    from fastdata import ShardedDataset
+    from fastdata.errors import SourceError
+    from fastdata.shards.tar import write_tar_shard
+    from fastdata.shards.writer import ShardWriter
+
+    with ShardWriter(tmp_path / "empty"):
+        pass
+    with pytest.raises(SourceError, match=rf"{tmp_path / 'empty' / 'manifest.json'}: the dataset has no samples"):
+        ShardedDataset(tmp_path / "empty")
+    write_tar_shard(tmp_path / "e.tar", [])
+    with pytest.raises(SourceError, match=rf"{tmp_path / 'e.tar'}: the dataset has no samples"):
+        ShardedDataset(str(tmp_path / "e.tar"))

@@ -22,3 +22,7 @@ from fastdata.shards._remote import (  # noqa: E402
     url_join,
     with_retries,
 )
+
+# Key/field rules and the required-field policy (issue 13): used by the dataset and by conversion.
+from fastdata.shards._fields import missing_fields, required_fields  # noqa: E402
+from fastdata.shards._keys import split_member_name  # noqa: E402

@@ -1,15 +1,39 @@
 """Inference of :class:`~fastdata.manifest.FieldInfo` (kind, dtype, shape) from sample values."""
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Iterable, Mapping
 from typing import Any
 
 import numpy as np
 
+from fastdata._util import IMAGE_SUFFIXES
 from fastdata.manifest import FieldInfo
 from fastdata.shards._keys import check_field, is_meta
 
-__all__ = ["FieldTracker", "value_info"]
+__all__ = ["FieldTracker", "missing_fields", "required_fields", "value_info"]
+
+
+def required_fields(fields: Iterable[str]) -> tuple[frozenset[str], ...]:
+    """What every sample of a data set with ``fields`` must hold: one name from each group.
+
+    Every non-image field is a group of its own. Image fields sharing a base name (the field name
+    without its last suffix: ``jpg``/``png``/``jpeg`` share ``""``, ``seg.png`` has ``"seg"``) form
+    one group: an image stored in one of several formats (an image folder of JPEGs and PNGs).
+    """
+    groups: dict[str, set[str]] = {}
+    alone: list[frozenset[str]] = []
+    for name in sorted(set(fields)):
+        base, _, ext = name.rpartition(".")
+        if ext.lower() in IMAGE_SUFFIXES:
+            groups.setdefault(base, set()).add(name)
+        else:
+            alone.append(frozenset((name,)))
+    return tuple(sorted([*alone, *(frozenset(g) for g in groups.values())], key=sorted))
+
+
+def missing_fields(have: Collection[str], required: Iterable[frozenset[str]]) -> list[str]:
+    """The required groups ``have`` lacks, as names (alternatives joined by ``|``); empty when complete."""
+    return ["|".join(sorted(group)) for group in required if group.isdisjoint(have)]
 
 
 def value_info(field: str, value: Any, *, key: str = "") -> tuple[str, str | None, tuple[int, ...] | None]:

@@ -2,7 +2,9 @@
 
 Layout of ``shard-000000.h5`` with ``n`` samples:
 
-- root attributes: ``fastdata_format = "hdf5"``, ``fastdata_version = 1``, ``num_samples = n``;
+- root attributes: ``fastdata_format = "hdf5"``, ``fastdata_version = 1``, ``num_samples = n``,
+  ``fastdata_shard`` = the shard's file name when written (checked against the manifest on open;
+  absent in shards written before it was added);
 - dataset ``__key__``: shape ``(n,)``, variable-length UTF-8 strings, the sample keys;
 - one dataset per field, named exactly like the field (``"jpg"``, ``"cls"``, ``"img.npy"``), with
   attribute ``kind`` (the manifest's FieldInfo.kind) and row ``i`` belonging to sample ``i``:
@@ -94,6 +96,7 @@ def write_hdf5_shard(path: str | os.PathLike[str], samples: Iterable[dict[str, A
             f.attrs["fastdata_format"] = "hdf5"
             f.attrs["fastdata_version"] = HDF5_VERSION
             f.attrs["num_samples"] = len(samples)
+            f.attrs["fastdata_shard"] = path.name
             f.create_dataset("__key__", data=np.array(keys, dtype=object),
                              dtype=h5py.string_dtype("utf-8"), track_times=False)
             for info in fields:
@@ -165,18 +168,29 @@ class HDF5ShardReader:
     is validated on open (ShardError naming the file and the dataset that is missing or mistyped).
     ``rdcc_nbytes``/``rdcc_nslots`` set h5py's per-dataset chunk cache: the default 4 MiB holds a few
     whole chunks of every field, so per-sample ``read(i)`` in chunk order does not re-read chunks.
+
+    ``expect`` (the manifest's :class:`~fastdata.manifest.ShardInfo`) and ``fields`` (the manifest's
+    :class:`~fastdata.manifest.FieldInfo` list) are checked on open, cheaply: byte size, sample
+    count, the ``fastdata_shard`` name attribute (a swapped or renamed shard), every manifest
+    field present with its kind, fixed array shapes and dtypes equal to the manifest's (arrays
+    stored as ``.npy`` bytes are checked as they are read), no field the manifest does not list.
+    A mismatch is a :class:`ShardError` naming the shard, field and shapes.
     """
 
-    def __init__(self, path: str | os.PathLike[str], *, rdcc_nbytes: int = 4 << 20, rdcc_nslots: int = 10007):
+    def __init__(self, path: str | os.PathLike[str], *, rdcc_nbytes: int = 4 << 20, rdcc_nslots: int = 10007,
+                 expect: ShardInfo | None = None, fields: Sequence[FieldInfo] | None = None):
         if rdcc_nbytes < 0 or rdcc_nslots < 1:
             raise ValueError(f"rdcc_nbytes must be >= 0 and rdcc_nslots >= 1, got {rdcc_nbytes}, {rdcc_nslots}")
         self.path = os.fspath(path)
         self.rdcc_nbytes = rdcc_nbytes
         self.rdcc_nslots = rdcc_nslots
+        self._expect = expect
+        self._expect_fields = None if fields is None else tuple(fields)
         self._file: Any = None
         self._pid: int | None = None
         self._keys: tuple[str, ...] | None = None
         self._layout: dict[str, tuple[str, bool]] = {}  # field -> (kind, stored as .npy bytes)
+        self._npy_shapes: dict[str, tuple[tuple[int, ...], np.dtype]] = {}  # .npy fields with a fixed manifest shape
 
     def _open(self) -> Any:
         if self._file is None or self._pid != os.getpid():
@@ -187,11 +201,62 @@ class HDF5ShardReader:
                 raise ShardError(f"{self.path}: cannot open as HDF5: {e}") from e
             try:
                 self._keys, self._layout = _validate(f, self.path)
+                self._npy_shapes = self._check_expected(f)
             except BaseException:
                 f.close()
                 raise
             self._file, self._pid = f, os.getpid()
         return self._file
+
+    def _check_expected(self, f: Any) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+        """Compare the open file with the manifest's ShardInfo and fields; ShardError naming the mismatch."""
+        replaced = "the shard was replaced or changed after the manifest was written (run verify)"
+        expect, keys = self._expect, self._keys or ()
+        if expect is not None:
+            size = os.path.getsize(self.path)
+            if size != expect.bytes:
+                raise ShardError(f"{self.path}: has {size} bytes but the manifest says {expect.bytes}; {replaced}")
+            if len(keys) != expect.num_samples:
+                raise ShardError(f"{self.path}: has {len(keys)} samples but the manifest says "
+                                 f"{expect.num_samples}; {replaced}")
+            written = _attr(f, "fastdata_shard")
+            if written is not None and written != expect.name:
+                raise ShardError(f"{self.path}: was written as shard {written!r}, but the manifest lists it as "
+                                 f"{expect.name!r}; {replaced}")
+        npy: dict[str, tuple[tuple[int, ...], np.dtype]] = {}
+        if self._expect_fields is None:
+            return npy
+        listed = {info.name for info in self._expect_fields}
+        unknown = sorted(set(self._layout) - listed)
+        if unknown:
+            raise ShardError(f"{self.path}: holds fields {unknown} that the manifest does not list "
+                             f"(manifest fields: {sorted(listed)}); {replaced}")
+        for info in self._expect_fields:
+            if info.name not in self._layout:
+                raise ShardError(f"{self.path}: has no dataset for field {info.name!r} listed in the manifest "
+                                 f"(fields here: {sorted(self._layout)}); {replaced}")
+            kind, is_npy = self._layout[info.name]
+            if kind != info.kind:
+                raise ShardError(f"{self.path}: field {info.name!r} is {kind!r} here but {info.kind!r} in the "
+                                 f"manifest; {replaced}")
+            if kind != "array" or info.shape is None or info.dtype is None:
+                continue
+            want = (tuple(info.shape), np.dtype(info.dtype))
+            if is_npy:
+                npy[info.name] = want
+                continue
+            ds = f[info.name]
+            if (tuple(ds.shape[1:]), ds.dtype) != want:
+                raise ShardError(f"{self.path}: field {info.name!r} has rows of shape {tuple(ds.shape[1:])} "
+                                 f"{ds.dtype}, the manifest says {want[0]} {want[1]}; {replaced}")
+        return npy
+
+    def _checked(self, name: str, value: Any, key: str) -> Any:
+        want = self._npy_shapes.get(name)
+        if want is not None and (value.shape, value.dtype) != want:
+            raise ShardError(f"{self.path}: sample {key!r} field {name!r} has shape {value.shape} {value.dtype}, "
+                             f"the manifest says {want[0]} {want[1]}")
+        return value
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -222,7 +287,8 @@ class HDF5ShardReader:
             raise IndexError(f"{self.path}: sample index {i} out of range for {n} samples")
         out: dict[str, Any] = {"__key__": self.keys[i]}
         for name, kind, npy in self._selected(fields):
-            out[name] = _convert(f[name][i], kind, npy)
+            value = _convert(f[name][i], kind, npy)
+            out[name] = self._checked(name, value, out["__key__"]) if self._npy_shapes else value
         return out
 
     def iter_range(self, start: int = 0, stop: int | None = None,
@@ -247,7 +313,8 @@ class HDF5ShardReader:
             for j in range(b - a):
                 out: dict[str, Any] = {"__key__": keys[a + j]}
                 for name, kind, npy, block in blocks:
-                    out[name] = _convert(block[j], kind, npy)
+                    value = _convert(block[j], kind, npy)
+                    out[name] = self._checked(name, value, out["__key__"]) if self._npy_shapes else value
                 yield out
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
@@ -267,11 +334,12 @@ class HDF5ShardReader:
         self.close()
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"path": self.path, "rdcc_nbytes": self.rdcc_nbytes, "rdcc_nslots": self.rdcc_nslots}
+        return {"path": self.path, "rdcc_nbytes": self.rdcc_nbytes, "rdcc_nslots": self.rdcc_nslots,
+                "expect": self._expect, "fields": self._expect_fields}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__(state["path"], rdcc_nbytes=state["rdcc_nbytes"],  # type: ignore[misc]
-                      rdcc_nslots=state["rdcc_nslots"])
+                      rdcc_nslots=state["rdcc_nslots"], expect=state.get("expect"), fields=state.get("fields"))
 
     def __repr__(self) -> str:
         return f"HDF5ShardReader({self.path!r})"

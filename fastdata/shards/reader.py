@@ -2,12 +2,12 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Collection, Iterator
+from collections.abc import Collection, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 from fastdata.errors import FastdataError, ManifestError
-from fastdata.manifest import Manifest, ShardInfo, sha256_file
+from fastdata.manifest import FieldInfo, Manifest, ShardInfo, sha256_file
 
 __all__ = ["ShardReader", "open_shard", "verify", "verify_shard"]
 
@@ -35,22 +35,26 @@ class ShardReader(Protocol):
         """Release the open file or map (the reader reopens on next use)."""
 
 
-def open_shard(folder: str | os.PathLike[str], shard: ShardInfo, *, format: str, **options: Any) -> ShardReader:
+def open_shard(folder: str | os.PathLike[str], shard: ShardInfo, *, format: str,
+               fields: Sequence[FieldInfo] | None = None, **options: Any) -> ShardReader:
     """A reader for ``shard`` in ``folder`` (``format`` is the manifest's ``"tar"`` or ``"hdf5"``).
 
     ``options`` go to the reader (``HDF5ShardReader``'s chunk-cache settings). Nothing is opened
-    until the reader is first used.
+    until the reader is first used; then the shard is checked cheaply against ``shard`` (size,
+    sample count, identity) and ``fields`` (the manifest's: names; HDF5 also kinds, shapes,
+    dtypes), a mismatch being a ShardError naming the shard (see the readers' ``expect``).
     """
     path = Path(folder) / shard.name
     if format == "tar":
         from fastdata.shards.tar import TarShardReader
 
         index = None if shard.index is None else Path(folder) / shard.index
-        return TarShardReader(path, index=index, **options)
+        names = None if fields is None else [f.name for f in fields]
+        return TarShardReader(path, index=index, expect=shard, fields=names, **options)
     if format == "hdf5":
         from fastdata.shards.hdf5 import HDF5ShardReader
 
-        return HDF5ShardReader(path, **options)
+        return HDF5ShardReader(path, expect=shard, fields=fields, **options)
     raise ValueError(f"format must be 'tar' or 'hdf5', got {format!r}")
 
 

@@ -7,8 +7,10 @@ names, mode 0o444, PAX format, a sample's fields in sorted order, samples in the
 so the same input gives byte-identical shards.
 
 Sidecar index ``shard-000000.tar.idx`` (little-endian, loads with a few ``np.frombuffer`` calls):
-magic ``b"FDTARIDX"``; header ``<IIQQQQQQ``: version (1), crc32 of the body, tar size, samples ``n``,
-members ``m``, fields ``f``, key blob bytes, field blob bytes; body: int64 ``sample_start[n+1]``
+magic ``b"FDTARIDX"``; header ``<IIQQQQQQ32s``: version (2), crc32 of the tar's sha256 and the body,
+tar size, samples ``n``, members ``m``, fields ``f``, key blob bytes, field blob bytes, the raw
+sha256 of the tar (32 zero bytes when unknown, e.g. an index built by a header scan); version 1
+has no sha256 (header ``<IIQQQQQQ``, crc32 of the body only) and is still read. Body: int64 ``sample_start[n+1]``
 (sample i owns members ``sample_start[i]:sample_start[i+1]``), int64 ``member_offset[m]`` and
 ``member_size[m]`` (byte offset and size of each member's DATA in the tar), int64 ``key_end[n]``,
 int64 ``field_end[f]``, int32 ``member_field[m]`` (into the sorted field-name table), then the
@@ -41,10 +43,13 @@ __all__ = [
 ]
 
 INDEX_SUFFIX = ".idx"
-_INDEX_VERSION = 1
+_INDEX_VERSION = 2
 _INDEX_MAGIC = b"FDTARIDX"
 # version, crc32 of the body, tar size, samples, members, fields, key blob bytes, field blob bytes
-_INDEX_HEAD = struct.Struct("<IIQQQQQQ")
+_INDEX_HEAD_V1 = struct.Struct("<IIQQQQQQ")
+# ... plus the tar's sha256 (raw, zeros when unknown); the crc32 covers it and the body
+_INDEX_HEAD = struct.Struct("<IIQQQQQQ32s")
+_CHECKED_SAMPLES = 3  # samples whose tar headers are compared with the index when a reader opens a shard
 
 
 class TarIndex:
@@ -52,16 +57,18 @@ class TarIndex:
 
     Attributes: ``keys`` (tuple of str), ``members`` (``members[i]`` is a tuple of
     ``(field, start, stop)`` byte ranges of sample i's member data, in archive order) and
-    ``tar_size`` (bytes of the indexed tar, checked against the file before reading).
+    ``tar_size`` (bytes of the indexed tar, checked against the file before reading) and ``sha256``
+    (hex digest of the tar, recorded by the writer in the sidecar; None when unknown).
     ``skipped`` lists ``(member name, reason)`` of the members that give no sample data: names
     that are not ``<key>.<field>``, symlinks out of the archive or to nothing, devices, fifos
     (only filled by :meth:`build`; directories are not listed). Hardlinks, and symlinks to a
     member of the archive, read their target's data.
     """
 
-    __slots__ = ("keys", "members", "tar_size", "skipped")
+    __slots__ = ("keys", "members", "tar_size", "skipped", "sha256")
 
-    def __init__(self, keys: Sequence[str], members: Sequence[Sequence[tuple[str, int, int]]], tar_size: int):
+    def __init__(self, keys: Sequence[str], members: Sequence[Sequence[tuple[str, int, int]]], tar_size: int,
+                 sha256: str | None = None):
         if len(keys) != len(members):
             raise ValueError(f"TarIndex needs one member list per key, got {len(keys)} keys, {len(members)} lists")
         self.keys: tuple[str, ...] = tuple(keys)
@@ -70,6 +77,9 @@ class TarIndex:
             tuple((f, int(off), int(off) + int(size)) for f, off, size in m) for m in members)
         self.tar_size = int(tar_size)
         self.skipped: tuple[tuple[str, str], ...] = ()
+        if sha256 is not None and (len(sha256) != 64 or not all(c in "0123456789abcdef" for c in sha256)):
+            raise ValueError(f"TarIndex sha256 must be 64 lowercase hex characters, got {sha256!r}")
+        self.sha256 = sha256
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -140,8 +150,10 @@ class TarIndex:
             key_blob,
             field_blob,
         ])
-        head = _INDEX_MAGIC + _INDEX_HEAD.pack(_INDEX_VERSION, zlib.crc32(body), self.tar_size, len(self.keys),
-                                               len(flat), len(field_names), len(key_blob), len(field_blob))
+        sha = bytes.fromhex(self.sha256) if self.sha256 is not None else bytes(32)
+        head = _INDEX_MAGIC + _INDEX_HEAD.pack(_INDEX_VERSION, zlib.crc32(body, zlib.crc32(sha)), self.tar_size,
+                                               len(self.keys), len(flat), len(field_names), len(key_blob),
+                                               len(field_blob), sha)
         return head + body
 
     @classmethod
@@ -162,11 +174,17 @@ class TarIndex:
     def _parse(cls, data: bytes) -> TarIndex:
         if data[:len(_INDEX_MAGIC)] != _INDEX_MAGIC:
             raise ValueError("bad magic")
-        version, crc, tar_size, n, m, nf, kb, fb = _INDEX_HEAD.unpack_from(data, len(_INDEX_MAGIC))
-        if version != _INDEX_VERSION:
+        version = _INDEX_HEAD_V1.unpack_from(data, len(_INDEX_MAGIC))[0]
+        if version == 1:
+            _, crc, tar_size, n, m, nf, kb, fb = _INDEX_HEAD_V1.unpack_from(data, len(_INDEX_MAGIC))
+            sha, head = b"", _INDEX_HEAD_V1.size
+        elif version == 2:
+            _, crc, tar_size, n, m, nf, kb, fb, sha = _INDEX_HEAD.unpack_from(data, len(_INDEX_MAGIC))
+            head = _INDEX_HEAD.size
+        else:
             raise ValueError(f"unsupported version {version}")
-        body = memoryview(data)[len(_INDEX_MAGIC) + _INDEX_HEAD.size:]
-        if len(body) != 8 * (n + 1 + 2 * m + n + nf) + 4 * m + kb + fb or zlib.crc32(body) != crc:
+        body = memoryview(data)[len(_INDEX_MAGIC) + head:]
+        if len(body) != 8 * (n + 1 + 2 * m + n + nf) + 4 * m + kb + fb or zlib.crc32(body, zlib.crc32(sha)) != crc:
             raise ValueError("truncated or corrupt (size or checksum mismatch)")
         pos = 0
 
@@ -189,6 +207,7 @@ class TarIndex:
         index.members = tuple(tuple(flat[a:b]) for a, b in zip(bounds, bounds[1:]))
         index.tar_size = tar_size
         index.skipped = ()
+        index.sha256 = sha.hex() if sha.strip(b"\0") else None
         return index
 
 
@@ -433,7 +452,8 @@ class TarShardWriter:
             index_name = None
             if self._index:
                 index_name = self.path.name + INDEX_SUFFIX
-                TarIndex(self._keys, self._members, self._out.pos).save(self.path.with_name(index_name))
+                TarIndex(self._keys, self._members, self._out.pos, self._out.sha.hexdigest()).save(
+                    self.path.with_name(index_name))
             os.replace(self._tmp, self.path)
         except BaseException:
             self.abort()
@@ -475,12 +495,22 @@ class TarShardReader:
     ``<path>.idx`` is loaded when present, else the index is built by a header scan; either way it
     is loaded on first use and cached. Picklable: the map is opened lazily in each process (never
     shared across fork).
+
+    ``expect``: the manifest's :class:`~fastdata.manifest.ShardInfo` of this shard (and ``fields``
+    its field names). When the index is loaded the shard's identity is checked against it, cheaply
+    (no hashing): byte size; the sha256 the writer recorded in the sidecar index; the sample count;
+    the tar headers of the first, middle and last sample against the index (a tar replaced under
+    its index); fields the manifest does not list. A mismatch is a :class:`ShardError` naming the
+    shard (a full sha256 check is ``verify``'s job).
     """
 
-    def __init__(self, path: str | os.PathLike[str], index: TarIndex | str | os.PathLike[str] | None = None):
+    def __init__(self, path: str | os.PathLike[str], index: TarIndex | str | os.PathLike[str] | None = None, *,
+                 expect: ShardInfo | None = None, fields: Collection[str] | None = None):
         self.path = os.fspath(path)
         self._index: TarIndex | None = index if isinstance(index, TarIndex) else None
         self._index_path = None if index is None or isinstance(index, TarIndex) else os.fspath(index)
+        self._expect = expect
+        self._fields = None if fields is None else frozenset(fields)
         self._mm: mmap.mmap | None = None
         self._pid: int | None = None
 
@@ -500,8 +530,47 @@ class TarShardReader:
             if index.tar_size != size:
                 raise ShardError(f"{self.path}: index {sidecar} is for a {index.tar_size}-byte tar but the shard "
                                  f"has {size} bytes; the shard was changed or truncated (rebuild the index)")
+            if self._expect is not None or self._fields is not None:
+                self._check_identity(index, sidecar, size, scanned=self._index_path is None
+                                     and not os.path.exists(sidecar))
             self._index = index
         return self._index
+
+    def _check_identity(self, index: TarIndex, sidecar: str, size: int, *, scanned: bool) -> None:
+        """The shard is the one the manifest describes (see the class docstring); ShardError if not."""
+        expect = self._expect
+        replaced = "the shard was replaced or changed after the manifest was written (run verify)"
+        if expect is not None:
+            if size != expect.bytes:
+                raise ShardError(f"{self.path}: has {size} bytes but the manifest says {expect.bytes}; {replaced}")
+            if index.sha256 is not None and index.sha256 != expect.sha256:
+                raise ShardError(f"{self.path}: its index {sidecar} was written for a tar with sha256 {index.sha256} "
+                                 f"but the manifest says {expect.sha256}; {replaced}")
+            if len(index) != expect.num_samples:
+                raise ShardError(f"{self.path}: has {len(index)} samples but the manifest says "
+                                 f"{expect.num_samples}; {replaced}")
+        if self._fields is not None:
+            unknown = sorted({f for m in index.members for f, _, _ in m} - self._fields)
+            if unknown:
+                raise ShardError(f"{self.path}: holds fields {unknown} that the manifest does not list "
+                                 f"(manifest fields: {sorted(self._fields)}); {replaced}")
+        if scanned or not len(index):
+            return  # a header scan is the file's own truth
+        with open(self.path, "rb") as f:
+            n = len(index)
+            for i in sorted({0, n // 2, n - 1})[:_CHECKED_SAMPLES]:
+                fld, start, stop = index.members[i][0]
+                if start < _tarfmt.BLOCK:
+                    raise ShardError(f"{self.path}: index {sidecar} places sample {i} at byte offset {start}; {replaced}")
+                f.seek(start - _tarfmt.BLOCK)
+                name, hsize, typ = _tarfmt.parse_header(f.read(_tarfmt.BLOCK), start - _tarfmt.BLOCK, self.path)
+                want = member_name(index.keys[i], fld)
+                same_name = name == want or (want.isascii() and len(want) > 100 and name == want[:100]) \
+                    or not want.isascii()
+                if typ not in _tarfmt._REGULAR or not same_name or hsize not in (stop - start, 0):
+                    raise ShardError(f"{self.path}: the tar header at byte offset {start - _tarfmt.BLOCK} is for "
+                                     f"{name!r} ({hsize} bytes) but index {sidecar} expects {want!r} "
+                                     f"({stop - start} bytes) there; {replaced}")
 
     def __len__(self) -> int:
         return len(self.index)
@@ -580,12 +649,15 @@ class TarShardReader:
         self.close()
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"path": self.path, "index": self._index, "index_path": self._index_path}
+        return {"path": self.path, "index": self._index, "index_path": self._index_path, "expect": self._expect,
+                "fields": self._fields}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.path = state["path"]
         self._index = state["index"]
         self._index_path = state["index_path"]
+        self._expect = state.get("expect")
+        self._fields = state.get("fields")
         self._mm = None
         self._pid = None
 
