@@ -234,13 +234,14 @@ def _convert(src: str, dest: str, args: argparse.Namespace) -> int:
     if args.quiet:
         return 0
     m = result.manifest
+    shards = f"{len(m.shards)} {m.format} shard{'s' if len(m.shards) != 1 else ''}"
     if result.complete:
-        print(f"{dest}: complete, {m.num_samples} samples in {len(m.shards)} {m.format} shards, "
+        print(f"{dest}: complete, {m.num_samples} samples in {shards}, "
               f"{len(m.skipped)} skipped (converted earlier with these arguments and inputs; nothing to do)")
         return 0
     rate = result.processed / result.seconds if result.seconds > 0 else 0.0
     kept = f", {result.kept} kept from the interrupted run" if result.kept else ""
-    print(f"{dest}: {m.num_samples} samples in {len(m.shards)} {m.format} shards{kept}, "
+    print(f"{dest}: {m.num_samples} samples in {shards}{kept}, "
           f"{len(m.skipped)} skipped, {result.seconds:.1f} s ({rate:.0f} samples/s)")
     return 0
 
@@ -257,7 +258,8 @@ def _verify(dest: str, workers: int | None, quiet: bool, prog: str) -> int:
         return 1
     if not quiet:
         manifest = Manifest.load(dest)
-        print(f"{dest}: ok, {len(manifest.shards)} shards, {manifest.num_samples} samples")
+        n = len(manifest.shards)
+        print(f"{dest}: ok, {n} shard{'s' if n != 1 else ''}, {manifest.num_samples} samples")
     return 0
 
 

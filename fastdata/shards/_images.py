@@ -1,4 +1,4 @@
-"""Image checks and the resize-and-centre-crop used by ``tools/shard.py --resize``.
+"""Image checks and the resize-and-centre-crop used by ``fastdata shard --resize``.
 
 Checking levels (``check=``):
 

@@ -15,7 +15,7 @@ _SUFFIX = {"tar": ".tar", "hdf5": ".h5"}
 
 @dataclass(frozen=True)
 class ConvertOptions:
-    """Options of :func:`convert` (the command-line flags of ``tools/shard.py``)."""
+    """Options of :func:`convert` (the command-line flags of ``fastdata shard``)."""
 
     format: str = "tar"
     shard_size: int | None = None  # target bytes per shard; DEFAULT_SHARD_SIZE if neither limit is set

@@ -1,4 +1,4 @@
-"""Input enumeration for ``tools/shard.py``: what SRC holds, as a sorted list of samples.
+"""Input enumeration for ``fastdata shard``: what SRC holds, as a sorted list of samples.
 
 Planning needs every sample's key, a small picklable reference to read it later, and an
 estimate of its stored size, without reading sample data. Worker processes then read samples

@@ -1,4 +1,4 @@
-"""The conversion engine behind ``tools/shard.py``: SRC (images, tar, HDF5, npz) -> shards.
+"""The conversion engine behind ``fastdata shard`` (and ``tools/shard.py``): SRC (images, tar, HDF5, npz) -> shards.
 
 How a conversion runs:
 
@@ -395,7 +395,7 @@ class _progress_bar:
                 monitor_interval = 0  # no monitor thread: workers are forked only from a single-threaded process
 
             self._bar = _Bar(total=total, initial=initial, unit=" samples", file=sys.stderr,
-                             dynamic_ncols=True, smoothing=0.1, desc="shard.py")
+                             dynamic_ncols=True, smoothing=0.1, desc="shard")
 
     def __enter__(self) -> Callable[[int], None]:
         bar = self._bar
