@@ -292,3 +292,150 @@ def test_8_empty_dataset_error_names_the_path(tmp_path):
     write_tar_shard(tmp_path / "e.tar", [])
     with pytest.raises(SourceError, match=rf"{tmp_path / 'e.tar'}: the dataset has no samples"):
         ShardedDataset(str(tmp_path / "e.tar"))
+
+
+# --------------------------------------------------------- 5: missing fields (conversion side)
+
+def tar_with_a_missing_field(path, n: int = 8, missing: int = 5):
+    from fastdata.shards.tar import write_tar_shard
+
+    samples = [{"__key__": f"s{i}", "jpg": jpeg(8, 8, i), **({} if i == missing else {"cls": i % 3})}
+               for i in range(n)]
+    write_tar_shard(path, samples)
+    return path
+
+
+def test_5_conversion_skips_and_lists_a_sample_missing_a_field(tmp_path):
+    from fastdata.shards.convert import ConvertOptions, convert
+
+    src = tar_with_a_missing_field(tmp_path / "src.tar")
+    result = convert(src, tmp_path / "out", ConvertOptions(workers=1, progress=False))
+    assert result.manifest.num_samples == 7
+    assert [(s["source"], s["reason"]) for s in result.manifest.skipped] == [
+        ("src.tar[5]", "sample 's5' lacks field(s) ['cls'] (SRC's fields: ['cls', 'jpg'])")]
+
+
+def test_5_conversion_strict_fails_on_a_missing_field(tmp_path, capsys):
+    from fastdata.cli._shard_cmd import tool_main
+
+    src = tar_with_a_missing_field(tmp_path / "src.tar")
+    code = tool_main([str(src), str(tmp_path / "out"), "--strict", "--workers", "1", "--quiet"])
+    err = capsys.readouterr().err
+    assert code == 1
+    assert "src.tar[5]: sample 's5' lacks field(s) ['cls']" in err and "(--strict)" in err
+
+
+def test_5_image_formats_are_alternatives_not_missing_fields():
+    from fastdata.shards import missing_fields, required_fields
+
+    groups = required_fields(["cls", "jpg", "png", "seg.png", "json"])
+    assert missing_fields({"cls", "png", "seg.png", "json"}, groups) == []
+    assert missing_fields({"cls", "json", "jpg"}, groups) == ["seg.png"]
+    assert missing_fields({"seg.png"}, groups) == ["cls", "jpg|png", "json"]
+
+
+# ------------------------------------------------ 8: disk full names the shard and DEST
+
+def test_8_disk_full_names_shard_and_dest(tmp_path, capsys, monkeypatch):
+    import errno
+
+    from fastdata.cli._shard_cmd import tool_main
+    from fastdata.shards import tar as tar_mod
+
+    src = tar_with_a_missing_field(tmp_path / "src.tar", missing=-1)
+    real = tar_mod._HashingFile.write
+
+    def full(self, data):
+        if self.pos + len(data) > 2048:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(self, data)
+
+    monkeypatch.setattr(tar_mod._HashingFile, "write", full)
+    dest = tmp_path / "out"
+    code = tool_main([str(src), str(dest), "--workers", "1", "--quiet", "--samples-per-shard", "4"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 1
+    assert err[-1] == (f"shard.py: error: writing shard-000000.tar into DEST {dest}: "
+                       "[Errno 28] No space left on device")
+
+
+def test_8_disk_full_writing_the_manifest_names_dest(tmp_path, monkeypatch):
+    import errno
+
+    from fastdata.errors import ConversionError
+    from fastdata.manifest import Manifest
+    from fastdata.shards.convert import ConvertOptions, convert
+
+    def full(self, folder):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(Manifest, "save", full)
+    src = tar_with_a_missing_field(tmp_path / "src.tar", missing=-1)
+    with pytest.raises(ConversionError, match=rf"writing manifest.json into DEST {tmp_path / 'out'}: "
+                                              r"\[Errno 28\] No space left on device"):
+        convert(src, tmp_path / "out", ConvertOptions(workers=1, progress=False))
+
+
+# ------------------------------------------ 9: pool workers die with the converter (kill -9)
+
+def _children(pid: int) -> set[int]:
+    import os
+
+    out = set()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid and fields[0] != "Z":
+                out.add(int(entry))
+    return out
+
+
+@pytest.mark.skipif(not __import__("sys").platform.startswith("linux"), reason="reads /proc")
+def test_9_pool_workers_exit_when_the_converter_is_killed(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    src = tmp_path / "src" / "cat"
+    src.mkdir(parents=True)
+    for i in range(6):
+        (src / f"{i}.png").write_bytes(png(i))
+    os.mkfifo(src / "9.png")  # an input whose read never ends: a worker is busy when the parent dies
+    script = ("import sys; from fastdata.shards.convert import ConvertOptions, convert; "
+              "convert(sys.argv[1], sys.argv[2], ConvertOptions(workers=2, samples_per_shard=1, progress=False))")
+    proc = subprocess.Popen([sys.executable, "-c", script, str(tmp_path / "src"), str(tmp_path / "out")])
+    workers: set[int] = set()
+    try:
+        deadline = time.monotonic() + 60
+        while len(workers) < 2 and time.monotonic() < deadline and proc.poll() is None:
+            workers = _children(proc.pid)
+            time.sleep(0.05)
+        assert len(workers) == 2, "the converter did not start its 2 pool workers"
+        time.sleep(0.5)  # let them take jobs (one blocks on the fifo)
+        proc.kill()
+        proc.wait()
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and any(os.path.exists(f"/proc/{w}") and _alive(w) for w in workers):
+            time.sleep(0.1)
+        left = [w for w in workers if _alive(w)]
+        assert not left, f"pool workers {left} outlived the killed converter"
+    finally:
+        for w in workers:  # the processes this test started, by pid
+            if _alive(w):
+                os.kill(w, signal.SIGKILL)
+        if proc.poll() is None:
+            proc.kill()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

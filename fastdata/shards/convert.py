@@ -19,6 +19,8 @@ were all skipped is not written (shard numbers then have a gap; the manifest lis
 """
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import hashlib
 import json
 import logging
@@ -38,9 +40,10 @@ from typing import Any
 import numpy as np
 
 from fastdata._util import parse_size
-from fastdata.errors import ConversionError
+from fastdata.errors import ConversionError, FastdataError
 from fastdata.manifest import MANIFEST_NAME, FieldInfo
 from fastdata.shards import _progress
+from fastdata.shards._fields import missing_fields, required_fields
 from fastdata.shards._images import (
     BadImage,
     check_image,
@@ -208,8 +211,10 @@ def convert(src: str | os.PathLike[str], dest: str | os.PathLike[str], options: 
     initial = sum(len(plan.jobs[n].items) for n in state.done)
     with _progress_bar(plan.num_samples, initial, opts) as tick, closing(_execute(tasks, opts, tick)) as results:
         for result in results:  # closing(): an error or Ctrl-C here stops the workers at once
-            state.record(result)
-    manifest = state.finish()
+            with _writing(dest_path, f"recording shard {plan.jobs[result.number].name} as done"):
+                state.record(result)
+    with _writing(dest_path, f"writing {MANIFEST_NAME}"):
+        manifest = state.finish()
     if manifest.num_samples == 0:
         raise ConversionError(f"SRC {plan.listing.root}: none of its {len(manifest.skipped)} inputs could be read "
                               f"(reasons in {dest_path / MANIFEST_NAME}, e.g. {manifest.skipped[0]['source']}: "
@@ -219,6 +224,19 @@ def convert(src: str | os.PathLike[str], dest: str | os.PathLike[str], options: 
         log.warning("skipped %d input(s) (listed in %s under 'skipped'), e.g. %s",
                     len(manifest.skipped), dest_path / MANIFEST_NAME, examples)
     return ConvertResult(manifest, len(todo), kept, time.perf_counter() - t0, plan.num_samples - initial)
+
+
+@contextlib.contextmanager
+def _writing(dest: str | os.PathLike[str], what: str) -> Iterator[None]:
+    """An OSError while writing into DEST (disk full, quota, read-only) becomes a ConversionError
+    naming DEST and what was being written, e.g. ``writing shard-000003.tar into DEST /d: [Errno 28] ...``."""
+    try:
+        yield
+    except FastdataError:
+        raise
+    except OSError as e:
+        detail = f"[Errno {e.errno}] {e.strerror}" if e.errno is not None and e.strerror else str(e)
+        raise ConversionError(f"{what} into DEST {dest}: {detail}") from e
 
 
 def _check_dest_vs_src(listing: Listing, dest: Path) -> None:
@@ -253,7 +271,8 @@ def _execute(tasks: list[_Task], opts: ConvertOptions, tick: Callable[[int], Non
         return
     ctx = _mp_context()
     queue = ctx.SimpleQueue()
-    executor = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker, initargs=(queue,))
+    executor = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker,
+                                   initargs=(queue, os.getpid()))
     try:
         pending = {executor.submit(_pool_job, task) for task in tasks}
         while pending:
@@ -298,10 +317,42 @@ def _drain(queue: Any, tick: Callable[[int], None]) -> None:
 _worker_queue: Any = None
 
 
-def _init_worker(queue: Any) -> None:
+def _init_worker(queue: Any, parent: int) -> None:
     global _worker_queue
     _worker_queue = queue
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and terminates the workers
+    _die_with_parent(parent)
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent(parent: int) -> None:
+    """End this pool worker when the converting process dies, even by SIGKILL (no orphans).
+
+    Linux: the kernel sends SIGKILL when the parent exits (``prctl(PR_SET_PDEATHSIG)``; the pool
+    starts its workers from the thread that runs :func:`convert`, which outlives them). Elsewhere,
+    or if prctl fails: a daemon thread checks once a second that the parent is still there.
+    A killed worker leaves at most a ``.tmp`` file, removed by the rerun that resumes.
+    """
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            ok = libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0
+        except (OSError, AttributeError):
+            ok = False
+        if ok:
+            if os.getppid() != parent:  # the parent died before prctl took effect
+                os._exit(1)
+            return
+
+    def watch() -> None:
+        while True:
+            if os.getppid() != parent:
+                os._exit(1)
+            time.sleep(1.0)
+
+    threading.Thread(target=watch, name="fastdata-convert-parent-watch", daemon=True).start()
 
 
 def _pool_job(task: _Task) -> ShardResult:
@@ -329,14 +380,15 @@ def _write_job(task: _Task, tick: Callable[[int], None]) -> ShardResult:
     # image check and tar encoding both hold the GIL. Parallelism comes from --workers.
     samples = _prepared_samples(task, skipped, tick)
     try:
-        if task.format == "tar":
-            from fastdata.shards.tar import write_tar_shard
+        with _writing(task.dest, f"writing {task.job.name}"):  # source read errors are no OSErrors here
+            if task.format == "tar":
+                from fastdata.shards.tar import write_tar_shard
 
-            info = write_tar_shard(path, samples)
-        else:
-            from fastdata.shards.hdf5 import write_hdf5_shard
+                info = write_tar_shard(path, samples)
+            else:
+                from fastdata.shards.hdf5 import write_hdf5_shard
 
-            info = write_hdf5_shard(path, samples, fields=task.fields)
+                info = write_hdf5_shard(path, samples, fields=task.fields)
     finally:
         task.reader.close()
     if info.num_samples == 0:
@@ -347,15 +399,34 @@ def _write_job(task: _Task, tick: Callable[[int], None]) -> ShardResult:
     return ShardResult(task.job.number, info, tuple(skipped), len(task.job.items))
 
 
+def _source_samples(task: _Task) -> Iterator[tuple[str, Any]]:
+    """The task's inputs; an OSError reading SRC is a ConversionError naming SRC (not DEST's disk)."""
+    items = task.reader.read(task.job.items)
+    while True:
+        try:
+            item = next(items)
+        except StopIteration:
+            return
+        except OSError as e:
+            raise ConversionError(f"reading SRC {task.reader.root} for {task.job.name}: {e}") from e
+        yield item
+
+
 def _prepared_samples(task: _Task, skipped: list[dict[str, str]], tick: Callable[[int], None],
                       ) -> Iterator[dict[str, Any]]:
-    for origin, sample in task.reader.read(task.job.items):
+    required = required_fields(f.name for f in task.fields)
+    for origin, sample in _source_samples(task):
         reason = str(sample) if isinstance(sample, SampleUnreadable) else None
         if reason is None:
             try:
                 sample = _process(sample, origin, task)  # type: ignore[arg-type]
             except BadImage as e:
                 reason = str(e)
+        if reason is None:
+            missing = missing_fields(sample, required)  # type: ignore[arg-type]
+            if missing:  # e.g. a tar sample without the 'cls' every other sample has
+                reason = (f"sample {sample['__key__']!r} lacks field(s) {missing} "  # type: ignore[index]
+                          f"(SRC's fields: {[f.name for f in task.fields]})")
         if reason is not None:
             if task.strict:
                 raise ConversionError(f"{task.reader.location(origin)}: {reason} (--strict)")
