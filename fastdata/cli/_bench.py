@@ -155,7 +155,8 @@ def run_bench(*, source: str | None, workdir: str | None, num_images: int, sampl
             from fastdata.cli._demo import _make_shards
 
             with contextlib.redirect_stdout(sys.stderr if as_json else sys.stdout):  # stdout carries only JSON
-                shards, _ = _make_shards(root, num_images, num_workers, labels=("data:", "shards:"))
+                shards, _ = _make_shards(root, num_images, num_workers, labels=("data:", "shards:"),
+                                         show_paths=workdir is not None)  # a temporary folder is gone afterwards
         else:
             shards = Path(source)
         results = measure(shards, samples=samples, workers=num_workers, repeats=repeats, size=size, workdir=root)

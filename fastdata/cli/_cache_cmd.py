@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from typing import Any
 
@@ -31,10 +32,24 @@ def _cache(args: argparse.Namespace) -> Any:
     return Cache(args.cache, max_bytes=getattr(args, "max_bytes", None))
 
 
+def _store_json(i: Any) -> dict[str, Any]:
+    import numpy as np
+
+    return {"key": i.key, "fingerprint": i.fingerprint, "path": str(i.path), "format_version": i.format_version,
+            "num_samples": i.num_samples, "num_valid": i.num_valid, "fill_ratio": i.fill_ratio,
+            "size_bytes": i.size_bytes, "sample_nbytes": i.sample_nbytes, "last_used": i.last_used,
+            "in_use": i.in_use,
+            "fields": None if i.fields is None else [
+                {"name": f.name, "dtype": np.dtype(f.dtype).name, "shape": list(f.shape)} for f in i.fields]}
+
+
 def cmd_list(args: argparse.Namespace) -> int:
     import numpy as np
 
     infos = _cache(args).list()
+    if args.json:  # one object per store; sizes in bytes, times in seconds since the epoch
+        print(json.dumps([_store_json(i) for i in infos], indent=1))
+        return 0
     if not infos:
         print(f"no stores in {args.cache}")
         return 0
@@ -87,6 +102,8 @@ def add_cache_subparser(subparsers: Any) -> argparse.ArgumentParser:
     ls = sub.add_parser("list", help="list stores with size, fill ratio and fingerprint")
     common(ls)
     ls.add_argument("-l", "--long", action="store_true", help="also full fingerprint, path and fields")
+    ls.add_argument("--json", action="store_true",
+                    help="print the stores as a JSON list instead of a table (default: off)")
     ls.set_defaults(func=cmd_list)
 
     rm = sub.add_parser("rm", help="remove the stores whose fingerprint (or key) starts with FINGERPRINT")

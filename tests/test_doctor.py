@@ -1,0 +1,125 @@
+"""``fastdata doctor``: stage attribution on synthetic loader-bound and compute-bound set-ups, JSON outputs."""
+import json
+
+import pytest
+
+from fastdata.cli import main
+from fastdata.monitor import DoctorOptions, diagnose
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    from fastdata.cli._synth import make_image_folder
+    from fastdata.shards.convert import ConvertOptions, convert
+
+    root = tmp_path_factory.mktemp("doctor")
+    make_image_folder(root / "img", 48, num_classes=4, min_side=72, max_side=110, seed=0)
+    convert(root / "img", root / "shards", ConvertOptions(samples_per_shard=16, workers=1, overwrite=True,
+                                                           progress=False))
+    return root / "shards"
+
+
+def _opts(**kw):
+    base = dict(samples=48, batch_size=8, num_workers=0, size=64, job_steps=10, device="cpu")
+    return DoctorOptions(**{**base, **kw})
+
+
+def test_loader_bound_setup_is_classified(shards):
+    # a 0.1 ms step against a loader decoding in one thread: thousands of times faster than the input
+    d = diagnose(shards, _opts(step_ms=0.1))
+    assert d.verdict == "loader-bound", d.recommendations
+    assert d.wait_share > 0.5 and d.speedup_if_fed > 3
+    inputs = {r.name for r in d.rows if r.input_stage}
+    assert d.bound in inputs and d.bound != "training step"
+    bound = next(r for r in d.rows if r.name == d.bound)
+    assert bound.capacity == min(r.capacity for r in d.rows if r.input_stage and r.capacity
+                                 and not r.name.startswith("loader,"))
+    assert d.recommendations[0].startswith("loader-bound: waited")
+    assert d.measurements["cached"]["path"] == "cached"  # measured through the cached fast path
+    scaling = d.measurements["scaling"]
+    assert scaling["workers"][1] <= d.cores  # more workers are measured, never beyond the cores
+
+
+def test_compute_bound_setup_is_classified(shards):
+    # a 250 ms step against ~8 small images per batch: the loader has a >10x margin even on a busy machine
+    d = diagnose(shards, _opts(step_ms=250, job_steps=5))
+    assert d.verdict == "compute-bound", (d.wait_share, d.recommendations)
+    assert d.bound == "training step" and d.wait_share < 0.1
+    assert d.recommendations and d.recommendations[0].startswith("compute-bound")
+    step = next(r for r in d.rows if r.name == "training step")
+    assert step.capacity == pytest.approx(8 / 0.25, rel=0.3)
+
+
+def test_never_recommends_more_workers_than_cores(shards, monkeypatch):
+    from fastdata.monitor import _stages
+
+    monkeypatch.setattr(_stages, "cores", lambda: 1)
+    d = diagnose(shards, _opts(step_ms=0.1, num_workers=1))
+    assert d.cores == 1 and "scaling" not in d.measurements
+    text = "\n".join(d.recommendations)
+    assert "num_workers=1 already uses all 1 cores" in text
+    assert "num_workers=2" not in text
+
+
+def test_without_a_step_it_reports_input_capacity(shards):
+    d = diagnose(shards, _opts())
+    assert d.verdict == "input only" and d.job_rate is None and d.step_rate is None
+    assert all(r.name != "training step" for r in d.rows)
+
+
+def test_doctor_cli_table_and_json(shards, capsys):
+    args = ["doctor", str(shards), "--step-ms", "0.1", "--samples", "32", "--batch-size", "8", "--workers", "0",
+            "--size", "64", "--steps", "6", "--device", "cpu"]
+    assert main(args) in (0, 1)  # 1 only if a required package is missing here
+    out = capsys.readouterr().out
+    assert "package torch" in out and "stage" in out and "verdict: LOADER-BOUND" in out
+    assert "recommendations (each from a measurement above):" in out
+    assert main([*args, "--json"]) in (0, 1)
+    data = json.loads(capsys.readouterr().out)
+    assert data["diagnosis"]["verdict"] == "loader-bound"
+    assert {r["name"] for r in data["diagnosis"]["rows"]} >= {"shard read", "decode", "preprocess", "training step"}
+    assert any(c["name"] == "package torch" for c in data["environment"])
+
+
+def test_doctor_argument_errors_name_the_argument(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["doctor", "x", "--step-ms", "abc"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --step-ms: expected a number > 0, got 'abc'" in err
+    with pytest.raises(SystemExit):
+        main(["doctor", "x", "--step-ms", "5", "--model", "resnet18"])
+    assert "not allowed with argument" in capsys.readouterr().err
+    assert main(["doctor", "/nonexistent/shards", "--step-ms", "1"]) == 1
+    assert "fastdata doctor: error:" in capsys.readouterr().err
+
+
+def test_inspect_json(shards, capsys):
+    assert main(["inspect", str(shards), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["num_samples"] == 48 and data["total_bytes"] > 0 and data["format"] == "tar"
+
+
+def test_cache_list_json(shards, tmp_path, capsys):
+    import fastdata
+
+    ds = fastdata.ShardedDataset(shards, fields=["jpg", "cls"], preprocess=fastdata.ResizeCenterCrop(32),
+                                 cache=tmp_path / "cache")
+    ds.build_cache()
+    assert main(["cache", "list", "--cache", str(tmp_path / "cache"), "--json"]) == 0
+    stores = json.loads(capsys.readouterr().out)
+    assert len(stores) == 1 and stores[0]["num_samples"] == 48 and stores[0]["fill_ratio"] == 1.0
+    assert main(["cache", "list", "--cache", str(tmp_path / "empty"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == []
+
+
+def test_bench_measures_given_shards_as_json(shards, tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    assert main(["bench", str(shards), "--samples", "32", "--workers", "0", "--repeats", "1", "--size", "64",
+                 "--json", "--out", str(out)]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data == json.loads(out.read_text())
+    assert data["source"] == str(shards) and data["samples"] == 32 and data["raw_read"]["samples"] == 32
+    assert data["decode_pipeline"]["images/s"] > 0 and data["cached_pipeline"]["images/s"] > 0
