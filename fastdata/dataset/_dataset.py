@@ -37,7 +37,8 @@ from fastdata.dataset._split import (
     stage_sequences,
     worker_sequence,
 )
-from fastdata.decode import Decoder, SampleDecoder, image_to_tensor, is_image_field
+from fastdata.dataset._packed import EncodedImage, key_index
+from fastdata.decode import Decoder, SampleDecoder, image_to_tensor, is_image_field, suffix
 from fastdata.errors import CacheError, FastdataError, ShardError
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -46,6 +47,7 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["ON_ERROR", "ShardedDataset", "ShuffleOptions", "SkippedSampleWarning"]
 
 ON_ERROR = ("raise", "skip", "warn")
+IMAGE_DECODE = ("cpu", "device")
 STATE_VERSION = 1
 _LOCATE_CHUNK = 1024  # samples whose shards are located at once (bounded memory for long epochs)
 
@@ -83,6 +85,13 @@ class ShardedDataset(IterableDataset):
             world_size per ``even``); epochs walk an endless sequence of passes.
         on_error: "raise" (default), "skip" or "warn" for unreadable/undecodable samples.
         allow_pickle: decode pickle/torch members (runs code from the shards).
+        image_decode: "cpu" (default: image fields are decoded in the workers) or "device": image
+            fields without an explicit ``decode`` entry stay encoded, as
+            :class:`~fastdata.dataset.EncodedImage` (bytes, shard, key, global index, epoch);
+            ``fastdata.DataLoader`` packs them per batch into one
+            :class:`~fastdata.dataset.PackedImages` and ``fastdata.gpu.DecodeImages`` decodes them
+            (nvJPEG on CUDA) in ``CUDAPrefetcher(transform=...)``. Excludes ``preprocess``,
+            ``transform`` and ``cache`` (they need decoded images).
     """
 
     def __init__(
@@ -103,6 +112,7 @@ class ShardedDataset(IterableDataset):
         samples_per_epoch: int | None = None,
         on_error: str = "raise",
         allow_pickle: bool = False,
+        image_decode: str = "cpu",
     ):
         if not isinstance(seed, int):
             raise TypeError(f"seed must be an int, got {seed!r}")
@@ -132,6 +142,12 @@ class ShardedDataset(IterableDataset):
         self.even = even
         self.samples_per_epoch = samples_per_epoch
         self.on_error = on_error
+        if image_decode not in IMAGE_DECODE:
+            raise ValueError(f"image_decode must be one of {IMAGE_DECODE}, got {image_decode!r}")
+        if image_decode == "device" and (preprocess is not None or transform is not None or cache is not None):
+            raise ValueError("image_decode='device' keeps images encoded for the device decode stage: it excludes "
+                             "preprocess=, transform= and cache= (use fastdata.gpu transforms after DecodeImages)")
+        self.image_decode = image_decode
         self.preprocess, self.transform, self.sample_transform = preprocess, transform, sample_transform
         self.fields = None if fields is None else frozenset(fields)
         first = preprocess if preprocess is not None else transform
@@ -431,7 +447,7 @@ class ShardedDataset(IterableDataset):
                 sample = self._read_uncached(shard, i)
                 sample.update(hit)
             else:
-                sample = self._decoder(self._reader(shard).read(i, fields=self.fields), shard=self.source.names[shard])
+                sample = self._decode_fields(self._reader(shard).read(i, fields=self.fields), shard, g, cursor.epoch)
                 sample = self._apply(self.preprocess, sample)
                 if store is not None:
                     # the order a hit gives: uncached fields as read, then cached ones in store order
@@ -446,6 +462,25 @@ class ShardedDataset(IterableDataset):
             return None
         sample = self._apply(self.transform, sample)
         return self.sample_transform(sample) if self.sample_transform is not None else sample
+
+    def _decode_fields(self, raw: dict[str, Any], shard: int, g: int, epoch: int) -> dict[str, Any]:
+        """Decode a raw sample; with ``image_decode="device"`` image fields become EncodedImage
+        (``g < 0``: a streaming source, the sample's identity is a hash of shard and key)."""
+        name = self.source.names[shard]
+        if self.image_decode != "device":
+            return self._decoder(raw, shard=name)
+        key = str(raw.get("__key__", "?"))
+        explicit = self._decoder.decode if isinstance(self._decoder.decode, Mapping) else {}
+        encoded = {}
+        for field_name, value in raw.items():
+            if is_image_field(field_name) and field_name not in explicit and suffix(field_name) not in explicit:
+                data = value.tobytes() if isinstance(value, np.ndarray) and value.dtype == np.uint8 and value.ndim == 1 \
+                    else value
+                if isinstance(data, (bytes, bytearray, memoryview)):
+                    encoded[field_name] = EncodedImage(data, shard=name, key=key, epoch=epoch,
+                                                       index=g if g >= 0 else key_index(name, key))
+        rest = self._decoder({k: v for k, v in raw.items() if k not in encoded}, shard=name)
+        return {k: encoded[k] if k in encoded else rest[k] for k in raw}
 
     def _read_uncached(self, shard: int, i: int) -> dict[str, Any]:
         """``__key__`` and the decoded fields of sample ``i`` of ``shard`` that the cache does not hold."""
@@ -533,7 +568,7 @@ class ShardedDataset(IterableDataset):
             try:
                 if isinstance(item, FastdataError):
                     raise item
-                sample = self._apply(self.preprocess, self._decoder(item, shard=names[shard]))
+                sample = self._apply(self.preprocess, self._decode_fields(item, shard, -1, cursor.epoch))
             except FastdataError as e:
                 key = "?" if isinstance(item, FastdataError) else str(item.get("__key__", "?"))
                 self._handle_error(e, e, shard, -1, -1, cursor, key=key)

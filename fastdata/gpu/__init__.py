@@ -1,7 +1,16 @@
-"""Device-side batch transforms run by :class:`fastdata.CUDAPrefetcher` (normalise, dtype, layout).
+"""Device-side batch stages run by :class:`fastdata.CUDAPrefetcher`: decode, augment, normalise.
 
 Stage 6 of the pipeline (shards -> dataset -> cache -> loader -> prefetch -> **GPU** -> train).
+Behind it: ``_transforms`` (Normalize, ToDtype, ChannelsLast, Compose), ``_decode`` (DecodeImages:
+packed encoded images -> images on the device), ``_augment`` (batched RandomResizedCrop,
+RandomHorizontalFlip, Resize, CenterCrop over an ImageBatch), ``_codec`` (the one module that calls
+image codec libraries).
 """
+from fastdata.gpu._augment import CenterCrop, ImageBatch, RandomHorizontalFlip, RandomResizedCrop, Resize
+from fastdata.gpu._decode import DecodeImages
 from fastdata.gpu._transforms import IMAGENET_MEAN, IMAGENET_STD, ChannelsLast, Compose, Normalize, ToDtype
 
-__all__ = ["IMAGENET_MEAN", "IMAGENET_STD", "ChannelsLast", "Compose", "Normalize", "ToDtype"]
+__all__ = [
+    "IMAGENET_MEAN", "IMAGENET_STD", "CenterCrop", "ChannelsLast", "Compose", "DecodeImages", "ImageBatch",
+    "Normalize", "RandomHorizontalFlip", "RandomResizedCrop", "Resize", "ToDtype",
+]

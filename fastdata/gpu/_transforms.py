@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from fastdata.gpu._augment import render_images
 from fastdata.prefetch.tree import Path, format_path, keys_matcher, map_tensors
 
 __all__ = ["IMAGENET_MEAN", "IMAGENET_STD", "ChannelsLast", "Compose", "Normalize", "ToDtype"]
@@ -185,7 +186,13 @@ class ChannelsLast:
 
 
 class Compose:
-    """Apply batch transforms in order."""
+    """Apply batch transforms in order.
+
+    Consecutive geometric transforms (``RandomResizedCrop``, ``RandomHorizontalFlip``, ``Resize``,
+    ``CenterCrop``) are fused: each only records its geometry on the batch's
+    :class:`~fastdata.gpu.ImageBatch` es, which are resampled once, right before the next other
+    transform and at the end (ImageBatches whose images end in different sizes stay ImageBatches).
+    """
 
     def __init__(self, *transforms: Callable[[Any], Any]) -> None:
         for i, t in enumerate(transforms):
@@ -195,8 +202,9 @@ class Compose:
 
     def __call__(self, batch: Any) -> Any:
         for t in self.transforms:
-            batch = t(batch)
-        return batch
+            lazy = getattr(t, "lazy", None)
+            batch = lazy(batch) if lazy is not None else t(render_images(batch))
+        return render_images(batch)
 
     def __repr__(self) -> str:
         return f"Compose({', '.join(map(repr, self.transforms))})"

@@ -31,6 +31,7 @@ import torch.utils.data
 from torch.utils.data._utils.pin_memory import pin_memory as _pin_memory
 
 from fastdata.dataset import EpochStart, ShardedDataset, current_cursor
+from fastdata.dataset import collate as collate_encoded
 from fastdata.errors import CacheError, FastdataError
 from fastdata.loader import _cached as _cache_loader
 from fastdata.loader import _threads as _thread_loader
@@ -165,6 +166,8 @@ class DataLoader(torch.utils.data.DataLoader):
         self.last_path: str | None = None  # "cached", "threads" or "workers": the path the latest iteration took
         self.fallback_reason: str | None = None  # why the latest iteration did not take the fast path
         self._fast_seed_drawn = False
+        if getattr(dataset, "image_decode", "cpu") == "device" and self.collate_fn is torch.utils.data.default_collate:
+            self.collate_fn = collate_encoded  # EncodedImage fields -> one PackedImages per field and batch
         self._user_collate = self.collate_fn
         if mode is True:
             reason = self._static_reason(forced=True)

@@ -1,0 +1,463 @@
+"""Batched geometric augmentation with torchvision semantics, on CPU or CUDA tensors.
+
+``RandomResizedCrop``, ``RandomHorizontalFlip``, ``Resize`` and ``CenterCrop`` act on an
+:class:`ImageBatch`: the images of a batch, each of its own size (as ``DecodeImages`` returns them),
+plus a *pending geometry* per image. Each transform only updates that geometry on the host (numpy,
+no device work); the pixels are resampled once, when the batch is *rendered* into one uint8 tensor
+``(N, C, H, W)``. So ``Resize(256)`` + ``CenterCrop(224)`` or ``RandomResizedCrop`` + flip cost one
+resampling, and nothing is rounded in between.
+
+Geometry. Per image and axis, an output pixel coordinate ``u`` maps to the source coordinate
+``a * u + b`` (``a < 0`` after a flip); ``clip`` is the source pixel range the filter may read.
+A crop narrows ``clip`` only while no resampling is pending, which reproduces torchvision in both
+usual chains: ``RandomResizedCrop`` (crop, then resize: the filter sees only the crop) and
+``Resize`` + ``CenterCrop`` (resize the whole image, then crop: the filter sees the whole image).
+
+Resampling. Bilinear with antialiasing, the filter of ``torch.nn.functional.interpolate(...,
+antialias=True)`` (PIL's): output pixel ``j`` reads source pixels ``k`` with weight
+``max(0, 1 - |k + 0.5 - c_j| / s)``, ``c_j = a (j + 0.5) + b``, ``s = max(|a|, 1)``, normalised per
+output pixel. It is separable, so a group of images is resampled with two batched matrix products
+``Wy @ X @ Wx^T`` over a zero-padded canvas ``X`` holding each image's ``clip`` region. Images are
+grouped by size so that padding stays bounded (and the canvas under ``max_canvas`` elements).
+Launches per batch: one copy per image into its canvas plus about fifteen per group (weights,
+two matmuls, rounding, scatter into the output), never one resize per image. The canvas is
+float16 on CUDA (integers 0..255 are exact, weights to 2^-11; results within a grey level of
+float32) and float32 on the CPU. Output pixels the filter cannot reach (``CenterCrop`` larger than
+the image) are 0, as torchvision's padding gives.
+
+Random parameters come from a counter-based hash of ``(seed, epoch, sample index)`` computed on
+the host (splitmix64, the hash behind the dataset's shuffling): a sample gets the same crop and flip
+in a resumed run, in any batch, on any worker count or device, and another crop in another epoch.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from fastdata.dataset import rng_key
+
+__all__ = [
+    "CenterCrop", "ImageBatch", "RandomHorizontalFlip", "RandomResizedCrop", "Resize", "render_images", "uniforms",
+]
+
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+_S30, _S27, _S31, _S11 = np.uint64(30), np.uint64(27), np.uint64(31), np.uint64(11)
+MAX_CANVAS = 1 << 27  # elements per resampling group: 256 MiB of float16 on CUDA
+_WASTE = 2.0  # a group's padded canvas may hold up to this many times its images' pixels
+
+
+def _mix64(x: np.ndarray) -> np.ndarray:
+    x = (x ^ (x >> _S30)) * _M1
+    x = (x ^ (x >> _S27)) * _M2
+    return x ^ (x >> _S31)
+
+
+def uniforms(seed: int, salt: int, epoch: int, ids: np.ndarray, k: int) -> np.ndarray:
+    """``(len(ids), k)`` floats in [0, 1): stream ``k`` of sample ``ids`` for ``(seed, salt, epoch)``."""
+    base = np.uint64(rng_key(seed, salt, epoch))
+    with np.errstate(over="ignore"):
+        x = _mix64(base ^ _mix64(np.asarray(ids, dtype=np.int64).astype(np.uint64) + _GOLDEN))
+        u = _mix64(x[:, None] + np.arange(1, k + 1, dtype=np.uint64)[None, :] * _GOLDEN)
+    return (u >> _S11).astype(np.float64) * (1.0 / (1 << 53))
+
+
+# ---------------------------------------------------------------------------------------------
+# The ragged batch and its pending geometry
+
+
+class ImageBatch:
+    """Images of possibly different sizes on one device, with a pending crop/resize/flip each.
+
+    Attributes:
+        images: ``(C, H, W)`` uint8 tensors (same ``C``, same device).
+        ids: int64 array, each image's sample identity (global index) for random parameters.
+        epoch: the epoch of the batch (random parameters differ per epoch).
+        geom: float64 ``(n, 4)``: ``ay, by, ax, bx`` (see the module docstring).
+        clip: int64 ``(n, 4)``: source rows ``[y0, y1)`` and columns ``[x0, x1)`` the filter may read.
+        size: int64 ``(n, 2)``: the (virtual) output height and width of each image.
+    """
+
+    __slots__ = ("clip", "epoch", "geom", "ids", "images", "size")
+
+    def __init__(self, images: Sequence[torch.Tensor], ids: Any, epoch: int, *, geom: np.ndarray | None = None,
+                 clip: np.ndarray | None = None, size: np.ndarray | None = None) -> None:
+        self.images = list(images)
+        self.ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        self.epoch = int(epoch)
+        n = len(self.images)
+        if len(self.ids) != n:
+            raise ValueError(f"ImageBatch: {len(self.ids)} ids for {n} images")
+        for i, im in enumerate(self.images):
+            if not isinstance(im, torch.Tensor) or im.dim() != 3 or im.dtype != torch.uint8:
+                raise ValueError(f"ImageBatch: image {i} must be a uint8 (C, H, W) tensor, got "
+                                 f"{getattr(im, 'dtype', type(im).__name__)} {tuple(getattr(im, 'shape', ()))}")
+            if im.shape[0] != self.images[0].shape[0] or im.device != self.images[0].device:
+                raise ValueError(f"ImageBatch: image {i} has {im.shape[0]} channels on {im.device}, image 0 "
+                                 f"{self.images[0].shape[0]} on {self.images[0].device}")
+        hw = np.array([im.shape[1:] for im in self.images], dtype=np.int64).reshape(n, 2)
+        self.geom = geom if geom is not None else np.tile(np.array([1.0, 0.0, 1.0, 0.0]), (n, 1))
+        self.clip = clip if clip is not None else np.stack([np.zeros(n, np.int64), hw[:, 0],
+                                                            np.zeros(n, np.int64), hw[:, 1]], axis=1)
+        self.size = size if size is not None else hw
+
+    @classmethod
+    def from_tensor(cls, x: torch.Tensor, ids: Any, epoch: int) -> ImageBatch:
+        """An ``(N, C, H, W)`` uint8 batch as an ImageBatch (e.g. images decoded elsewhere)."""
+        if x.dim() != 4:
+            raise ValueError(f"ImageBatch.from_tensor: expected (N, C, H, W), got {tuple(x.shape)}")
+        return cls(list(x.unbind(0)), ids, epoch)
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    @property
+    def device(self) -> torch.device | None:
+        return self.images[0].device if self.images else None
+
+    def uniform_size(self) -> tuple[int, int] | None:
+        """The common output size, or None while images would come out in different sizes."""
+        if len(self) == 0:
+            return None
+        h, w = self.size[0]
+        return (int(h), int(w)) if bool(np.all(self.size == self.size[0])) else None
+
+    def _with(self, geom: np.ndarray, clip: np.ndarray, size: np.ndarray) -> ImageBatch:
+        return ImageBatch(self.images, self.ids, self.epoch, geom=geom, clip=clip, size=size)
+
+    def select(self, keep: Sequence[int]) -> ImageBatch:
+        """The images at positions ``keep``, with their geometry."""
+        k = np.asarray(keep, dtype=np.int64)
+        return ImageBatch([self.images[i] for i in k.tolist()], self.ids[k], self.epoch, geom=self.geom[k],
+                          clip=self.clip[k], size=self.size[k])
+
+    # ----- geometry (host only) --------------------------------------------------------------
+    def crop(self, top: np.ndarray, left: np.ndarray, height: np.ndarray, width: np.ndarray,
+             out_size: tuple[int, int] | None = None) -> ImageBatch:
+        """Crop each image's current view to ``[top, top + height) x [left, left + width)`` and
+        resize the crop to ``out_size`` (default: the crop's size)."""
+        top, left = np.asarray(top, np.float64), np.asarray(left, np.float64)
+        height, width = np.asarray(height, np.int64), np.asarray(width, np.int64)
+        oh = height if out_size is None else np.full(len(self), out_size[0], np.int64)
+        ow = width if out_size is None else np.full(len(self), out_size[1], np.int64)
+        geom, clip = self.geom.copy(), self.clip.copy()
+        for axis, start, length, out in ((0, top, height, oh), (1, left, width, ow)):
+            a, b = geom[:, 2 * axis], geom[:, 2 * axis + 1]
+            plain = np.abs(a) == 1.0  # no resampling pending: the filter sees only the crop
+            ends = np.stack([a * start + b, a * (start + length) + b])
+            lo, hi = np.floor(ends.min(0) + 1e-9).astype(np.int64), np.ceil(ends.max(0) - 1e-9).astype(np.int64)
+            c = clip[:, 2 * axis : 2 * axis + 2]
+            c[:, 0] = np.where(plain, np.maximum(c[:, 0], lo), c[:, 0])
+            c[:, 1] = np.where(plain, np.maximum(np.minimum(c[:, 1], hi), c[:, 0]), c[:, 1])
+            geom[:, 2 * axis + 1] = b + a * start
+            geom[:, 2 * axis] = a * length / out
+        return self._with(geom, clip, np.stack([oh, ow], axis=1))
+
+    def resize(self, height: np.ndarray, width: np.ndarray) -> ImageBatch:
+        """Resize each image's current view to ``(height[i], width[i])``."""
+        height, width = np.asarray(height, np.int64), np.asarray(width, np.int64)
+        geom = self.geom.copy()
+        geom[:, 0] *= self.size[:, 0] / height
+        geom[:, 2] *= self.size[:, 1] / width
+        return self._with(geom, self.clip.copy(), np.stack([height, width], axis=1))
+
+    def hflip(self, mask: np.ndarray) -> ImageBatch:
+        """Mirror the images where ``mask`` is true."""
+        mask = np.asarray(mask, dtype=bool)
+        geom = self.geom.copy()
+        geom[:, 3] = np.where(mask, geom[:, 3] + geom[:, 2] * self.size[:, 1], geom[:, 3])
+        geom[:, 2] = np.where(mask, -geom[:, 2], geom[:, 2])
+        return self._with(geom, self.clip.copy(), self.size.copy())
+
+    # ----- rendering (device) ------------------------------------------------------------------
+    def render(self, *, max_canvas: int = MAX_CANVAS) -> torch.Tensor:
+        """Resample every image once into a uint8 ``(N, C, H, W)`` tensor (the sizes must agree)."""
+        size = self.uniform_size()
+        if size is None:
+            if len(self) == 0:
+                raise ValueError("ImageBatch.render: an empty batch has no size; crop or resize it to a fixed size")
+            raise ValueError(f"ImageBatch.render: images have different output sizes "
+                             f"({sorted({tuple(s) for s in self.size.tolist()})[:4]}...); add a CenterCrop or "
+                             "RandomResizedCrop, or Resize to a (height, width) pair")
+        device = self.device
+        channels = int(self.images[0].shape[0])
+        out = torch.empty((len(self), channels, *size), dtype=torch.uint8, device=device)
+        ry = self.clip[:, 1] - self.clip[:, 0]
+        rx = self.clip[:, 3] - self.clip[:, 2]
+        for group in _groups(ry, rx, channels, max_canvas):
+            _render_group(self, group, size, out)
+        return out
+
+
+def _groups(ry: np.ndarray, rx: np.ndarray, channels: int, max_canvas: int) -> list[np.ndarray]:
+    """Images grouped so that each group's padded canvas wastes little and fits ``max_canvas``."""
+    order = np.argsort(ry * rx, kind="stable").tolist()
+    groups: list[list[int]] = []
+    cur: list[int] = []
+    my = mx = area = 0
+    for i in order:
+        ny, nx = max(my, int(ry[i])), max(mx, int(rx[i]))
+        pixels = (len(cur) + 1) * ny * nx
+        if cur and (pixels * channels > max_canvas or pixels > _WASTE * (area + ry[i] * rx[i]) + 4096):
+            groups.append(cur)
+            cur, area, ny, nx = [], 0, int(ry[i]), int(rx[i])
+        cur.append(i)
+        my, mx, area = ny, nx, area + int(ry[i] * rx[i])
+    if cur:
+        groups.append(cur)
+    return [np.asarray(g, dtype=np.int64) for g in groups]
+
+
+def _to_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A host array on ``device`` without a host sync (pinned + non_blocking on CUDA)."""
+    t = torch.from_numpy(np.ascontiguousarray(a))
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t
+
+
+def _render_group(batch: ImageBatch, group: np.ndarray, size: tuple[int, int], out: torch.Tensor) -> None:
+    device = out.device
+    dtype = torch.float16 if device.type == "cuda" else torch.float32
+    clip = batch.clip[group]
+    ky, kx = int((clip[:, 1] - clip[:, 0]).max()), int((clip[:, 3] - clip[:, 2]).max())
+    channels = out.shape[1]
+    canvas = torch.zeros((len(group), channels, max(ky, 1), max(kx, 1)), dtype=dtype, device=device)
+    for row, i in enumerate(group.tolist()):
+        y0, y1, x0, x1 = clip[row].tolist()
+        if y1 > y0 and x1 > x0:
+            canvas[row, :, : y1 - y0, : x1 - x0].copy_(batch.images[i][:, y0:y1, x0:x1])
+    # per image: ay, by, ax, bx, clip y0, rows, clip x0, cols (float32 is exact enough: < 2^24 px)
+    params = np.concatenate([batch.geom[group], clip[:, [0]], clip[:, [1]] - clip[:, [0]], clip[:, [2]],
+                             clip[:, [3]] - clip[:, [2]]], axis=1).astype(np.float32)
+    p = _to_device(params, device)
+    wy = _weights(p[:, 0], p[:, 1], p[:, 4], p[:, 5], size[0], canvas.shape[2], dtype)  # (g, oh, ky)
+    wx = _weights(p[:, 2], p[:, 3], p[:, 6], p[:, 7], size[1], canvas.shape[3], dtype)  # (g, ow, kx)
+    wy, wxt = wy.unsqueeze(1), wx.transpose(1, 2).unsqueeze(1)
+    oh, ow = size
+    if ky * kx * ow + oh * ky * ow <= oh * ky * kx + oh * kx * ow:
+        res = torch.matmul(wy, torch.matmul(canvas, wxt))
+    else:
+        res = torch.matmul(torch.matmul(wy, canvas), wxt)
+    res = res.float().add_(0.5).clamp_(0, 255).floor_().to(torch.uint8)
+    if len(group) == len(batch) and bool(np.all(group == np.arange(len(group)))):
+        out.copy_(res)
+    else:
+        out.index_copy_(0, _to_device(group, device), res)
+
+
+def _weights(a: torch.Tensor, b: torch.Tensor, lo: torch.Tensor, length: torch.Tensor, out: int, k: int,
+             dtype: torch.dtype) -> torch.Tensor:
+    """Antialiased bilinear weights ``(g, out, k)`` from canvas positions ``k`` to output pixels.
+
+    A mirrored axis (``a < 0``) gets the unmirrored weights in reverse order, so a flip is exact."""
+    j = torch.arange(out, dtype=torch.float32, device=a.device) + 0.5
+    pos = torch.arange(k, dtype=torch.float32, device=a.device)
+    mirrored = a < 0
+    b = torch.where(mirrored, b + a * out, b)
+    a = a.abs()
+    centre = a[:, None] * j[None, :] + b[:, None] - lo[:, None]  # in canvas coordinates
+    scale = a.clamp_min(1.0)
+    x = (pos[None, None, :] + 0.5 - centre[:, :, None]) / scale[:, None, None]
+    w = (1.0 - x.abs()).clamp_min_(0.0)
+    w.mul_((pos[None, None, :] < length[:, None, None]).to(w.dtype))
+    w.div_(w.sum(-1, keepdim=True).clamp_min_(1e-12))  # unreachable pixels (outside the image) stay 0
+    w = torch.where(mirrored[:, None, None], w.flip(1), w)
+    return w.to(dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Transforms
+
+
+def _check_size(owner: str, size: Any, *, allow_int_short: bool = False) -> tuple[int, int] | int:
+    if isinstance(size, bool):
+        raise ValueError(f"{owner}: size must be an int or (height, width), got {size!r}")
+    if isinstance(size, int):
+        if size < 1:
+            raise ValueError(f"{owner}: size must be >= 1, got {size!r}")
+        return size if allow_int_short else (size, size)
+    try:
+        h, w = size
+    except (TypeError, ValueError):
+        raise ValueError(f"{owner}: size must be an int or (height, width), got {size!r}") from None
+    if any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in (h, w)):
+        raise ValueError(f"{owner}: size must be positive ints, got {size!r}")
+    return (h, w)
+
+
+def _check_range(owner: str, name: str, value: Any, *, positive: bool) -> tuple[float, float]:
+    try:
+        lo, hi = (float(v) for v in value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{owner}: {name} must be a (min, max) pair, got {value!r}") from None
+    if not (math.isfinite(lo) and math.isfinite(hi)) or lo > hi or (positive and lo <= 0) or lo < 0:
+        raise ValueError(f"{owner}: {name} must be finite with 0 {'<' if positive else '<='} min <= max, got {value!r}")
+    return lo, hi
+
+
+def _check_seed(owner: str, seed: Any) -> int:
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ValueError(f"{owner}: seed must be an int, got {seed!r}")
+    return seed
+
+
+class _Geometric:
+    """Base: ``lazy(batch)`` updates every :class:`ImageBatch` leaf's geometry; ``batch(...)`` also renders."""
+
+    def apply(self, images: ImageBatch) -> ImageBatch:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def lazy(self, batch: Any) -> Any:
+        """The batch with this transform pending on every ImageBatch in it (nothing resampled)."""
+        return _map_images(batch, self.apply, type(self).__name__)
+
+    def __call__(self, batch: Any) -> Any:
+        """The batch with this transform applied; ImageBatches of one output size become tensors."""
+        return render_images(self.lazy(batch))
+
+
+class RandomResizedCrop(_Geometric):
+    """Crop a random area and aspect ratio, resize it to ``size`` (torchvision semantics, batched).
+
+    The crop parameters follow ``torchvision.transforms.RandomResizedCrop.get_params``: up to ten
+    tries of an area fraction uniform in ``scale`` and a log-uniform aspect ratio in ``ratio``,
+    else a central crop clamped to ``ratio``; drawn from a hash of ``(seed, epoch, sample index)``.
+    """
+
+    _SALT = 0x52524331
+
+    def __init__(self, size: int | tuple[int, int], scale: tuple[float, float] = (0.08, 1.0),
+                 ratio: tuple[float, float] = (3.0 / 4.0, 4.0 / 3.0), *, seed: int = 0) -> None:
+        self.size = _check_size("RandomResizedCrop", size)
+        self.scale = _check_range("RandomResizedCrop", "scale", scale, positive=False)
+        self.ratio = _check_range("RandomResizedCrop", "ratio", ratio, positive=True)
+        self.seed = _check_seed("RandomResizedCrop", seed)
+
+    def params(self, heights: np.ndarray, widths: np.ndarray, ids: np.ndarray, epoch: int) -> tuple[np.ndarray, ...]:
+        """``(top, left, height, width)`` int arrays for images of the given sizes."""
+        H, W = np.asarray(heights, np.float64), np.asarray(widths, np.float64)
+        u = uniforms(self.seed, self._SALT, epoch, ids, 40).reshape(len(H), 10, 4)
+        lr0, lr1 = math.log(self.ratio[0]), math.log(self.ratio[1])
+        target = (H * W)[:, None] * (self.scale[0] + (self.scale[1] - self.scale[0]) * u[..., 0])
+        aspect = np.exp(lr0 + (lr1 - lr0) * u[..., 1])
+        w = np.round(np.sqrt(target * aspect))
+        h = np.round(np.sqrt(target / aspect))
+        ok = (w > 0) & (w <= W[:, None]) & (h > 0) & (h <= H[:, None])
+        first = np.argmax(ok, axis=1)
+        rows = np.arange(len(H))
+        hit = ok[rows, first]
+        h, w = h[rows, first], w[rows, first]
+        top = np.minimum(np.floor(u[rows, first, 2] * (H - h + 1)), H - h)
+        left = np.minimum(np.floor(u[rows, first, 3] * (W - w + 1)), W - w)
+        # torchvision's fallback: a central crop with the aspect ratio clamped to ``ratio``
+        in_ratio = W / H
+        fw = np.where(in_ratio < self.ratio[0], W, np.where(in_ratio > self.ratio[1], np.round(H * self.ratio[1]), W))
+        fh = np.where(in_ratio < self.ratio[0], np.round(W / self.ratio[0]), H)
+        h, w = np.where(hit, h, fh), np.where(hit, w, fw)
+        top = np.where(hit, top, (H - h) // 2)
+        left = np.where(hit, left, (W - w) // 2)
+        return top.astype(np.int64), left.astype(np.int64), h.astype(np.int64), w.astype(np.int64)
+
+    def apply(self, images: ImageBatch) -> ImageBatch:
+        top, left, h, w = self.params(images.size[:, 0], images.size[:, 1], images.ids, images.epoch)
+        return images.crop(top, left, h, w, out_size=self.size)  # type: ignore[arg-type]
+
+    def __repr__(self) -> str:
+        return f"RandomResizedCrop(size={self.size}, scale={self.scale}, ratio={self.ratio}, seed={self.seed})"
+
+
+class RandomHorizontalFlip(_Geometric):
+    """Mirror each image with probability ``p``, drawn from a hash of ``(seed, epoch, sample index)``."""
+
+    _SALT = 0x48464C50
+
+    def __init__(self, p: float = 0.5, *, seed: int = 0) -> None:
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= p <= 1.0:
+            raise ValueError(f"RandomHorizontalFlip: p must be a number in [0, 1], got {p!r}")
+        self.p = float(p)
+        self.seed = _check_seed("RandomHorizontalFlip", seed)
+
+    def flips(self, ids: np.ndarray, epoch: int) -> np.ndarray:
+        """Which of the samples ``ids`` are mirrored in ``epoch``."""
+        return uniforms(self.seed, self._SALT, epoch, ids, 1)[:, 0] < self.p
+
+    def apply(self, images: ImageBatch) -> ImageBatch:
+        return images.hflip(self.flips(images.ids, images.epoch))
+
+    def __repr__(self) -> str:
+        return f"RandomHorizontalFlip(p={self.p}, seed={self.seed})"
+
+
+class Resize(_Geometric):
+    """Resize to ``(height, width)``, or an int: the shorter side to ``size`` (torchvision's rounding)."""
+
+    def __init__(self, size: int | tuple[int, int]) -> None:
+        self.size = _check_size("Resize", size, allow_int_short=True)
+
+    def apply(self, images: ImageBatch) -> ImageBatch:
+        if isinstance(self.size, tuple):
+            n = len(images)
+            return images.resize(np.full(n, self.size[0]), np.full(n, self.size[1]))
+        h, w = images.size[:, 0], images.size[:, 1]
+        short, long = np.minimum(h, w), np.maximum(h, w)
+        new_long = (self.size * long / short).astype(np.int64)  # torchvision truncates
+        portrait = h > w
+        return images.resize(np.where(portrait, new_long, self.size), np.where(portrait, self.size, new_long))
+
+    def __repr__(self) -> str:
+        return f"Resize(size={self.size})"
+
+
+class CenterCrop(_Geometric):
+    """Crop the centre ``(height, width)`` (an int: square); a larger crop pads with zeros (torchvision)."""
+
+    def __init__(self, size: int | tuple[int, int]) -> None:
+        self.size = _check_size("CenterCrop", size)
+
+    def apply(self, images: ImageBatch) -> ImageBatch:
+        ch, cw = self.size  # type: ignore[misc]
+        H, W = images.size[:, 0], images.size[:, 1]
+        top = np.where(H >= ch, np.round((H - ch) / 2.0), -((ch - H) // 2)).astype(np.int64)
+        left = np.where(W >= cw, np.round((W - cw) / 2.0), -((cw - W) // 2)).astype(np.int64)
+        n = len(images)
+        return images.crop(top, left, np.full(n, ch), np.full(n, cw))
+
+    def __repr__(self) -> str:
+        return f"CenterCrop(size={self.size})"
+
+
+# ---------------------------------------------------------------------------------------------
+# Finding ImageBatches in a batch
+
+
+def _map_images(batch: Any, fn: Callable[[ImageBatch], Any], owner: str, _found: list | None = None) -> Any:
+    found: list[int] = [] if _found is None else _found
+    out = _walk(batch, fn, found)
+    if _found is None and not found:
+        raise ValueError(f"{owner}: the batch holds no ImageBatch; decode packed images first "
+                         "(fastdata.gpu.DecodeImages), or wrap tensors with ImageBatch.from_tensor")
+    return out
+
+
+def _walk(obj: Any, fn: Callable[[ImageBatch], Any], found: list[int]) -> Any:
+    if isinstance(obj, ImageBatch):
+        found.append(1)
+        return fn(obj)
+    if isinstance(obj, dict):
+        return {k: _walk(v, fn, found) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_walk(v, fn, found) for v in obj]
+    if isinstance(obj, tuple):
+        items = [_walk(v, fn, found) for v in obj]
+        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
+    return obj
+
+
+def render_images(batch: Any) -> Any:
+    """Render every :class:`ImageBatch` in ``batch`` whose images share one output size into a tensor."""
+    return _walk(batch, lambda ib: ib.render() if ib.uniform_size() is not None else ib, [])
