@@ -313,25 +313,35 @@ def _cycles_per_ms(device: torch.device) -> float:
         return 10_000_000 / ((time.perf_counter() - t0) * 1e3)
 
 
-class ModelStep:
-    """One ``fastdata.TrainStep`` (SGD, cross-entropy) of a torchvision model with random weights."""
-
-    def __init__(self, name: str, device: torch.device, fields: Fields, num_classes: int = 1000) -> None:
+def torchvision_model(name: str, num_classes: int = 1000) -> torch.nn.Module:
+    """A torchvision model by name with random weights (nothing is downloaded)."""
+    try:
         import torchvision
+    except Exception as e:  # noqa: BLE001  a broken install raises RuntimeError/OSError, not only ImportError
+        raise FastdataError(f"--model {name!r} needs torchvision, which cannot be imported here: {e}") from e
+    try:
+        return torchvision.models.get_model(name, weights=None, num_classes=num_classes)
+    except ValueError:
+        known = ", ".join(sorted(torchvision.models.list_models(torchvision.models))[:12])
+        raise ValueError(f"unknown torchvision model {name!r} (e.g. {known}, ...)") from None
 
+
+class ModelStep:
+    """One ``fastdata.TrainStep`` (SGD, cross-entropy) of a model: a torchvision name (random weights)
+    or the user's own ``torch.nn.Module``."""
+
+    def __init__(self, model: str | torch.nn.Module, device: torch.device, fields: Fields,
+                 num_classes: int = 1000) -> None:
         from fastdata.train import TrainStep
 
-        try:
-            model = torchvision.models.get_model(name, weights=None, num_classes=num_classes)
-        except ValueError:
-            known = ", ".join(sorted(torchvision.models.list_models(torchvision.models))[:12])
-            raise ValueError(f"unknown torchvision model {name!r} (e.g. {known}, ...)") from None
-        model = model.to(device)
+        self.name = model if isinstance(model, str) else type(model).__name__
+        module = torchvision_model(model, num_classes) if isinstance(model, str) else model
+        module = module.to(device)
         if device.type == "cuda":
-            model = model.to(memory_format=torch.channels_last)
-        self.name, self.device, self.fields, self.num_classes = name, device, fields, num_classes
-        self.model = model
-        self.step = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9),
+            module = module.to(memory_format=torch.channels_last)
+        self.device, self.fields, self.num_classes = device, fields, num_classes
+        self.model = module
+        self.step = TrainStep(module, torch.optim.SGD(module.parameters(), lr=0.01, momentum=0.9),
                               torch.nn.functional.cross_entropy, input_key=fields.image, target_key="__target__")
 
     def __call__(self, batch: dict[str, Any]) -> Any:
@@ -345,7 +355,7 @@ class ModelStep:
         return f"{self.name} (TrainStep)"
 
 
-def make_step(model: str | None, step_ms: float | None, device: torch.device, fields: Fields) -> Any:
+def make_step(model: str | torch.nn.Module | None, step_ms: float | None, device: torch.device, fields: Fields) -> Any:
     """The training step to measure, or None when neither a model nor a step time is given."""
     if model is not None and step_ms is not None:
         raise ValueError("give a model or a step time, not both")

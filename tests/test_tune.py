@@ -1,0 +1,118 @@
+"""``fastdata tune``: the batch-size search (with a fake memory limit) and the settings search on the CPU."""
+import json
+
+import pytest
+import torch
+
+from fastdata.errors import FastdataError
+from fastdata.monitor import search_batch_size
+
+pytestmark = pytest.mark.timeout(300)
+
+
+class FakeGPU:
+    """A device with ``limit`` bytes: a step at batch b allocates ``fixed + b * per_sample`` or runs out of memory."""
+
+    def __init__(self, limit, per_sample, fixed=0):
+        self.limit, self.per_sample, self.fixed = limit, per_sample, fixed
+        self.calls = []
+
+    def __call__(self, b):
+        self.calls.append(b)
+        need = self.fixed + b * self.per_sample
+        if need > self.limit:
+            raise torch.cuda.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {need} bytes")
+        torch.empty(need // 1000 + 1, dtype=torch.uint8)  # touch some memory like a real step
+
+
+@pytest.mark.parametrize("limit,per_sample,fixed", [(1000, 3, 0), (10_000_000, 1000, 2_000_000), (64, 1, 0)])
+def test_batch_search_grows_backs_off_and_leaves_headroom(limit, per_sample, fixed):
+    gpu = FakeGPU(limit, per_sample, fixed)
+    r = search_batch_size(gpu, start=32, limit=100_000, headroom=0.1, multiple=8)
+    largest = (limit - fixed) // per_sample
+    assert largest - 8 < r.largest_fit <= largest  # bisected to within the granularity
+    assert r.first_oom is not None and r.first_oom > largest
+    assert r.batch_size == max(1, int(r.largest_fit * 0.9) // 8 * 8) if r.largest_fit >= 8 else r.largest_fit
+    assert r.batch_size <= 0.9 * r.largest_fit + 1e-9
+    fits = [b for b, ok in r.tried if ok]
+    assert all(b <= largest for b in fits) and all(b > largest for b, ok in r.tried if not ok)
+    assert gpu.calls[: 3] == [32, 64, 128][: len(gpu.calls[:3])] or gpu.calls[0] == 32
+
+
+def test_batch_search_shrinks_when_the_start_does_not_fit_and_stops_at_the_limit():
+    r = search_batch_size(FakeGPU(100, 1), start=1024, limit=4096)
+    assert r.tried[0] == (1024, False) and 92 < r.largest_fit <= 100
+    r = search_batch_size(FakeGPU(10**9, 1), start=32, limit=256, headroom=0.0)
+    assert r.first_oom is None and r.largest_fit == 256 and r.batch_size == 256
+    with pytest.raises(FastdataError, match="a batch of 1 does not fit"):
+        search_batch_size(FakeGPU(10, 1, fixed=100), start=4)
+
+
+def test_batch_search_reraises_other_errors_and_checks_arguments():
+    def broken(b):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        search_batch_size(broken)
+    with pytest.raises(ValueError, match="headroom must be in"):
+        search_batch_size(FakeGPU(100, 1), headroom=1.0)
+    with pytest.raises(ValueError, match="start must be an int >= 1, got 0"):
+        search_batch_size(FakeGPU(100, 1), start=0)
+
+
+def test_batch_search_with_a_real_model_step_under_a_fake_memory_limit():
+    """model_fits drives a real TrainStep; the fake limit turns large activations into out-of-memory."""
+    from fastdata.monitor import _stages
+    from fastdata.monitor._tune import model_fits
+
+    fields = _stages.Fields("jpg", "cls", encoded=True)
+    net = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, stride=2), torch.nn.ReLU(), torch.nn.AdaptiveAvgPool2d(1),
+                              torch.nn.Flatten(), torch.nn.Linear(8, 4))
+    step = _stages.ModelStep(net, torch.device("cpu"), fields, num_classes=4)
+    budget = 24 * 3 * 32 * 32 * 4  # bytes of float input: 24 images fit
+    real = model_fits(step, 32, torch.device("cpu"))
+
+    def fits(b):
+        if b * 3 * 32 * 32 * 4 > budget:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (fake limit)")
+        real(b)
+
+    r = search_batch_size(fits, start=4, limit=256, multiple=4)
+    assert r.largest_fit == 24 and r.batch_size == 20
+    assert all(p.grad is None for p in step.model.parameters())  # no gradients left between tries
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    from fastdata.cli._synth import make_image_folder
+    from fastdata.shards.convert import ConvertOptions, convert
+
+    root = tmp_path_factory.mktemp("tune")
+    make_image_folder(root / "img", 40, num_classes=4, min_side=72, max_side=110, seed=1)
+    convert(root / "img", root / "shards", ConvertOptions(samples_per_shard=10, workers=1, overwrite=True,
+                                                           progress=False))
+    return root / "shards"
+
+
+def test_tune_cli_prints_ready_to_paste_python_that_runs(shards, capsys):
+    from fastdata.cli import main
+    from fastdata.monitor import cores
+
+    assert main(["tune", str(shards), "--step-ms", "0.5", "--samples", "40", "--batch-size", "8", "--workers", "0",
+                 "--size", "48", "--steps", "5", "--device", "cpu", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["measured"] == "job" and data["start_rate"] > 0 and data["best_rate"] > 0
+    assert {t["dimension"] for t in data["trials"]} == {"decode", "num_workers", "depth"}
+    assert max(t["value"] for t in data["trials"] if t["dimension"] == "num_workers") <= cores()
+    assert data["best"]["num_workers"] <= cores() and data["best"]["batch_size"] == 8
+    assert any("batch size: kept at 8" in n for n in data["notes"])
+    namespace = {}
+    exec(compile(data["python"], "<tune snippet>", "exec"), namespace)  # noqa: S102  the printed code runs as is
+    batch = next(iter(namespace["batches"]))
+    assert batch["jpg"].shape == (8, 3, 48, 48) and batch["jpg"].dtype == torch.float32
+    namespace["batches"].close()
+    assert main(["tune", str(shards), "--samples", "40", "--batch-size", "8", "--workers", "0", "--size", "48",
+                 "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "measured on the loader alone" in out and "# the tuned configuration, ready to paste:" in out
+    assert "tuned  num_workers=" in out
