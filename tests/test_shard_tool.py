@@ -619,7 +619,8 @@ def test_rerun_with_strict_of_a_finished_conversion_with_skips_fails(tmp_path, c
     (src / "c1" / "broken.jpg").write_bytes(b"junk")
     assert run(capsys, src, tmp_path / "out")[0] == 0
     code, _, err = run(capsys, src, tmp_path / "out", "--strict")
-    assert code == 1 and error_line(err) == f"shard.py: error: {src / 'c1' / 'broken.jpg'}: not a recognised image format (--strict)"
+    assert code == 1
+    assert error_line(err) == f"shard.py: error: {src / 'c1' / 'broken.jpg'}: not a recognised image format (--strict)"
 
 
 def _flip(path: Path, offset: int) -> None:
