@@ -22,12 +22,13 @@ the file in pytest's summary line:
 from __future__ import annotations
 
 import ast
+import functools
 import importlib
 import importlib.util
 import inspect
 import sys
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -108,9 +109,10 @@ def _resolve_relative(importer: str, module: str | None, level: int) -> str:
     return ".".join(base + ([module] if module else []))
 
 
-def imports_of(name: str) -> list[Import]:
+@functools.lru_cache(maxsize=None)
+def imports_of(name: str) -> tuple[Import, ...]:
     """Every import of a fastdata module by module ``name`` (anywhere in the file)."""
-    return list(imports_in(name, MODULES[name].read_text(encoding="utf-8")))
+    return tuple(imports_in(name, MODULES[name].read_text(encoding="utf-8")))
 
 
 def imports_in(name: str, text: str) -> Iterator[Import]:
@@ -162,12 +164,12 @@ def inside(module: str, package: str) -> bool:
 
 # ------------------------------------------------------------------------------------ the rules
 
-def upward_imports(name: str, imports: list[Import]) -> list[str]:
+def upward_imports(name: str, imports: Sequence[Import]) -> list[str]:
     return [f"{imp.where()}: imports {imp.module} ({stage_label(imp.module)}), a stage above "
             f"{stage_label(name)}" for imp in imports if rank(imp.module) > rank(name)]
 
 
-def private_imports(name: str, imports: list[Import]) -> list[str]:
+def private_imports(name: str, imports: Sequence[Import]) -> list[str]:
     problems = []
     for imp in imports:
         owner = owner_package(imp.module)
