@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 import traceback
+import weakref
 from typing import NamedTuple
 
 import numpy as np
@@ -380,8 +381,13 @@ def test_torch_dataloader_persistent_workers_several_epochs() -> None:
             if epoch == 1 and i == 3:
                 break
         assert seen == (expected[:4] if epoch == 1 else expected), epoch
-        assert not _wait_no_threads()
+        # a finished epoch keeps the thread (it already runs the next epoch); a break stops it
+        if epoch == 1:
+            assert not _wait_no_threads()
+        else:
+            assert len(_threads()) == 1
     pf.close()
+    assert not _wait_no_threads()
     del loader
 
 
@@ -534,13 +540,15 @@ def test_cuda_stager_logic_on_cpu(fake_cuda: dict) -> None:
         assert b["img"].stride() == src["img"].stride() and b["f"].stride() == src["f"].stride()
         assert b["img"].data_ptr() != src["img"].data_ptr()
     s = pf.stats()
-    assert s["batches"] == 40 and s["bytes"] > 0 and s["queued_bytes"] == 0
-    assert s["pinned_allocs"] == fake_cuda["pinned"] <= 3 * 2  # 3 slots, each grows at most a couple of times
+    assert s["batches"] == 40 and s["bytes"] > 0
+    # the next epoch is already staged ahead (at most depth batches)
+    assert 0 <= s["queued_bytes"] <= 2 * s["peak_batch_bytes"]
+    assert s["pinned_allocs"] == fake_cuda["pinned"] <= 3 * 6  # 3 slots, each grows a few times
     allocs = s["pinned_allocs"]
     assert list(pf)[5]["s"] == 5  # a second epoch reuses the ring: no new pinned buffers
     assert pf.stats()["pinned_allocs"] == allocs and pf.stats()["copy_s"] > 0
     pf.close()
-    assert pf.stats()["pinned_bytes"] == 0
+    assert pf.stats()["pinned_bytes"] == 0 and pf.stats()["queued_bytes"] == 0
     assert not _wait_no_threads()
 
 
@@ -554,13 +562,21 @@ def test_cuda_stager_ring_growth_and_queued_bytes_on_cpu(fake_cuda: dict) -> Non
     growing = [torch.zeros(stage.MIN_SLOT_BYTES + k * 20_000, dtype=torch.uint8) for k in range(60)]
     with CUDAPrefetcher(growing, device="cuda", depth=depth) as pf:
         assert sum(1 for _ in pf) == 60
-        assert pf.stats()["pinned_allocs"] <= (depth + 1) * 6  # 64 KiB .. 2 MiB: six sizes per slot
+        # each slot holds the largest batch it staged, rounded up by at most 1/16: the documented bound
+        largest = growing[-1].numel()
+        assert pf.stats()["pinned_bytes"] <= (depth + 1) * stage.slot_capacity(largest) <= (depth + 1) * largest * 17 / 16
+        assert pf.stats()["pinned_allocs"] <= 60
         for i, _ in enumerate(pf):
             if i == 3:
                 time.sleep(0.2)  # let the thread fill the queue
                 assert pf.stats()["queued_bytes"] > 0
                 break
         assert pf.stats()["queued_bytes"] == 0  # batches staged ahead and dropped at the break
+    assert stage.slot_capacity(1) == stage.MIN_SLOT_BYTES
+    assert stage.slot_capacity((1 << 20) + 1) == (1 << 20) + (1 << 16)  # granule 2 MiB / 32
+    assert stage.slot_capacity(38_535_168) == 19 << 21  # 256 x 3 x 224 x 224: 3.4% over
+    for n in (65_537, 99_999, 1 << 22, (1 << 22) + 1, 38_535_168, 10**9 + 7):
+        assert n <= stage.slot_capacity(n) <= n * 17 / 16
     assert not _wait_no_threads()
 
 
@@ -585,29 +601,170 @@ def test_cuda_stager_packing_strides() -> None:
     assert stage._dense_strides(cases[4]) == (1,)  # strided gaps -> contiguous
 
 
-def test_marks_bound_gpu_run_ahead() -> None:
-    class Gate:
-        def __init__(self) -> None:
-            self.open = threading.Event()
+class _FakeGpu:
+    """The consumer's GPU work as a counter that a 'GPU' thread drains one step per ``step_s``; events
+    recorded on the consumer stream complete when it has passed them, side-stream events at once."""
+
+    def __init__(self, step_s: float) -> None:
+        self.step_s, self.enqueued, self.done = step_s, 0, 0
+        self.cv = threading.Condition()
+        self.stopped = False
+        self.consumer = _FakeStream()
+        self.thread = threading.Thread(target=self._run, name="test-fake-gpu", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.stopped:
+            time.sleep(self.step_s)
+            with self.cv:
+                if self.done < self.enqueued:
+                    self.done += 1
+                    self.cv.notify_all()
+
+    def enqueue(self) -> None:
+        with self.cv:
+            self.enqueued += 1
+
+    def stop(self) -> None:
+        self.stopped = True
+        self.thread.join()
+
+
+@pytest.fixture
+def fake_gpu(fake_cuda: dict, monkeypatch: pytest.MonkeyPatch):
+    """fake_cuda plus GPU progress and live device allocations (index, live count, GPU steps done)."""
+    gpu = _FakeGpu(0.002)
+
+    class Event(_FakeEvent):
+        def __init__(self, enable_timing: bool = False, blocking: bool = False) -> None:
+            super().__init__()
+            self.mark = 0
+
+        def record(self, stream=None) -> None:
+            super().record(stream)
+            self.mark = gpu.enqueued if stream is gpu.consumer else 0
 
         def synchronize(self) -> None:
-            self.open.wait(5)
+            with gpu.cv:
+                while gpu.done < self.mark:
+                    gpu.cv.wait(0.1)
 
-    marks = stage.Marks(depth=2)
-    stop = threading.Event()
-    marks.wait_room(2, stop)  # batches 0..1 in flight, room for batch 2
-    done = threading.Event()
-    t = threading.Thread(target=lambda: (marks.wait_room(3, stop), done.set()), name="test-marks")
-    t.start()
-    assert not done.wait(0.1)  # batch 3 must wait until batch 0 finished on the GPU
-    gate = Gate()
-    marks.post(gate)
-    assert not done.wait(0.1)  # posted but not finished
-    gate.open.set()
-    assert done.wait(2)
-    t.join()
-    stop.set()
-    marks.wait_room(100, stop)  # a stop request never blocks
+        def query(self) -> bool:
+            return gpu.done >= self.mark
+
+    live: list = []
+    allocs: list[tuple[int, int, int]] = []
+
+    def device_empty(n: int, device) -> torch.Tensor:
+        memory = np.full(n, 0xAB, dtype=np.uint8)  # alive as long as any view of the tensor is
+        t = torch.from_numpy(memory)
+        if n:
+            live.append(weakref.ref(memory))
+            allocs.append((len(allocs), _in_use(live, gpu), gpu.done))
+        return t
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: gpu.consumer)
+    monkeypatch.setattr(stage, "_device_empty", device_empty)
+    yield gpu, live, allocs
+    gpu.stop()
+
+
+def _in_use(live: list, gpu: _FakeGpu) -> int:
+    """Batches whose device memory is not free for reuse: referenced on the host or with consumer work
+    on them not yet finished on the GPU (batch k is the consumer's k-th GPU step)."""
+    return sum(1 for k, r in enumerate(live) if r() is not None or gpu.done <= k)
+
+
+@pytest.mark.parametrize("depth", [1, 2, 3])
+@pytest.mark.parametrize("regime", ["gpu_bound", "host_bound"])
+def test_device_memory_bound_across_epochs_on_fake_gpu(fake_gpu, depth: int, regime: str) -> None:
+    """The documented bound: device memory for at most depth + 1 batches besides the one the consumer
+    still holds (`b` of the previous step while next() runs), counting batches the GPU still works on;
+    batch j is staged only once the GPU has finished the consumer's work on batch j - depth - 1. At
+    epoch boundaries too (the thread and its credits carry on into the next epoch)."""
+    gpu, live, allocs = fake_gpu
+    if regime == "host_bound":
+        gpu.step_s = 0.0002
+    batches = [torch.full((4096,), i, dtype=torch.uint8) for i in range(12)]
+    pf = CUDAPrefetcher(batches, device="cuda", depth=depth)
+    peak = 0
+    for epoch in range(3):
+        for i, b in enumerate(pf):  # gpu_bound: the host never waits for the GPU itself
+            assert int(b[0]) == i
+            gpu.enqueue()
+            if regime == "host_bound":
+                time.sleep(0.003)
+            peak = max(peak, _in_use(live, gpu))
+    pf.close()
+    assert len(allocs) >= 36 and len(live) == len(allocs)
+    peak = max(peak, max(n for _, n, _ in allocs))
+    assert peak <= depth + 2, allocs
+    if regime == "host_bound":
+        assert peak >= depth + 1  # it does run ahead
+    for j, _, done in allocs:
+        assert done >= j - depth, (j, done, allocs)  # GPU progress: also at the starts of epochs 1 and 2
+    if regime == "gpu_bound":
+        assert pf.stats()["throttle_s"] > 0
+
+
+def test_credits_bound_after_break_and_restart(fake_gpu) -> None:
+    """A new run (after a break) inherits the last hand-overs' events: no unthrottled burst."""
+    gpu, live, allocs = fake_gpu
+    depth = 2
+    batches = [torch.full((4096,), i, dtype=torch.uint8) for i in range(10)]
+    pf = CUDAPrefetcher(batches, device="cuda", depth=depth)
+    handed = 0
+    for epoch in range(3):
+        for i, b in enumerate(pf):
+            gpu.enqueue()
+            handed += 1
+            if i == 4:
+                break
+    pf.close()
+    assert max(n for _, n, _ in allocs) <= depth + 2 + 2 * depth  # + what each break dropped
+    # every allocation after the first run's start waited for the GPU like a continuous run would,
+    # minus the batches staged and dropped at the breaks (each break drops at most depth)
+    for j, _, done in allocs:
+        assert done >= j - depth - 2 * depth, (j, done)
+
+
+def test_parallel_pack_on_fake_cuda(fake_cuda: dict) -> None:
+    g = torch.Generator().manual_seed(3)
+    big = torch.randint(0, 256, (2, 3, 700, 1100), dtype=torch.uint8, generator=g)  # 4.6 MB
+    batch = {
+        "img": big,
+        "cl": big.contiguous(memory_format=torch.channels_last),
+        "t": torch.randn(300, 700, generator=g).t(),  # dense, transposed
+        "exp": torch.randn(5, 1, generator=g).expand(5, 3),  # not dense: torch copy
+        "half": torch.randn(1000, 3, generator=g).to(torch.bfloat16),
+        "b": torch.rand(777, generator=g) > 0.5,
+    }
+    with CUDAPrefetcher([batch] * 4, device="cuda", depth=2, pack_threads=3) as pf:
+        assert pf.stats()["pack_threads"] == 3
+        for out in pf:
+            _assert_same(out, batch)
+            assert out["cl"].stride() == batch["cl"].stride() and out["t"].stride() == batch["t"].stride()
+        assert any(t.name.startswith("fastdata-pack-") for t in threading.enumerate())
+        s = pf.stats()
+        assert s["packed_bytes"] >= 4 * 2 * big.numel() and s["pack_gbps"] > 0
+    deadline = time.monotonic() + 2
+    while any(t.name.startswith("fastdata-pack-") for t in threading.enumerate()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not any(t.name.startswith("fastdata-pack-") for t in threading.enumerate())  # closed with the prefetcher
+
+
+def test_pack_split_covers_every_byte() -> None:
+    a, b = np.arange(10_000, dtype=np.uint8), np.arange(3, dtype=np.uint8)
+    da, db = np.zeros_like(a), np.zeros_like(b)
+    chunks = stage._split([(da, a), (db, b)], 10_003, 4)
+    assert len(chunks) == 4 and sum(len(s) for c in chunks for _, s in c) == 10_003
+    for c in chunks:
+        stage._run_copies(c)
+    assert np.array_equal(da, a) and np.array_equal(db, b)
+    with pytest.raises(ValueError, match="pack_threads must be an int >= 1 or None, got 0"):
+        CUDAPrefetcher([1], device="cpu", pack_threads=0)
+    assert 1 <= stage.default_pack_threads() <= 4
 
 
 def test_stats_quantiles() -> None:
@@ -652,7 +809,203 @@ def test_state_dict_counts_only_batches_handed_over(tmp_path, num_workers: int) 
     pf2.load_state_dict(state)
     rest = [ids(b) for b in pf2]
     assert first + rest == full
-    assert pf2.state_dict() == pf2._iterable.state_dict()  # epoch done: nothing in flight any more
+    time.sleep(0.05)  # the same epoch was started ahead: the loader's own state moved on, ours did not
+    done = make()
+    done.load_state_dict(json.loads(json.dumps(pf2.state_dict())))
+    assert list(done) == []  # epoch done: resuming replays nothing
     pf2.close()
     with pytest.raises(TypeError, match="has no state_dict"):
         CUDAPrefetcher([1, 2], device="cpu").state_dict()
+
+
+# --- seamless epochs -------------------------------------------------------------------------------
+
+
+class _SlowStartLoader:
+    """Each epoch's first batch comes ``startup_s`` late (workers starting); then batches are quick."""
+
+    def __init__(self, n: int, startup_s: float) -> None:
+        self.n, self.startup_s, self.iters = n, startup_s, 0
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self):
+        self.iters += 1
+        return self._gen()
+
+    def _gen(self):
+        time.sleep(self.startup_s)
+        for i in range(self.n):
+            yield torch.full((4,), i)
+
+
+@pytest.mark.parametrize("seamless", [True, False])
+def test_seamless_epochs_keep_wait_p99_small(seamless: bool) -> None:
+    """The loader outpaces compute, but every epoch starts 40 ms late: with seamless epochs the next
+    epoch is started while the consumer still works on the last batches, so no wait remains."""
+    loader = _SlowStartLoader(8, startup_s=0.04)
+    pf = CUDAPrefetcher(loader, device="cpu", depth=2, seamless=seamless)
+    for epoch in range(4):
+        got = []
+        for b in pf:
+            got.append(int(b[0]))
+            time.sleep(0.03)  # compute: 2 batches ahead = 60 ms of slack > 40 ms start-up
+        assert got == list(range(8))
+        if epoch == 0:
+            pf.reset_stats()  # the first epoch's start-up cannot be hidden
+    s = pf.stats()
+    pf.close()
+    assert s["batches"] == 24
+    if seamless:
+        assert s["wait_p99_s"] < 0.015, s  # ~0.1 ms unloaded; generous for a busy machine
+        assert s["lookahead_epochs"] >= 3 and s["lookahead_discarded"] == 0
+    else:
+        assert s["wait_p99_s"] > 0.03, s  # each epoch start waits for the start-up
+        assert s["lookahead_epochs"] == 0
+    assert loader.iters == (5 if seamless else 4)  # seamless: the fifth epoch was started ahead
+
+
+class _EpochLoader:
+    """Batches tagged with the epoch they were made for; records every set_epoch call."""
+
+    def __init__(self, n: int = 5) -> None:
+        self.n, self.epoch, self.calls = n, 0, []
+
+    def set_epoch(self, epoch: int) -> None:
+        self.calls.append(epoch)
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self):
+        e = self.epoch
+        return iter([(e, i) for i in range(self.n)])
+
+
+def test_set_epoch_drives_the_lookahead() -> None:
+    loader = _EpochLoader()
+    pf = CUDAPrefetcher(loader, device="cpu", depth=2)
+    for epoch in range(4):
+        pf.set_epoch(epoch)
+        assert list(pf) == [(epoch, i) for i in range(5)]
+    time.sleep(0.1)
+    assert pf.stats()["lookahead_epochs"] >= 3 and pf.stats()["lookahead_discarded"] == 0
+    assert loader.calls == [0, 1, 2, 3, 4]  # each epoch set once; 4 = the one started ahead
+    pf.set_epoch(9)  # not the one started ahead: discarded, restarted with 9
+    assert list(pf) == [(9, i) for i in range(5)]
+    assert pf.stats()["lookahead_discarded"] == 1
+    assert list(pf) == [(10, i) for i in range(5)]  # no call: the next epoch number
+    pf.close()
+    with pytest.raises(ValueError, match="epoch must be an int >= 0, got -1"):
+        pf.set_epoch(-1)
+    with pytest.raises(TypeError, match="has no set_epoch"):
+        CUDAPrefetcher([1], device="cpu").set_epoch(0)
+
+
+def test_loader_set_epoch_behind_the_prefetcher_discards_the_lookahead() -> None:
+    loader = _EpochLoader()
+    pf = CUDAPrefetcher(loader, device="cpu", depth=2)
+    assert list(pf) == [(0, i) for i in range(5)]
+    time.sleep(0.05)  # epoch 0 again was started ahead (no set_epoch: the same epoch)
+    loader.set_epoch(1)
+    with pytest.warns(RuntimeWarning, match=r"call CUDAPrefetcher.set_epoch\(\)|Call CUDAPrefetcher.set_epoch"):
+        assert list(pf) == [(1, i) for i in range(5)]
+    assert pf.stats()["lookahead_discarded"] == 1
+    assert list(pf) == [(1, i) for i in range(5)]  # unchanged epoch: the look-ahead is kept
+    assert pf.stats()["lookahead_discarded"] == 1
+    pf.close()
+
+
+def test_distributed_sampler_epochs_through_the_prefetcher() -> None:
+    ds = _RangeDataset()
+    sampler = torch.utils.data.DistributedSampler(ds, num_replicas=1, rank=0, shuffle=True, seed=5)
+    loader = torch.utils.data.DataLoader(ds, batch_size=8, sampler=sampler)
+    expected = []
+    for epoch in range(3):
+        sampler.set_epoch(epoch)
+        expected.append([b["y"].tolist() for b in loader])
+    assert expected[0] != expected[1]
+    pf = CUDAPrefetcher(loader, device="cpu")
+    for epoch in range(3):
+        pf.set_epoch(epoch)
+        assert [b["y"].tolist() for b in pf] == expected[epoch]
+    pf.close()
+
+
+def test_lookahead_error_surfaces_in_the_next_epoch() -> None:
+    class Loader:
+        iters = 0
+
+        def __iter__(self):
+            Loader.iters += 1
+            if Loader.iters == 2:
+                raise OSError("shard-000007.tar: connection reset")
+            return iter(range(3))
+
+    pf = CUDAPrefetcher(Loader(), device="cpu")
+    assert list(pf) == [0, 1, 2]  # the failing iter() ran ahead; this epoch is unaffected
+    with pytest.raises(OSError, match="connection reset") as info:
+        list(pf)
+    if sys.version_info >= (3, 11):
+        assert any("starting epoch 1 ahead" in n for n in info.value.__notes__)
+    assert list(pf) == [0, 1, 2]  # a fresh start
+    pf.close()
+    assert not _wait_no_threads()
+
+
+@pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_exact_resume_across_the_epoch_boundary(tmp_path, num_workers: int) -> None:
+    """set_epoch through the prefetcher: epoch 1 is started ahead while epoch 0's last batches are
+    consumed; states saved at the boundary and inside epoch 1 resume exactly (nothing twice, nothing lost)."""
+    import json
+
+    from fastdata.dataset import ShardedDataset
+    from fastdata.loader import DataLoader
+    from fastdata.shards.writer import ShardWriter
+
+    with ShardWriter(tmp_path / "ds", max_samples=6) as w:
+        for i in range(40):
+            w.write({"__key__": f"s{i:04d}", "cls": str(i).encode()})
+
+    def make() -> DataLoader:
+        return DataLoader(ShardedDataset(tmp_path / "ds", shuffle=True, seed=1), batch_size=3,
+                          num_workers=num_workers, persistent_workers=num_workers > 0)
+
+    def ids(b) -> list[int]:
+        return [int(i) for i in b["cls"]]
+
+    ref = make()
+    expected = []
+    for epoch in range(3):
+        ref.set_epoch(epoch)
+        expected.append([ids(b) for b in ref])
+    assert expected[0] != expected[1]
+    pf = CUDAPrefetcher(make(), device="cpu", depth=3)
+    pf.set_epoch(0)
+    assert [ids(b) for b in pf] == expected[0]
+    time.sleep(0.1)  # epoch 1 runs ahead
+    at_end = json.loads(json.dumps(pf.state_dict()))
+    pf.set_epoch(1)
+    it = iter(pf)
+    first = [ids(next(it)) for _ in range(2)]
+    time.sleep(0.1)
+    inside = json.loads(json.dumps(pf.state_dict()))
+    pf.close()
+    assert first == expected[1][:2] and pf.stats()["lookahead_discarded"] == 0
+    # from the boundary: nothing left of epoch 0, then all of epoch 1
+    a = CUDAPrefetcher(make(), device="cpu")
+    a.load_state_dict(at_end)
+    assert list(a) == []
+    a.set_epoch(1)
+    assert [ids(b) for b in a] == expected[1]
+    a.close()
+    # from inside epoch 1: its rest, then epoch 2 (set_epoch driven: the next number by itself)
+    b = CUDAPrefetcher(make(), device="cpu")
+    b.load_state_dict(inside)
+    b.set_epoch(1)
+    assert [ids(x) for x in b] == expected[1][2:]
+    assert [ids(x) for x in b] == expected[2]
+    b.close()

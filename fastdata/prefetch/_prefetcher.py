@@ -1,10 +1,12 @@
-"""``CUDAPrefetcher``: overlap loading and host-to-device copies with compute.
+"""``CUDAPrefetcher``: overlap loading and host-to-device copies with compute, across epochs.
 
 A background thread pulls batches from the wrapped iterable, packs their tensors into a reused pinned
 staging ring, copies them to the GPU on a persistent side stream and runs optional device transforms
 there; the training thread only takes finished batches. Without CUDA (``device="cpu"`` or none
-available) the same thread and queue give a CPU prefetcher with identical semantics. See
-``fastdata/_prefetch_stage.py`` for the memory-safety design.
+available) the same thread and pipe give a CPU prefetcher with identical semantics. The thread is
+persistent: when an epoch's iterator is exhausted it starts the next epoch's iterator at once
+(``seamless=True``), so the next epoch's first batches are loaded and copied while the consumer
+finishes the current one. See ``_stage.py`` for the memory bound and the memory-safety design.
 """
 from __future__ import annotations
 
@@ -12,14 +14,15 @@ import os
 import threading
 import types
 import warnings
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from fastdata.prefetch._queue import CLOSED, END, Channel, Failure, Stats, perf_counter
-from fastdata.prefetch._stage import CpuStager, CudaStager
+from fastdata.prefetch._queue import CLOSED, END, EpochStart, Failure, Pipe, Stats, Stopped, perf_counter, POLL_S
+from fastdata.prefetch._stage import CpuStager, CudaStager, default_pack_threads
 from fastdata.prefetch.tree import keys_matcher
 
 __all__ = ["CUDAPrefetcher", "PrefetchOptions", "resolve_device"]
@@ -35,9 +38,11 @@ _thread_ids = iter(range(1 << 62))
 class PrefetchOptions:
     """Validated options of ``CUDAPrefetcher`` (see its docstring)."""
 
-    depth: int = 2  # double buffering: copy of batch i+1 and i+2 run while batch i computes
+    depth: int = 2  # batches staged ahead of the one the consumer holds
     keep_on_host: tuple[Any, ...] = ()
     transform: Callable[[Any], Any] | None = None
+    seamless: bool = True
+    pack_threads: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.depth, bool) or not isinstance(self.depth, int) or self.depth < 1:
@@ -57,6 +62,11 @@ class PrefetchOptions:
         object.__setattr__(self, "keep_on_host", keep)
         if self.transform is not None and not callable(self.transform):
             raise ValueError(f"transform must be callable or None, got {self.transform!r}")
+        if not isinstance(self.seamless, bool):
+            raise ValueError(f"seamless must be True or False, got {self.seamless!r}")
+        p = self.pack_threads
+        if p is not None and (isinstance(p, bool) or not isinstance(p, int) or p < 1):
+            raise ValueError(f"pack_threads must be an int >= 1 or None, got {p!r}")
 
 
 def resolve_device(device: str | int | torch.device | None) -> torch.device:
@@ -92,11 +102,91 @@ def _local_rank() -> int:
         raise ValueError(f"LOCAL_RANK must be an integer, got {value!r}") from None
 
 
-class _Epoch:
-    """One pass: the producer thread, its channel and its stop flag."""
+def _epoch_api(iterable: Any) -> tuple[Callable[[], Any], Callable[[int], None]] | None:
+    """(get, set) of the wrapped loader's epoch: its own ``set_epoch`` (fastdata.DataLoader), else its
+    sampler's (DistributedSampler) or its dataset's (an IterableDataset with ``set_epoch``)."""
+    candidates = [iterable, getattr(iterable, "sampler", None), getattr(iterable, "dataset", None)]
+    owner = next((c for c in candidates if c is not None and callable(getattr(c, "set_epoch", None))), None)
+    if owner is None:
+        return None
+    holder = next((c for c in candidates if c is not None and isinstance(getattr(c, "epoch", None), int)), None)
+    return (lambda: getattr(holder, "epoch", None)), owner.set_epoch
 
-    def __init__(self, thread: threading.Thread, channel: Channel, stop: threading.Event, marks: Any) -> None:
-        self.thread, self.channel, self.stop, self.marks = thread, channel, stop, marks
+
+class _Epochs:
+    """Starts epochs of the wrapped iterable, in the consumer's thread or (look-ahead) the producer's.
+
+    Shared by the prefetcher and its thread; holds no reference to the prefetcher. ``driven``: the
+    user called ``CUDAPrefetcher.set_epoch``, so every epoch start sets the loader's epoch (the value
+    asked for, else the previous one + 1)."""
+
+    def __init__(self, iterable: Iterable[Any]) -> None:
+        self.iterable = iterable
+        self.api = _epoch_api(iterable)
+        self.lock = threading.Lock()
+        self.driven = False
+        self.next_value: int | None = None
+        self.last_value: int | None = None
+        fn = getattr(iterable, "state_dict", None)
+        self.snapshot: Callable[[], Any] | None = fn if callable(fn) else None
+        self.state_error: BaseException | None = None
+
+    def current(self) -> Any:
+        return self.api[0]() if self.api is not None else None
+
+    def begin(self, on_started: Callable[[Any], None] | None = None) -> tuple[Iterator[Any], Any, Any]:
+        """(iterator, loader state before its first batch, the loader's epoch value)."""
+        with self.lock:
+            if self.driven and self.api is not None:
+                value = self.next_value if self.next_value is not None else (self.last_value or 0) + 1
+                if self.current() != value:
+                    self.api[1](value)
+                self.next_value, self.last_value = None, value
+            source = iter(self.iterable)  # DataLoader starts/resets its workers here
+            state = self._snap()
+            value = self.current()
+            if on_started is not None:
+                on_started(value)
+            return source, state, value
+
+    def _snap(self) -> Any:
+        if self.snapshot is None:
+            return None
+        try:
+            return self.snapshot()
+        except (TypeError, NotImplementedError) as e:  # e.g. fastdata.DataLoader over a plain dataset
+            self.state_error, self.snapshot = e, None
+            return None
+
+
+class _Run:
+    """One producer thread: its pipe, and the epochs it and the consumer have reached."""
+
+    def __init__(self, pipe: Pipe) -> None:
+        self.pipe = pipe
+        self.thread: threading.Thread | None = None
+        self.cv = threading.Condition()
+        self.requested = 1  # epochs the consumer has begun (or asked for)
+        self.begun = -1  # the latest epoch the consumer has begun
+        self.finished = -1  # the latest epoch the consumer has taken to its end
+        self.ahead: tuple[int, Any] | None = None  # (number, epoch value) of the latest look-ahead epoch
+
+    def alive(self) -> bool:
+        return self.thread is not None and self.thread.is_alive()
+
+    def request(self, number: int) -> None:
+        with self.cv:
+            self.requested = max(self.requested, number + 1)
+            self.cv.notify_all()
+
+    def wait_requested(self, count: int) -> None:
+        with self.cv:
+            while self.requested < count:
+                if self.pipe.stop.is_set():
+                    raise Stopped
+                self.cv.wait(POLL_S)
+        if self.pipe.stop.is_set():
+            raise Stopped
 
 
 class CUDAPrefetcher:
@@ -107,15 +197,27 @@ class CUDAPrefetcher:
             tuples, namedtuples and dataclasses; other values pass through untouched).
         device: ``None`` (CUDA when available, ``cuda:$LOCAL_RANK``; else CPU), ``"cpu"``, ``"cuda"``,
             ``"cuda:N"``, an index or a ``torch.device``.
-        depth: batches prepared ahead (queued and in flight). Held pinned and device memory is
-            bounded by about ``(depth + 1) x batch bytes``.
+        depth: batches staged ahead of the one the consumer holds. Device memory held for batches
+            never exceeds ``depth + 1`` batches (those staged and the one ``next()`` returns) plus the
+            previous batch the consumer still holds, at epoch boundaries too; pinned staging memory is
+            ``depth + 1`` slots of the largest packed batch (+ at most 1/16).
         transform: ``batch -> batch`` applied after the move, on the side stream (CUDA) or in the
             background thread (CPU); e.g. ``fastdata.gpu.Normalize(...)``.
         keep_on_host: keys (dict keys, field names or indices) whose values stay where they are.
+        seamless: keep the thread across epochs and start the next epoch's iterator as soon as the
+            current one is exhausted (before the consumer has taken its last batches). With
+            ``set_epoch`` called on the prefetcher, each look-ahead epoch gets the next epoch number.
+        pack_threads: threads that pack pageable batches into pinned memory (default: a quarter of
+            the usable cores, at most 4).
 
     Use it on one stream: the consumer's current stream at each ``next()`` waits for the batch.
-    Iterating again starts a new epoch (an unfinished one is stopped first). Errors raised by the
+    Iterating again starts the next epoch (an unfinished one is stopped first). Errors raised by the
     iterable or the transform are re-raised at the batch where they happened, with their traceback.
+    With ``seamless=True`` the next epoch's ``iter()`` runs in the background thread, while the
+    training loop still works on the current epoch: a loader that draws its seed from the global
+    torch RNG at ``iter()`` (torch's DataLoader without ``generator=``) then draws it at a
+    time that depends on thread timing; give it a ``generator=`` (or ``seamless=False``) for
+    bit-reproducible runs.
     """
 
     def __init__(
@@ -126,6 +228,8 @@ class CUDAPrefetcher:
         depth: int = 2,
         transform: Callable[[Any], Any] | None = None,
         keep_on_host: Iterable[str | int] | str | int = (),
+        seamless: bool = True,
+        pack_threads: int | None = None,
     ) -> None:
         if not isinstance(iterable, Iterable):
             raise ValueError(f"iterable must be iterable, got {type(iterable).__name__}")
@@ -134,21 +238,26 @@ class CUDAPrefetcher:
                 "CUDAPrefetcher wraps a one-shot iterator: only the first epoch will have batches",
                 stacklevel=2,
             )
-        self.options = PrefetchOptions(depth=depth, keep_on_host=keep_on_host, transform=transform)
+        self.options = PrefetchOptions(depth=depth, keep_on_host=keep_on_host, transform=transform,
+                                       seamless=seamless, pack_threads=pack_threads)
         self.device = resolve_device(device)
         self._iterable = iterable
+        self._epochs = _Epochs(iterable)
         self._stats = Stats()
         skip = keys_matcher(self.options.keep_on_host)
         if self.device.type == "cuda":
+            threads = pack_threads if pack_threads is not None else default_pack_threads()
             self._stager: CpuStager | CudaStager = CudaStager(
-                self.device, slots=depth + 1, transform=transform, skip=skip, stats=self._stats
+                self.device, slots=depth + 1, transform=transform, skip=skip, stats=self._stats,
+                pack_threads=threads,
             )
         else:
             self._stager = CpuStager(transform, skip)
-        self._epoch: _Epoch | None = None
+        self._run: _Run | None = None
+        self._recent: deque[Any] = deque(maxlen=depth)  # credits of the last hand-overs
         self._closed = False
         self._state: Any = None  # the wrapped loader's state after the last batch handed over
-        self._state_error: BaseException | None = None
+        self._warned_epoch = False
 
     @property
     def iterable(self) -> Iterable[Any]:
@@ -158,76 +267,137 @@ class CUDAPrefetcher:
     def __len__(self) -> int:
         return len(self._iterable)  # type: ignore[arg-type]  # TypeError if the iterable has none
 
+    # --- epochs --------------------------------------------------------------------------------
+
     def __iter__(self) -> Iterator[Any]:
         if self._closed:
             raise RuntimeError("CUDAPrefetcher is closed")
-        return self._run()
+        run = self._run
+        if run is not None and self._continues(run):
+            number = run.finished + 1
+            run.request(number)
+        else:
+            self._stop_run()
+            run, number = self._start_run(), 0
+        return self._consume(run, number)
 
-    def _run(self) -> Iterator[Any]:
-        self._stop_epoch()
-        epoch = self._start_epoch()
+    def _continues(self, run: _Run) -> bool:
+        """The consumer took the run's latest epoch to its end and the thread goes on (or left a word)."""
+        return (self.options.seamless and run.finished == run.begun and not run.pipe.stop.is_set()
+                and (run.alive() or not run.pipe.items.empty()))
+
+    def _start_run(self) -> _Run:
+        credits = [None] * (self.options.depth - len(self._recent)) + list(self._recent)
+        run = _Run(Pipe(credits))
+        source, state, value = self._epochs.begin()  # in the caller's thread
+        run.pipe.items.put(EpochStart(0, state, value))
+        run.thread = threading.Thread(
+            target=_produce,
+            args=(run, source, self._epochs, self._stager, self._stats, self.device, self.options.seamless),
+            name=f"fastdata-prefetch-{next(_thread_ids)}",
+            daemon=True,
+        )
+        self._run = run
+        run.thread.start()
+        return run
+
+    def _consume(self, run: _Run, number: int) -> Iterator[Any]:
+        finished = False
         try:
+            t0 = perf_counter()
             while True:
-                t0 = perf_counter()
-                item = epoch.channel.get(epoch.thread.is_alive)
-                waited = perf_counter() - t0
+                item = run.pipe.get(run.alive)
+                if isinstance(item, EpochStart):
+                    if item.number != number:
+                        raise RuntimeError(f"fastdata prefetch: epoch {item.number} arrived, expected {number}")
+                    if number > 0 and not self._ahead_still_valid(item):
+                        self._stats.add(lookahead_discarded=1)
+                        self._stop_run()
+                        run, number = self._start_run(), 0
+                        continue
+                    run.begun = number
+                    self._state = item.state
+                    self._stats.add(epochs=1)
+                    continue
                 if isinstance(item, Failure):
                     raise item.error
-                if item is END or item is CLOSED:
+                if item is END:
+                    run.finished = number
+                    finished = True
                     return
-                batch = self._stager.handover(item, epoch.marks)
-                self._stats.add_wait(waited, item.nbytes)
+                if item is CLOSED:
+                    return
+                batch, credit = self._stager.handover(item)
+                run.pipe.credits.put(credit)
+                self._recent.append(credit)
+                self._stats.add_wait(perf_counter() - t0, item.nbytes)
                 if item.state is not None:
                     self._state = item.state
                 item = None  # the generator frame must not keep the batch alive past the consumer
                 yield batch
                 batch = None
+                t0 = perf_counter()
         finally:
-            if self._epoch is epoch:
-                self._stop_epoch()
+            if not finished and self._run is run:
+                self._stop_run()
 
-    def _start_epoch(self) -> _Epoch:
-        source = iter(self._iterable)  # in the caller's thread: DataLoader starts/resets workers here
-        snapshot = self._snapshot_fn()
-        stop = threading.Event()
-        channel = Channel(self.options.depth)
-        marks = self._stager.begin_epoch(self.options.depth)
-        thread = threading.Thread(
-            target=_produce,
-            args=(source, channel, stop, self._stager, marks, self._stats, self.device, snapshot),
-            name=f"fastdata-prefetch-{next(_thread_ids)}",
-            daemon=True,
-        )
-        self._epoch = _Epoch(thread, channel, stop, marks)
-        self._stats.add(epochs=1)
-        thread.start()
-        return self._epoch
+    def _ahead_still_valid(self, start: EpochStart) -> bool:
+        """A look-ahead epoch is kept unless the loader's epoch was changed behind the prefetcher."""
+        if start.epoch_value is None or self._epochs.current() == start.epoch_value:
+            return True
+        if not self._warned_epoch:
+            self._warned_epoch = True
+            warnings.warn(
+                f"CUDAPrefetcher: the wrapped loader's epoch changed to {self._epochs.current()!r} after the "
+                f"prefetcher had started epoch {start.epoch_value!r} ahead; that epoch was discarded and "
+                "restarted. Call CUDAPrefetcher.set_epoch() instead of the loader's to keep epochs seamless.",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        return False
 
-    def _snapshot_fn(self) -> Callable[[], Any] | None:
-        """The wrapped loader's ``state_dict`` if it has a working one (checked once per epoch)."""
-        fn = getattr(self._iterable, "state_dict", None)
-        self._state, self._state_error = None, None
-        if not callable(fn):
-            return None
-        try:
-            self._state = fn()
-        except (TypeError, NotImplementedError) as e:  # e.g. fastdata.DataLoader over a plain dataset
-            self._state_error = e
-            return None
-        return fn
+    def set_epoch(self, epoch: int) -> None:
+        """Set the wrapped loader's epoch for the next epoch (``loader.set_epoch``, else its sampler's or
+        dataset's), and from then on start every epoch with the previous epoch + 1 unless this is
+        called again. An epoch already started ahead with another number is discarded."""
+        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
+            raise ValueError(f"epoch must be an int >= 0, got {epoch!r}")
+        ep = self._epochs
+        if ep.api is None:
+            raise TypeError(f"the wrapped {type(self._iterable).__name__} has no set_epoch() "
+                            "(nor has its sampler or dataset)")
+        run = self._run
+        with ep.lock:
+            ep.driven = True
+            ahead = run.ahead if run is not None and run.ahead is not None and run.ahead[0] > run.begun else None
+            if ahead is not None and ahead[1] == epoch:
+                ep.next_value = None
+                return
+            busy = run is not None and ahead is None and run.begun > run.finished and run.alive()
+            if busy:  # mid-epoch: the look-ahead of the next epoch will use it
+                ep.next_value = epoch
+                return
+        if ahead is not None:
+            self._stats.add(lookahead_discarded=1)
+            self._stop_run()
+        with ep.lock:
+            ep.api[1](epoch)
+            ep.next_value, ep.last_value = epoch, epoch
+
+    # --- resume ----------------------------------------------------------------------------------
 
     def state_dict(self) -> Any:
         """The wrapped loader's ``state_dict()`` as of the last batch handed to the consumer.
 
-        The background thread reads ahead, so the loader's own ``state_dict()`` counts batches
-        still in flight; this one is snapshotted right after each batch was pulled and handed
-        over with it, so resuming from it replays nothing and skips nothing.
+        The background thread reads ahead (into the next epoch, too), so the loader's own
+        ``state_dict()`` counts batches still in flight; this one is snapshotted right after each
+        batch was pulled and handed over with it, so resuming from it replays nothing and skips nothing.
         """
-        if self._state_error is not None:
+        if self._epochs.state_error is not None:
             return self._iterable.state_dict()  # type: ignore[attr-defined]  # raises its own error again
         if not callable(getattr(self._iterable, "state_dict", None)):
             raise TypeError(f"the wrapped {type(self._iterable).__name__} has no state_dict()")
-        if self._epoch is None and self._state is None:
+        if self._run is None and self._state is None:
             return self._iterable.state_dict()  # type: ignore[attr-defined]
         return self._state
 
@@ -236,35 +406,43 @@ class CUDAPrefetcher:
         fn = getattr(self._iterable, "load_state_dict", None)
         if not callable(fn):
             raise TypeError(f"the wrapped {type(self._iterable).__name__} has no load_state_dict()")
-        self._stop_epoch()
+        self._stop_run()
         fn(state)
-        self._state, self._state_error = None, None
+        self._state = None
+        ep = self._epochs
+        with ep.lock:
+            if ep.driven:  # the next epoch is the resumed one, not the one after it
+                ep.next_value = ep.current()
 
-    def _stop_epoch(self, *, wait: bool = True) -> None:
-        epoch, self._epoch = self._epoch, None
-        if epoch is None:
+    # --- shutdown --------------------------------------------------------------------------------
+
+    def _stop_run(self, *, wait: bool = True) -> None:
+        run, self._run = self._run, None
+        if run is None:
             return
-        epoch.stop.set()
-        for item in epoch.channel.close():
+        for item in run.pipe.drain():
             self._stats.add(queued_bytes=-getattr(item, "nbytes", 0))
-        if not wait or epoch.thread is threading.current_thread():
+        thread = run.thread
+        if not wait or thread is None or thread is threading.current_thread():
             return
-        epoch.thread.join(JOIN_TIMEOUT_S)
-        if epoch.thread.is_alive():
+        thread.join(JOIN_TIMEOUT_S)
+        for item in run.pipe.drain():
+            self._stats.add(queued_bytes=-getattr(item, "nbytes", 0))
+        if thread.is_alive():
             warnings.warn(
-                f"{epoch.thread.name}: the wrapped iterable's next() has not returned after {JOIN_TIMEOUT_S:.0f} s;"
+                f"{thread.name}: the wrapped iterable's next() has not returned after {JOIN_TIMEOUT_S:.0f} s;"
                 " the daemon thread will exit when it does",
                 RuntimeWarning,
                 stacklevel=3,
             )
-        self._stager.end_epoch()
+        self._stager.fold()
 
     def close(self) -> None:
         """Stop the background thread and free the staging buffers. Safe to call more than once."""
         if self._closed:
             return
         self._closed = True
-        self._stop_epoch()
+        self._stop_run()
         self._stager.release()
 
     def __enter__(self) -> CUDAPrefetcher:
@@ -277,26 +455,32 @@ class CUDAPrefetcher:
         if getattr(self, "_closed", True):
             return
         try:
-            self._stop_epoch(wait=False)
+            self._stop_run(wait=False)
         except Exception:  # noqa: BLE001  interpreter shutdown: nothing left to report to
             pass
+
+    # --- statistics ------------------------------------------------------------------------------
 
     def stats(self) -> dict[str, Any]:
         """Counters since construction or ``reset_stats()``.
 
-        ``batches``, ``epochs``; ``wait_s`` (total time the consumer waited in ``next()``),
-        ``wait_p50_s``, ``wait_p99_s``, ``wait_max_s`` (per batch, last 100k batches); ``load_s``
-        (thread time in the iterable's ``next()``), ``stage_s`` (thread time packing and issuing
-        copies), ``throttle_s`` (thread time held back because ``depth`` batches were in flight on the
-        GPU); ``bytes`` (host-to-device bytes issued), ``copy_s`` and ``copy_gbps`` (device time of the
-        copies, from CUDA events; lags a few batches behind ``bytes`` during an epoch);
-        ``pinned_bytes`` (staging memory held), ``pinned_allocs``, ``queued_bytes`` (device bytes
-        staged but not yet handed over), ``peak_batch_bytes``, ``depth``, ``device``.
+        ``batches``, ``epochs`` (begun by the consumer), ``lookahead_epochs`` (started ahead by the
+        thread), ``lookahead_discarded`` (started ahead, then discarded because the epoch changed);
+        ``wait_s`` (total time the consumer waited in ``next()``), ``wait_p50_s``, ``wait_p99_s``,
+        ``wait_max_s`` (per batch, last 100k batches); ``load_s`` (thread time in the iterable's
+        ``next()``), ``stage_s`` (thread time packing and issuing copies), ``pack_s`` and ``pack_gbps``
+        (packing pageable tensors into pinned memory; ``pack_threads`` threads), ``throttle_s``
+        (thread time held back by the memory bound); ``bytes`` (host-to-device bytes issued),
+        ``copy_s`` and ``copy_gbps`` (device time of the copies, from CUDA events; lags a few batches
+        behind ``bytes`` during an epoch); ``pinned_bytes`` (staging memory held), ``pinned_allocs``,
+        ``queued_bytes`` (device bytes staged but not yet handed over), ``peak_batch_bytes``,
+        ``depth``, ``device``.
         """
         out = self._stats.snapshot()
         out.update(
             pinned_bytes=self._stager.pinned_bytes,
             pinned_allocs=self._stager.pinned_allocs,
+            pack_threads=self._stager.pack_threads,
             depth=self.options.depth,
             device=str(self.device),
         )
@@ -311,51 +495,92 @@ class CUDAPrefetcher:
 
 
 def _produce(
+    run: _Run,
     source: Iterator[Any],
-    channel: Channel,
-    stop: threading.Event,
+    epochs: _Epochs,
     stager: CpuStager | CudaStager,
-    marks: Any,
     stats: Stats,
     device: torch.device,
-    snapshot: Callable[[], Any] | None,
+    seamless: bool,
 ) -> None:
     """Thread body. Holds no reference to the prefetcher, so dropping it stops the thread."""
+    pipe = run.pipe
+    number = 0
     where = f"raised while setting up the thread for {device}"
     try:
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        index = 0
-        while not stop.is_set():
-            where = f"raised by the wrapped iterable at batch {index}"
-            t0 = perf_counter()
-            try:
-                batch = next(source)
-            except StopIteration:
-                channel.put(END)
+        while True:
+            _pump(pipe, source, stager, stats, epochs, number, device)
+            pipe.items.put(END)
+            _close_generator(source)
+            if not seamless:
                 return
-            state = snapshot() if snapshot is not None else None
-            stats.add(load_s=perf_counter() - t0)
-            where = f"raised while staging batch {index} (transform or copy to {device})"
-            item = stager.stage(batch, index, stop, marks)
-            del batch
-            if item is None:
-                return
-            item.state = state
-            if not channel.put(item):
-                stats.add(queued_bytes=-item.nbytes)
-                return
-            index += 1
+            run.wait_requested(number + 1)  # at most one epoch ahead of the consumer
+            number += 1
+            where = f"raised while starting epoch {number} ahead (iter() of the wrapped iterable)"
+
+            def started(value: Any, n: int = number) -> None:
+                run.ahead = (n, value)
+
+            source, state, value = epochs.begin(started)
+            stats.add(lookahead_epochs=1)
+            pipe.items.put(EpochStart(number, state, value))
+    except Stopped:
+        return
+    except _Raised as e:
+        _note(e.error, f"{e.where} (thread {threading.current_thread().name})")
+        pipe.items.put(Failure(e.error))
     except BaseException as e:  # noqa: BLE001  travels to the consumer, traceback included
         _note(e, f"{where} (thread {threading.current_thread().name})")
-        channel.put(Failure(e))
+        pipe.items.put(Failure(e))
     finally:
-        if isinstance(source, types.GeneratorType):
-            _close_generator(source)
+        _close_generator(source)
 
 
-def _close_generator(source: types.GeneratorType) -> None:
+class _Raised(Exception):
+    def __init__(self, error: BaseException, where: str) -> None:
+        self.error, self.where = error, where
+
+
+def _pump(pipe: Pipe, source: Iterator[Any], stager: CpuStager | CudaStager, stats: Stats, epochs: _Epochs,
+          number: int, device: torch.device) -> None:
+    """Stage every batch of one epoch into the pipe (raises ``Stopped`` when the run is stopped)."""
+    index = 0
+    snapshot = epochs.snapshot
+    stop = pipe.stop
+    while True:
+        if stop.is_set():
+            raise Stopped
+        t0 = perf_counter()
+        try:
+            batch = next(source)
+        except StopIteration:
+            return
+        except BaseException as e:  # noqa: BLE001
+            raise _Raised(e, f"raised by the wrapped iterable at batch {index} of epoch {number}") from None
+        try:
+            state = snapshot() if snapshot is not None else None
+        except BaseException as e:  # noqa: BLE001
+            raise _Raised(e, f"raised by the wrapped iterable's state_dict() after batch {index}") from None
+        stats.add(load_s=perf_counter() - t0)
+        credit = pipe.take_credit()
+        if stop.is_set():
+            raise Stopped
+        try:
+            item = stager.stage(batch, credit)
+        except BaseException as e:  # noqa: BLE001
+            raise _Raised(e, f"raised while staging batch {index} (transform or copy to {device})") from None
+        del batch
+        item.state = state
+        pipe.items.put(item)
+        index += 1
+
+
+def _close_generator(source: Any) -> None:
     """Run a generator's cleanup in the thread that ran it (it may be stopped mid-epoch)."""
+    if not isinstance(source, types.GeneratorType):
+        return
     try:
         source.close()
     except Exception as e:  # noqa: BLE001  nobody is waiting for this epoch any more

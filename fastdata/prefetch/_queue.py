@@ -1,20 +1,25 @@
-"""Hand-off between the prefetch thread and the consumer: a bounded, closable FIFO and the counters.
+"""Hand-off between the prefetch thread and the consumer: the item pipe, the credits and the counters.
 
-Every blocking call waits in short slices, so a stop request, a closed channel or a dead producer
-is noticed within ``POLL_S`` and a KeyboardInterrupt reaches the consumer promptly.
+The pipe is a C ``queue.SimpleQueue`` (no Python-level lock on the hot path); the bound on what the
+producer may hold comes from *credits*, not from the pipe's length: the producer takes one credit
+before it stages a batch and the consumer returns one at every hand-over, carrying an event that
+marks the end of the consumer's work queued so far (see ``_stage.py``). Every blocking call waits
+in short slices, so a stop request or a dead thread is noticed within ``POLL_S`` and a
+KeyboardInterrupt reaches the consumer promptly.
 """
 from __future__ import annotations
 
+import queue
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
-
-from fastdata._util import quantile
 from typing import Any
 
+from fastdata._util import quantile
+
 # Wake-up period of every blocking wait. Only bounds how late a stop/close is noticed; wake-ups
-# on new data are immediate (notify), so this does not add latency to the data path.
+# on new data are immediate, so this does not add latency to the data path.
 POLL_S = 0.05
 # Per-batch consumer waits kept for the percentiles (a sliding window, 8 bytes each).
 WAIT_WINDOW = 100_000
@@ -29,7 +34,7 @@ class _Sentinel:
 
 
 END = _Sentinel("end of epoch")
-CLOSED = _Sentinel("channel closed")
+CLOSED = _Sentinel("pipe closed")
 
 
 class Failure:
@@ -41,54 +46,74 @@ class Failure:
         self.error = error
 
 
-class Channel:
-    """Bounded FIFO from one producer thread to one consumer; ``close()`` wakes both sides."""
+class EpochStart:
+    """First item of every epoch: its number in the run, the loader's state before it, its epoch value."""
 
-    def __init__(self, capacity: int) -> None:
-        self._capacity = capacity
-        self._items: deque[Any] = deque()
-        self._cv = threading.Condition()
-        self._closed = False
+    __slots__ = ("number", "state", "epoch_value")
 
-    def put(self, item: Any) -> bool:
-        """Append ``item``, waiting while full; False (item dropped) once the channel is closed."""
-        with self._cv:
-            while len(self._items) >= self._capacity and not self._closed:
-                self._cv.wait(POLL_S)
-            if self._closed:
-                return False
-            self._items.append(item)
-            self._cv.notify_all()
-            return True
+    def __init__(self, number: int, state: Any, epoch_value: Any) -> None:
+        self.number, self.state, self.epoch_value = number, state, epoch_value
+
+
+class Stopped(Exception):
+    """Raised inside the producer when its run was stopped while it waited."""
+
+
+class Pipe:
+    """Producer -> consumer items plus consumer -> producer credits of one producer run."""
+
+    def __init__(self, credits: list[Any]) -> None:
+        self.items: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self.credits: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        for c in credits:
+            self.credits.put(c)
+        self.stop = threading.Event()
 
     def get(self, producer_alive: Callable[[], bool]) -> Any:
-        """Next item, ``CLOSED`` once closed; RuntimeError if the producer died without a word."""
-        with self._cv:
-            while not self._items:
-                if self._closed:
-                    return CLOSED
+        """Next item; ``CLOSED`` once stopped; RuntimeError if the producer died without a word."""
+        try:
+            return self.items.get_nowait()
+        except queue.Empty:
+            pass
+        while True:
+            if self.stop.is_set():
+                return CLOSED
+            try:
+                return self.items.get(timeout=POLL_S)
+            except queue.Empty:
                 if not producer_alive():
-                    raise RuntimeError("fastdata prefetch thread exited without finishing the epoch")
-                self._cv.wait(POLL_S)
-            item = self._items.popleft()
-            self._cv.notify_all()
-            return item
+                    try:  # it may have put its last item right before exiting
+                        return self.items.get_nowait()
+                    except queue.Empty:
+                        raise RuntimeError("fastdata prefetch thread exited without finishing the epoch") from None
 
-    def close(self) -> list[Any]:
-        """Close and return what was still queued (dropped by the caller)."""
-        with self._cv:
-            self._closed = True
-            left = list(self._items)
-            self._items.clear()
-            self._cv.notify_all()
-            return left
+    def take_credit(self) -> Any:
+        """Producer side: wait for a credit (raises ``Stopped`` when the run is stopped)."""
+        while True:
+            if self.stop.is_set():
+                raise Stopped
+            try:
+                return self.credits.get(timeout=POLL_S)
+            except queue.Empty:
+                continue
+
+    def drain(self) -> list[Any]:
+        """Stop the run and return what was still queued (dropped by the caller)."""
+        self.stop.set()
+        left = []
+        while True:
+            try:
+                left.append(self.items.get_nowait())
+            except queue.Empty:
+                return left
 
 
 class Stats:
     """Thread-safe counters behind ``CUDAPrefetcher.stats()``."""
 
-    _FLOATS = ("wait_s", "load_s", "stage_s", "throttle_s", "copy_s")
-    _INTS = ("batches", "epochs", "bytes", "timed_bytes", "queued_bytes", "peak_batch_bytes")
+    _FLOATS = ("wait_s", "load_s", "stage_s", "pack_s", "throttle_s", "copy_s")
+    _INTS = ("batches", "epochs", "lookahead_epochs", "lookahead_discarded", "bytes", "timed_bytes",
+             "queued_bytes", "peak_batch_bytes", "packed_bytes")
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -128,6 +153,7 @@ class Stats:
         out["wait_p99_s"] = quantile(waits, 0.99)
         out["wait_max_s"] = waits[-1] if waits else 0.0
         out["copy_gbps"] = out["timed_bytes"] / out["copy_s"] / 1e9 if out["copy_s"] > 0 else 0.0
+        out["pack_gbps"] = out["packed_bytes"] / out["pack_s"] / 1e9 if out["pack_s"] > 0 else 0.0
         del out["timed_bytes"]
         return out
 

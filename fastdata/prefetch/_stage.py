@@ -2,46 +2,65 @@
 
 Memory-safety design of the CUDA stager (read this before changing anything):
 
-* Pinned staging ring, ``depth + 1`` slots, each one pinned byte buffer that grows (to the next power
-  of two) only when a batch is bigger than any before. All pageable tensors of a batch are packed into
-  the slot at aligned offsets and sent with ONE ``non_blocking`` copy. Before a slot is overwritten the
-  producer waits on the event recorded right after that slot's copy, so pinned memory is never rewritten
-  while the DMA engine still reads it. Tensors that are already pinned (DataLoader ``pin_memory=True``)
-  are copied directly; they are kept referenced by the slot until the same event has completed.
+* Pinned staging ring, ``depth + 1`` slots. Each slot is one page-locked byte buffer that grows only
+  when a batch is bigger than any before, to that size rounded up to 1/32 of its power of two
+  (``slot_capacity``: at most 1/16 more than the batch). Slots are anonymous memory registered with ``cudaHostRegister`` (exact size;
+  PyTorch's pinned allocator would round every slot up to a power of two, up to twice the batch);
+  where registration is unavailable they fall back to PyTorch's pinned allocator. All pageable
+  tensors of a batch are packed into the slot at aligned offsets (by ``PackPool``: byte ranges split
+  over a few threads, numpy memcpy with the GIL released, never torch's intra-op pool) and sent
+  with ONE ``non_blocking`` copy. Before a slot is repacked the producer waits on the event recorded
+  right after that slot's copy, so pinned memory is never rewritten while the DMA engine reads it.
+  Tensors that are already pinned (DataLoader ``pin_memory=True``) are copied directly; the slot
+  keeps them referenced until the same event has completed.
 * Device memory: each batch gets fresh memory from PyTorch's caching allocator, allocated on the side
-  stream, and at hand-over every output tensor gets ``record_stream(consumer_stream)``. We chose this
-  over an event-guarded ring of device buffers because the consumer owns its batches: training code may
-  keep a batch (or a view of it) for logging, gradient accumulation or a later step, and a ring would
-  silently overwrite it; with ``record_stream`` a block is reused only after all consumer work queued
-  before the last reference died has finished, whatever the consumer does. In steady state the caching
-  allocator serves these from cached blocks, so there is no ``cudaMalloc`` per batch.
-* Backpressure: at each hand-over the consumer records an event on its stream (it marks the end of the
-  previous batch's work) and posts it back; before staging batch ``j`` the producer waits until batch
-  ``j - depth - 1`` is done on the GPU. Device memory held for batches is therefore bounded by about
-  ``(depth + 1) x batch bytes`` even when the host runs far ahead of the GPU, and a consumer that frees
-  its batches lets the allocator reuse the same blocks every step (flat ``memory_reserved``).
+  stream (one block for all packed tensors), and at hand-over every device storage of the batch gets
+  ``record_stream(consumer_stream)``. We chose this over an event-guarded ring of device buffers
+  because the consumer owns its batches: training code may keep a batch (or a view of it) for
+  logging, gradient accumulation or a later step, and a ring would silently overwrite it; with
+  ``record_stream`` a block is reused only after all consumer work queued before the last reference
+  died has finished, whatever the consumer does. In steady state the caching allocator serves these
+  from cached blocks, so there is no ``cudaMalloc`` per batch.
+* Bound (credits, ``_queue.Pipe``): the producer takes a credit before it stages a batch; a run starts
+  with ``depth`` credits and every hand-over returns one, carrying an event recorded on the consumer's
+  stream at that moment (it marks the end of the consumer's work on the batches before). Before it
+  stages batch ``j`` the producer therefore (a) has seen batch ``j - depth`` handed over, so at most
+  ``depth`` staged batches wait for the consumer, and (b) waits until the consumer's work on batch
+  ``j - depth - 1`` has finished on the GPU, so a host far ahead of the GPU cannot make the allocator
+  grow. The credits continue across seamless epochs, and a new run inherits the events of the last
+  ``depth`` hand-overs, so epoch starts are throttled like any other batch.
 * Ordering: copies and transforms run on one persistent side stream per device (cached for the life of
   the process: a stream per epoch would grow reserved memory); the consumer's current stream waits on
   the batch's ready event, which costs the host nothing.
 """
 from __future__ import annotations
 
+import mmap
+import os
+import queue
 import threading
-from collections import deque
+import weakref
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 
-from fastdata.prefetch._queue import POLL_S, Stats, perf_counter
+from fastdata.prefetch._queue import Stats, perf_counter
 from fastdata.prefetch.tree import Path, map_tensors, tensor_leaves
 
 # Offsets of packed tensors inside a staging buffer: keeps every dtype view legal and the device
 # views aligned for vectorised kernels (the caching allocator itself aligns blocks to 512 bytes).
 ALIGN = 128
-# Smallest staging slot; slots grow to the next power of two, as PyTorch's pinned allocator rounds
-# to one anyway, so a slowly growing batch size costs O(log) reallocations, not one per batch.
+# Smallest staging slot.
 MIN_SLOT_BYTES = 1 << 16
+# A slot's capacity is its largest batch rounded up to this fraction of the batch's power of two
+# (so at most 1/16 more than the batch: the power of two is less than twice the batch).
+SLOT_GRANULE_DIV = 32
+# Packs smaller than this run in the producer thread alone (thread hand-offs cost ~10-50 us).
+PARALLEL_PACK_BYTES = 4 << 20
+# No pack thread gets less than this.
+MIN_PACK_CHUNK = 1 << 20
 
 _STREAMS: dict[int, torch.cuda.Stream] = {}
 _STREAMS_LOCK = threading.Lock()
@@ -57,8 +76,30 @@ def side_stream(device: torch.device) -> torch.cuda.Stream:
         return stream
 
 
+def usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def default_pack_threads() -> int:
+    """A quarter of the usable cores, at most 4 (1 on small machines): the pack is short bursts;
+    the rest stays with the training loop and the loader's workers."""
+    return max(1, min(4, usable_cores() // 4))
+
+
+def slot_capacity(nbytes: int) -> int:
+    """Capacity of a slot that must hold ``nbytes``: rounded up to 1/32 of its power of two, so
+    never more than ``nbytes * 17 / 16`` (and at least ``MIN_SLOT_BYTES``)."""
+    if nbytes <= MIN_SLOT_BYTES:
+        return MIN_SLOT_BYTES
+    granule = max(4096, (1 << (nbytes - 1).bit_length()) // SLOT_GRANULE_DIV)
+    return -(-nbytes // granule) * granule
+
+
 class Item:
-    """A staged batch waiting in the channel."""
+    """A staged batch waiting in the pipe."""
 
     __slots__ = ("batch", "ready", "nbytes", "tensors", "state")
 
@@ -66,7 +107,7 @@ class Item:
         self.batch = batch
         self.ready = ready  # torch.cuda.Event recorded after the copy and transform, or None on CPU
         self.nbytes = nbytes
-        self.tensors = tensors  # device tensors to protect with record_stream at hand-over
+        self.tensors = tensors  # one device tensor per storage, protected with record_stream at hand-over
         self.state: Any = None  # the wrapped loader's state_dict() right after this batch
 
 
@@ -75,63 +116,144 @@ class CpuStager:
 
     pinned_bytes = 0
     pinned_allocs = 0
+    pack_threads = 0
 
     def __init__(self, transform: Callable[[Any], Any] | None, skip: Callable[[Path], bool] | None) -> None:
         self._transform = transform
         self._skip = skip
 
-    def begin_epoch(self, depth: int) -> None:
-        return None
-
-    def stage(self, batch: Any, index: int, stop: threading.Event, marks: Any) -> Item | None:
+    def stage(self, batch: Any, credit: Any) -> Item:
         if any(t.device.type != "cpu" for _, t in tensor_leaves(batch, skip=self._skip)):
             batch = map_tensors(batch, lambda t, _p: t.cpu(), skip=self._skip)
         if self._transform is not None:
             batch = self._transform(batch)
         return Item(batch)
 
-    def handover(self, item: Item, marks: Any) -> Any:
-        return item.batch
+    def handover(self, item: Item) -> tuple[Any, Any]:
+        return item.batch, None
 
-    def end_epoch(self) -> None:
+    def fold(self) -> None:
         return None
 
     def release(self) -> None:
         return None
 
 
-class Marks:
-    """Consumer-stream events posted back to the producer: the GPU-side backpressure of one epoch."""
+# --- parallel pack -------------------------------------------------------------------------------
 
-    def __init__(self, depth: int) -> None:
-        self._depth = depth
-        self._events: deque[torch.cuda.Event] = deque()
-        self._cv = threading.Condition()
-        self._done = 0  # batches known finished on the consumer stream (producer-side only)
-        self.handed = 0  # batches handed over (consumer-side only)
 
-    def post(self, event: torch.cuda.Event) -> None:
-        with self._cv:
-            self._events.append(event)
-            self._cv.notify_all()
+def _run_copies(pairs: list[tuple[np.ndarray, np.ndarray]]) -> None:
+    for dst, src in pairs:
+        np.copyto(dst, src)  # a plain memcpy; numpy releases the GIL for it
 
-    def wait_room(self, index: int, stop: threading.Event) -> None:
-        """Block until batch ``index - depth - 1`` is done on the GPU (or ``stop``)."""
-        while index - self._done > self._depth and not stop.is_set():
-            with self._cv:
-                if not self._events:
-                    self._cv.wait(POLL_S)
-                    continue
-                event = self._events.popleft()
-            event.synchronize()
-            self._done += 1
+
+def _pack_worker(tasks: queue.SimpleQueue) -> None:
+    while True:
+        task = tasks.get()
+        if task is None:
+            return
+        pairs, done = task
+        try:
+            _run_copies(pairs)
+        except BaseException as e:  # noqa: BLE001  handed to the producer, which re-raises it
+            done.put(e)
+        else:
+            done.put(None)
+
+
+def _stop_workers(tasks: queue.SimpleQueue, n: int) -> None:
+    for _ in range(n):
+        tasks.put(None)
+
+
+class PackPool:
+    """Byte-range copies split over ``threads`` threads (the calling thread is one of them).
+
+    numpy's copy is a single memcpy per range and releases the GIL; it never touches torch's
+    intra-op thread pool, so the pack cannot oversubscribe the cores the training loop uses.
+    Worker threads start on first use (again in a forked child) and stop with ``close()`` or when
+    the pool is garbage collected.
+    """
+
+    def __init__(self, threads: int) -> None:
+        self.threads = threads
+        self._tasks: queue.SimpleQueue | None = None
+        self._pid = -1
+        self._finalizer: Any = None
+
+    def _ensure(self) -> queue.SimpleQueue:
+        if self._tasks is None or self._pid != os.getpid():
+            self._tasks = queue.SimpleQueue()
+            self._pid = os.getpid()
+            for i in range(self.threads - 1):
+                threading.Thread(target=_pack_worker, args=(self._tasks,), name=f"fastdata-pack-{i}",
+                                 daemon=True).start()
+            self._finalizer = weakref.finalize(self, _stop_workers, self._tasks, self.threads - 1)
+        return self._tasks
+
+    def copy(self, pairs: list[tuple[np.ndarray, np.ndarray]], total: int) -> None:
+        """Copy every ``src`` into its ``dst`` (equal-length uint8 arrays); ``total`` bytes in all."""
+        parts = min(self.threads, total // MIN_PACK_CHUNK)
+        if parts <= 1 or total < PARALLEL_PACK_BYTES:
+            _run_copies(pairs)
+            return
+        chunks = _split(pairs, total, parts)
+        tasks = self._ensure()
+        done: queue.SimpleQueue = queue.SimpleQueue()
+        for chunk in chunks[1:]:
+            tasks.put((chunk, done))
+        error: BaseException | None = None
+        try:
+            _run_copies(chunks[0])
+        except BaseException as e:  # noqa: BLE001  re-raised once the workers are done with the slot
+            error = e
+        for _ in chunks[1:]:
+            result = done.get()
+            error = error or result
+        if error is not None:
+            raise error
+
+    def close(self) -> None:
+        if self._finalizer is not None:
+            self._finalizer()
+        self._tasks, self._finalizer = None, None
+
+
+def _split(pairs: list[tuple[np.ndarray, np.ndarray]], total: int, parts: int) -> list[list]:
+    """``parts`` lists of (dst, src) slices with about ``total / parts`` bytes each."""
+    per = -(-total // parts)
+    chunks: list[list] = [[]]
+    room = per
+    for dst, src in pairs:
+        start, n = 0, len(src)
+        while start < n:
+            take = min(room, n - start)
+            chunks[-1].append((dst[start : start + take], src[start : start + take]))
+            start += take
+            room -= take
+            if room == 0 and len(chunks) < parts:
+                chunks.append([])
+                room = per
+    return [c for c in chunks if c]
+
+
+def _byte_array(t: torch.Tensor) -> np.ndarray | None:
+    """A uint8 numpy view of ``t``'s memory if ``t`` is dense (any dimension order), else None."""
+    if t.is_conj() or t.is_neg() or _dense_strides(t) != tuple(t.stride()):
+        return None
+    flat = t.detach().as_strided((t.numel(),), (1,))
+    return flat.view(torch.uint8).numpy()
+
+
+# --- CUDA stager ---------------------------------------------------------------------------------
 
 
 class _Slot:
-    __slots__ = ("buf", "start", "end", "nbytes", "refs", "pending")
+    __slots__ = ("buf", "array", "start", "end", "nbytes", "refs", "pending")
 
     def __init__(self) -> None:
         self.buf: torch.Tensor | None = None
+        self.array: np.ndarray | None = None  # numpy view of buf
         self.start = torch.cuda.Event(enable_timing=True)
         self.end = torch.cuda.Event(enable_timing=True)
         self.nbytes = 0
@@ -140,7 +262,7 @@ class _Slot:
 
 
 class CudaStager:
-    """Pinned ring + side-stream copies + optional transform (see the module docstring)."""
+    """Pinned ring + parallel pack + side-stream copies + optional transform (see the module docstring)."""
 
     def __init__(
         self,
@@ -150,6 +272,7 @@ class CudaStager:
         transform: Callable[[Any], Any] | None,
         skip: Callable[[Path], bool] | None,
         stats: Stats,
+        pack_threads: int,
     ) -> None:
         self.device = device
         self.stream = side_stream(device)
@@ -158,20 +281,18 @@ class CudaStager:
         self._transform = transform
         self._skip = skip
         self._stats = stats
-        self.lock = threading.Lock()  # an orphaned producer of an earlier epoch must never stage concurrently
+        self._pool = PackPool(pack_threads)
+        self.pack_threads = pack_threads
+        self.lock = threading.Lock()  # an orphaned producer of an earlier run must never stage concurrently
         self.pinned_bytes = 0
         self.pinned_allocs = 0
 
-    def begin_epoch(self, depth: int) -> Marks:
-        return Marks(depth)
-
-    def stage(self, batch: Any, index: int, stop: threading.Event, marks: Marks) -> Item | None:
+    def stage(self, batch: Any, credit: Any) -> Item:
         t0 = perf_counter()
-        marks.wait_room(index, stop)
+        if credit is not None:
+            credit.synchronize()  # the consumer's work on batch j - depth - 1 has finished on the GPU
         t1 = perf_counter()
         with self.lock:
-            if stop.is_set():
-                return None
             item = self._stage_locked(batch)
         self._stats.add(throttle_s=t1 - t0, stage_s=perf_counter() - t1)
         return item
@@ -188,18 +309,26 @@ class CudaStager:
             self._order_after_producer(plan, leaves)
             with torch.cuda.stream(self.stream):
                 slot.start.record(self.stream)
-                moved = self._copy(slot, plan, leaves, total)
+                moved, owned = self._copy(slot, plan, leaves, total)
                 slot.end.record(self.stream)
                 slot.nbytes, slot.pending = nbytes, True
                 it = iter(moved)
                 out = map_tensors(batch, lambda _t, _p: next(it), skip=self._skip)
                 if self._transform is not None:
                     out = self._transform(out)
+                    owned = self._storages(out)
                 ready = torch.cuda.Event()
                 ready.record(self.stream)
-        tensors = tuple(t for _, t in tensor_leaves(out) if t.device == self.device)
         self._stats.add_batch_bytes(nbytes)
-        return Item(out, ready, nbytes, tensors)
+        return Item(out, ready, nbytes, tuple(owned))
+
+    def _storages(self, out: Any) -> list[torch.Tensor]:
+        """One tensor per distinct device storage in ``out`` (record_stream acts on the storage)."""
+        seen: dict[int, torch.Tensor] = {}
+        for _, t in tensor_leaves(out):
+            if t.device == self.device:
+                seen.setdefault(t.untyped_storage().data_ptr(), t)
+        return list(seen.values())
 
     def _order_after_producer(self, plan: list[tuple[str, int]], leaves: list[torch.Tensor]) -> None:
         """Batch tensors already on the device were made on this thread's current stream (the wrapped
@@ -235,27 +364,50 @@ class CudaStager:
     def _ensure_capacity(self, slot: _Slot, total: int) -> None:
         if total == 0 or (slot.buf is not None and slot.buf.numel() >= total):
             return
-        capacity = max(MIN_SLOT_BYTES, 1 << (total - 1).bit_length())
+        capacity = slot_capacity(total)
         old = slot.buf.numel() if slot.buf is not None else 0
-        slot.buf = None  # free first: its copy has completed (_recycle) and peak pinned memory stays lower
+        if slot.buf is not None:  # free first (its copy has completed: _recycle): peak pinned memory stays lower
+            buf, slot.buf, slot.array = slot.buf, None, None
+            _pinned_free(buf)
+            del buf
         slot.buf = _pinned_empty(capacity)
+        slot.array = slot.buf.numpy()
         self.pinned_bytes += capacity - old
         self.pinned_allocs += 1
 
     def _pack(self, slot: _Slot, plan: list[tuple[str, int]], leaves: list[torch.Tensor]) -> None:
+        t0 = perf_counter()
+        pairs: list[tuple[np.ndarray, np.ndarray]] = []
+        total = 0
         for (kind, offset), t in zip(plan, leaves):
-            if kind == "pack" and t.numel():
+            if kind != "pack" or not t.numel():
+                continue
+            src = _byte_array(t)
+            if src is None:  # overlapping or gapped (expand, slicing with a step): torch lays it out
                 _view(slot.buf, offset, t).copy_(t)
+                continue
+            assert slot.array is not None
+            pairs.append((slot.array[offset : offset + len(src)], src))
+            total += len(src)
+        if pairs:
+            self._pool.copy(pairs, total)
+        self._stats.add(pack_s=perf_counter() - t0, packed_bytes=total)
 
-    def _copy(self, slot: _Slot, plan: list, leaves: list[torch.Tensor], total: int) -> list[torch.Tensor]:
+    def _copy(self, slot: _Slot, plan: list, leaves: list[torch.Tensor], total: int
+              ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         dev = None
+        owned: list[torch.Tensor] = []
         if total:
             dev = _device_empty(total, self.device)
             dev.copy_(slot.buf[:total], non_blocking=True)
+            if dev.device == self.device:
+                owned.append(dev)
         moved = []
         for (kind, offset), t in zip(plan, leaves):
             if kind == "keep":
                 moved.append(t)
+                if t.device == self.device:
+                    owned.append(t)
             elif kind == "pack":
                 if t.numel():
                     moved.append(_view(dev, offset, t))
@@ -264,8 +416,11 @@ class CudaStager:
             else:
                 if kind == "direct":
                     slot.refs.append(t)
-                moved.append(_to_device(t, self.device))
-        return moved
+                out = _to_device(t, self.device)
+                moved.append(out)
+                if out.device == self.device:
+                    owned.append(out)
+        return moved, owned
 
     def _recycle(self, slot: _Slot) -> None:
         """Wait until the slot's last copy finished; fold its timing into the stats; drop its refs."""
@@ -278,22 +433,20 @@ class CudaStager:
         self._stats.add(copy_s=slot.start.elapsed_time(slot.end) / 1e3, timed_bytes=slot.nbytes)
         slot.pending = False
 
-    def handover(self, item: Item, marks: Marks) -> Any:
-        """Consumer side: order the current stream after the copy and protect the memory."""
+    def handover(self, item: Item) -> tuple[Any, Any]:
+        """Consumer side: the credit event (end of the consumer's work so far), then order the current
+        stream after the copy and protect the memory. Returns (batch, credit)."""
         stream = torch.cuda.current_stream(self.device)
-        if marks.handed:
-            # blocking: the producer sleeps in Marks.wait_room instead of spinning a core that the
-            # loader's workers could use (it waits there whenever the GPU is the bottleneck)
-            done = torch.cuda.Event(blocking=True)
-            done.record(stream)
-            marks.post(done)
-        marks.handed += 1
+        # blocking: the producer sleeps in credit.synchronize() instead of spinning a core that the
+        # loader's workers could use (it waits there whenever the GPU is the bottleneck)
+        done = torch.cuda.Event(blocking=True)
+        done.record(stream)
         stream.wait_event(item.ready)
         for t in item.tensors:
             t.record_stream(stream)
-        return item.batch
+        return item.batch, done
 
-    def end_epoch(self) -> None:
+    def fold(self) -> None:
         """Fold the timing of finished copies (called with the producer stopped)."""
         with self.lock:
             for slot in self._slots:
@@ -304,14 +457,54 @@ class CudaStager:
         with self.lock:
             for slot in self._slots:
                 self._recycle(slot)
-                slot.buf = None
+                if slot.buf is not None:
+                    buf, slot.buf, slot.array = slot.buf, None, None
+                    _pinned_free(buf)
             self.pinned_bytes = 0
+        self._pool.close()
 
 
 # Allocation and transfer primitives, module-level so tests can run the whole stager on a CPU-only
 # machine with stand-ins (tests/test_prefetch.py::test_cuda_stager_logic_on_cpu).
+_REGISTERED: dict[int, Any] = {}  # data_ptr -> the mmap behind a cudaHostRegister'ed slot
+_REGISTERED_LOCK = threading.Lock()
+
+
 def _pinned_empty(nbytes: int) -> torch.Tensor:
-    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    """A page-locked byte buffer of exactly ``nbytes`` (page-rounded): registered anonymous memory,
+    else PyTorch's pinned allocator (which rounds up to a power of two)."""
+    buf = _registered_empty(nbytes)
+    if buf is None:
+        buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    return buf
+
+
+def _registered_empty(nbytes: int) -> torch.Tensor | None:
+    try:
+        cudart = torch.cuda.cudart()
+        register, unregister = cudart.cudaHostRegister, cudart.cudaHostUnregister
+    except (AttributeError, RuntimeError, AssertionError):
+        return None
+    size = -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
+    area = mmap.mmap(-1, size)
+    buf = torch.frombuffer(area, dtype=torch.uint8)
+    ptr = buf.data_ptr()
+    if int(register(ptr, size, 0)) != 0:  # e.g. the locked-memory limit: use PyTorch's allocator
+        return None
+    if not buf.is_pinned():  # registered but not seen as pinned: copies would not be asynchronous
+        unregister(ptr)
+        return None
+    with _REGISTERED_LOCK:
+        _REGISTERED[ptr] = (area, unregister)
+    return buf[:nbytes] if nbytes < size else buf
+
+
+def _pinned_free(buf: torch.Tensor) -> None:
+    """Unregister a buffer from ``_pinned_empty`` (its copies have completed); the memory goes with ``buf``."""
+    with _REGISTERED_LOCK:
+        entry = _REGISTERED.pop(buf.data_ptr(), None)
+    if entry is not None:
+        entry[1](buf.data_ptr())
 
 
 def _device_empty(nbytes: int, device: torch.device) -> torch.Tensor:
