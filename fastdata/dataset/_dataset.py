@@ -23,6 +23,8 @@ from fastdata.dataset._cursor import Cursor, EpochStart
 from fastdata.dataset._source import Source, resolve_source
 from fastdata.dataset._split import (
     EVEN_POLICIES,
+    ElasticPlan,
+    Era,
     ShuffleOptions,
     SplitPlan,
     Stage,
@@ -32,6 +34,8 @@ from fastdata.dataset._split import (
     permutation,
     random_floats,
     rng_key,
+    elastic_remaining,
+    elastic_split,
     split_sizes,
     stage_counts,
     stage_sequences,
@@ -163,6 +167,8 @@ class ShardedDataset(IterableDataset):
         # Shared with DataLoader workers (persistent ones too), so set_epoch reaches them.
         self._epoch_shared = torch.zeros(1, dtype=torch.int64).share_memory_()
         self._resume: tuple[int, list[Stage], int] | None = None  # (epoch, stages, next worker)
+        # (epoch, ended eras, worker counts per rank): the rest of an epoch after a world-size change
+        self._elastic: tuple[int, tuple[Era, ...], tuple[tuple[int, ...], ...]] | None = None
         self._token = uuid.uuid4().hex
         self.skipped: list[dict[str, Any]] = []
         self._reset_process_state()
@@ -207,6 +213,14 @@ class ShardedDataset(IterableDataset):
                 shuffle=self.shuffle, even=self.even, samples_per_epoch=self.samples_per_epoch,
             )
             self._plans[key] = plan
+        el = self._elastic
+        if el is not None and el[0] == self.epoch and len(el[2]) == self.world_size:
+            ekey = (-1 - self.rank, self.world_size)  # the elastic plan of this rank (see load_state_dict)
+            eplan = self._plans.get(ekey)
+            if eplan is None:
+                eplan = ElasticPlan(plan, *el)  # type: ignore[assignment]
+                self._plans[ekey] = eplan  # type: ignore[assignment]
+            return eplan  # type: ignore[return-value]
         return plan
 
     @property
@@ -244,6 +258,9 @@ class ShardedDataset(IterableDataset):
         self._epoch_shared[0] = int(epoch)
         if self._resume is not None and self._resume[0] != epoch:
             self._resume = None
+        if self._elastic is not None and self._elastic[0] != epoch:
+            self._elastic = None
+            self._plans.clear()
 
     def _per_rank(self) -> int:
         if not self.source.streaming:
@@ -324,7 +341,14 @@ class ShardedDataset(IterableDataset):
             "world_size": self.world_size, "num_samples": self.num_samples, "shuffle": self.shuffle is not None,
             "even": self.even, "samples_per_epoch": self.samples_per_epoch, "fingerprint": self.source.fingerprint,
             "stages": [[n, list(c)] for n, c in stages], "next_worker": next_worker,
+            **self._elastic_state(epoch),
         }
+
+    def _elastic_state(self, epoch: int) -> dict[str, Any]:
+        el = self._elastic
+        if el is None or el[0] != epoch:
+            return {}
+        return {"eras": [e.to_json() for e in el[1]], "split": [list(c) for c in el[2]]}
 
     def state_dict(self) -> dict[str, Any]:
         """Position in the current epoch, for loops that iterate the dataset in this process.
@@ -341,13 +365,28 @@ class ShardedDataset(IterableDataset):
             return self._state(epoch, self._resume[1], self._resume[2])
         return self._state(epoch, [])
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Resume: the next iteration of ``state["epoch"]`` yields exactly the rest of that epoch."""
+    def load_state_dict(self, state: Mapping[str, Any] | Sequence[Mapping[str, Any]], *,
+                        batch_size: int | None = None, num_workers: int = 0, drop_last: bool = False) -> None:
+        """Resume: the next iteration of ``state["epoch"]`` yields exactly the rest of that epoch.
+
+        ``state``: this rank's ``state_dict()``, or the list of every rank's (rank order, e.g.
+        gathered with ``torch.distributed.all_gather_object``). A list saved at another world size
+        resumes elastically: the samples no rank consumed are cut into equal-batch parts for the
+        new ranks (``batch_size``, ``num_workers`` and ``drop_last`` of the loader that will read
+        them; fastdata.DataLoader passes its own), each read exactly once.
+        """
+        if isinstance(state, Sequence) and not isinstance(state, (str, bytes)):
+            self._load_states(list(state), batch_size, num_workers, drop_last)
+            return
         if not isinstance(state, Mapping) or state.get("version") != STATE_VERSION:
             raise ValueError(f"not a ShardedDataset state (version {STATE_VERSION}): {state!r:.200}")
         self.resolve_dist()
         mine = self._state(0, [])
-        for name in ("seed", "world_size", "num_samples", "shuffle", "even", "samples_per_epoch", "fingerprint"):
+        if state.get("world_size") != self.world_size:
+            raise ValueError(f"state_dict does not match this dataset: world_size={state.get('world_size')!r} in the "
+                             f"state, {self.world_size} here; pass the states of all ranks as a list (gathered "
+                             "with torch.distributed.all_gather_object) to resume at another world size")
+        for name in ("seed", "num_samples", "shuffle", "even", "samples_per_epoch", "fingerprint"):
             if state.get(name) != mine[name]:
                 raise ValueError(f"state_dict does not match this dataset: {name}={state.get(name)!r} in the state, "
                                  f"{mine[name]!r} here")
@@ -355,8 +394,69 @@ class ShardedDataset(IterableDataset):
         next_worker = int(state.get("next_worker", 0))
         if stages and not 0 <= next_worker < stages[-1][0]:
             raise ValueError(f"state_dict: next_worker={next_worker} out of range for {stages[-1][0]} workers")
+        elastic = None
+        if state.get("eras"):
+            split = tuple(tuple(int(x) for x in c) for c in state["split"])
+            if len(split) != self.world_size:
+                raise ValueError(f"state_dict: elastic split for {len(split)} ranks, world_size={self.world_size}")
+            elastic = (int(state["epoch"]), tuple(Era.from_json(e) for e in state["eras"]), split)
         self.set_epoch(int(state["epoch"]))
+        self._elastic = elastic
+        self._plans.clear()
         self._resume = (int(state["epoch"]), stages, next_worker)
+        self._live = None
+
+    def _load_states(self, states: list[Mapping[str, Any]], batch_size: int | None, num_workers: int,
+                     drop_last: bool) -> None:
+        """:meth:`load_state_dict` from every rank's state (see there)."""
+        self.resolve_dist()
+        if not states:
+            raise ValueError("load_state_dict: empty list of rank states")
+        w1 = len(states)
+        for r, st in enumerate(states):
+            if not isinstance(st, Mapping) or st.get("version") != STATE_VERSION:
+                raise ValueError(f"rank state {r} is not a ShardedDataset state (version {STATE_VERSION}): {st!r:.200}")
+            if st.get("world_size") != w1 or st.get("rank") != r:
+                raise ValueError(f"rank states must be the {w1} states of one job in rank order; entry {r} is rank "
+                                 f"{st.get('rank')!r} of world_size={st.get('world_size')!r}")
+        mine = self._state(0, [])
+        for name in ("epoch", "seed", "num_samples", "shuffle", "even", "samples_per_epoch", "fingerprint", "eras",
+                     "split"):
+            values = {repr(st.get(name)) for st in states}
+            if len(values) > 1:
+                raise ValueError(f"rank states disagree on {name}: {sorted(values)}")
+            if name not in ("epoch", "eras", "split") and states[0].get(name) != mine[name]:
+                raise ValueError(f"state_dict does not match this dataset: {name}={states[0].get(name)!r} in the "
+                                 f"state, {mine[name]!r} here")
+        if w1 == self.world_size:
+            self.load_state_dict(states[self.rank])  # same world size: continue in exactly the same order
+            return
+        epoch = int(states[0]["epoch"])
+        if self.source.streaming:
+            raise ValueError(
+                f"a streaming (URL) source cannot resume at world_size={self.world_size} from a state saved at "
+                f"world_size={w1}: it has no sample counts, so the rest of the epoch cannot be cut into equal "
+                "batch counts per rank. Resume at the same world size, at the next epoch, or read the shard "
+                "folder's manifest (RemoteShards / a folder URL), which resumes elastically")
+        eras = tuple(Era.from_json(e) for e in states[0].get("eras") or ())
+        prev_split = states[0].get("split")
+        ended = Era(w1, None if prev_split is None else tuple(tuple(int(x) for x in c) for c in prev_split),
+                    tuple(tuple((int(n), tuple(int(x) for x in c)) for n, c in st["stages"]) for st in states))
+        eras = (*eras, ended)
+        base = self._plans.get((self.rank, self.world_size)) or self._plan()
+        left = elastic_remaining(base if isinstance(base, SplitPlan) else base.base, eras, ())
+        split = elastic_split(left, self.world_size, num_workers, batch_size, drop_last, self.even)
+        got = sum(map(sum, split))
+        if got != left and not drop_last:
+            warnings.warn(
+                f"elastic resume: the {left} remaining samples of epoch {epoch} cannot give {self.world_size} ranks "
+                f"equal batch counts with num_workers={num_workers} and batch_size={batch_size}; even={self.even!r} "
+                + (f"repeats {got - left} of them" if got > left else f"leaves {left - got} of them out")
+                + " (num_workers >= 2 avoids this)", stacklevel=3)
+        self.set_epoch(epoch)
+        self._elastic = (epoch, eras, tuple(split))
+        self._plans.clear()
+        self._resume = (epoch, [], 0)
         self._live = None
 
     # ----- iteration ------------------------------------------------------------------------

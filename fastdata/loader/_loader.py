@@ -23,7 +23,7 @@ behaves exactly like torch's (``state_dict()`` then raises TypeError).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -293,10 +293,19 @@ class DataLoader(torch.utils.data.DataLoader):
         return {"version": LOADER_STATE_VERSION, "dataset": state, "num_workers": self.num_workers,
                 "batches": batches}
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Resume from :meth:`state_dict` (or a ``ShardedDataset.state_dict()``)."""
+    def load_state_dict(self, state: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> None:
+        """Resume from :meth:`state_dict` (or a ``ShardedDataset.state_dict()``).
+
+        A list of every rank's state (rank order) resumes at any world size and ``num_workers``:
+        the samples no rank consumed are read exactly once, each rank yielding the same number of
+        batches (see ``ShardedDataset.load_state_dict``).
+        """
         ds = self._sharded()
-        ds.load_state_dict(state["dataset"] if "dataset" in state else state)
+        if isinstance(state, Sequence) and not isinstance(state, (str, bytes)):
+            ds.load_state_dict([s["dataset"] if "dataset" in s else s for s in state], batch_size=self.batch_size,
+                               num_workers=self.num_workers, drop_last=self.drop_last)
+        else:
+            ds.load_state_dict(state["dataset"] if "dataset" in state else state)
         self._run = None
         if self._iterator is not None:  # persistent workers hold the old state: restart them
             self._iterator._shutdown_workers()
