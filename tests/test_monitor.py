@@ -259,3 +259,21 @@ def test_gpu_sampler_collects_buffered_samples_and_falls_back(fake_props):
     assert len(samples) >= 2 and set(samples) == {60}
     short = GPUSampler(0, 10.0, nvml=_FakeNVML())  # a window shorter than the polling interval
     assert short.stop() == [60]  # one final reading still gives a value
+
+
+@pytest.mark.cuda
+def test_nvml_sampling_on_a_real_gpu_finds_the_device_and_gives_a_mean():
+    pytest.importorskip("pynvml")
+    from fastdata.monitor import GPUSampler
+
+    sampler = GPUSampler(torch.cuda.current_device(), 0.05)
+    x = torch.randn(4096, 4096, device="cuda")
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < 1.5:
+        x = x @ x
+        x = x / x.norm()
+    torch.cuda.synchronize()
+    samples = sampler.stop()
+    assert sampler.found_by in ("uuid", "pci") and sampler.error is None
+    assert len(samples) >= 5, samples  # a 1.5 s window has a meaningful mean
+    assert sum(samples) / len(samples) > 50  # the matmul loop kept this GPU (not another one) busy

@@ -163,18 +163,25 @@ def format_diagnosis(d: Any, source: str) -> list[str]:
     return lines
 
 
-def run_doctor(source: str | None = None, options: Any = None, *, as_json: bool = False) -> int:
-    """Environment checks, then (with ``source``) the stage table; exit status 1 if a required package is missing."""
+def run_doctor(source: str | None = None, options: Any = None, *, as_json: bool = False,
+               out_path: str | None = None) -> int:
+    """Environment checks, then (with ``source``) the stage table; exit status 1 if a required package is missing.
+
+    ``as_json``: JSON on stdout instead of tables; ``out_path``: also write the JSON there.
+    """
     checks = environment()
     diag = None
     if source is not None:
         from fastdata.monitor import diagnose
 
         diag = diagnose(source, options)
+    result: dict[str, Any] = {"environment": [asdict(c) for c in checks],
+                              "diagnosis": None if diag is None else diag.to_dict()}
+    if out_path:
+        with open(out_path, "w") as f:
+            json.dump(result, f, indent=1, default=str)
     if as_json:
-        out: dict[str, Any] = {"environment": [asdict(c) for c in checks]}
-        out["diagnosis"] = None if diag is None else diag.to_dict()
-        print(json.dumps(out, indent=1, default=str))
+        print(json.dumps(result, indent=1, default=str))
     else:
         print("\n".join(format_checks(checks)))
         if diag is not None:
@@ -221,7 +228,7 @@ def options_from(args: Any) -> Any:
 
 
 def _cmd_doctor(args: Any) -> int:
-    return run_doctor(args.shards, options_from(args) if args.shards else None, as_json=args.json)
+    return run_doctor(args.shards, options_from(args) if args.shards else None, as_json=args.json, out_path=args.out)
 
 
 def add_doctor_subparser(subparsers: Any) -> Any:
@@ -237,5 +244,6 @@ def add_doctor_subparser(subparsers: Any) -> Any:
                    help="shard folder with manifest.json to measure (default: environment checks only)")
     add_pipeline_arguments(p)
     p.add_argument("--json", action="store_true", help="print the results as JSON instead of tables (default: off)")
+    p.add_argument("--out", default=None, metavar="PATH", help="also write the JSON results to PATH (default: none)")
     p.set_defaults(func=_cmd_doctor)
     return p

@@ -38,8 +38,12 @@ def _cmd_tune(args: Any) -> int:
     result = tune(args.shards, start, batch_limit=args.max_batch)
     fields = pick_fields(Manifest.load(args.shards), start.field, start.label)
     snippet = python_snippet(args.shards, result.best, fields, resolve_device(start.device))
+    data = {**result.to_dict(), "python": snippet}
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(data, f, indent=1)
     if args.json:
-        print(json.dumps({**result.to_dict(), "python": snippet}, indent=1))
+        print(json.dumps(data, indent=1))
     else:
         print("\n".join(format_result(result, snippet)))
     return 0
@@ -62,5 +66,6 @@ def add_tune_subparser(subparsers: Any) -> Any:
     p.add_argument("--max-batch", type=positive_int, default=2048, metavar="N",
                    help="largest batch size the search tries (default: 2048)")
     p.add_argument("--json", action="store_true", help="print the results as JSON instead of text (default: off)")
+    p.add_argument("--out", default=None, metavar="PATH", help="also write the JSON results to PATH (default: none)")
     p.set_defaults(func=_cmd_tune)
     return p

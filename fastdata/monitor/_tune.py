@@ -10,7 +10,8 @@ others' optimum:
 3. ``num_workers``: the loader's measured images/s at 1, 2, 4, ... workers, never more than the
    cores; the search stops when doubling gains less than 5%, and the answer is the fewest
    workers within 5% of the best, or the fewest that deliver 1.25x what the step consumes;
-4. prefetch depth (with a step): the whole job's images/s at depths 1, 2, 4.
+4. prefetch depth (with a step): the whole job's images/s at depths 1, 2, 4; the shallowest within
+   10% of the best (depth only absorbs jitter, and a busy machine measures +-10%).
 
 The starting and the tuned configuration are then measured back to back, so the speed-up is not
 an artefact of the machine's load drifting during the search.
@@ -187,7 +188,7 @@ def tune(source: str | Path, start: DoctorOptions, *, batch_limit: int = 2048) -
                 depth_rates[d] = rate(o)
                 trials.append({"dimension": "depth", "value": d, "job images/s": depth_rates[d]})
             top = max(depth_rates.values())
-            best = dataclasses.replace(best, depth=min(d for d, r in depth_rates.items() if r >= (1 - MIN_GAIN / 2) * top))
+            best = dataclasses.replace(best, depth=min(d for d, r in depth_rates.items() if r >= (1 - 2 * MIN_GAIN) * top))
         else:
             notes.append(f"prefetch depth: kept at {start.depth} (without a step there is no jitter to absorb)")
 
