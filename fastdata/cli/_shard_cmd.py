@@ -92,8 +92,8 @@ def add_convert_options(p: argparse.ArgumentParser) -> None:
 
 def _add_common_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quiet", action="store_true",
-                   help="no progress bar, no summary, no info lines; warnings and errors still show (default: a progress bar when stderr "
-                        "is a terminal, then a summary line)")
+                   help="no progress bar, no summary, no info lines; warnings and errors still show "
+                        "(default: a progress bar when stderr is a terminal, then a summary line)")
     p.add_argument("--debug", action="store_true", help="show tracebacks (default: one line per error)")
 
 
