@@ -207,6 +207,10 @@ class _Pool:
 
 def _run(tasks: deque[Any], cv: threading.Condition, should_stop: Callable[[], bool]) -> None:
     """Thread body: holds only the queue, so a dropped iterator lets its pool be collected."""
+    # One intra-op thread for torch ops in transforms, as in a DataLoader worker process (the
+    # setting is per thread: the caller's own torch ops keep theirs). Measured on 2 cores: with
+    # torch's default, parallel regions entered from several threads spin idle cores.
+    torch.set_num_threads(1)
     while True:
         with cv:
             while not tasks and not should_stop():
@@ -224,7 +228,7 @@ def _run(tasks: deque[Any], cv: threading.Condition, should_stop: Callable[[], b
 
 
 # ----- batch memory -----------------------------------------------------------------------------
-Spec = dict[str, tuple[tuple[int, ...], torch.dtype]]
+Spec = dict[Any, tuple[tuple[int, ...], torch.dtype]]  # field (dict key or tuple index) -> (shape, dtype)
 
 
 def _storage_users(t: torch.Tensor) -> int:
@@ -237,14 +241,14 @@ class _Buffers:
     def __init__(self, pin: str | None, in_flight: int):
         self.pin = pin
         self.cap = in_flight + RING_SPARE
-        self._ring: dict[tuple[str, tuple[int, ...], torch.dtype], list[tuple[torch.Tensor, int]]] = {}
+        self._ring: dict[tuple[Any, tuple[int, ...], torch.dtype], list[tuple[torch.Tensor, int]]] = {}
         self._busy: set[int] = set()  # id() of ring tensors assigned to batches in flight
         self.allocated = 0  # tensors allocated (ring and fresh), for tests and stats
 
-    def take(self, spec: Spec, rows: int) -> dict[str, torch.Tensor]:
+    def take(self, spec: Spec, rows: int) -> dict[Any, torch.Tensor]:
         return {name: self._one(name, (rows, *shape), dtype) for name, (shape, dtype) in spec.items()}
 
-    def _one(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    def _one(self, name: Any, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         if self.pin is not None:
             self.allocated += 1
             return torch.empty(shape, dtype=dtype, pin_memory=True)
@@ -260,32 +264,61 @@ class _Buffers:
             self._busy.add(id(t))
         return t
 
-    def release(self, bufs: dict[str, torch.Tensor]) -> None:
+    def release(self, bufs: dict[Any, torch.Tensor]) -> None:
         """The batch left our hands (handed over as views, or discarded)."""
         for t in bufs.values():
             self._busy.discard(id(t))
 
 
-def _spec_of(sample: Any) -> Spec | None:
-    """The fields of a sample written in place: top-level tensors of a plain dict, big enough."""
-    if type(sample) is not dict:
-        return None
-    spec = {k: (tuple(v.shape), v.dtype) for k, v in sample.items()
-            if isinstance(v, torch.Tensor) and v.device.type == "cpu" and not v.requires_grad
-            and v.numel() * v.element_size() >= MIN_INPLACE_BYTES}
-    return spec or None
+class _Layout:
+    """The fields of a sample written in place: top-level tensors (big enough) of a plain dict,
+    tuple or list (``default_collate`` turns a tuple sample into a list batch)."""
 
+    __slots__ = ("kind", "length", "fields")
 
-def _write(sample: Any, bufs: dict[str, torch.Tensor], row: int) -> bool:
-    """Copy the sample's in-place fields into ``row``; False when the sample does not fit the spec."""
-    if type(sample) is not dict:
-        return False
-    for name, buf in bufs.items():
-        v = sample.get(name)
-        if not isinstance(v, torch.Tensor) or v.shape != buf.shape[1:] or v.dtype != buf.dtype or v.requires_grad:
+    def __init__(self, kind: type, length: int, fields: Spec):
+        self.kind, self.length, self.fields = kind, length, fields
+
+    @classmethod
+    def of(cls, sample: Any) -> _Layout | None:
+        kind = type(sample)
+        if kind is dict:
+            items = sample.items()
+        elif kind is tuple or kind is list:
+            items = enumerate(sample)
+        else:
+            return None
+        fields = {k: (tuple(v.shape), v.dtype) for k, v in items
+                  if isinstance(v, torch.Tensor) and v.device.type == "cpu" and not v.requires_grad
+                  and v.numel() * v.element_size() >= MIN_INPLACE_BYTES}
+        return cls(kind, len(sample), fields) if fields else None
+
+    def fits(self, sample: Any, bufs: dict[Any, torch.Tensor]) -> bool:
+        if type(sample) is not self.kind or (self.kind is not dict and len(sample) != self.length):
             return False
-    for name, buf in bufs.items():
-        v = sample[name]
+        for key, buf in bufs.items():
+            v = sample.get(key) if self.kind is dict else sample[key]
+            if not isinstance(v, torch.Tensor) or v.shape != buf.shape[1:] or v.dtype != buf.dtype or v.requires_grad:
+                return False
+        return True
+
+    def collate(self, samples: list[Any], bufs: dict[Any, torch.Tensor], pinned: Callable[[Any], Any]) -> Any:
+        """``default_collate(samples)`` with the in-place fields taken from ``bufs``."""
+        n = len(samples)
+        if self.kind is dict:
+            return {k: bufs[k][:n] if k in bufs else pinned(default_collate([s[k] for s in samples]))
+                    for k in samples[0]}
+        # default_collate transposes sequences with zip(): each field's values arrive as a tuple
+        return [bufs[i][:n] if i in bufs else pinned(default_collate(tuple(s[i] for s in samples)))
+                for i in range(self.length)]
+
+
+def _write(sample: Any, layout: _Layout, bufs: dict[Any, torch.Tensor], row: int) -> bool:
+    """Copy the sample's in-place fields into ``row``; False when the sample does not fit the layout."""
+    if not layout.fits(sample, bufs):
+        return False
+    for key, buf in bufs.items():
+        v = sample[key]
         try:  # NumPy copies without the GIL and without torch's intra-op threads
             np.copyto(buf[row].numpy(), v.numpy())
         except TypeError:  # a dtype NumPy lacks (bfloat16): torch's copy
@@ -303,7 +336,7 @@ class _Item:
         self.pos, self.g, self.sample, self.written, self.error = pos, g, sample, written, error
 
 
-Dest = tuple[dict[str, torch.Tensor], int, int]  # (batch buffers, row, predicted ordinal)
+Dest = tuple[_Layout, dict[Any, torch.Tensor], int, int]  # (layout, batch buffers, row, predicted ordinal)
 
 
 def _load_chunk(cursor: Any, items: list[tuple[int, int, int, int]], dests: list[Dest | None]) -> list[_Item]:
@@ -314,8 +347,8 @@ def _load_chunk(cursor: Any, items: list[tuple[int, int, int, int]], dests: list
         try:
             sample = cursor.load(shard, i, g)
             written = -1
-            if sample is not None and dest is not None and _write(sample, dest[0], dest[1]):
-                written = dest[2]
+            if sample is not None and dest is not None and _write(sample, dest[0], dest[1], dest[2]):
+                written = dest[3]
             out.append(_Item(pos, g, sample, written))
         except BaseException as e:  # noqa: BLE001 - re-raised by the consumer at this sample
             e.add_note(f"(in thread {threading.current_thread().name} of fastdata.DataLoader(decode_threads=...), "
@@ -364,9 +397,10 @@ class ThreadBatches:
         self._pin = pin
         self._threads = threads
         self._chunk = max(1, min(8, batch_size // (4 * threads)))
-        self._spec: Spec | None = None
+        self._layout: _Layout | None = None
         self._buffers = _Buffers(pin, LOOKAHEAD + 1)
         self._batches = 0
+        self._in_place = self._copied = 0
         self._pool: _Pool | None = _Pool(threads)
         self._finalizer = weakref.finalize(self, self._pool.close)
 
@@ -412,6 +446,13 @@ class ThreadBatches:
     def threads_alive(self) -> int:
         return 0 if self._pool is None else self._pool.alive
 
+    @property
+    def stats(self) -> dict[str, int]:
+        """``batches`` yielded; samples ``in_place`` (written by a pool thread into their row) and
+        ``copied`` (by the consumer); batch buffers ``allocated``."""
+        return {"batches": self._batches, "in_place": self._in_place, "copied": self._copied,
+                "allocated": self._buffers.allocated}
+
     # -- dispatch
     def _dispatch(self, w: int) -> None:
         """Keep about LOOKAHEAD + 1 predicted batches in flight, from batch of worker ``w`` on."""
@@ -452,13 +493,13 @@ class ThreadBatches:
         walk.in_flight += count
 
     def _dest(self, walk: _Walk, ordinal: int) -> Dest | None:
-        if self._spec is None or not self._inplace:
+        if self._layout is None or not self._inplace:
             return None
         b = ordinal // self._b
         bufs = walk.buffers.get(b)
         if bufs is None:
-            bufs = walk.buffers[b] = self._buffers.take(self._spec, self._b)
-        return bufs, ordinal % self._b, ordinal
+            bufs = walk.buffers[b] = self._buffers.take(self._layout.fields, self._b)
+        return self._layout, bufs, ordinal % self._b, ordinal
 
     # -- consumption
     def _next_item(self, walk: _Walk) -> _Item | None:
@@ -499,9 +540,9 @@ class ThreadBatches:
                 raise item.error
             if item.sample is None:
                 continue  # skipped under on_error; recorded in dataset.skipped by the dataset
-            if self._spec is None and self._inplace:
-                self._spec = _spec_of(item.sample)
-                if self._spec is None:
+            if self._layout is None and self._inplace:
+                self._layout = _Layout.of(item.sample)
+                if self._layout is None:
                     self._inplace = False
             rows.append((item.sample, item.written == walk.taken))
             walk.taken += 1
@@ -513,28 +554,26 @@ class ThreadBatches:
         b = (walk.taken - len(rows)) // self._b  # batches start at multiples of batch_size
         samples = [s for s, _ in rows]
         bufs = walk.buffers.pop(b, None)
-        if not self._inplace or self._spec is None:
+        layout = self._layout
+        if not self._inplace or layout is None:
             if bufs is not None:
                 self._buffers.release(bufs)
-            return self._finish(self._collate(samples))
+            return self._pinned(self._collate(samples))
         if bufs is None:
-            bufs = self._buffers.take(self._spec, self._b)
+            bufs = self._buffers.take(layout.fields, self._b)
         try:
             for j, (s, in_place) in enumerate(rows):
-                if not in_place and not _write(s, bufs, j):
-                    return self._finish(default_collate(samples))  # torch's error for mismatched samples
-            n = len(samples)
-            first = samples[0]
-            return {k: bufs[k][:n] if k in bufs else self._pinned(default_collate([s[k] for s in samples]))
-                    for k in first}
+                if not in_place and not _write(s, layout, bufs, j):
+                    return self._pinned(default_collate(samples))  # torch's error for mismatched samples
+            copied = sum(not in_place for _, in_place in rows)
+            self._copied += copied
+            self._in_place += len(rows) - copied
+            return layout.collate(samples, bufs, self._pinned)
         finally:
             self._buffers.release(bufs)
 
     def _pinned(self, value: Any) -> Any:
         return _pin_memory(value, self._pin) if self._pin is not None else value
-
-    def _finish(self, batch: Any) -> Any:
-        return self._pinned(batch)
 
     def _discard(self, walk: _Walk) -> None:
         for bufs in walk.buffers.values():

@@ -1,0 +1,380 @@
+"""Decode stage: decode + RandomResizedCrop 224 + flip + normalise, four ways, equal cores, one run.
+
+Corpus: photo-like JPEGs of 300-640 px per side (``fastdata.cli._synth.make_image_folder``), in an
+ImageFolder layout and as pass-through tar shards (jpg + cls) of the same files, cached under
+``--data``. Every row yields batches of ``--batch-size`` normalised float32 images of 224 x 224 from
+the same images with the same work per image (decode the whole JPEG, a random crop of 8-100% of
+the area with aspect 3/4-4/3 resized to 224 x 224 with antialiased bilinear filtering, a
+horizontal flip with probability 1/2, normalise with the ImageNet mean/std), shuffled:
+
+- ``workers``: ``fastdata.DataLoader(num_workers=N)`` over ``ShardedDataset(shuffle=True,
+  decode={"jpg": DecodeRandomResizedCropFlip()})``: Pillow decodes in N worker processes, the crop
+  box is resampled straight to 224 px (``Image.resize(box=...)``); uint8 batches are normalised in the
+  consumer as one batched op (``fastdata.gpu.Normalize``, on the GPU when there is one, after the
+  copy ``CUDAPrefetcher`` would make);
+- ``threads``: the same dataset and consumer, ``DataLoader(num_workers=N, decode_threads=N)``: N
+  threads of the loading process, no worker processes (same batches as ``workers``);
+- ``gpu``: the same shards with images kept encoded (N workers read bytes), decoded, cropped,
+  flipped and normalised on the GPU by decode-gpu's API (``fastdata.gpu``); skipped without CUDA or
+  when that API is not in this checkout;
+- ``torchvision``: the usual recipe, ``torchvision.datasets.ImageFolder`` with
+  ``RandomResizedCrop(224)``, ``RandomHorizontalFlip()``, ``ToTensor()``, ``Normalize(...)`` in
+  ``torch.utils.data.DataLoader(num_workers=N, shuffle=True)`` (normalised in the workers). Where
+  torchvision cannot be imported, the row runs the same recipe written out with PIL and torch
+  (what torchvision's v1 transforms do on PIL images: ``crop`` then ``resize``, ``ToTensor``,
+  ``Normalize``) and says so in its ``impl`` field.
+
+Equal cores: each (row, N) runs in its own process pinned to N cores (``sched_setaffinity``;
+worker processes inherit it), so a row with N workers or N threads gets N cores, its consumer
+included. Each epoch is timed end to end (worker start included, as in training without
+persistent workers): one warm-up epoch, then ``--reps`` epochs; medians reported. Besides
+images/s, each row reports the CPU time it spent per image (its process and its worker
+processes, user + system), which a busy shared machine distorts far less than wall time.
+
+    python benchmarks/decode_stage.py --workers 2 --json /tmp/decode_stage.json
+    python benchmarks/decode_stage.py --quick
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROWS = ("workers", "threads", "gpu", "torchvision")
+SIZE = 224
+SCALE = (0.08, 1.0)
+RATIO = (3 / 4, 4 / 3)
+REPO = Path(__file__).resolve().parents[1]
+
+
+# ----- the per-sample CPU transform (fastdata rows) ----------------------------------------------
+def crop_params(width: int, height: int, rng: random.Random) -> tuple[int, int, int, int]:
+    """torchvision's ``RandomResizedCrop.get_params``: (top, left, height, width) of the crop."""
+    import math
+
+    area = width * height
+    log_ratio = (math.log(RATIO[0]), math.log(RATIO[1]))
+    for _ in range(10):
+        target = area * rng.uniform(*SCALE)
+        aspect = math.exp(rng.uniform(*log_ratio))
+        w = int(round(math.sqrt(target * aspect)))
+        h = int(round(math.sqrt(target / aspect)))
+        if 0 < w <= width and 0 < h <= height:
+            return rng.randint(0, height - h), rng.randint(0, width - w), h, w
+    in_ratio = width / height  # fallback: centre crop of the whole image at a clamped aspect
+    if in_ratio < RATIO[0]:
+        w, h = width, int(round(width / RATIO[0]))
+    elif in_ratio > RATIO[1]:
+        h, w = height, int(round(height * RATIO[1]))
+    else:
+        w, h = width, height
+    return (height - h) // 2, (width - w) // 2, h, w
+
+
+class DecodeRandomResizedCropFlip:
+    """``decode={"jpg": ...}``: Pillow decode, RandomResizedCrop(224), RandomHorizontalFlip(0.5) ->
+    uint8 (3, 224, 224).
+
+    Decoded as the dataset's default decoder does (``ImageDecoder``, RGB, whole image); only the
+    crop box is resampled (``Image.resize(box=...)``, antialiased bilinear, as torchvision on PIL
+    images); the flip is a ``transpose``. All three release the GIL. Random parameters come from
+    Python's ``random`` (seeded per worker process by torch's DataLoader). (A decoder rather than
+    ``transform=``, which receives tensors unless a ``preprocess=`` is set.)
+    """
+
+    def __call__(self, data: bytes) -> Any:
+        from PIL import Image
+
+        from fastdata.decode import ImageDecoder, image_to_tensor
+
+        img = ImageDecoder().pil(data)
+        top, left, h, w = crop_params(img.width, img.height, random._inst)  # type: ignore[attr-defined]
+        out = img.resize((SIZE, SIZE), Image.Resampling.BILINEAR, box=(left, top, left + w, top + h))
+        if random.random() < 0.5:
+            out = out.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+        return image_to_tensor(out)
+
+
+def _to_tuple(sample: dict[str, Any]) -> tuple[Any, Any]:
+    return sample["jpg"], sample["cls"]
+
+
+# ----- data ---------------------------------------------------------------------------------------
+def prepare(data: Path, n: int, shards: int) -> tuple[Path, Path]:
+    """(ImageFolder root, shard folder) with the same ``n`` JPEGs."""
+    from fastdata.cli._synth import make_image_folder
+    from fastdata.manifest import Manifest
+    from fastdata.shards.writer import ShardWriter
+
+    folder = make_image_folder(data / f"images-{n}", n, workers=min(8, os.cpu_count() or 1))
+    files = sorted(folder.glob("class_*/img_*.jpg"))
+    if len(files) != n:
+        raise RuntimeError(f"{folder} holds {len(files)} images, expected {n}; delete it and rerun")
+    dest = data / f"shards-{n}-{shards}"
+    try:
+        ok = Manifest.load(dest).num_samples == n
+    except Exception:  # noqa: BLE001 - missing or stale: rebuild
+        ok = False
+    if not ok:
+        with ShardWriter(dest, max_samples=-(-n // shards), overwrite=True) as w:
+            for f in files:
+                w.write({"__key__": f"{f.parent.name}/{f.stem}", "jpg": f.read_bytes(),
+                         "cls": int(f.parent.name.split("_")[1])})
+    return folder, dest
+
+
+# ----- one (row, N) measurement, in a child process pinned to N cores -----------------------------
+def _loader(row: str, cfg: dict[str, Any]) -> tuple[Any, Any]:
+    """(loader, consume(batch) -> number of images) for one row."""
+    import torch
+
+    n, batch, device = cfg["workers"], cfg["batch_size"], torch.device(cfg["device"])
+    if row in ("workers", "threads"):
+        from fastdata.dataset import ShardedDataset
+        from fastdata.gpu import Normalize
+        from fastdata.loader import DataLoader
+
+        ds = ShardedDataset(cfg["shards"], shuffle=True, decode={"jpg": DecodeRandomResizedCropFlip()},
+                            sample_transform=_to_tuple)
+        loader = DataLoader(ds, batch_size=batch, num_workers=n, pin_memory=device.type == "cuda",
+                            decode_threads=n if row == "threads" else 0)
+        norm = Normalize()
+
+        def consume(b: Any) -> int:
+            x = norm(b[0].to(device, non_blocking=True))
+            if x.dtype != torch.float32 or x.shape[1:] != (3, SIZE, SIZE):
+                raise RuntimeError(f"{row}: unexpected batch {x.dtype} {tuple(x.shape)}")
+            return len(x)
+
+        return loader, consume
+    if row == "torchvision":
+        ds = _imagefolder(cfg["images_dir"])
+        loader = torch.utils.data.DataLoader(ds, batch_size=batch, shuffle=True, num_workers=n,
+                                             pin_memory=device.type == "cuda")
+
+        def consume(b: Any) -> int:
+            x = b[0].to(device, non_blocking=True)
+            if x.dtype != torch.float32 or x.shape[1:] != (3, SIZE, SIZE):
+                raise RuntimeError(f"torchvision: unexpected batch {x.dtype} {tuple(x.shape)}")
+            return len(x)
+
+        return loader, consume
+    if row == "gpu":
+        return _gpu_loader(cfg)
+    raise ValueError(f"unknown row {row!r}")
+
+
+MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+
+
+class _RecipeFolder:
+    """torchvision's recipe written out (used only where torchvision cannot be imported)."""
+
+    impl = "PIL+torch reimplementation (torchvision not importable here)"
+
+    def __init__(self, root: str):
+        import torch
+
+        self.files = sorted(Path(root).glob("class_*/*.jpg"))
+        self.mean = torch.tensor(MEAN).view(3, 1, 1)
+        self.std = torch.tensor(STD).view(3, 1, 1)
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def __getitem__(self, i: int) -> tuple[Any, int]:
+        import numpy as np
+        import torch
+        from PIL import Image
+
+        path = self.files[i]
+        with open(path, "rb") as f:
+            img = Image.open(f).convert("RGB")  # torchvision's pil_loader
+        top, left, h, w = crop_params(img.width, img.height, random._inst)  # type: ignore[attr-defined]
+        img = img.crop((left, top, left + w, top + h)).resize((SIZE, SIZE), Image.Resampling.BILINEAR)
+        if torch.rand(1) < 0.5:
+            img = img.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+        x = torch.from_numpy(np.array(img, copy=True)).permute(2, 0, 1).float().div(255)  # ToTensor
+        return (x - self.mean) / self.std, int(path.parent.name.split("_")[1])
+
+
+def _imagefolder(root: str) -> Any:
+    try:
+        import torchvision
+        from torchvision import transforms as T
+    except Exception:  # noqa: BLE001 - a broken install (ops not loadable) raises RuntimeError
+        return _RecipeFolder(root)
+    tf = T.Compose([T.RandomResizedCrop(SIZE), T.RandomHorizontalFlip(), T.ToTensor(), T.Normalize(MEAN, STD)])
+    ds = torchvision.datasets.ImageFolder(root, transform=tf)
+    ds.impl = f"torchvision {torchvision.__version__}"
+    return ds
+
+
+def _gpu_loader(cfg: dict[str, Any]) -> tuple[Any, Any]:
+    """decode-gpu's pipeline; raises _Skip with the reason when it cannot run here."""
+    import torch
+
+    if cfg["device"] != "cuda":
+        raise _Skip("no CUDA device")
+    raise _Skip("the GPU decode API (fastdata.gpu) is not in this checkout")
+
+
+def _cpu_s() -> float:
+    """CPU seconds of this process and its finished children (the epoch's worker processes)."""
+    import resource
+
+    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+class _Skip(Exception):
+    pass
+
+
+def child(cfg: dict[str, Any]) -> dict[str, Any]:
+    cores = cfg["cores"]
+    if cores is not None and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, cores)
+    import torch
+
+    sys.path.insert(0, str(REPO))
+    out: dict[str, Any] = {"row": cfg["row"], "workers": cfg["workers"], "cores": len(cores) if cores else None}
+    try:
+        loader, consume = _loader(cfg["row"], cfg)
+    except _Skip as e:
+        return {**out, "skipped": str(e)}
+    secs: list[float] = []
+    cpu: list[float] = []
+    for epoch in range(cfg["reps"] + 1):  # the first is the warm-up
+        if hasattr(loader, "set_epoch"):
+            loader.set_epoch(epoch)
+        c0 = _cpu_s()
+        t0 = time.perf_counter()
+        count = sum(consume(b) for b in loader)
+        if cfg["device"] == "cuda":
+            torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        if epoch:
+            cpu.append((_cpu_s() - c0) / count * 1e3)
+        if count != cfg["count"]:
+            raise RuntimeError(f"{cfg['row']}: {count} images in epoch {epoch}, expected {cfg['count']}")
+        if epoch:
+            secs.append(dt)
+    per_s = [cfg["count"] / s for s in secs]
+    return {**out, "epoch_s": secs, "images_per_s": statistics.median(per_s), "runs": per_s,
+            "cpu_ms_per_image": statistics.median(cpu), "load_avg": os.getloadavg()[0],
+            "path": getattr(loader, "last_path", None), "impl": getattr(loader.dataset, "impl", None)}
+
+
+def run_child(cfg: dict[str, Any], timeout: float) -> dict[str, Any]:
+    try:
+        proc = subprocess.run([sys.executable, __file__, "--child", json.dumps(cfg)], capture_output=True, text=True,
+                              timeout=timeout, cwd=REPO)
+    except subprocess.TimeoutExpired:
+        return {"row": cfg["row"], "workers": cfg["workers"], "error": f"timed out after {timeout:.0f} s"}
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        return {"row": cfg["row"], "workers": cfg["workers"],
+                "error": f"exit {proc.returncode}: {proc.stderr.strip()[-2000:]}"}
+    return json.loads(lines[-1])
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--workers", type=int, nargs="+", default=[2], help="grid of N (workers = threads = cores)")
+    ap.add_argument("--rows", nargs="+", default=list(ROWS), choices=ROWS)
+    ap.add_argument("--images", type=int, default=None, help="corpus size (default 1024, quick 256)")
+    ap.add_argument("--batch-size", type=int, default=64)
+    ap.add_argument("--shards", type=int, default=16)
+    ap.add_argument("--reps", type=int, default=None, help="timed epochs per row (default 3, quick 1)")
+    ap.add_argument("--data", type=Path, default=Path(tempfile.gettempdir()) / "fastdata-bench-decode")
+    ap.add_argument("--budget", type=float, default=None, help="seconds; configurations past it are skipped")
+    ap.add_argument("--quick", action="store_true", help="small corpus, one repetition")
+    ap.add_argument("--json", type=Path, default=None, help="write results here")
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.child is not None:
+        print(json.dumps(child(json.loads(args.child))))
+        return {}
+    t_start = time.perf_counter()
+    sys.path.insert(0, str(REPO))
+    import torch
+
+    n = args.images or (256 if args.quick else 1024)
+    reps = args.reps or (1 if args.quick else 3)
+    images, shards = prepare(args.data, n, args.shards)
+    available = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    results: list[dict[str, Any]] = []
+    for workers in args.workers:
+        cores = None if available is None else available[:workers]
+        if cores is not None and len(cores) < workers:
+            print(f"N={workers}: only {len(cores)} cores available; rows share them", file=sys.stderr)
+        for row in args.rows:
+            left = None if args.budget is None else args.budget - (time.perf_counter() - t_start)
+            if left is not None and left < 5:
+                results.append({"row": row, "workers": workers, "skipped": "time budget spent"})
+                continue
+            cfg = {"row": row, "workers": workers, "cores": cores, "count": n, "batch_size": args.batch_size,
+                   "reps": reps, "device": device, "shards": str(shards), "images_dir": str(images)}
+            res = run_child(cfg, timeout=left if left is not None else 3600)
+            results.append(res)
+            msg = res.get("skipped") or res.get("error") or f"{res['images_per_s']:8.1f} images/s"
+            print(f"N={workers:2d} {row:12s} {msg}", file=sys.stderr)
+    out = {
+        "benchmark": "decode_stage",
+        "config": {"images": n, "workers": args.workers, "batch_size": args.batch_size, "shards": args.shards,
+                   "reps": reps, "rows": args.rows, "device": device, "size": SIZE, "quick": args.quick},
+        "machine": {"cpus": os.cpu_count(), "affinity": len(available) if available else None,
+                    "python": platform.python_version(), "torch": torch.__version__,
+                    "gpu": torch.cuda.get_device_name() if device == "cuda" else None,
+                    "load_avg": os.getloadavg()},
+        "results": results,
+        "wall_s": time.perf_counter() - t_start,
+    }
+    print(table(results))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(out, indent=1))
+    return out
+
+
+def table(results: list[dict[str, Any]]) -> str:
+    """images/s per row and N, and threads / workers."""
+    by: dict[tuple[str, int], dict[str, Any]] = {(r["row"], r["workers"]): r for r in results}
+    ns = sorted({r["workers"] for r in results})
+    rows = [r for r in ROWS if any((r, n) in by for n in ns)]
+    lines = ["images/s (median)  " + "".join(f"N={n:<10d}" for n in ns)]
+    for row in rows:
+        cells = []
+        for n in ns:
+            r = by.get((row, n), {})
+            cells.append(f"{r['images_per_s']:<12.0f}" if "images_per_s" in r else f"{'-':<12s}")
+        lines.append(f"{row:<19s}" + "".join(cells))
+    ratio = []
+    for n in ns:
+        t, w = by.get(("threads", n), {}), by.get(("workers", n), {})
+        ratio.append(f"{t['images_per_s'] / w['images_per_s']:<12.2f}" if "images_per_s" in t and "images_per_s" in w
+                     else f"{'-':<12s}")
+    lines.append(f"{'threads/workers':<19s}" + "".join(ratio))
+    lines.append("CPU ms per image")
+    for row in rows:
+        cells = []
+        for n in ns:
+            r = by.get((row, n), {})
+            cells.append(f"{r['cpu_ms_per_image']:<12.2f}" if "cpu_ms_per_image" in r else f"{'-':<12s}")
+        lines.append(f"{row:<19s}" + "".join(cells))
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,402 @@
+"""DataLoader(decode_threads=N): the same batches, order and resume states as worker processes, in threads."""
+from __future__ import annotations
+
+import gc
+import json
+import multiprocessing
+import threading
+import traceback
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from fastdata.cli._synth import jpeg_bytes, synth_image
+from fastdata.dataset import ShardedDataset, ShuffleOptions
+from fastdata.errors import DecodeError
+from fastdata.loader import DataLoader
+from fastdata.loader import _threads
+from fastdata.shards.writer import ShardWriter
+from fastdata.transforms import ResizeCenterCrop
+
+pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
+
+N = 45
+BAD = (5, 30)  # corrupt JPEGs in the "bad" copy of the data set
+SIZE = 24  # 3 x 24 x 24 uint8 = 1728 bytes: big enough to be written in place
+
+
+def _write(dest: Path, bad: tuple[int, ...] = ()) -> Path:
+    with ShardWriter(dest, max_samples=7) as w:  # 7 shards, the last one short
+        for i in range(N):
+            img = synth_image(np.random.default_rng(i), 30 + (i * 7) % 20, 30 + (i * 5) % 20)
+            jpg = b"not a jpeg" if i in bad else jpeg_bytes(img, 90)
+            w.write({"__key__": f"s{i:04d}", "jpg": jpg, "cls": str(i).encode(), "txt": f"t{i}".encode()})
+    return dest
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory) -> Path:
+    return _write(tmp_path_factory.mktemp("threads") / "ds")
+
+
+@pytest.fixture(scope="module")
+def bad_shards(tmp_path_factory) -> Path:
+    return _write(tmp_path_factory.mktemp("threads_bad") / "ds", bad=BAD)
+
+
+def _make(shards: Path, **kw: Any) -> ShardedDataset:
+    kw.setdefault("shuffle", ShuffleOptions(open_shards=3, buffer_size=5))
+    kw.setdefault("seed", 7)
+    kw.setdefault("preprocess", ResizeCenterCrop(SIZE))
+    return ShardedDataset(shards, **kw)
+
+
+def _epoch(loader: DataLoader, path: str) -> list[Any]:
+    out = list(loader)
+    assert loader.last_path == path, loader.fallback_reason
+    return out
+
+
+def assert_same(a: list[Any], b: list[Any]) -> None:
+    """Bit for bit: batch count, keys and their order, dtypes, shapes, values."""
+    assert len(a) == len(b)
+    for j, (x, y) in enumerate(zip(a, b)):
+        assert list(x) == list(y), f"batch {j}"
+        for k in x:
+            if isinstance(x[k], torch.Tensor):
+                assert x[k].dtype == y[k].dtype and x[k].shape == y[k].shape, f"batch {j} field {k}"
+                assert torch.equal(x[k], y[k]), f"batch {j} field {k}"
+            else:
+                assert x[k] == y[k], f"batch {j} field {k}"
+
+
+def _keys(batches: list[Any]) -> list[str]:
+    return [k for b in batches for k in b["__key__"]]
+
+
+def _decode_threads_alive() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("fastdata-decode")]
+
+
+@pytest.mark.parametrize("num_workers", [0, 2, 3])
+@pytest.mark.parametrize(("drop_last", "batch_size"), [(False, 4), (True, 4), (False, 64)])
+def test_threads_equal_worker_path(shards, num_workers, drop_last, batch_size):
+    kw = dict(batch_size=batch_size, num_workers=num_workers, drop_last=drop_last)
+    for epoch, threads in ((0, 2), (1, 3)):
+        ds_t, ds_w = _make(shards), _make(shards)
+        ds_t.set_epoch(epoch), ds_w.set_epoch(epoch)
+        dl = DataLoader(ds_t, decode_threads=threads, **kw)
+        got = _epoch(dl, "threads")
+        assert_same(got, _epoch(DataLoader(ds_w, **kw), "workers"))
+        assert len(got) == len(dl)
+        assert set(got[0]) == {"__key__", "jpg", "cls", "txt"} and got[0]["jpg"].shape[1:] == (3, SIZE, SIZE)
+    if not drop_last and batch_size == 4:
+        assert sorted(_keys(got)) == [f"s{i:04d}" for i in range(N)]
+    assert _decode_threads_alive() == []
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_threads_equal_worker_path_ranks_padding_and_samples_per_epoch(shards, rank):
+    for extra in ({"even": "pad"}, {"samples_per_epoch": 60}):
+        make = lambda: _make(shards, rank=rank, world_size=4, **extra)  # noqa: E731
+        kw = dict(batch_size=3, num_workers=3)
+        assert_same(_epoch(DataLoader(make(), decode_threads=2, **kw), "threads"),
+                    _epoch(DataLoader(make(), **kw), "workers"))
+
+
+def test_samples_are_written_in_place_and_buffers_are_reused(shards):
+    ds = _make(shards, shuffle=False)
+    start = ds.epoch_start(2)
+    it = _threads.thread_batches(ds, start, threads=2, batch_size=4, drop_last=False,
+                                 collate_fn=torch.utils.data.default_collate, pin=None)
+    ref = list(DataLoader(_make(shards, shuffle=False), batch_size=4, num_workers=2))
+    got = []
+    for j, fb in enumerate(it):  # the consumer drops each batch: buffers come back to the ring
+        assert torch.equal(fb.batch["jpg"], ref[j]["jpg"]) and fb.batch["__key__"] == ref[j]["__key__"]
+        got.append(fb.batch["__key__"])
+        del fb
+    assert it.stats["in_place"] > N // 2  # after the first sample fixed the layout, rows land in place
+    assert it.stats["allocated"] <= _threads.LOOKAHEAD + 1 + _threads.RING_SPARE  # bounded memory
+
+
+def test_batches_held_by_the_consumer_are_never_overwritten(shards):
+    ref = list(DataLoader(_make(shards), batch_size=2, num_workers=2))
+    dl = DataLoader(_make(shards), batch_size=2, num_workers=2, decode_threads=2)
+    kept = []
+    for j, batch in enumerate(dl):  # keep every third batch (a view, a NumPy array or the dict)
+        if j % 3 == 0:
+            kept.append((j, batch["jpg"][:1]))
+        elif j % 3 == 1:
+            kept.append((j, batch["jpg"].numpy()))
+        del batch
+    for j, x in kept:
+        assert torch.equal(torch.as_tensor(x), ref[j]["jpg"][: len(x)]), f"batch {j} was overwritten"
+
+
+def test_storage_use_count_sees_views_and_numpy():
+    """Guards the torch behaviour the buffer ring relies on (torch._C._storage_Use_Count)."""
+    t = torch.zeros(4, 8)
+    base = _threads._storage_users(t)
+    v = t[:2]
+    assert _threads._storage_users(t) > base
+    a = v.numpy()
+    del v
+    assert _threads._storage_users(t) > base  # the array keeps the view alive
+    del a
+    assert _threads._storage_users(t) == base
+    s = t[1:3].reshape(-1)
+    assert _threads._storage_users(t) > base
+    del s
+    assert _threads._storage_users(t) == base
+
+
+@pytest.mark.parametrize(("before", "after"), [("workers", "threads"), ("threads", "workers"), ("threads", "threads")])
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_resume_mid_epoch_across_paths(shards, before, after, num_workers):
+    threads = {"workers": 0, "threads": 2}
+
+    def loader(path: str) -> DataLoader:
+        ds = _make(shards)
+        ds.set_epoch(2)
+        return DataLoader(ds, batch_size=4, num_workers=num_workers, decode_threads=threads[path])
+
+    full = _epoch(loader("workers"), "workers")
+    for k in (1, 5, len(full) - 1, len(full)):
+        dl = loader(before)
+        it = iter(dl)
+        first = [next(it) for _ in range(k)]
+        state = json.loads(json.dumps(dl.state_dict()))
+        del it
+        dl2 = loader(after)
+        dl2.load_state_dict(state)
+        dl2.set_epoch(2)
+        rest = _epoch(dl2, after)
+        assert_same(first + rest, full)
+        dl2.set_epoch(3)  # the next epoch starts from scratch
+        assert sum(len(b["cls"]) for b in _epoch(dl2, after)) == N
+    assert _decode_threads_alive() == []
+
+
+def test_resume_with_another_worker_count(shards):
+    dl = DataLoader(_make(shards), batch_size=4, num_workers=2, decode_threads=2)
+    it = iter(dl)
+    first = _keys([next(it) for _ in range(3)])
+    state = dl.state_dict()
+    del it
+    dl2 = DataLoader(_make(shards), batch_size=4, num_workers=3, decode_threads=2)
+    dl2.load_state_dict(state)
+    rest = _keys(_epoch(dl2, "threads"))
+    assert sorted(first + rest) == [f"s{i:04d}" for i in range(N)]
+
+
+def test_dataset_state_follows_with_one_virtual_worker(shards):
+    ds = _make(shards)
+    it = iter(DataLoader(ds, batch_size=4, decode_threads=2))
+    [next(it) for _ in range(3)]
+    ref = _make(shards)
+    it_ref = iter(ref)
+    [next(it_ref) for _ in range(12)]
+    assert ds.state_dict() == ref.state_dict()
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize("batch_size", [4, 64])
+def test_skipped_samples_shift_batches_like_workers(bad_shards, num_workers, batch_size):
+    ds_t, ds_w = _make(bad_shards, on_error="skip"), _make(bad_shards, on_error="skip")
+    kw = dict(batch_size=batch_size, num_workers=num_workers)
+    got = _epoch(DataLoader(ds_t, decode_threads=2, **kw), "threads")
+    assert_same(got, _epoch(DataLoader(ds_w, **kw), "workers"))
+    assert sum(len(b["cls"]) for b in got) == N - len(BAD)
+    assert sorted(s["key"] for s in ds_t.skipped) == sorted(s["key"] for s in ds_w.skipped) == ["s0005", "s0030"]
+
+
+def test_skips_and_resume(bad_shards):
+    make = lambda: _make(bad_shards, on_error="skip")  # noqa: E731
+    full = _epoch(DataLoader(make(), batch_size=3, num_workers=2), "workers")
+    for k in (2, 6, 9):
+        dl = DataLoader(make(), batch_size=3, num_workers=2, decode_threads=3)
+        it = iter(dl)
+        first = [next(it) for _ in range(k)]
+        state = dl.state_dict()
+        del it
+        dl2 = DataLoader(make(), batch_size=3, num_workers=2, decode_threads=1)
+        dl2.load_state_dict(state)
+        assert_same(first + _epoch(dl2, "threads"), full)
+
+
+def _worker_error_batch(bad_shards: Path) -> int:
+    """How many batches the worker path yields before raising on the corrupt sample."""
+    count = 0
+    with pytest.raises(DecodeError):
+        for _ in DataLoader(_make(bad_shards, shuffle=False), batch_size=4, num_workers=2):
+            count += 1
+    return count
+
+
+def test_errors_reach_the_consumer_at_the_same_batch_with_traceback(bad_shards):
+    expected = _worker_error_batch(bad_shards)
+    count = 0
+    with pytest.raises(DecodeError, match=r"s0005.*'jpg'") as info:
+        for _ in DataLoader(_make(bad_shards, shuffle=False), batch_size=4, num_workers=2, decode_threads=2):
+            count += 1
+    assert count == expected
+    notes = "\n".join(getattr(info.value, "__notes__", []))
+    assert "fastdata-decode-" in notes and "virtual worker" in notes and "sample 5" in notes
+    frames = [f.name for f in traceback.extract_tb(info.value.__traceback__)]
+    assert "_load_chunk" in frames  # the pool thread's frames are kept
+    gc.collect()
+    assert _decode_threads_alive() == []
+
+
+def test_transform_errors_propagate(shards):
+    def boom(img: Any) -> Any:
+        raise RuntimeError("transform exploded")
+
+    dl = DataLoader(_make(shards, transform=boom), batch_size=4, num_workers=2, decode_threads=2)
+    with pytest.raises(RuntimeError, match="transform exploded"):
+        next(iter(dl))
+    gc.collect()
+    assert _decode_threads_alive() == []
+
+
+def test_mismatched_sample_shapes_fail_like_torch(shards):
+    def odd(img: Any) -> Any:
+        return img[:, : 1 + int(img.sum()) % 3]  # a size that depends on the content
+
+    kw = dict(batch_size=4, num_workers=2)
+    with pytest.raises(RuntimeError):  # in a worker: "Trying to resize storage that is not resizable"
+        list(DataLoader(_make(shards, transform=odd, shuffle=False), **kw))
+    with pytest.raises(RuntimeError, match="stack expects each tensor to be equal size"):  # torch, in process
+        list(DataLoader(_make(shards, transform=odd, shuffle=False), decode_threads=2, **kw))
+
+
+def test_early_break_and_close_leave_no_threads(shards):
+    dl = DataLoader(_make(shards), batch_size=4, num_workers=2, decode_threads=3)
+    for _ in dl:
+        assert len(_decode_threads_alive()) == 3
+        break
+    gc.collect()
+    assert _decode_threads_alive() == []
+    it = iter(dl)
+    next(it)
+    it.close()
+    assert _decode_threads_alive() == []
+    it.close()  # twice is fine
+    with pytest.raises(StopIteration):
+        next(it)
+
+
+def test_threads_paused_around_fork_and_batches_unharmed(shards):
+    ref = list(DataLoader(_make(shards), batch_size=4, num_workers=2))
+    dl = DataLoader(_make(shards), batch_size=4, num_workers=2, decode_threads=2)
+    it = iter(dl)
+    got = [next(it) for _ in range(2)]
+    assert _decode_threads_alive()
+    _threads._pause_before_fork()  # what os.fork runs first
+    assert _decode_threads_alive() == []
+    got.append(next(it))  # restarted on demand
+    # a DataLoader with forked worker processes elsewhere, mid-epoch
+    other = DataLoader(_make(shards, shuffle=False), batch_size=8, num_workers=2,
+                       multiprocessing_context=multiprocessing.get_context("fork"))
+    assert sum(len(b["cls"]) for b in other) == N
+    got.extend(it)
+    assert_same(got, ref)
+
+
+def test_global_rng_matches_worker_path(shards):
+    draws = []
+    for threads in (2, 0):
+        torch.manual_seed(0)
+        _epoch(DataLoader(_make(shards), batch_size=8, num_workers=2, decode_threads=threads),
+               "threads" if threads else "workers")
+        draws.append(torch.rand(3))
+    assert torch.equal(draws[0], draws[1])
+
+
+def test_pin_memory_without_accelerator_warns_like_torch(shards):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = _epoch(DataLoader(_make(shards), batch_size=8, num_workers=2, pin_memory=True, decode_threads=2),
+                     "threads")
+    if not torch.accelerator.is_available():
+        assert any("no accelerator is found" in str(w.message) for w in caught)
+    assert_same(got, list(DataLoader(_make(shards), batch_size=8, num_workers=2)))
+
+
+def test_custom_collate_runs_in_process(shards):
+    collate = lambda b: [(s["__key__"], s["cls"], int(s["jpg"].sum())) for s in b]  # noqa: E731
+    kw = dict(batch_size=5, num_workers=2, collate_fn=collate)
+    assert _epoch(DataLoader(_make(shards), decode_threads=2, **kw), "threads") == \
+        _epoch(DataLoader(_make(shards), **kw), "workers")
+
+
+@pytest.mark.parametrize("kind", [tuple, list])
+def test_tuple_and_list_samples_in_place(shards, kind):
+    kw = dict(batch_size=4, num_workers=2)
+    make = lambda: _make(shards, sample_transform=lambda s: kind((s["jpg"], s["cls"], s["__key__"])))  # noqa: E731
+    got = _epoch(DataLoader(make(), decode_threads=2, **kw), "threads")
+    ref = _epoch(DataLoader(make(), **kw), "workers")
+    assert len(got) == len(ref)
+    for x, y in zip(got, ref):
+        assert type(x) is type(y) is list and len(x) == 3
+        assert torch.equal(x[0], y[0]) and torch.equal(x[1], y[1]) and x[2] == y[2]
+    ds = make()
+    it = _threads.thread_batches(ds, ds.epoch_start(2), threads=2, batch_size=4, drop_last=False,
+                                 collate_fn=torch.utils.data.default_collate, pin=None)
+    assert sum(len(fb.batch[0]) for fb in it) == N and it.stats["in_place"] > N // 2
+
+
+def test_pool_threads_use_one_torch_thread_like_workers(shards):
+    seen = set()
+
+    def probe(img: Any) -> Any:
+        seen.add((threading.current_thread().name.startswith("fastdata-decode"), torch.get_num_threads()))
+        return img
+
+    before = torch.get_num_threads()
+    _epoch(DataLoader(_make(shards, transform=probe), batch_size=8, num_workers=2, decode_threads=2), "threads")
+    assert seen == {(True, 1)}
+    assert torch.get_num_threads() == before  # the caller's setting is untouched
+
+
+def test_cache_is_filled_from_threads_then_served_by_the_fast_path(shards, tmp_path):
+    make = lambda: _make(shards, cache=tmp_path / "c")  # noqa: E731
+    kw = dict(batch_size=4, num_workers=2)
+    ref = _epoch(DataLoader(_make(shards), **kw), "workers")
+    dl = DataLoader(make(), decode_threads=2, **kw)
+    first = _epoch(dl, "threads")  # fills the store from two threads
+    assert [list(b) for b in first][0] == ["__key__", "cls", "txt", "jpg"]  # cache order of keys
+    again = _epoch(dl, "cached")
+    assert_same(again, first)
+    for a, b in zip(first, ref):
+        assert a["__key__"] == b["__key__"] and torch.equal(a["jpg"], b["jpg"])
+
+
+def test_option_is_validated(shards, tmp_path):
+    for bad in (-1, True, 1.5, "2"):
+        with pytest.raises(ValueError, match=r"decode_threads must be an int >= 0 .* got"):
+            DataLoader(_make(shards), batch_size=4, decode_threads=bad)
+    with pytest.raises(ValueError, match="decode_threads=2: it needs a fastdata.ShardedDataset, got a list"):
+        DataLoader([1, 2, 3], batch_size=2, decode_threads=2)
+    with pytest.raises(ValueError, match=r"decode_threads=2: batch_size=None"):
+        DataLoader(_make(shards), batch_size=None, decode_threads=2)
+    with pytest.raises(ValueError, match="decode_threads=2: worker_init_fn= cannot run"):
+        DataLoader(_make(shards), batch_size=4, num_workers=2, worker_init_fn=lambda w: None, decode_threads=2)
+    assert DataLoader(_make(shards), batch_size=4, decode_threads=0).decode_threads == 0
+
+
+@pytest.mark.cuda
+def test_pinned_batches_through_the_prefetcher_cuda(shards):
+    from fastdata.prefetch import CUDAPrefetcher
+
+    ref = list(DataLoader(_make(shards), batch_size=4, num_workers=2))
+    dl = DataLoader(_make(shards), batch_size=4, num_workers=2, decode_threads=2, pin_memory=True)
+    first = next(iter(dl))
+    assert first["jpg"].is_pinned() and first["cls"].is_pinned()
+    with CUDAPrefetcher(dl, device="cuda") as pf:
+        got = [{k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in b.items()} for b in pf]
+    assert_same(got, ref)
