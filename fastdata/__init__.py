@@ -25,6 +25,7 @@ _EXPORTS: dict[str, str] = {
     "ResizeCenterCrop": "fastdata.transforms",
     "ShardInfo": "fastdata.manifest",
     "ShardedDataset": "fastdata.dataset",
+    "RemoteShards": "fastdata.dataset",
     "ShuffleOptions": "fastdata.dataset",
     "SkippedSampleWarning": "fastdata.dataset",
     "StallMeter": "fastdata.monitor",
@@ -39,6 +40,7 @@ _EXPORTS: dict[str, str] = {
     "verify": "fastdata.shards.reader",
     "ManifestError": "fastdata.errors",
     "ShardError": "fastdata.errors",
+    "RemoteError": "fastdata.errors",
     "ShardWriter": "fastdata.shards.writer",
 }
 
@@ -60,8 +62,8 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:  # pragma: no cover
     from fastdata.cache import Cache
-    from fastdata.dataset import ShardedDataset, ShuffleOptions, SkippedSampleWarning
-    from fastdata.errors import CacheError, DecodeError, FastdataError, ManifestError, ShardError
+    from fastdata.dataset import RemoteShards, ShardedDataset, ShuffleOptions, SkippedSampleWarning
+    from fastdata.errors import CacheError, DecodeError, FastdataError, ManifestError, RemoteError, ShardError
     from fastdata.loader import DataLoader
     from fastdata.manifest import FieldInfo, Manifest, ShardInfo
     from fastdata.monitor import StallMeter

@@ -128,9 +128,10 @@ class Source:
             return
         from fastdata.dataset._split import read_order, shard_schedule
 
+        base = getattr(plan, "base", plan)  # an ElasticPlan's epoch is approximated by the plain split
         ranks = _host_ranks(plan.rank, plan.world_size)
-        schedule = shard_schedule(plan, epoch + 1, ranks, num_workers)
-        for s, t in shard_schedule(plan, epoch, ranks, num_workers).items():
+        schedule = shard_schedule(base, epoch + 1, ranks, num_workers)
+        for s, t in shard_schedule(base, epoch, ranks, num_workers).items():
             schedule[s] = min(t, schedule.get(s, t))
         self.node_cache.plan(read_order(plan, seq), schedule, epoch + done)
 
