@@ -140,9 +140,11 @@ def format_diagnosis(d: Any, source: str) -> list[str]:
     for r in d.rows:
         lines.append(f"  {r.name:<31} {_num(r.capacity):>9}  {_use(r.uses, r.resource, d.cores):<24} {r.detail}")
     if d.job_rate is not None:
+        gpu = d.stall.gpu_util_mean if d.stall is not None else None
+        util = f", GPU utilisation {gpu:.0f}% ({d.stall.gpu_util_samples} NVML samples)" if gpu is not None else ""
         lines.append(f"  {'job (all stages together)':<31} {_num(d.job_rate):>9}  "
                      f"{'waited ' + format(d.wait_share, '.0%') + ' of the time':<24} "
-                     f"loader -> CUDAPrefetcher -> step, {o.job_steps} steps")
+                     f"loader -> CUDAPrefetcher -> step, {o.job_steps} steps{util}")
     if d.verdict == "loader-bound":
         verdict = (f"LOADER-BOUND: the job runs at {d.job_rate:,.0f} images/s, the step alone at {d.step_rate:,.0f}: "
                    f"{d.speedup_if_fed:.1f}x slower than it could; bound by {d.bound}")
@@ -152,6 +154,13 @@ def format_diagnosis(d: Any, source: str) -> list[str]:
     else:
         verdict = f"input pipeline: {d.rows[4].capacity:,.0f} images/s measured together; weakest stage {d.bound}"
     lines.append("verdict: " + verdict)
+    predicted, loaded = d.measurements.get("loader_predicted"), d.measurements.get("load_average")
+    together = d.rows[4].capacity
+    if predicted and together and together < 0.7 * predicted:
+        busy = f"; load average {loaded:.1f} on {d.cores} cores" if loaded is not None else ""
+        lines.append(f"note: the loader measured together reaches {together / predicted:.0%} of the {predicted:,.0f} "
+                     f"images/s its stages' CPU costs allow on {min(max(o.num_workers, 1), d.cores)} cores: the rest "
+                     f"goes to process overhead or other processes{busy}")
     if d.stall is not None and d.stall.periodic is not None:
         lines.append("stalls: " + d.stall.periodic.describe())
     note = d.measurements.get("gpu_decode_note")

@@ -20,6 +20,7 @@ recommendation quotes the measurement it rests on.
 from __future__ import annotations
 
 import math
+import os
 import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -224,6 +225,9 @@ def diagnose(source: str | Path, opts: DoctorOptions) -> Diagnosis:
             step_rate = B / st.time_step(step, norm(dev_batch), device)
             job_rate, stall = run_job(ds, opts, device, step, norm)
     rate_for_use = job_rate if job_rate is not None else lrun.rate
+    per_image = read.cpu_s / read.samples + (costs.decode_s or 0.0) + costs.preprocess_s + costs.collate_s
+    meas["loader_predicted"] = par / per_image  # what the worker stages' CPU costs allow on ``par`` cores
+    meas["load_average"] = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
 
     def use(cost_s: float | None, per: float = 1.0) -> float | None:
         return None if cost_s is None else rate_for_use * cost_s / per
