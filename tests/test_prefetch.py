@@ -508,6 +508,7 @@ def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> dict:
     monkeypatch.setattr(stage, "_pinned_empty", pinned)
     monkeypatch.setattr(stage, "_device_empty", device_empty)
     monkeypatch.setattr(stage, "_to_device", lambda t, d: t.clone())
+    monkeypatch.setattr(stage, "_set_current_stream", lambda s: None)
     return counts
 
 

@@ -510,6 +510,7 @@ def _produce(
     try:
         if device.type == "cuda":
             torch.cuda.set_device(device)
+        stager.begin_thread()
         while True:
             _pump(pipe, source, stager, stats, epochs, number, device)
             pipe.items.put(END)

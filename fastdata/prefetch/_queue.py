@@ -132,8 +132,16 @@ class Stats:
             for name, value in amounts.items():
                 setattr(self, name, getattr(self, name) + value)
 
-    def add_batch_bytes(self, nbytes: int) -> None:
+    def add_staged(self, *, throttle_s: float, stage_s: float, pack_s: float, packed: int, copy_s: float,
+                   timed: int, nbytes: int) -> None:
+        """One staged batch (one lock round trip on the producer's hot path)."""
         with self._lock:
+            self.throttle_s += throttle_s
+            self.stage_s += stage_s
+            self.pack_s += pack_s
+            self.packed_bytes += packed
+            self.copy_s += copy_s
+            self.timed_bytes += timed
             self.bytes += nbytes
             self.queued_bytes += nbytes
             self.peak_batch_bytes = max(self.peak_batch_bytes, nbytes)

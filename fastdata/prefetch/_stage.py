@@ -122,6 +122,9 @@ class CpuStager:
         self._transform = transform
         self._skip = skip
 
+    def begin_thread(self) -> None:
+        return None
+
     def stage(self, batch: Any, credit: Any) -> Item:
         if any(t.device.type != "cpu" for _, t in tensor_leaves(batch, skip=self._skip)):
             batch = map_tensors(batch, lambda t, _p: t.cpu(), skip=self._skip)
@@ -237,12 +240,14 @@ def _split(pairs: list[tuple[np.ndarray, np.ndarray]], total: int, parts: int) -
     return [c for c in chunks if c]
 
 
-def _byte_array(t: torch.Tensor) -> np.ndarray | None:
-    """A uint8 numpy view of ``t``'s memory if ``t`` is dense (any dimension order), else None."""
-    if t.is_conj() or t.is_neg() or _dense_strides(t) != tuple(t.stride()):
+def _byte_array(t: torch.Tensor, strides: tuple[int, ...]) -> np.ndarray | None:
+    """A uint8 numpy view of ``t``'s memory if ``t`` is dense (``strides``, from ``_dense_strides``,
+    are its own: any dimension order), else None."""
+    if strides != t.stride() or t.is_conj() or t.is_neg():
         return None
-    flat = t.detach().as_strided((t.numel(),), (1,))
-    return flat.view(torch.uint8).numpy()
+    if t.requires_grad:
+        t = t.detach()
+    return t.as_strided((t.numel(),), (1,)).view(torch.uint8).numpy()
 
 
 # --- CUDA stager ---------------------------------------------------------------------------------
@@ -287,40 +292,48 @@ class CudaStager:
         self.pinned_bytes = 0
         self.pinned_allocs = 0
 
+    def begin_thread(self) -> None:
+        """In the producer thread, once: no autograd, and the side stream as its current stream (both
+        thread-local), so staging a batch needs no context managers."""
+        torch.set_grad_enabled(False)
+        _set_current_stream(self.stream)
+
     def stage(self, batch: Any, credit: Any) -> Item:
         t0 = perf_counter()
         if credit is not None:
             credit.synchronize()  # the consumer's work on batch j - depth - 1 has finished on the GPU
         t1 = perf_counter()
         with self.lock:
-            item = self._stage_locked(batch)
-        self._stats.add(throttle_s=t1 - t0, stage_s=perf_counter() - t1)
+            item, pack_s, packed, copy_s, timed = self._stage_locked(batch)
+        self._stats.add_staged(throttle_s=t1 - t0, stage_s=perf_counter() - t1, pack_s=pack_s, packed=packed,
+                               copy_s=copy_s, timed=timed, nbytes=item.nbytes)
         return item
 
-    def _stage_locked(self, batch: Any) -> Item:
+    def _stage_locked(self, batch: Any) -> tuple[Item, float, int, float, int]:
         leaves = [t for _, t in tensor_leaves(batch, skip=self._skip)]
         slot = self._slots[self._next]
         self._next = (self._next + 1) % len(self._slots)
-        self._recycle(slot)
+        copy_s, timed = self._recycle(slot)
         plan, total, nbytes = self._plan(leaves)
         self._ensure_capacity(slot, total)
-        with torch.no_grad():
-            self._pack(slot, plan, leaves)
-            self._order_after_producer(plan, leaves)
-            with torch.cuda.stream(self.stream):
-                slot.start.record(self.stream)
-                moved, owned = self._copy(slot, plan, leaves, total)
-                slot.end.record(self.stream)
-                slot.nbytes, slot.pending = nbytes, True
-                it = iter(moved)
-                out = map_tensors(batch, lambda _t, _p: next(it), skip=self._skip)
-                if self._transform is not None:
-                    out = self._transform(out)
-                    owned = self._storages(out)
-                ready = torch.cuda.Event()
-                ready.record(self.stream)
-        self._stats.add_batch_bytes(nbytes)
-        return Item(out, ready, nbytes, tuple(owned))
+        t0 = perf_counter()
+        packed = self._pack(slot, plan, leaves)
+        pack_s = perf_counter() - t0
+        if torch.cuda.current_stream(self.device) != self.stream:  # the iterable may have changed it
+            _set_current_stream(self.stream)
+        self._order_after_producer(plan, leaves)
+        slot.start.record(self.stream)
+        moved, owned = self._copy(slot, plan, leaves, total)
+        slot.end.record(self.stream)
+        slot.nbytes, slot.pending = nbytes, True
+        it = iter(moved)
+        out = map_tensors(batch, lambda _t, _p: next(it), skip=self._skip)
+        if self._transform is not None:
+            out = self._transform(out)
+            owned = self._storages(out)
+        ready = torch.cuda.Event()
+        ready.record(self.stream)
+        return Item(out, ready, nbytes, tuple(owned)), pack_s, packed, copy_s, timed
 
     def _storages(self, out: Any) -> list[torch.Tensor]:
         """One tensor per distinct device storage in ``out`` (record_stream acts on the storage)."""
@@ -334,30 +347,35 @@ class CudaStager:
         """Batch tensors already on the device were made on this thread's current stream (the wrapped
         iterable runs here): the side stream, and through its ready event the consumer, must wait for
         that work; and the transform reads them on the side stream, so their memory is protected there."""
-        kept = [t for (kind, _), t in zip(plan, leaves) if kind == "keep"]
+        kept = [t for (kind, _, _), t in zip(plan, leaves) if kind == "keep"]
         if not kept:
             return
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        current = torch.cuda.current_stream(self.device)
+        if current == self.stream:  # made on the side stream itself (the thread's current stream)
+            return
+        self.stream.wait_stream(current)
         if self._transform is not None:
             for t in kept:
                 t.record_stream(self.stream)
 
-    def _plan(self, leaves: list[torch.Tensor]) -> tuple[list[tuple[str, int]], int, int]:
-        """Per leaf (kind, offset): keep (already there), pack (pageable), direct (pinned), other."""
-        plan: list[tuple[str, int]] = []
+    def _plan(self, leaves: list[torch.Tensor]) -> tuple[list[tuple[str, int, Any]], int, int]:
+        """Per leaf (kind, offset, dense strides): keep (already there), pack (pageable), direct
+        (pinned), other (moved by ``.to``)."""
+        plan: list[tuple[str, int, Any]] = []
         total = nbytes = 0
+        device = self.device
         for t in leaves:
-            size = t.numel() * t.element_size()
-            if t.device == self.device:
-                plan.append(("keep", 0))
+            if t.device == device:
+                plan.append(("keep", 0, None))
                 continue
+            size = t.numel() * t.element_size()
             nbytes += size
             if t.device.type != "cpu" or t.layout != torch.strided or t.is_quantized:
-                plan.append(("other", 0))
+                plan.append(("other", 0, None))
             elif t.is_pinned():
-                plan.append(("direct", 0))
+                plan.append(("direct", 0, None))
             else:
-                plan.append(("pack", total))
+                plan.append(("pack", total, _dense_strides(t)))
                 total += -(-size // ALIGN) * ALIGN
         return plan, total, nbytes
 
@@ -375,63 +393,67 @@ class CudaStager:
         self.pinned_bytes += capacity - old
         self.pinned_allocs += 1
 
-    def _pack(self, slot: _Slot, plan: list[tuple[str, int]], leaves: list[torch.Tensor]) -> None:
-        t0 = perf_counter()
+    def _pack(self, slot: _Slot, plan: list[tuple[str, int, Any]], leaves: list[torch.Tensor]) -> int:
+        """Copy the pageable tensors into the slot; returns the bytes copied by the pool."""
         pairs: list[tuple[np.ndarray, np.ndarray]] = []
         total = 0
-        for (kind, offset), t in zip(plan, leaves):
+        array = slot.array
+        for (kind, offset, strides), t in zip(plan, leaves):
             if kind != "pack" or not t.numel():
                 continue
-            src = _byte_array(t)
+            src = _byte_array(t, strides)
             if src is None:  # overlapping or gapped (expand, slicing with a step): torch lays it out
-                _view(slot.buf, offset, t).copy_(t)
+                _view(slot.buf, offset, t, strides).copy_(t)
                 continue
-            assert slot.array is not None
-            pairs.append((slot.array[offset : offset + len(src)], src))
+            assert array is not None
+            pairs.append((array[offset : offset + len(src)], src))
             total += len(src)
         if pairs:
             self._pool.copy(pairs, total)
-        self._stats.add(pack_s=perf_counter() - t0, packed_bytes=total)
+        return total
 
-    def _copy(self, slot: _Slot, plan: list, leaves: list[torch.Tensor], total: int
+    def _copy(self, slot: _Slot, plan: list[tuple[str, int, Any]], leaves: list[torch.Tensor], total: int
               ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         dev = None
         owned: list[torch.Tensor] = []
+        device = self.device
         if total:
-            dev = _device_empty(total, self.device)
+            dev = _device_empty(total, device)
             dev.copy_(slot.buf[:total], non_blocking=True)
-            if dev.device == self.device:
+            if dev.device == device:
                 owned.append(dev)
         moved = []
-        for (kind, offset), t in zip(plan, leaves):
-            if kind == "keep":
-                moved.append(t)
-                if t.device == self.device:
-                    owned.append(t)
-            elif kind == "pack":
+        for (kind, offset, strides), t in zip(plan, leaves):
+            if kind == "pack":
                 if t.numel():
-                    moved.append(_view(dev, offset, t))
+                    moved.append(_view(dev, offset, t, strides))
                 else:
-                    moved.append(_device_empty(0, self.device).view(t.dtype).as_strided(t.shape, _dense_strides(t)))
+                    moved.append(_device_empty(0, device).view(t.dtype).as_strided(t.shape, strides))
+            elif kind == "keep":
+                moved.append(t)
+                owned.append(t)
             else:
                 if kind == "direct":
                     slot.refs.append(t)
-                out = _to_device(t, self.device)
+                out = _to_device(t, device)
                 moved.append(out)
-                if out.device == self.device:
+                if out.device == device:
                     owned.append(out)
         return moved, owned
 
-    def _recycle(self, slot: _Slot) -> None:
-        """Wait until the slot's last copy finished; fold its timing into the stats; drop its refs."""
+    def _recycle(self, slot: _Slot) -> tuple[float, int]:
+        """Wait until the slot's last copy finished; drop its refs. Returns its (copy seconds, bytes)."""
+        timing = (0.0, 0)
         if slot.pending:
             slot.end.synchronize()
-            self._fold(slot)
+            timing = self._timing(slot)
         slot.refs = []
+        return timing
 
-    def _fold(self, slot: _Slot) -> None:
-        self._stats.add(copy_s=slot.start.elapsed_time(slot.end) / 1e3, timed_bytes=slot.nbytes)
+    @staticmethod
+    def _timing(slot: _Slot) -> tuple[float, int]:
         slot.pending = False
+        return slot.start.elapsed_time(slot.end) / 1e3, slot.nbytes
 
     def handover(self, item: Item) -> tuple[Any, Any]:
         """Consumer side: the credit event (end of the consumer's work so far), then order the current
@@ -451,7 +473,8 @@ class CudaStager:
         with self.lock:
             for slot in self._slots:
                 if slot.pending and slot.end.query():
-                    self._fold(slot)
+                    copy_s, timed = self._timing(slot)
+                    self._stats.add(copy_s=copy_s, timed_bytes=timed)
 
     def release(self) -> None:
         with self.lock:
@@ -507,6 +530,10 @@ def _pinned_free(buf: torch.Tensor) -> None:
         entry[1](buf.data_ptr())
 
 
+def _set_current_stream(stream: Any) -> None:
+    torch.cuda.set_stream(stream)
+
+
 def _device_empty(nbytes: int, device: torch.device) -> torch.Tensor:
     return torch.empty(nbytes, dtype=torch.uint8, device=device)  # on the current (side) stream
 
@@ -517,6 +544,8 @@ def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 def _dense_strides(t: torch.Tensor) -> tuple[int, ...]:
     """``t``'s strides when it is non-overlapping and dense (keeps channels_last etc.), else contiguous."""
+    if t.is_contiguous():
+        return t.stride()
     order = sorted(range(t.dim()), key=lambda d: (t.stride(d), t.shape[d]))
     expected = 1
     for d in order:
@@ -534,7 +563,9 @@ def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-def _view(buf: torch.Tensor, offset: int, like: torch.Tensor) -> torch.Tensor:
+def _view(buf: torch.Tensor, offset: int, like: torch.Tensor, strides: tuple[int, ...] | None = None) -> torch.Tensor:
     """A view of ``buf`` (bytes) at ``offset`` with ``like``'s dtype, shape and dense strides."""
     size = like.numel() * like.element_size()
-    return buf[offset : offset + size].view(like.dtype).as_strided(like.shape, _dense_strides(like))
+    if strides is None:
+        strides = _dense_strides(like)
+    return buf[offset : offset + size].view(like.dtype).as_strided(like.shape, strides)

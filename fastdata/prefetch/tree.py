@@ -62,9 +62,22 @@ def tensor_leaves(obj: Any, *, skip: Callable[[Path], bool] | None = None) -> li
     return found
 
 
+# Leaf types that can never hold a tensor: checked first (by exact type), so that the common batch
+# entries (keys, labels, lists of strings) cost one set lookup instead of a chain of isinstance checks.
+_ATOMS = frozenset({str, bytes, int, float, bool, complex, type(None)})
+
+
+def _atoms_only(seq: Any) -> bool:
+    return all(type(v) in _ATOMS for v in seq)
+
+
 def _map(obj: Any, fn: LeafFn, skip: Callable[[Path], bool] | None, path: Path) -> Any:
+    if type(obj) in _ATOMS:
+        return obj
     if isinstance(obj, torch.Tensor):
         return fn(obj, path)
+    if type(obj) is list and _atoms_only(obj):
+        return obj
     if isinstance(obj, Mapping):
         new = {k: _child(v, fn, skip, (*path, k)) for k, v in obj.items()}
         if _unchanged(obj.values(), new.values()):
@@ -116,8 +129,12 @@ def _rebuild_mapping(obj: Mapping, items: dict) -> Any:
 
 
 def _walk(obj: Any, found: list, skip: Callable[[Path], bool] | None, path: Path) -> None:
+    if type(obj) in _ATOMS:
+        return
     if isinstance(obj, torch.Tensor):
         found.append((path, obj))
+        return
+    if type(obj) is list and _atoms_only(obj):
         return
     if isinstance(obj, Mapping):
         children: Iterable[tuple[Any, Any]] = obj.items()
