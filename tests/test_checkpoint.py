@@ -30,7 +30,10 @@ def _setup(shards, workers: int, *, seed: int = 0, grad_accum: int = 2, prefetch
                               torch.nn.functional.cross_entropy, grad_accum=grad_accum,
                               input_key="x.npy", target_key="cls")
     ds = fastdata.ShardedDataset(shards, shuffle=True, seed=7)
-    loader = fastdata.DataLoader(ds, batch_size=BATCH, num_workers=workers)
+    # Own generator for the workers' base seed: CUDAPrefetcher starts the next epoch's iterator ahead in
+    # its thread, and a draw from torch's global generator there would race with the step's dropout.
+    loader = fastdata.DataLoader(ds, batch_size=BATCH, num_workers=workers,
+                                 generator=torch.Generator().manual_seed(0))
     batches = fastdata.CUDAPrefetcher(loader, device="cpu") if prefetch else loader
     return step, loader, batches
 
@@ -39,7 +42,7 @@ def _train(step, loader, batches, epochs, *, start_epoch=0, stop_after=None, on_
     """Losses (and keys) of every micro-step; calls on_stop(epoch) after `stop_after` batches and returns."""
     losses, keys, done = [], [], 0
     for epoch in range(start_epoch, epochs):
-        loader.set_epoch(epoch)
+        batches.set_epoch(epoch)  # the prefetcher's (it starts the next epoch ahead), else the loader's
         for batch in batches:
             losses.append(step(batch).item())
             keys.append(list(batch["__key__"]))

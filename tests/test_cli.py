@@ -1,6 +1,8 @@
 import subprocess
 import sys
 
+import pytest
+
 import fastdata
 from fastdata.cli import main
 
@@ -33,22 +35,105 @@ def test_doctor_runs():
     assert "package torch" in out.stdout and "shared memory" in out.stdout
 
 
-def test_demo_end_to_end(tmp_path, capsys):
-    assert main(["demo", "--dir", str(tmp_path), "--images", "96", "--workers", "0", "--epochs", "2",
-                 "--batch-size", "16"]) == 0
-    out = capsys.readouterr().out
-    assert "checksums verified" in out
-    assert "filling the cache" in out and "read from the cache (in-process fast path)" in out
-    assert "[4/4]" in out
-
-
-def test_bench_writes_json(tmp_path, capsys):
+def test_demo_before_after_table(tmp_path, capsys):
     import json
 
-    out_json = tmp_path / "bench.json"
-    assert main(["bench", "--dir", str(tmp_path / "w"), "--images", "64", "--workers", "0", "--repeats", "1",
-                 "--json", str(out_json)]) == 0
+    out_json = tmp_path / "demo.json"
+    assert main(["demo", "--dir", str(tmp_path / "w"), "--images", "48", "--workers", "0", "--epochs", "2",
+                 "--batch-size", "16", "--json", str(out_json)]) == 0
+    out = capsys.readouterr().out
+    assert "generating photo-like JPEGs" in out and "48/48" in out  # progress during generation
+    assert "checksums verified" in out
+    for row in ("torch DataLoader, tuned", "fastdata, uncached", "fastdata, cached"):
+        assert row in out
+    assert "images/s" in out and "input wait" in out and "speed-up" in out and "1.00x" in out
     res = json.loads(out_json.read_text())
-    assert res["raw_read"]["GB/s"] > 0 and res["decode_pipeline"]["images/s"] > 0
-    assert res["cached_pipeline"]["images/s"] > 0 and res["cached_pipeline"]["speedup"] > 0
-    assert "cached pipeline" in capsys.readouterr().out
+    assert [r["pipeline"] for r in res["rows"]] == ["torch DataLoader, tuned", "fastdata, uncached", "fastdata, cached"]
+    assert all(r["images_per_s"] > 0 and 0 <= r["wait_share"] <= 1 for r in res["rows"])
+    assert all(len(r["timeline"]) == 3 for r in res["rows"])  # one measured epoch of 48 // 16 steps
+    assert res["rows"][-1]["note"] == "last epoch: cached path"
+    assert res["settings"]["workers"] == 0 and res["machine"]["device"] == "cpu"
+
+
+def test_demo_prints_no_paths_of_its_temporary_folder(capsys, monkeypatch, tmp_path):
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where TemporaryDirectory creates the folder
+    assert main(["demo", "--images", "32", "--workers", "0", "--epochs", "1", "--batch-size", "16"]) == 0
+    out = capsys.readouterr().out
+    assert str(tmp_path) not in out and "fastdata-demo-" not in out
+    assert list(tmp_path.iterdir()) == []  # removed
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0
+    assert capsys.readouterr().out.strip() == f"fastdata {fastdata.__version__}"
+
+
+def _options(parser, prefix=()):
+    """(command path, action) for every option and positional of ``parser`` and its subcommands."""
+    import argparse
+
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from _options(sub, (*prefix, name))
+        elif not isinstance(action, (argparse._HelpAction, argparse._VersionAction)):
+            yield prefix, action
+
+
+def test_every_option_of_demo_inspect_cache_has_help_with_its_default():
+    from fastdata.cli._main import build_parser
+
+    checked = 0
+    for path, action in _options(build_parser()):
+        if path and path[0] not in ("demo", "inspect", "cache"):
+            continue  # other commands are checked by their own tests
+        where = " ".join(path) + " " + (action.option_strings[-1] if action.option_strings else action.dest)
+        assert action.help, f"{where}: no help text"
+        if action.option_strings and not action.required:
+            assert "default" in action.help, f"{where}: help does not state the default: {action.help!r}"
+        checked += 1
+    assert checked >= 20
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["demo", "--images", "abc"], "argument --images: expected an integer >= 1, got 'abc'"),
+    (["demo", "--images", "0"], "argument --images: expected an integer >= 1, got 0"),
+    (["demo", "--workers", "-1"], "argument --workers: expected an integer >= 0, got -1"),
+    (["demo", "--model", "vgg"], "argument --model: invalid choice: 'vgg'"),
+    (["inspect", "x", "--show-skipped", "many"], "argument --show-skipped: expected an integer >= 0, got 'many'"),
+    (["cache", "build", "src", "--cache", "c", "--max-bytes", "lots"], "argument --max-bytes:"),
+    (["cache", "build", "src", "--cache", "c", "--size", "1.5"], "argument --size: expected an integer >= 1"),
+])
+def test_argument_errors_name_the_option_not_internal_functions(argv, expected, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert expected in err
+    assert "_positive" not in err and "_nonneg" not in err and "positive_int" not in err
+    assert "invalid" not in err.replace("invalid choice", "")
+
+
+def test_demo_rejects_fewer_images_than_a_batch(capsys):
+    assert main(["demo", "--images", "8", "--batch-size", "16"]) == 1
+    assert "--images (8) must be at least --batch-size (16)" in capsys.readouterr().err
+
+
+def test_demo_gpu_decode_row_runs_on_the_cpu_path(tmp_path, capsys):
+    """The device-decode row's code (image_decode='device' + DecodeImages) on the CPU, tiny data."""
+    import torch
+
+    from fastdata.cli._demo import _make_shards, _run_pipelines
+
+    shards, _ = _make_shards(tmp_path, 16, 0)
+    torch.set_num_threads(1)
+    rows = _run_pipelines(tmp_path, shards, device=torch.device("cpu"), model_name="small", batch_size=8,
+                          workers=0, epochs=2, gpu_decode=True)
+    torch.set_num_threads(2)
+    out = capsys.readouterr().out
+    assert "not measured" not in out
+    assert [r.pipeline for r in rows][-1] == "fastdata, GPU decode" and rows[-1].images_per_s > 0

@@ -97,17 +97,18 @@ def add_cache_subparser(subparsers: Any) -> argparse.ArgumentParser:
     sub = cache.add_subparsers(dest="cache_command", required=True)
 
     def common(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--cache", required=True, metavar="DIR", help="cache directory")
+        p.add_argument("--cache", required=True, metavar="DIR", help="cache directory (required)")
 
     ls = sub.add_parser("list", help="list stores with size, fill ratio and fingerprint")
     common(ls)
-    ls.add_argument("-l", "--long", action="store_true", help="also full fingerprint, path and fields")
+    ls.add_argument("-l", "--long", action="store_true",
+                    help="also full fingerprint, path and fields (default: off)")
     ls.add_argument("--json", action="store_true",
                     help="print the stores as a JSON list instead of a table (default: off)")
     ls.set_defaults(func=cmd_list)
 
     rm = sub.add_parser("rm", help="remove the stores whose fingerprint (or key) starts with FINGERPRINT")
-    rm.add_argument("fingerprint", metavar="FINGERPRINT")
+    rm.add_argument("fingerprint", metavar="FINGERPRINT", help="fingerprint or key prefix, as `cache list` shows it")
     common(rm)
     rm.set_defaults(func=cmd_rm)
 
@@ -117,13 +118,17 @@ def add_cache_subparser(subparsers: Any) -> argparse.ArgumentParser:
                     "interpolation=...), cache=DIR) reads, by iterating SOURCE once.")
     build.add_argument("source", metavar="SOURCE", help="shard folder with manifest.json")
     common(build)
-    build.add_argument("--size", type=positive_int, default=224, help="output side (centre crop)")
+    build.add_argument("--size", type=positive_int, default=224,
+                       help="output side of the centre crop in pixels (default: 224)")
     build.add_argument("--resize", type=positive_int, default=None,
-                       help="shorter side before cropping (default: size * 256 / 224)")
-    build.add_argument("--interpolation", default="bilinear", choices=("bilinear", "bicubic", "lanczos", "nearest"))
-    build.add_argument("--workers", type=nonneg_int, default=2, help="DataLoader worker processes (0: in process)")
+                       help="shorter side before cropping (default: SIZE * 256 / 224, i.e. 256 for 224)")
+    build.add_argument("--interpolation", default="bilinear", choices=("bilinear", "bicubic", "lanczos", "nearest"),
+                       help="resampling filter (default: bilinear)")
+    build.add_argument("--workers", type=nonneg_int, default=2,
+                       help="DataLoader worker processes, 0 = in process (default: 2)")
     build.add_argument("--max-bytes", type=byte_size, default=None, metavar="SIZE",
-                       help="size limit of the cache directory (e.g. 50GB); older stores are evicted")
-    build.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+                       help="size limit of the cache directory (e.g. 50GB); least recently used stores are evicted "
+                            "(default: no limit)")
+    build.add_argument("-q", "--quiet", action="store_true", help="no progress bar (default: off)")
     build.set_defaults(func=cmd_build)
     return cache

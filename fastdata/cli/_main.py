@@ -1,14 +1,20 @@
-"""The ``fastdata`` command (also ``python -m fastdata``): demo, doctor, bench, inspect, cache, shard, verify."""
+"""The ``fastdata`` command (also ``python -m fastdata``): demo, doctor, tune, bench, inspect, cache, shard, verify."""
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 from collections.abc import Sequence
 
-from fastdata.cli._args import nonneg_int, positive_int
+from fastdata._version import __version__
+from fastdata.cli._args import nonneg_int
+from fastdata.cli._bench import add_bench_subparser
 from fastdata.cli._cache_cmd import add_cache_subparser
+from fastdata.cli._demo import add_demo_subparser
+from fastdata.cli._doctor import add_doctor_subparser
 from fastdata.cli._shard_cmd import add_shard_subparsers
+from fastdata.cli._tune import add_tune_subparser
 from fastdata.errors import FastdataError
 
 log = logging.getLogger("fastdata")
@@ -18,6 +24,9 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     from fastdata.manifest import Manifest
 
     m = Manifest.load(args.dest)
+    if args.json:  # the manifest as stored, plus the totals the table shows
+        print(json.dumps({**m.to_json(), "total_bytes": sum(s.bytes for s in m.shards)}, indent=1))
+        return 0
     total_bytes = sum(s.bytes for s in m.shards)
     print(f"format      {m.format} (version {m.format_version})")
     print(f"samples     {m.num_samples}")
@@ -36,54 +45,26 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_doctor(args: argparse.Namespace) -> int:
-    from fastdata.cli._doctor import run_doctor
-
-    return run_doctor()
-
-
-def _cmd_demo(args: argparse.Namespace) -> int:
-    from fastdata.cli._demo import run_demo
-
-    return run_demo(workdir=args.dir, num_images=args.images, num_workers=args.workers,
-                    epochs=args.epochs, batch_size=args.batch_size)
-
-
-def _cmd_bench(args: argparse.Namespace) -> int:
-    from fastdata.cli._demo import run_bench
-
-    return run_bench(workdir=args.dir, num_images=args.images, num_workers=args.workers,
-                     repeats=args.repeats, json_path=args.json)
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="fastdata", description="Keep GPUs fed.")
-    p.add_argument("-v", "--verbose", action="store_true", help="debug logging and full tracebacks")
+    p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging and full tracebacks (default: off)")
     sub = p.add_subparsers(dest="command", required=True)
 
-    demo = sub.add_parser("demo", help="generate a small JPEG set, shard it, and train from it end to end")
-    demo.add_argument("--dir", default=None, help="working folder (default: a temporary one)")
-    demo.add_argument("--images", type=positive_int, default=1024)
-    demo.add_argument("--workers", type=nonneg_int, default=2)
-    demo.add_argument("--epochs", type=positive_int, default=3)
-    demo.add_argument("--batch-size", type=positive_int, default=64)
-    demo.set_defaults(func=_cmd_demo)
+    add_demo_subparser(sub)
 
-    bench = sub.add_parser("bench", help="measure this machine: raw reads, decode pipeline, cache, H2D")
-    bench.add_argument("--dir", default=None, help="working folder (default: a temporary one)")
-    bench.add_argument("--images", type=positive_int, default=1024)
-    bench.add_argument("--workers", type=nonneg_int, default=2)
-    bench.add_argument("--repeats", type=positive_int, default=3)
-    bench.add_argument("--json", default=None, help="write results as JSON to this path")
-    bench.set_defaults(func=_cmd_bench)
+    add_bench_subparser(sub)
 
-    doctor = sub.add_parser("doctor", help="check this environment for input-pipeline pitfalls")
-    doctor.set_defaults(func=_cmd_doctor)
+    add_doctor_subparser(sub)
+    add_tune_subparser(sub)
 
     inspect = sub.add_parser("inspect", help="summarise a shard folder's manifest")
     inspect.add_argument("dest", help="folder with manifest.json (or the file)")
-    inspect.add_argument("--shards", action="store_true", help="list every shard")
-    inspect.add_argument("--show-skipped", type=nonneg_int, default=10, metavar="N")
+    inspect.add_argument("--shards", action="store_true", help="list every shard (default: off)")
+    inspect.add_argument("--show-skipped", type=nonneg_int, default=10, metavar="N",
+                         help="list at most N skipped inputs with their reasons (default: 10)")
+    inspect.add_argument("--json", action="store_true",
+                         help="print the manifest and totals as JSON instead of a summary (default: off)")
     inspect.set_defaults(func=_cmd_inspect)
 
     add_cache_subparser(sub)
