@@ -185,7 +185,10 @@ class _FakeNVML:
         self.lookups = []
 
     def nvmlInit(self):
-        pass
+        self.inits = getattr(self, "inits", 0) + 1
+
+    def nvmlShutdown(self):
+        self.inits -= 1
 
     def nvmlDeviceGetHandleByUUID(self, uuid):
         self.lookups.append(("uuid", uuid))
@@ -249,10 +252,12 @@ def test_nvml_device_found_by_uuid_then_pci_never_by_cuda_index(fake_props, monk
 def test_gpu_sampler_collects_buffered_samples_and_falls_back(fake_props):
     from fastdata.monitor import GPUSampler
 
-    sampler = GPUSampler(0, 0.01, nvml=_FakeNVML())
+    nvml = _FakeNVML()
+    sampler = GPUSampler(0, 0.01, nvml=nvml)
     time.sleep(0.15)
     samples = sampler.stop()
     assert sampler.found_by == "uuid" and len(samples) >= 3 and set(samples) == {70}
+    assert nvml.inits == 0 and sampler.stop() == samples  # NVML released once; stop() twice is harmless
     sampler = GPUSampler(0, 0.01, nvml=_FakeNVML(buffered=False))
     time.sleep(0.05)
     samples = sampler.stop()

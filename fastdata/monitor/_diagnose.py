@@ -119,9 +119,7 @@ def _loader(ds: Any, batch_size: int, workers: int) -> Any:
 
 
 def _close(loader: Any) -> None:
-    it = getattr(loader, "_iterator", None)  # torch keeps persistent workers until the loader is collected
-    if it is not None and hasattr(it, "_shutdown_workers"):
-        it._shutdown_workers()
+    st.shutdown_workers(loader)
 
 
 def run_job(ds: Any, opts: DoctorOptions, device: torch.device, step: Any, transform: Any,
@@ -193,12 +191,12 @@ def diagnose(source: str | Path, opts: DoctorOptions) -> Diagnosis:
         if workers < ncores and more > workers:
             loader = _loader(ds, B, more)
             try:
-                meas["scaling"] = {"workers": [workers, more], "rate": [lrun.rate, st.time_loader(loader).rate]}
+                meas["scaling"] = {"workers": [workers, more], "rate": [lrun.rate, st.time_loader(loader, passes=2).rate]}
             finally:
                 _close(loader)
         cached_loader = _loader(_dataset(subset, fields, pre, opts.decode, cache=Path(tmp) / "cache"), B, workers)
         try:
-            crun = st.time_loader(cached_loader, passes=3)  # the warm-up pass fills the cache; passes are cheap
+            crun = st.time_loader(cached_loader, warmup="pass", passes=3)  # the warm-up fills the cache
         finally:
             _close(cached_loader)
         meas["cached"] = asdict(crun)

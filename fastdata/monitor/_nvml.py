@@ -67,7 +67,11 @@ class GPUSampler:
 
         nvml.nvmlInit()
         self._nvml = nvml
-        self._handle, self.found_by = nvml_handle(nvml, index)
+        try:
+            self._handle, self.found_by = nvml_handle(nvml, index)
+        except BaseException:
+            nvml.nvmlShutdown()
+            raise
         self._interval = interval_s
         self._start_us = int(time.time() * 1e6)
         self._last_ts = self._start_us
@@ -75,6 +79,7 @@ class GPUSampler:
         self._samples: list[tuple[int, int]] = []  # (timestamp in us, percent)
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self._shut = False
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="fastdata-gpu-sampler", daemon=True)
         self._thread.start()
@@ -121,6 +126,12 @@ class GPUSampler:
                 self.error = e
         if self.error is not None:
             log.warning("GPU sampling stopped early: %r", self.error)
+        if not self._shut:
+            self._shut = True
+            try:
+                self._nvml.nvmlShutdown()  # nvmlInit is reference-counted: balance it
+            except Exception as e:  # noqa: BLE001  nothing depends on it; say so and go on
+                log.debug("nvmlShutdown: %r", e)
         with self._lock:  # only samples taken after start (a buffer may hold older ones)
             return [v for t, v in self._samples if t >= self._start_us]
 

@@ -207,14 +207,17 @@ class LoaderRun:
     path: str | None  # fastdata.DataLoader.last_path
 
 
-def time_loader(loader: Any, *, warmup: bool = True, passes: int = 1, max_batches: int | None = None) -> LoaderRun:
-    """The fastest of ``passes`` timed passes of ``loader`` (after one warm-up pass when ``warmup``).
+def time_loader(loader: Any, *, warmup: str = "start", passes: int = 1, max_batches: int | None = None) -> LoaderRun:
+    """The fastest of ``passes`` timed passes of ``loader`` after a warm-up.
 
-    The best pass is the one least disturbed by other processes on a shared machine.
+    ``warmup``: "start" (the first ``num_workers + 1`` batches: the workers are up), "pass" (a whole
+    pass, e.g. to fill a cache) or "none". The best pass is the one least disturbed by other
+    processes on a shared machine.
     """
-    if warmup:
+    if warmup != "none":
+        limit = None if warmup == "pass" else getattr(loader, "num_workers", 0) + 1
         for i, _ in enumerate(loader):
-            if max_batches is not None and i + 1 >= max_batches:
+            if limit is not None and i + 1 >= limit:
                 break
     runs = [_one_pass(loader, max_batches) for _ in range(passes)]
     return max(runs, key=lambda r: r.rate)
@@ -272,7 +275,14 @@ def handoff_run(n: int, shape: tuple[int, ...], fields: Fields, batch_size: int,
     try:
         return time_loader(loader)
     finally:
-        del loader
+        shutdown_workers(loader)
+
+
+def shutdown_workers(loader: Any) -> None:
+    """Stop a DataLoader's persistent workers now (torch keeps them until the loader is collected)."""
+    it = getattr(loader, "_iterator", None)
+    if it is not None and hasattr(it, "_shutdown_workers"):
+        it._shutdown_workers()
 
 
 # ------------------------------------------------------------------------------- training steps
