@@ -85,6 +85,9 @@ def add_convert_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--overwrite", action="store_true",
                    help="replace shards and manifest already in DEST; other files are left alone (default: a "
                         "non-empty DEST is an error unless it holds this conversion, finished or interrupted)")
+    p.add_argument("--engine", choices=("local", "ray"), default="local",
+                   help="where shard jobs run: 'local' (process pool) or 'ray' (tasks on the Ray cluster that "
+                        "ray.init() finds or starts; pip install 'fastdata[ray]'); same output either way (default: local)")
     p.add_argument("--strict", action="store_true",
                    help="fail on the first unreadable input (default: skip it and list it in the manifest)")
     _add_common_options(p)
@@ -115,7 +118,8 @@ def add_shard_subparsers(subparsers: Any) -> None:
         "shard", help="convert images, tar, HDF5 or .npz into shards + manifest.json", description=SRC_HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter)
     shard.add_argument("src", metavar="SRC", help="input: image folder, tar, HDF5, fastdata folder or .npz")
-    shard.add_argument("dest", metavar="DEST", help="output folder (created)")
+    shard.add_argument("dest", metavar="DEST", help="output folder (created), or a URL (s3://, gs://, ...): "
+                       "each shard is uploaded once complete, the manifest last")
     add_convert_options(shard)
     shard.set_defaults(func=_cmd_shard)
 
@@ -229,6 +233,7 @@ def _convert(src: str, dest: str, args: argparse.Namespace) -> int:
         format=args.format, shard_size=args.shard_size, samples_per_shard=args.samples_per_shard,
         workers=args.workers, shuffle=args.shuffle, seed=args.seed, resize=args.resize, check=args.check,
         strict=args.strict, overwrite=args.overwrite, progress=False if args.quiet else None,
+        engine=args.engine,
     )
     result = convert(src, dest, options)
     if args.quiet:

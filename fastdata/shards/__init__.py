@@ -19,6 +19,8 @@ from fastdata.shards._remote import (  # noqa: E402
     is_url,
     read_bytes,
     remote_error,
+    remote_size,
+    upload,
     url_join,
     with_retries,
 )

@@ -7,10 +7,11 @@ from fastdata.manifest import FieldInfo, Manifest, ShardInfo
 from fastdata.shards._images import CHECK_LEVELS
 from fastdata.shards._sources import Listing
 
-__all__ = ["DEFAULT_SHARD_SIZE", "ConvertOptions", "ConvertResult", "Plan", "ShardJob", "ShardResult"]
+__all__ = ["DEFAULT_SHARD_SIZE", "ENGINES", "ConvertOptions", "ConvertResult", "Plan", "ShardJob", "ShardResult"]
 
 DEFAULT_SHARD_SIZE = 256 << 20  # same default as fastdata.ShardWriter
 _SUFFIX = {"tar": ".tar", "hdf5": ".h5"}
+ENGINES = ("local", "ray")
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,8 @@ class ConvertOptions:
     strict: bool = False
     overwrite: bool = False
     progress: bool | None = None  # None: a tqdm bar when stderr is a terminal
+    engine: str = "local"  # "local" (this machine, process pool) or "ray" (tasks on a Ray cluster)
+    staging: str | None = None  # URL DEST: local folder for shards before upload and the progress records
 
     def __post_init__(self) -> None:
         if self.format not in _SUFFIX:
@@ -38,6 +41,8 @@ class ConvertOptions:
                 raise ValueError(f"{name} must be None or an int >= 1, got {value!r}")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0:
             raise ValueError(f"seed must be an int >= 0, got {self.seed!r}")
+        if self.engine not in ENGINES:
+            raise ValueError(f"engine must be one of {ENGINES}, got {self.engine!r}")
         if self.check not in CHECK_LEVELS:
             raise ValueError(f"check must be one of {CHECK_LEVELS}, got {self.check!r}")
 

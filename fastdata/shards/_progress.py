@@ -12,6 +12,7 @@ import logging
 import os
 import shutil
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 from fastdata.errors import ConversionError
@@ -121,8 +122,13 @@ def _converted(dest: Path) -> bool:
     return isinstance(extra, dict) and FINGERPRINT_KEY in extra
 
 
-def prepare(dest: Path, plan: Plan, *, overwrite: bool) -> ProgressState:
-    """Make DEST ready: fresh, overwritten, or resumed (same plan fingerprint)."""
+def prepare(dest: Path, plan: Plan, *, overwrite: bool,
+            present: Callable[[ShardInfo], bool] | None = None) -> ProgressState:
+    """Make DEST ready: fresh, overwritten, or resumed (same plan fingerprint).
+
+    ``present(shard)``: whether a recorded shard is intact where it went when it is not in
+    ``dest`` (a URL DEST: ``dest`` is the local staging folder and shards are uploaded).
+    """
     if dest.exists() and not dest.is_dir():
         raise ConversionError(f"DEST {dest} exists and is not a folder")
     dest.mkdir(parents=True, exist_ok=True)
@@ -151,13 +157,14 @@ def prepare(dest: Path, plan: Plan, *, overwrite: bool) -> ProgressState:
             os.unlink(entry.path)
     done = {}
     for job in plan.jobs:
-        result = _kept(dest, plan, job.number)
+        result = _kept(dest, plan, job.number, present)
         if result is not None:
             done[job.number] = result
     return ProgressState(dest, plan, done)
 
 
-def _kept(dest: Path, plan: Plan, number: int) -> ShardResult | None:
+def _kept(dest: Path, plan: Plan, number: int,
+          present: Callable[[ShardInfo], bool] | None = None) -> ShardResult | None:
     """The recorded result of shard ``number`` if its files are intact, else None (redo it)."""
     rec = _read_json(dest / PROGRESS_DIR / f"shard-{number:06d}.json")
     if not isinstance(rec, dict) or rec.get("plan") != plan.fingerprint or rec.get("number") != number:
@@ -171,6 +178,8 @@ def _kept(dest: Path, plan: Plan, number: int) -> ShardResult | None:
     if shard is None:
         return result
     path = dest / shard.name
+    if present is not None and not path.exists():
+        return result if present(shard) else None
     try:
         intact = path.stat().st_size == shard.bytes and sha256_file(path) == shard.sha256
     except OSError:

@@ -24,7 +24,7 @@ from fastdata.errors import RemoteError
 
 __all__ = [
     "RemoteStream", "RetryPolicy", "env_retry", "filesystem", "is_transient", "is_url", "read_bytes", "remote_error",
-    "url_join", "with_retries",
+    "remote_size", "upload", "url_join", "with_retries",
 ]
 
 T = TypeVar("T")
@@ -248,6 +248,29 @@ class RemoteStream(io.RawIOBase):
     def close(self) -> None:
         self._close_inner()
         super().close()
+
+
+def upload(local: str | os.PathLike[str], url: str, *, retry: RetryPolicy | None = None) -> None:
+    """Copy local file ``local`` to ``url`` (whole-object put), with retries; RemoteError on failure."""
+    scheme = url.split("://", 1)[0].lower()
+    if scheme in ("http", "https"):
+        raise RemoteError(f"writing {url}: HTTP(S) URLs are read-only here; write to s3://, gs://, another "
+                          "fsspec filesystem, or a local folder served over HTTP")
+    fs, path = filesystem(url)
+    with_retries(lambda: fs.put_file(os.fspath(local), path), url, retry or RetryPolicy(), "uploading to")
+
+
+def remote_size(url: str) -> int | None:
+    """Byte size of the object at ``url``, or None when there is none (other failures raise RemoteError)."""
+    fs, path = filesystem(url)
+    try:
+        info = fs.info(path)
+    except FileNotFoundError:
+        return None
+    except Exception as e:  # noqa: BLE001 - classified below
+        raise remote_error(url, e, "checking") from e
+    size = info.get("size")
+    return int(size) if size is not None else None
 
 
 def read_bytes(url: str, *, retry: RetryPolicy | None = None, what: str = "reading") -> bytes:

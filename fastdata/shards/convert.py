@@ -26,6 +26,7 @@ import json
 import logging
 import multiprocessing as mp
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -40,9 +41,10 @@ from typing import Any
 import numpy as np
 
 from fastdata._util import parse_size
-from fastdata.errors import ConversionError, FastdataError
-from fastdata.manifest import MANIFEST_NAME, FieldInfo
+from fastdata.errors import ConversionError, FastdataError, RemoteError
+from fastdata.manifest import MANIFEST_NAME, FieldInfo, Manifest
 from fastdata.shards import _progress
+from fastdata.shards._remote import RetryPolicy, is_url, read_bytes, remote_size, upload, url_join
 from fastdata.shards._fields import missing_fields, required_fields
 from fastdata.shards._images import (
     BadImage,
@@ -181,11 +183,21 @@ def _fingerprint(listing: Listing, opts: ConvertOptions, jobs: list[ShardJob], f
 
 def convert(src: str | os.PathLike[str], dest: str | os.PathLike[str], options: ConvertOptions | None = None,
             ) -> ConvertResult:
-    """Convert SRC into shards plus ``manifest.json`` in DEST (see the module docstring)."""
+    """Convert SRC into shards plus ``manifest.json`` in DEST (see the module docstring).
+
+    DEST may be a URL (``s3://``, ``gs://``, any writable fsspec filesystem): shards are written
+    into a local staging folder (``options.staging``, default under ``~/.cache/fastdata/convert``),
+    each uploaded as soon as it is complete and then deleted locally; ``manifest.json`` is uploaded
+    last. The staging folder keeps the progress records, so a rerun resumes (shards already
+    uploaded with the recorded size are kept).
+    """
     t0 = time.perf_counter()
     opts = options or ConvertOptions()
     plan = plan_conversion(src, opts)
-    dest_path = Path(dest)
+    remote = isinstance(dest, str) and is_url(dest)
+    dest_path = _staging(dest, opts) if remote else Path(dest)  # type: ignore[arg-type]
+    if remote:
+        return _convert_remote(plan, str(dest), dest_path, opts, t0)
     _check_dest_vs_src(plan.listing, dest_path)
     if opts.strict and plan.listing.skipped:
         first = plan.listing.skipped[0]
@@ -202,12 +214,18 @@ def convert(src: str | os.PathLike[str], dest: str | os.PathLike[str], options: 
         for result in state.done.values():
             if result.skipped:
                 raise ConversionError(f"{result.skipped[0]['source']}: {result.skipped[0]['reason']} (--strict)")
+    return _run_plan(plan, state, dest_path, opts, t0)
+
+
+def _run_plan(plan: Plan, state: Any, dest_path: Path, opts: ConvertOptions, t0: float,
+              upload_to: str | None = None) -> ConvertResult:
+    """Write the shards ``state`` lacks, record each, write the manifest (the common tail of a run)."""
     todo = [job for job in plan.jobs if job.number not in state.done]
     kept = len(plan.jobs) - len(todo)
     if kept:
-        log.info("resuming: %d of %d shards already written to %s", kept, len(plan.jobs), dest_path)
+        log.info("resuming: %d of %d shards already written to %s", kept, len(plan.jobs), upload_to or dest_path)
     tasks = [_Task(SourceReader.of(plan.listing), str(dest_path), job, opts.format, opts.resize,
-                   _check_level(opts), opts.strict, plan.fields) for job in todo]
+                   _check_level(opts), opts.strict, plan.fields, upload_to) for job in todo]
     initial = sum(len(plan.jobs[n].items) for n in state.done)
     with _progress_bar(plan.num_samples, initial, opts) as tick, closing(_execute(tasks, opts, tick)) as results:
         for result in results:  # closing(): an error or Ctrl-C here stops the workers at once
@@ -215,15 +233,83 @@ def convert(src: str | os.PathLike[str], dest: str | os.PathLike[str], options: 
                 state.record(result)
     with _writing(dest_path, f"writing {MANIFEST_NAME}"):
         manifest = state.finish()
+    if upload_to is not None:  # the manifest goes last: readers never see a half-uploaded set
+        _upload(dest_path / MANIFEST_NAME, upload_to, MANIFEST_NAME)
+        shutil.rmtree(dest_path, ignore_errors=True)
     if manifest.num_samples == 0:
+        first = manifest.skipped[0]
         raise ConversionError(f"SRC {plan.listing.root}: none of its {len(manifest.skipped)} inputs could be read "
-                              f"(reasons in {dest_path / MANIFEST_NAME}, e.g. {manifest.skipped[0]['source']}: "
-                              f"{manifest.skipped[0]['reason']})")
+                              f"(reasons in {upload_to or dest_path}/{MANIFEST_NAME}, e.g. {first['source']}: "
+                              f"{first['reason']})")
     if manifest.skipped:
         examples = "; ".join(f"{s['source']}: {s['reason']}" for s in manifest.skipped[:3])
-        log.warning("skipped %d input(s) (listed in %s under 'skipped'), e.g. %s",
-                    len(manifest.skipped), dest_path / MANIFEST_NAME, examples)
+        log.warning("skipped %d input(s) (listed in %s/%s under 'skipped'), e.g. %s",
+                    len(manifest.skipped), upload_to or dest_path, MANIFEST_NAME, examples)
     return ConvertResult(manifest, len(todo), kept, time.perf_counter() - t0, plan.num_samples - initial)
+
+
+def _staging(url: str, opts: ConvertOptions) -> Path:
+    if opts.staging is not None:
+        return Path(opts.staging)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "fastdata" / "convert" / hashlib.sha256(url.rstrip("/").encode()).hexdigest()[:24]
+
+
+def _upload(local: Path, base_url: str, name: str) -> None:
+    try:
+        upload(local, url_join(base_url, name))
+    except RemoteError as e:
+        raise ConversionError(f"uploading {name} to DEST {base_url}: {e}") from e
+
+
+def _remote_manifest(url: str, staging: Path) -> Manifest | None:
+    """The manifest at URL DEST, or None when there is none (a copy passes through ``staging``)."""
+    murl = url_join(url, MANIFEST_NAME)
+    try:
+        if remote_size(murl) is None:
+            return None
+        data = read_bytes(murl, retry=RetryPolicy(attempts=3))
+    except RemoteError as e:
+        raise ConversionError(f"DEST {url}: {e}") from e
+    local = staging / f".remote-{MANIFEST_NAME}"
+    local.write_bytes(data)
+    try:
+        return Manifest.load(local)
+    except ValueError as e:
+        raise ConversionError(f"DEST {url}: its {MANIFEST_NAME} is not a valid manifest: "
+                              f"{str(e).replace(str(local), murl)}") from None
+    finally:
+        local.unlink(missing_ok=True)
+
+
+def _convert_remote(plan: Plan, url: str, staging: Path, opts: ConvertOptions, t0: float) -> ConvertResult:
+    """:func:`convert` into a URL DEST through the local ``staging`` folder."""
+    if url.split("://", 1)[0].lower() in ("http", "https"):
+        raise ConversionError(f"DEST {url}: HTTP(S) is read-only; write to s3://, gs://, another writable fsspec "
+                              "URL, or a local folder (and serve it)")
+    if opts.strict and plan.listing.skipped:
+        first = plan.listing.skipped[0]
+        raise ConversionError(f"{os.path.join(plan.listing.root, first['source'])}: {first['reason']} (--strict)")
+    staging.mkdir(parents=True, exist_ok=True)
+    existing = _remote_manifest(url, staging)
+    if existing is not None and not opts.overwrite:
+        if existing.extra.get(_progress.FINGERPRINT_KEY) == plan.fingerprint:
+            log.debug("%s already holds this conversion, finished (same arguments and inputs)", url)
+            return ConvertResult(existing, 0, len(existing.shards), time.perf_counter() - t0, 0, complete=True)
+        raise ConversionError(f"DEST {url} holds a finished conversion with different arguments or inputs; pass "
+                              "--overwrite to replace its shards or choose another DEST")
+
+    def present(shard: Any) -> bool:
+        names = [shard.name] + ([shard.index] if shard.index else [])
+        try:
+            sizes = [remote_size(url_join(url, n)) for n in names]
+        except RemoteError:
+            return False
+        return sizes[0] == shard.bytes and all(x is not None for x in sizes)
+
+    staging.mkdir(parents=True, exist_ok=True)
+    state = _progress.prepare(staging, plan, overwrite=opts.overwrite, present=present)
+    return _run_plan(plan, state, staging, opts, t0, upload_to=url)
 
 
 @contextlib.contextmanager
@@ -255,6 +341,7 @@ class _Task:
     check: str
     strict: bool
     fields: tuple[FieldInfo, ...]
+    upload: str | None = None  # URL DEST: upload the finished shard there, then delete it locally
 
 
 def _execute(tasks: list[_Task], opts: ConvertOptions, tick: Callable[[int], None]) -> Iterator[ShardResult]:
@@ -264,6 +351,11 @@ def _execute(tasks: list[_Task], opts: ConvertOptions, tick: Callable[[int], Non
     worker that dies (e.g. killed for memory) raises ``BrokenProcessPool`` instead of hanging. On
     any error or interrupt the remaining jobs are cancelled and the workers terminated.
     """
+    if opts.engine == "ray":
+        from fastdata.shards._ray import execute
+
+        yield from execute(tasks, _write_job, workers=opts.workers, tick=tick, size=lambda t: len(t.job.items))
+        return
     workers = min(opts.workers or default_workers(), len(tasks))
     if workers <= 1:
         for task in tasks:
@@ -396,6 +488,13 @@ def _write_job(task: _Task, tick: Callable[[int], None]) -> ShardResult:
         if info.index:
             (Path(task.dest) / info.index).unlink(missing_ok=True)
         return ShardResult(task.job.number, None, tuple(skipped), len(task.job.items))
+    if task.upload is not None:  # URL DEST: the shard, then its index; the driver records it after
+        for name in (info.name, info.index):
+            if name:
+                _upload(Path(task.dest) / name, task.upload, name)
+        for name in (info.name, info.index):
+            if name:
+                (Path(task.dest) / name).unlink(missing_ok=True)
     return ShardResult(task.job.number, info, tuple(skipped), len(task.job.items))
 
 
