@@ -381,7 +381,8 @@ def _machine(device: torch.device) -> dict[str, Any]:
 
     info: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__,
                             "cpu_cores": default_workers() if os.cpu_count() is None else os.cpu_count(),
-                            "platform": platform.platform(), "device": str(device)}
+                            "platform": platform.platform(), "device": str(device),
+                            "load_avg_1min": os.getloadavg()[0] if hasattr(os, "getloadavg") else None}
     if device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(device)
     return info
@@ -430,7 +431,7 @@ def run_demo(*, workdir: str | None, num_images: int, num_workers: int | None, e
     print("      loader-bound (waits > 10%): " + (", ".join(bound) if bound else "none") +
           f"; total {time.perf_counter() - t_all:.0f} s")
     if json_path:
-        out = {"machine": _machine(device), "settings": {"images": num_images, "workers": workers, "epochs": epochs,
+        out = {"benchmark": "demo", "machine": _machine(device), "settings": {"images": num_images, "workers": workers, "epochs": epochs,
                                                         "batch_size": batch_size, "model": model_name,
                                                         "image_size": IMAGE_SIZE},
                "rows": [r.to_json() for r in rows]}

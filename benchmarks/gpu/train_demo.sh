@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# GPU run of `fastdata demo` and the TrainStep CUDA tests (issue 11). Budget ~120 s.
+#
+#   bash benchmarks/gpu/train_demo.sh --out DIR        (from the repository root)
+#
+# 1. the CUDA tests of tests/test_train.py (no host sync in a training step, fp16 scaler, evaluate
+#    on CUDA == CPU): python3 -m pytest -q -m cuda tests/test_train.py
+# 2. `fastdata demo --json` as a user runs it (1,024 images, batch 64, default workers, resnet18 when
+#    torchvision imports): the before/after table with GPU utilisation, and the GPU decode row;
+# 3. the same with 4,096 images and batch 128 (longer measured epochs), if the budget allows;
+# 4. benchmarks/plot.py over the demo JSONs (PNG charts), if matplotlib imports.
+# Each part has its own time limit; a failing part is reported and the next one runs. Prints a
+# short table at the end; everything is under DIR (tests.txt, demo.txt/json, demo_4096.txt/json, plots/).
+# DRY=1: a plumbing check on a CPU machine (small demo, CUDA tests skip).
+set -u
+OUT=""
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --out) OUT="$2"; shift 2 ;;
+    *) echo "usage: bash benchmarks/gpu/train_demo.sh --out DIR" >&2; exit 2 ;;
+  esac
+done
+[ -n "$OUT" ] || { echo "usage: bash benchmarks/gpu/train_demo.sh --out DIR" >&2; exit 2; }
+mkdir -p "$OUT"
+OUT="$(cd "$OUT" && pwd)"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+PY="${PYTHON:-python3}"
+SMALL=(--images 1024 --batch-size 64)
+BIG=(--images 4096 --batch-size 128)
+if [ "${DRY:-0}" = 1 ]; then SMALL=(--images 128 --batch-size 32 --epochs 2); BIG=(--images 192 --batch-size 32 --epochs 2); fi
+declare -A STATUS
+T0=$SECONDS
+
+part() {  # part NAME SECONDS LOGFILE COMMAND...
+  local name="$1" limit="$2" log="$3"; shift 3
+  local t0=$SECONDS
+  timeout --kill-after=5 "$limit" "$@" > "$log" 2>&1
+  local rc=$?
+  STATUS[$name]="rc=$rc $((SECONDS - t0))s"
+  [ $rc -eq 0 ] || { echo "== $name failed (rc=$rc; 124 = timeout), last lines of $log:" >&2; tail -n 5 "$log" >&2; }
+}
+
+"$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda,
+           torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no GPU')" > "$OUT/env.txt" 2>&1
+part tests 25 "$OUT/tests.txt" "$PY" -m pytest -q -rA -m cuda -p no:cacheprovider tests/test_train.py
+part demo 50 "$OUT/demo.txt" "$PY" -m fastdata demo "${SMALL[@]}" --json "$OUT/demo.json"
+left=$((115 - (SECONDS - T0)))
+if [ "$left" -ge 25 ]; then
+  part demo_4096 $((left - 8)) "$OUT/demo_4096.txt" "$PY" -m fastdata demo "${BIG[@]}" --json "$OUT/demo_4096.json"
+else
+  STATUS[demo_4096]="skipped (${left}s left)"
+fi
+if "$PY" -c "import matplotlib" 2>/dev/null; then
+  part plots 10 "$OUT/plots.txt" "$PY" benchmarks/plot.py --out "$OUT/plots" "$OUT"/demo*.json
+else
+  STATUS[plots]="skipped (no matplotlib)"
+fi
+
+echo
+cat "$OUT/env.txt"
+echo "--- CUDA tests (tests/test_train.py -m cuda): $(tail -n 1 "$OUT/tests.txt")"
+grep -E "^(PASSED|FAILED|ERROR|SKIPPED)" "$OUT/tests.txt" | sed 's/^/    /'
+for f in demo demo_4096; do
+  [ -f "$OUT/$f.txt" ] || continue
+  echo "--- fastdata demo ($f):"
+  sed -n '/^\[3\/4\]/,$p' "$OUT/$f.txt"
+done
+echo "--- parts"
+for name in tests demo demo_4096 plots; do printf '%-10s %s\n' "$name" "${STATUS[$name]:-not run}"; done
+echo "total $((SECONDS - T0))s; details in $OUT"
