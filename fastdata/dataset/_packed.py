@@ -167,7 +167,7 @@ class PackedImages:
         epoch: the epoch of the batch's samples.
     """
 
-    __slots__ = ("data", "epoch", "keys", "meta", "shards")
+    __slots__ = ("data", "epoch", "keys", "meta", "pending", "shards")
 
     def __init__(self, data: torch.Tensor, meta: torch.Tensor, *, shards: Sequence[str], keys: Sequence[str],
                  epoch: int) -> None:
@@ -184,6 +184,7 @@ class PackedImages:
         self.shards = tuple(shards)
         self.keys = tuple(keys)
         self.epoch = int(epoch)
+        self.pending: Any = None  # a decode already started for this batch (fastdata.gpu.DecodeImages.ahead)
 
     @classmethod
     def pack(cls, images: Sequence[EncodedImage]) -> PackedImages:
@@ -260,6 +261,7 @@ class PackedImages:
 
     def __setstate__(self, state: tuple[Any, ...]) -> None:
         self.data, self.meta, self.shards, self.keys, self.epoch = state
+        self.pending = None
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, PackedImages):

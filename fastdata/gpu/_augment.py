@@ -17,10 +17,10 @@ Resampling. Bilinear with antialiasing, the filter of ``torch.nn.functional.inte
 antialias=True)`` (PIL's): output pixel ``j`` reads source pixels ``k`` with weight
 ``max(0, 1 - |k + 0.5 - c_j| / s)``, ``c_j = a (j + 0.5) + b``, ``s = max(|a|, 1)``, normalised per
 output pixel. It is separable, so a group of images is resampled with two batched matrix products
-``Wy @ X @ Wx^T`` over a zero-padded canvas ``X`` holding each image's ``clip`` region. Images are
+``Wy @ X @ Wx^T`` over a zero-padded canvas ``X`` of the group's images (weights outside ``clip`` are 0). Images are
 grouped by size so that padding stays bounded (and the canvas under ``max_canvas`` elements).
-Launches per batch: one copy per image into its canvas plus about fifteen per group (weights,
-two matmuls, rounding, scatter into the output), never one resize per image. The canvas is
+Launches per batch: one canvas copy per image plus about twenty per group (weights, two matmuls,
+rounding, scatter into the output rows); no resampling launch per image. The canvas is
 float16 on CUDA (integers 0..255 are exact, weights to 2^-11; results within a grey level of
 float32) and float32 on the CPU. Output pixels the filter cannot reach (``CenterCrop`` larger than
 the image) are 0, as torchvision's padding gives.
@@ -174,39 +174,56 @@ class ImageBatch:
         return self._with(geom, self.clip.copy(), self.size.copy())
 
     # ----- rendering (device) ------------------------------------------------------------------
-    def render(self, *, max_canvas: int = MAX_CANVAS) -> torch.Tensor:
-        """Resample every image once into a uint8 ``(N, C, H, W)`` tensor (the sizes must agree)."""
+    def render(self, *, out: torch.Tensor | None = None, rows: Sequence[int] | None = None,
+               max_canvas: int = MAX_CANVAS) -> torch.Tensor:
+        """Resample every image once into a uint8 ``(N, C, H, W)`` tensor (the sizes must agree).
+
+        With ``out`` and ``rows``, image ``i`` is written to ``out[rows[i]]`` instead (``out`` is returned).
+        """
         size = self.uniform_size()
         if size is None:
             if len(self) == 0:
+                if out is not None:
+                    return out
                 raise ValueError("ImageBatch.render: an empty batch has no size; crop or resize it to a fixed size")
             raise ValueError(f"ImageBatch.render: images have different output sizes "
                              f"({sorted({tuple(s) for s in self.size.tolist()})[:4]}...); add a CenterCrop or "
                              "RandomResizedCrop, or Resize to a (height, width) pair")
-        device = self.device
         channels = int(self.images[0].shape[0])
-        out = torch.empty((len(self), channels, *size), dtype=torch.uint8, device=device)
-        ry = self.clip[:, 1] - self.clip[:, 0]
-        rx = self.clip[:, 3] - self.clip[:, 2]
-        for group in _groups(ry, rx, channels, max_canvas):
-            _render_group(self, group, size, out)
+        if out is None:
+            out = torch.empty((len(self), channels, *size), dtype=torch.uint8, device=self.device)
+            rows = range(len(self))
+        elif rows is None or len(rows) != len(self) or tuple(out.shape[1:]) != (channels, *size):
+            raise ValueError(f"ImageBatch.render: out {tuple(out.shape)} / rows do not fit {len(self)} images of "
+                             f"{(channels, *size)}")
+        hw = np.array([im.shape[1:] for im in self.images], dtype=np.int64)
+        groups = _groups(hw[:, 0], hw[:, 1], channels, max_canvas)
+        order = np.concatenate(groups)
+        # one host->device transfer for every group: ay, by, ax, bx, clip y0, y1, x0, x1, output row
+        params = np.concatenate([self.geom, self.clip.astype(np.float64),
+                                 np.asarray(rows, dtype=np.float64)[:, None]], axis=1)[order]
+        p = _to_device(params.astype(np.float32), out.device)
+        start = 0
+        for group in groups:
+            _render_group([self.images[i] for i in group.tolist()], p[start : start + len(group)], size, out)
+            start += len(group)
         return out
 
 
-def _groups(ry: np.ndarray, rx: np.ndarray, channels: int, max_canvas: int) -> list[np.ndarray]:
+def _groups(h: np.ndarray, w: np.ndarray, channels: int, max_canvas: int) -> list[np.ndarray]:
     """Images grouped so that each group's padded canvas wastes little and fits ``max_canvas``."""
-    order = np.argsort(ry * rx, kind="stable").tolist()
+    order = np.argsort(h * w, kind="stable").tolist()
     groups: list[list[int]] = []
     cur: list[int] = []
     my = mx = area = 0
     for i in order:
-        ny, nx = max(my, int(ry[i])), max(mx, int(rx[i]))
+        ny, nx = max(my, int(h[i])), max(mx, int(w[i]))
         pixels = (len(cur) + 1) * ny * nx
-        if cur and (pixels * channels > max_canvas or pixels > _WASTE * (area + ry[i] * rx[i]) + 4096):
+        if cur and (pixels * channels > max_canvas or pixels > _WASTE * (area + h[i] * w[i]) + 4096):
             groups.append(cur)
-            cur, area, ny, nx = [], 0, int(ry[i]), int(rx[i])
+            cur, area, ny, nx = [], 0, int(h[i]), int(w[i])
         cur.append(i)
-        my, mx, area = ny, nx, area + int(ry[i] * rx[i])
+        my, mx, area = ny, nx, area + int(h[i] * w[i])
     if cur:
         groups.append(cur)
     return [np.asarray(g, dtype=np.int64) for g in groups]
@@ -220,51 +237,39 @@ def _to_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
     return t
 
 
-def _render_group(batch: ImageBatch, group: np.ndarray, size: tuple[int, int], out: torch.Tensor) -> None:
-    device = out.device
-    dtype = torch.float16 if device.type == "cuda" else torch.float32
-    clip = batch.clip[group]
-    ky, kx = int((clip[:, 1] - clip[:, 0]).max()), int((clip[:, 3] - clip[:, 2]).max())
-    channels = out.shape[1]
-    canvas = torch.zeros((len(group), channels, max(ky, 1), max(kx, 1)), dtype=dtype, device=device)
-    for row, i in enumerate(group.tolist()):
-        y0, y1, x0, x1 = clip[row].tolist()
-        if y1 > y0 and x1 > x0:
-            canvas[row, :, : y1 - y0, : x1 - x0].copy_(batch.images[i][:, y0:y1, x0:x1])
-    # per image: ay, by, ax, bx, clip y0, rows, clip x0, cols (float32 is exact enough: < 2^24 px)
-    params = np.concatenate([batch.geom[group], clip[:, [0]], clip[:, [1]] - clip[:, [0]], clip[:, [2]],
-                             clip[:, [3]] - clip[:, [2]]], axis=1).astype(np.float32)
-    p = _to_device(params, device)
-    wy = _weights(p[:, 0], p[:, 1], p[:, 4], p[:, 5], size[0], canvas.shape[2], dtype)  # (g, oh, ky)
-    wx = _weights(p[:, 2], p[:, 3], p[:, 6], p[:, 7], size[1], canvas.shape[3], dtype)  # (g, ow, kx)
-    wy, wxt = wy.unsqueeze(1), wx.transpose(1, 2).unsqueeze(1)
+def _render_group(images: list[torch.Tensor], p: torch.Tensor, size: tuple[int, int], out: torch.Tensor) -> None:
+    """Resample one group of images (params ``p``: see ``render``) into their rows of ``out``."""
+    dtype = torch.float16 if out.device.type == "cuda" else torch.float32
+    # the zero-padded canvas: one copy per image (torch.nested.to_padded_tensor would do it in one
+    # kernel but synchronises the host on CUDA: it copies its size metadata with a blocking copy)
+    ky, kx = max(im.shape[1] for im in images), max(im.shape[2] for im in images)
+    canvas = torch.zeros((len(images), images[0].shape[0], ky, kx), dtype=dtype, device=out.device)
+    for k, im in enumerate(images):
+        canvas[k, :, : im.shape[1], : im.shape[2]] = im
     oh, ow = size
+    wy = _weights(p[:, 0], p[:, 1], p[:, 4], p[:, 5], oh, ky, dtype).unsqueeze(1)  # (g, 1, oh, ky)
+    wxt = _weights(p[:, 2], p[:, 3], p[:, 6], p[:, 7], ow, kx, dtype).transpose(1, 2).unsqueeze(1)  # (g, 1, kx, ow)
     if ky * kx * ow + oh * ky * ow <= oh * ky * kx + oh * kx * ow:
         res = torch.matmul(wy, torch.matmul(canvas, wxt))
     else:
         res = torch.matmul(torch.matmul(wy, canvas), wxt)
     res = res.float().add_(0.5).clamp_(0, 255).floor_().to(torch.uint8)
-    if len(group) == len(batch) and bool(np.all(group == np.arange(len(group)))):
-        out.copy_(res)
-    else:
-        out.index_copy_(0, _to_device(group, device), res)
+    out.index_copy_(0, p[:, 8].long(), res)
 
 
-def _weights(a: torch.Tensor, b: torch.Tensor, lo: torch.Tensor, length: torch.Tensor, out: int, k: int,
+def _weights(a: torch.Tensor, b: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, out: int, k: int,
              dtype: torch.dtype) -> torch.Tensor:
-    """Antialiased bilinear weights ``(g, out, k)`` from canvas positions ``k`` to output pixels.
-
-    A mirrored axis (``a < 0``) gets the unmirrored weights in reverse order, so a flip is exact."""
+    """Antialiased bilinear weights ``(g, out, k)`` from source pixels ``k`` (clipped to ``[lo, hi)``) to
+    output pixels. A mirrored axis (``a < 0``) gets the unmirrored weights in reverse order, so a flip is exact."""
     j = torch.arange(out, dtype=torch.float32, device=a.device) + 0.5
     pos = torch.arange(k, dtype=torch.float32, device=a.device)
     mirrored = a < 0
     b = torch.where(mirrored, b + a * out, b)
     a = a.abs()
-    centre = a[:, None] * j[None, :] + b[:, None] - lo[:, None]  # in canvas coordinates
-    scale = a.clamp_min(1.0)
-    x = (pos[None, None, :] + 0.5 - centre[:, :, None]) / scale[:, None, None]
+    centre = a[:, None] * j[None, :] + b[:, None]
+    x = (pos[None, None, :] + 0.5 - centre[:, :, None]) / a.clamp_min(1.0)[:, None, None]
     w = (1.0 - x.abs()).clamp_min_(0.0)
-    w.mul_((pos[None, None, :] < length[:, None, None]).to(w.dtype))
+    w.mul_(((pos[None, :] >= lo[:, None]) & (pos[None, :] < hi[:, None])).to(w.dtype)[:, None, :])
     w.div_(w.sum(-1, keepdim=True).clamp_min_(1e-12))  # unreachable pixels (outside the image) stay 0
     w = torch.where(mirrored[:, None, None], w.flip(1), w)
     return w.to(dtype)

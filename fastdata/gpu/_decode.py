@@ -25,7 +25,9 @@ same routing and error handling, so every semantic is testable without a GPU.
 from __future__ import annotations
 
 import logging
+import os
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Sequence
 from typing import Any
 
@@ -52,13 +54,15 @@ class DecodeImages:
         on_error: ``"raise"`` (default), ``"skip"`` or ``"warn"`` for images that cannot be decoded.
         host_decoder: ``"auto"`` (torchvision when it works here, else Pillow), ``"torchvision"``
             or ``"pillow"``: the decoder for host-side images.
+        chunk_size: images per batched device decode call; chunks are decoded in a background
+            thread while this one resamples the previous chunk (see :meth:`fuse`).
 
     Follow it with geometric transforms (``RandomResizedCrop``, ...) in :class:`fastdata.gpu.Compose`.
     """
 
     def __init__(self, keys: Sequence[str | int] | str | int | None = None, *,
                  device: str | torch.device | None = None, on_error: str = "raise",
-                 host_decoder: str = "auto") -> None:
+                 host_decoder: str = "auto", chunk_size: int = 64) -> None:
         if isinstance(keys, (str, int)):
             keys = (keys,)
         self.keys = None if keys is None else frozenset(keys)
@@ -75,6 +79,12 @@ class DecodeImages:
         self.host_decoder = host_decoder
         self.skipped: list[dict[str, Any]] = []
         self.host_decoded = 0  # images decoded on the host on a CUDA device (fallbacks), for diagnostics
+        if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+            raise ValueError(f"DecodeImages: chunk_size must be an int >= 1, got {chunk_size!r}")
+        self.chunk_size = chunk_size
+        self._executor: ThreadPoolExecutor | None = None
+        self._executor_pid: int | None = None
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
 
     def _device(self) -> torch.device:
         if self.device is not None:
@@ -86,8 +96,20 @@ class DecodeImages:
         return torch.device("cpu")
 
     def __call__(self, batch: Any) -> Any:
+        """The batch with each packed field replaced by an :class:`ImageBatch` of its decoded images."""
+        return self.fuse(batch, ())
+
+    def fuse(self, batch: Any, geometric: Sequence[Any]) -> Any:
+        """Decode, apply the ``geometric`` transforms (``.apply(ImageBatch)``) and render, chunk by chunk.
+
+        :class:`fastdata.gpu.Compose` calls this for ``DecodeImages`` followed by geometric transforms.
+        On CUDA the device-decodable images are decoded in chunks of ``chunk_size`` by a background
+        thread (torchvision's decode call blocks its thread until nvJPEG is done) while this thread
+        decodes the host-routed images and resamples the chunks already decoded: decoding and
+        resampling overlap. Random parameters depend on sample indices only, so the result is the
+        same as for the whole batch at once. Fields whose images end in different sizes stay ImageBatches.
+        """
         device = self._device()
-        backend = host_backend(self.host_decoder)
         found: list[tuple[tuple[Any, ...], PackedImages]] = []
         _find(batch, (), found)
         found = [(p, pk) for p, pk in found if self.keys is None or any(k in self.keys for k in p)]
@@ -97,48 +119,134 @@ class DecodeImages:
         if len(sizes) != 1:
             raise ValueError(f"DecodeImages: packed fields of one batch hold different image counts: {sorted(sizes)}")
         n = sizes.pop()
-        decoded: dict[tuple[Any, ...], list[torch.Tensor | None]] = {}
+        backend = host_backend(self.host_decoder)
         bad: dict[int, str] = {}
-        for path, packed in found:
-            decoded[path] = self._decode(packed, _field(path), device, backend, bad)
+        results = {path: self._field(packed, _field(path), device, backend, bad, geometric) for path, packed in found}
         keep = [i for i in range(n) if i not in bad]
-        replace = {path: ImageBatch([imgs[i] for i in keep], packed.indices.numpy()[keep], packed.epoch)
-                   for (path, packed), imgs in zip(found, decoded.values())}
+        replace: dict[tuple[Any, ...], Any] = {}
+        for path, (value, rows) in results.items():
+            if isinstance(value, ImageBatch):  # rows: the batch row of each image
+                replace[path] = value.select([k for k, r in enumerate(rows) if r not in bad])
+            else:  # a rendered tensor with a row per sample (rows of bad samples unwritten)
+                replace[path] = value.index_select(0, _index(keep, value.device)) if bad else value
         out = _rebuild(batch, (), replace)
         if bad:
             out = _drop_rows(out, n, keep, set(replace))
         return out
 
-    def _decode(self, packed: PackedImages, field: str, device: torch.device, backend: str,
-                bad: dict[int, str]) -> list[torch.Tensor | None]:
+    def _field(self, packed: PackedImages, field: str, device: torch.device, backend: str, bad: dict[int, str],
+               geometric: Sequence[Any]) -> tuple[Any, list[int] | None]:
+        """One packed field: ``(tensor, None)`` rendered (a row per sample), or ``(ImageBatch, rows)``
+        with ``geometric`` pending when its images do not end in one size (``rows``: batch row per image)."""
         n = len(packed)
         infos = [ImageInfo(c) for c in packed.codes()]
         views = packed.views()
-        out: list[torch.Tensor | None] = [None] * n
-        on_device = [i for i in range(n) if device.type == "cuda" and device_decodable(infos[i])]
-        if on_device:
-            try:
-                for i, img in zip(on_device, decode_device([views[i] for i in on_device], device)):
-                    out[i] = img
-                on_device_set = set(on_device)
-            except RuntimeError as e:  # one bad image fails the call: find it on the host
-                _log.debug("batched device decode failed (%s); decoding its %d images on the host", e, len(on_device))
-                on_device_set = set()
-        else:
-            on_device_set = set()
-        for i in range(n):
-            if i in on_device_set:
+        ids = packed.indices.numpy()
+        pending = packed.pending if packed.pending is not None and packed.pending[0] == device else None
+        packed.pending = None
+        if pending is None:
+            pending = self._start(packed, infos, views, device)
+        _, on_device, pieces = pending
+        on_host = sorted(set(range(n)) - set(on_device))  # decoded here while the device chunks decode
+        pieces.insert(0, (on_host, self._host(packed, on_host, views, infos, field, device, backend, bad)))
+        out: torch.Tensor | None = None
+        done: list[tuple[list[int], ImageBatch]] = []
+        ragged = 0  # non-empty chunks not rendered into ``out``
+        for rows, images in pieces:
+            if not isinstance(images, list):  # a future of the background decode
+                try:
+                    images = _take(images.result(), device)
+                except RuntimeError as e:  # one bad image fails the call: find it on the host
+                    _log.debug("batched device decode failed (%s); decoding its %d images on the host", e, len(rows))
+                    images = self._host(packed, rows, views, infos, field, device, backend, bad)
+            ok = [k for k, r in enumerate(rows) if r not in bad]
+            rows = [rows[k] for k in ok]
+            if not rows:
                 continue
+            ib = ImageBatch([images[k] for k in ok], ids[rows], packed.epoch)
+            for t in geometric:
+                ib = t.apply(ib)
+            done.append((rows, ib))
+            size = ib.uniform_size() if geometric else None
+            if size is not None and out is None and not ragged:
+                out = torch.empty((n, int(ib.images[0].shape[0]), *size), dtype=torch.uint8, device=device)
+            if out is not None and size is not None and tuple(out.shape[2:]) == size:
+                ib.render(out=out, rows=rows)
+            else:
+                ragged += 1
+        if out is not None and not ragged:
+            return out, None
+        if not done:  # every image of the field failed (on_error skip/warn): an empty batch
+            return ImageBatch([], [], packed.epoch), []
+        rows = [r for rs, _ in done for r in rs]
+        return _concat([ib for _, ib in done], rows), sorted(rows)  # chunk results in different sizes
+
+    def _start(self, packed: PackedImages, infos: list[ImageInfo], views: list[torch.Tensor],
+               device: torch.device) -> tuple[torch.device, list[int], list[tuple[list[int], Any]]]:
+        """Submit the device-decodable images of ``packed`` to the background decode thread, in chunks."""
+        on_device = [i for i in range(len(packed)) if device.type == "cuda" and device_decodable(infos[i])]
+        chunks = [on_device[k : k + self.chunk_size] for k in range(0, len(on_device), self.chunk_size)]
+        if not chunks:
+            return device, on_device, []
+        stream = self._decode_stream(device)
+        pool = self._pool()
+        return device, on_device, [(c, pool.submit(_decode_chunk, [views[i] for i in c], device, stream))
+                                   for c in chunks]
+
+    def submit(self, batch: Any) -> None:
+        """Start decoding the packed fields of ``batch`` in the background (see :meth:`ahead`)."""
+        device = self._device()
+        if device.type != "cuda":
+            return
+        found: list[tuple[tuple[Any, ...], PackedImages]] = []
+        _find(batch, (), found)
+        for path, packed in found:
+            if (self.keys is None or any(k in self.keys for k in path)) and packed.pending is None:
+                packed.pending = self._start(packed, [ImageInfo(c) for c in packed.codes()], packed.views(), device)
+
+    def ahead(self, iterable: Any) -> DecodeAhead:
+        """``iterable`` (e.g. a DataLoader) reading one batch ahead and starting its device decode early.
+
+        Give it to ``CUDAPrefetcher`` in place of the loader: the decode of batch ``i + 1`` then runs
+        while this stage resamples batch ``i``. ``state_dict()`` and other attributes are the loader's,
+        as of the batch last yielded (the batch read ahead is not counted).
+        """
+        return DecodeAhead(iterable, self)
+
+    def _decode_stream(self, device: torch.device) -> torch.cuda.Stream:
+        stream = self._streams.get(device)
+        if stream is None:  # one per device for the life of the stage (no stream per batch)
+            stream = self._streams[device] = torch.cuda.Stream(device)
+        return stream
+
+    def _host(self, packed: PackedImages, rows: list[int], views: list[torch.Tensor], infos: list[ImageInfo],
+              field: str, device: torch.device, backend: str, bad: dict[int, str]) -> list[torch.Tensor | None]:
+        """Decode images ``rows`` on the host (and move them to ``device``); failures go to ``bad``."""
+        out: list[torch.Tensor | None] = []
+        for i in rows:
             try:
                 img = decode_host(views[i], infos[i], backend)
             except Exception as e:  # noqa: BLE001 - any failure of a codec on shard bytes
                 self._failed(packed, i, field, f"{type(e).__name__}: {e}", bad)
+                out.append(None)
                 continue
             if device.type == "cuda":
                 self.host_decoded += 1
                 img = img.pin_memory().to(device, non_blocking=True)
-            out[i] = img
+            out.append(img)
         return out
+
+    def _pool(self) -> ThreadPoolExecutor:
+        if self._executor is None or self._executor_pid != os.getpid():  # not inherited across fork
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fastdata-nvjpeg")
+            self._executor_pid = os.getpid()
+        return self._executor
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_executor"] = state["_executor_pid"] = None
+        state["_streams"] = {}
+        return state
 
     def _failed(self, packed: PackedImages, i: int, field: str, reason: str, bad: dict[int, str]) -> None:
         msg = f"{packed.where(i)} field {field!r}: cannot decode image ({packed.info(i).format}): {reason}"
@@ -161,6 +269,99 @@ class DecodeImages:
     def __repr__(self) -> str:
         keys = None if self.keys is None else sorted(self.keys, key=str)
         return f"DecodeImages(keys={keys}, device={self.device}, on_error={self.on_error!r})"
+
+
+def _decode_chunk(views: list[torch.Tensor], device: torch.device,
+                  stream: torch.cuda.Stream) -> tuple[list[torch.Tensor], torch.cuda.Event]:
+    """Background thread: decode on the stage's decode stream (torchvision orders it after its own
+    decode stream); the event marks the images ready."""
+    with torch.cuda.stream(stream):
+        images = decode_device(views, device)
+        ready = torch.cuda.Event()
+        ready.record(stream)
+    return images, ready
+
+
+def _take(result: tuple[list[torch.Tensor], torch.cuda.Event], device: torch.device) -> list[torch.Tensor]:
+    """Decoded images made usable on the current stream: it waits for them, the allocator knows it uses them."""
+    images, ready = result
+    stream = torch.cuda.current_stream(device)
+    stream.wait_event(ready)
+    for im in images:
+        im.record_stream(stream)
+    return images
+
+
+class DecodeAhead:
+    """An iterable of batches whose packed images started decoding one batch early (:meth:`DecodeImages.ahead`)."""
+
+    def __init__(self, iterable: Any, stage: DecodeImages) -> None:
+        self.iterable = iterable
+        self.stage = stage
+        self._state: Any = None
+        self._has_state = False
+
+    def __iter__(self) -> Any:
+        snapshot = getattr(self.iterable, "state_dict", None)
+        it = iter(self.iterable)
+        self._has_state = False
+        nxt = next(it, _END)
+        state = snapshot() if callable(snapshot) and nxt is not _END else None
+        while nxt is not _END:
+            cur, cur_state = nxt, state
+            nxt = next(it, _END)
+            if nxt is not _END:
+                state = snapshot() if callable(snapshot) else None
+                self.stage.submit(nxt)
+            self._state, self._has_state = cur_state, True
+            yield cur
+
+    @property
+    def state_dict(self) -> Any:
+        """The loader's ``state_dict`` as of the batch last yielded (not the one read ahead); an
+        AttributeError, as for the loader, when it has none."""
+        fn = self.iterable.state_dict
+
+        def state_dict() -> Any:
+            return self._state if self._has_state else fn()
+        return state_dict
+
+    @property
+    def load_state_dict(self) -> Any:
+        fn = self.iterable.load_state_dict
+
+        def load_state_dict(state: Any) -> None:
+            self._has_state = False
+            fn(state)
+        return load_state_dict
+
+    def __len__(self) -> int:
+        return len(self.iterable)
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("iterable", "stage", "_state", "_has_state"):
+            raise AttributeError(name)
+        return getattr(self.iterable, name)
+
+
+_END = object()
+
+
+def _index(rows: Sequence[int], device: torch.device) -> torch.Tensor:
+    idx = torch.from_numpy(np.asarray(rows, dtype=np.int64))
+    return idx.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else idx
+
+
+def _concat(parts: list[ImageBatch], rows: list[int]) -> ImageBatch:
+    """One ImageBatch from per-chunk ones whose images came from batch ``rows``, in row order."""
+    order = np.argsort(np.asarray(rows, dtype=np.int64), kind="stable")
+    images = [im for p in parts for im in p.images]
+    geom = np.concatenate([p.geom for p in parts]).reshape(-1, 4)
+    clip = np.concatenate([p.clip for p in parts]).reshape(-1, 4)
+    size = np.concatenate([p.size for p in parts]).reshape(-1, 2)
+    ids = np.concatenate([p.ids for p in parts]).astype(np.int64)
+    return ImageBatch([images[i] for i in order.tolist()], ids[order], parts[0].epoch, geom=geom[order],
+                      clip=clip[order], size=size[order])
 
 
 def _field(path: tuple[Any, ...]) -> str:

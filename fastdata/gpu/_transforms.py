@@ -192,6 +192,8 @@ class Compose:
     ``CenterCrop``) are fused: each only records its geometry on the batch's
     :class:`~fastdata.gpu.ImageBatch` es, which are resampled once, right before the next other
     transform and at the end (ImageBatches whose images end in different sizes stay ImageBatches).
+    ``DecodeImages`` followed by geometric transforms runs as one step (:meth:`DecodeImages.fuse`),
+    so that decoding and resampling overlap.
     """
 
     def __init__(self, *transforms: Callable[[Any], Any]) -> None:
@@ -201,9 +203,18 @@ class Compose:
         self.transforms = transforms
 
     def __call__(self, batch: Any) -> Any:
-        for t in self.transforms:
-            lazy = getattr(t, "lazy", None)
-            batch = lazy(batch) if lazy is not None else t(render_images(batch))
+        ts, i = self.transforms, 0
+        while i < len(ts):
+            fuse = getattr(ts[i], "fuse", None)  # DecodeImages: decode and resample chunk by chunk
+            if fuse is not None:
+                j = i + 1
+                while j < len(ts) and getattr(ts[j], "lazy", None) is not None:
+                    j += 1
+                batch, i = fuse(render_images(batch), ts[i + 1 : j]), j
+                continue
+            lazy = getattr(ts[i], "lazy", None)
+            batch = lazy(batch) if lazy is not None else ts[i](render_images(batch))
+            i += 1
         return render_images(batch)
 
     def __repr__(self) -> str:
