@@ -23,6 +23,7 @@ configuration that is not more than 5% faster than the start is reported as such
 from __future__ import annotations
 
 import dataclasses
+import os
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -117,6 +118,7 @@ def tune(source: str | Path, start: DoctorOptions, *, batch_limit: int = 2048) -
     trials: list[dict[str, Any]] = []
     notes: list[str] = []
     best = start
+    load_before = _load()
     batch: BatchSearch | None = None
     with tempfile.TemporaryDirectory(prefix="fastdata-tune-") as tmp:
         subset = Path(tmp) / "subset"
@@ -218,7 +220,23 @@ def tune(source: str | Path, start: DoctorOptions, *, batch_limit: int = 2048) -
             notes.append(f"the tuned settings measured {best_rate:,.0f} against {start_rate:,.0f} images/s for the "
                          f"start: within noise, so the start is kept")
             best, best_rate = start, start_rate
+    busy = _load_note(ncores, load_before)
+    if busy:
+        notes.append(busy)
     return TuneResult(start, best, start_rate, best_rate, "job" if step is not None else "loader", trials, batch, notes)
+
+
+def _load() -> float | None:
+    return os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+
+
+def _load_note(ncores: int, before: float | None) -> str | None:
+    """A warning when other processes competed for the cores during the search."""
+    after = _load()
+    if before is None or after is None or before < 0.75 * ncores:  # ``before``: load that was not ours
+        return None
+    return (f"the machine was busy (load average {before:.1f} at the start, {after:.1f} at the end, on {ncores} "
+            "cores): other processes took CPU time, so these figures are noisy; rerun on a quiet machine")
 
 
 def _resident(subset: Path, fields: st.Fields, pre: Any, o: DoctorOptions, device: torch.device, norm: Any) -> Any:
