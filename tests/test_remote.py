@@ -135,7 +135,9 @@ def test_streaming_urls_exactly_once_over_ranks_and_workers(served):
         assert sorted(int(c) for c in seen) == list(range(40))
 
 
-def test_s3_through_moto_server(served, tmp_path, monkeypatch):
+@pytest.fixture
+def s3(monkeypatch):
+    """moto's S3 server on 127.0.0.1 with fsspec configured for it; yields the s3fs filesystem."""
     moto_server = pytest.importorskip("moto.server")
     fsspec = pytest.importorskip("fsspec")
     pytest.importorskip("s3fs")
@@ -151,10 +153,23 @@ def test_s3_through_moto_server(served, tmp_path, monkeypatch):
         monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
         monkeypatch.setitem(fsspec.config.conf, "s3", {"endpoint_url": f"http://127.0.0.1:{port}",
                                                        "key": "testing", "secret": "testing"})
+        import urllib.request
+
+        urllib.request.urlopen(urllib.request.Request(f"http://127.0.0.1:{port}/moto-api/reset", method="POST"),
+                               timeout=10).close()  # moto keeps buckets in this process between servers
         fs = fsspec.filesystem("s3", skip_instance_cache=True)
         fs.mkdir("bucket")
-        fs.put(str(served / "ds"), "s3://bucket/ds", recursive=True)
+        yield fs
+    finally:
+        srv.stop()
         fsspec.filesystem("s3").invalidate_cache()
+
+
+def test_s3_through_moto_server(served, tmp_path, s3):
+    fs = s3
+    if True:
+        fs.put(str(served / "ds"), "s3://bucket/ds", recursive=True)
+        fs.invalidate_cache()
         ds = ShardedDataset(_remote("s3://bucket/ds", tmp_path), shuffle=True, seed=1, decode=False)
         assert list(ds) == list(ShardedDataset(served / "ds", shuffle=True, seed=1, decode=False))
         streamed = list(ShardedDataset("s3://bucket/ds/shard-000001.tar", decode=False))
@@ -162,5 +177,65 @@ def test_s3_through_moto_server(served, tmp_path, monkeypatch):
         with pytest.raises(RemoteError, match="not found") as info:
             ShardedDataset(_remote("s3://bucket/missing", tmp_path))
         assert "s3://bucket/missing/manifest.json" in str(info.value)
-    finally:
-        srv.stop()
+
+
+def test_convert_to_s3_url_and_verify_url(tmp_path, s3):
+    from fastdata.cli._shard_cmd import verify_folder
+    from fastdata.shards.convert import ConvertOptions, convert
+    from fastdata.shards.reader import verify
+
+    src = make_set(tmp_path / "src", 20, 20)
+    local = convert(src, tmp_path / "local", ConvertOptions(samples_per_shard=6, workers=1))
+    staging = tmp_path / "staging"
+    result = convert(src, "s3://bucket/out", ConvertOptions(samples_per_shard=6, workers=1, staging=str(staging)))
+    assert result.written == 4 and not staging.exists()  # staging removed after the manifest went up
+    for name in ["manifest.json"] + [s.name for s in local.manifest.shards]:
+        assert s3.cat_file(f"bucket/out/{name}") == (tmp_path / "local" / name).read_bytes(), name
+    assert convert(src, "s3://bucket/out", ConvertOptions(samples_per_shard=6)).complete
+    assert verify("s3://bucket/out") == [] and verify_folder("s3://bucket/out", workers=2, progress=False) == []
+    ds = ShardedDataset(_remote("s3://bucket/out", tmp_path), decode=False)
+    assert [s["cls"] for s in ds] == [str(i).encode() for i in range(20)]
+    # a damaged object and a missing one are reported by name
+    s3.pipe_file("bucket/out/shard-000001.tar", b"x" * local.manifest.shards[1].bytes)
+    s3.rm_file("bucket/out/shard-000002.tar")
+    problems = verify("s3://bucket/out")
+    assert any("shard-000001.tar: sha256 mismatch" in p for p in problems), problems
+    assert any("shard-000002.tar: shard file is missing" in p for p in problems), problems
+    with pytest.raises(Exception, match="different arguments"):
+        convert(src, "s3://bucket/out", ConvertOptions(samples_per_shard=5, staging=str(staging)))
+
+
+def test_interrupted_upload_resumes(tmp_path, s3, monkeypatch):
+    from fastdata.shards import _progress
+    from fastdata.shards.convert import ConvertOptions, convert
+
+    src = make_set(tmp_path / "src", 20, 20)
+    opts = ConvertOptions(samples_per_shard=6, workers=1, staging=str(tmp_path / "staging"))
+    real, calls = _progress.ProgressState.record, []
+
+    def record_then_stop(self, result):
+        real(self, result)
+        calls.append(result.number)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(_progress.ProgressState, "record", record_then_stop)
+    with pytest.raises(KeyboardInterrupt):
+        convert(src, "s3://bucket/again", opts)
+    monkeypatch.setattr(_progress.ProgressState, "record", real)
+    assert not s3.exists("bucket/again/manifest.json")
+    assert not list((tmp_path / "staging").glob("*.tar"))  # uploaded shards are not kept locally
+    resumed = convert(src, "s3://bucket/again", opts)
+    assert resumed.kept == 2 and resumed.written == 2
+
+
+def test_verify_over_http_and_http_dest_refused(served, tmp_path):
+    from fastdata.shards.convert import ConvertOptions, convert
+    from fastdata.shards.reader import verify
+
+    with LoopbackServer(served, ranges=False, max_requests=500, lifetime=60) as srv:
+        assert verify(srv.url + "/ds") == []
+        problems = verify(srv.url + "/nowhere")
+        assert len(problems) == 1 and srv.url + "/nowhere/manifest.json" in problems[0]
+        with pytest.raises(Exception, match="read-only"):
+            convert(served / "ds", srv.url + "/out", ConvertOptions(samples_per_shard=6))

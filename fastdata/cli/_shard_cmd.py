@@ -262,7 +262,9 @@ def _verify(dest: str, workers: int | None, quiet: bool, prog: str) -> int:
             print(f"{prog}: {dest}: {len(problems)} problems", file=sys.stderr)
         return 1
     if not quiet:
-        manifest = Manifest.load(dest)
+        from fastdata.shards.reader import load_manifest
+
+        manifest = load_manifest(dest)
         n = len(manifest.shards)
         print(f"{dest}: ok, {n} shard{'s' if n != 1 else ''}, {manifest.num_samples} samples")
     return 0
@@ -278,24 +280,36 @@ def verify_folder(dest: str | Path, *, workers: int | None = None, progress: boo
     from fastdata.errors import ConversionError, ManifestError
     from fastdata.manifest import MANIFEST_NAME, Manifest
     from fastdata.shards.convert import PROGRESS_DIR, default_workers
-    from fastdata.shards.reader import verify_shard
+    from fastdata.shards import is_url
+    from fastdata.shards.reader import verify_remote_shard, verify_shard
 
-    path = Path(dest)
-    if not path.is_dir():
-        raise ConversionError(f"DEST {dest}: no such folder")
-    if not (path / MANIFEST_NAME).exists() and (path / PROGRESS_DIR).is_dir():
-        return [f"no {MANIFEST_NAME}: the conversion into it did not finish (rerun it to resume)"]
-    try:
-        manifest = Manifest.load(path)
-    except ManifestError as e:
-        return [str(e)]
+    check: Callable[..., list[str]]
+    path: Any
+    if is_url(str(dest)):  # each shard downloaded to a temporary folder, checked, deleted
+        from fastdata.shards.reader import load_manifest
+
+        check, path = verify_remote_shard, str(dest)
+        try:
+            manifest = load_manifest(path)
+        except ManifestError as e:
+            return [str(e)]
+    else:
+        check, path = verify_shard, Path(dest)
+        if not path.is_dir():
+            raise ConversionError(f"DEST {dest}: no such folder")
+        if not (path / MANIFEST_NAME).exists() and (path / PROGRESS_DIR).is_dir():
+            return [f"no {MANIFEST_NAME}: the conversion into it did not finish (rerun it to resume)"]
+        try:
+            manifest = Manifest.load(path)
+        except ManifestError as e:
+            return [str(e)]
     shards = list(manifest.shards)
     results: list[list[str]] = [[] for _ in shards]
     threads = max(1, min(workers or default_workers(), len(shards)))
     with _bytes_bar(sum(s.bytes for s in shards), progress) as advance:
         executor = ThreadPoolExecutor(threads, thread_name_prefix="fastdata-verify")
         try:
-            pending = {executor.submit(verify_shard, path, manifest, shard): i for i, shard in enumerate(shards)}
+            pending = {executor.submit(check, path, manifest, shard): i for i, shard in enumerate(shards)}
             while pending:
                 done, _ = wait(pending, return_when=FIRST_COMPLETED)
                 for future in done:

@@ -2,14 +2,16 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from collections.abc import Collection, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
-from fastdata.errors import FastdataError, ManifestError
-from fastdata.manifest import FieldInfo, Manifest, ShardInfo, sha256_file
+from fastdata.errors import FastdataError, ManifestError, RemoteError
+from fastdata.manifest import MANIFEST_NAME, FieldInfo, Manifest, ShardInfo, sha256_file
+from fastdata.shards._remote import RemoteStream, is_url, read_bytes, url_join
 
-__all__ = ["ShardReader", "open_shard", "verify", "verify_shard"]
+__all__ = ["ShardReader", "load_manifest", "open_shard", "verify", "verify_remote_shard", "verify_shard"]
 
 
 @runtime_checkable
@@ -63,16 +65,68 @@ def verify(folder: str | os.PathLike[str]) -> list[str]:
 
     Checks per shard (:func:`verify_shard`): file present, byte size, sha256, sample count, the
     layout (HDF5) or the sidecar index against a fresh header scan (tar), and that the shard's
-    fields are in the manifest.
+    fields are in the manifest. ``folder`` may be a URL (``https://``, ``s3://``, ...): each shard
+    is then downloaded into a temporary folder, checked the same way and deleted
+    (:func:`verify_remote_shard`); a shard that cannot be fetched is a problem naming URL and reason.
     """
     try:
-        manifest = Manifest.load(folder)
+        manifest = load_manifest(folder)
     except ManifestError as e:
         return [str(e)]
+    remote = is_url(os.fspath(folder))
     problems: list[str] = []
     for shard in manifest.shards:
-        problems.extend(verify_shard(folder, manifest, shard))
+        if remote:
+            problems.extend(verify_remote_shard(os.fspath(folder), manifest, shard))
+        else:
+            problems.extend(verify_shard(folder, manifest, shard))
     return problems
+
+
+def load_manifest(folder: str | os.PathLike[str]) -> Manifest:
+    """The manifest of a shard folder or folder URL (ManifestError naming the file or URL)."""
+    text = os.fspath(folder)
+    if not is_url(text):
+        return Manifest.load(folder)
+    base = text.rstrip("/")
+    if base.endswith("/" + MANIFEST_NAME):
+        base = base[: -len(MANIFEST_NAME) - 1]
+    url = url_join(base, MANIFEST_NAME)
+    try:
+        data = read_bytes(url, what="fetching manifest")
+    except RemoteError as e:
+        raise ManifestError(str(e)) from e
+    with tempfile.TemporaryDirectory(prefix="fastdata-manifest-") as tmp:
+        local = Path(tmp) / MANIFEST_NAME
+        local.write_bytes(data)
+        try:
+            return Manifest.load(local)
+        except ManifestError as e:
+            raise ManifestError(str(e).replace(str(local), url)) from None
+
+
+def verify_remote_shard(base_url: str, manifest: Manifest, shard: ShardInfo) -> list[str]:
+    """:func:`verify_shard` of one shard at folder URL ``base_url``: downloaded to a temporary
+    folder (with its index), checked there, deleted. Problems name the shard; fetch failures the URL."""
+    base = base_url.rstrip("/")
+    if base.endswith("/" + MANIFEST_NAME):
+        base = base[: -len(MANIFEST_NAME) - 1]
+    with tempfile.TemporaryDirectory(prefix="fastdata-verify-") as tmp:
+        for name in (shard.name, shard.index):
+            if not name:
+                continue
+            url = url_join(base, name)
+            local = Path(tmp) / name
+            local.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                with RemoteStream(url) as src, open(local, "wb") as out:
+                    while chunk := src.read(4 << 20):
+                        out.write(chunk)
+            except RemoteError as e:
+                if isinstance(e.__cause__, FileNotFoundError) or "not found" in str(e):
+                    return [f"{name}: {'shard' if name == shard.name else 'index'} file is missing ({url})"]
+                return [f"{name}: {e}"]
+        return verify_shard(tmp, manifest, shard)
 
 
 def verify_shard(folder: str | os.PathLike[str], manifest: Manifest, shard: ShardInfo) -> list[str]:
