@@ -14,9 +14,10 @@ horizontal flip with probability 1/2, normalise with the ImageNet mean/std), shu
   copy ``CUDAPrefetcher`` would make);
 - ``threads``: the same dataset and consumer, ``DataLoader(num_workers=N, decode_threads=N)``: N
   threads of the loading process, no worker processes (same batches as ``workers``);
-- ``gpu``: the same shards with images kept encoded (N workers read bytes), decoded, cropped,
-  flipped and normalised on the GPU by decode-gpu's API (``fastdata.gpu``); skipped without CUDA or
-  when that API is not in this checkout;
+- ``gpu``: the same shards with images kept encoded (``image_decode="device"``; min(N, 4) workers
+  read bytes), decoded, cropped, flipped and normalised on the GPU inside ``CUDAPrefetcher``
+  (``fastdata.gpu.Compose(DecodeImages, RandomResizedCrop, RandomHorizontalFlip, Normalize)``);
+  skipped without CUDA or when that API is not in this checkout;
 - ``torchvision``: the usual recipe, ``torchvision.datasets.ImageFolder`` with
   ``RandomResizedCrop(224)``, ``RandomHorizontalFlip()``, ``ToTensor()``, ``Normalize(...)`` in
   ``torch.utils.data.DataLoader(num_workers=N, shuffle=True)`` (normalised in the workers). Where
@@ -24,10 +25,12 @@ horizontal flip with probability 1/2, normalise with the ImageNet mean/std), shu
   (what torchvision's v1 transforms do on PIL images: ``crop`` then ``resize``, ``ToTensor``,
   ``Normalize``) and says so in its ``impl`` field.
 
-Equal cores: each (row, N) runs in its own process pinned to N cores (``sched_setaffinity``;
+Equal cores: the rows of one N run in one process pinned to N cores (``sched_setaffinity``;
 worker processes inherit it), so a row with N workers or N threads gets N cores, its consumer
 included. Each epoch is timed end to end (worker start included, as in training without
-persistent workers): one warm-up epoch, then ``--reps`` epochs; medians reported. Besides
+persistent workers): one warm-up epoch per row, then ``--reps`` rounds of one epoch per row
+(interleaved, so a change of load hits every row alike); medians reported. ``--budget`` shares
+the seconds among the N (at least one round each). Besides
 images/s, each row reports the CPU time it spent per image (its process and its worker
 processes, user + system), which a busy shared machine distorts far less than wall time.
 
@@ -220,12 +223,33 @@ def _imagefolder(root: str) -> Any:
 
 
 def _gpu_loader(cfg: dict[str, Any]) -> tuple[Any, Any]:
-    """decode-gpu's pipeline; raises _Skip with the reason when it cannot run here."""
+    """decode-gpu's pipeline: encoded JPEGs from min(N, 4) workers, decoded and augmented on the GPU
+    inside ``CUDAPrefetcher``; raises _Skip with the reason when it cannot run here."""
     import torch
 
     if cfg["device"] != "cuda":
         raise _Skip("no CUDA device")
-    raise _Skip("the GPU decode API (fastdata.gpu) is not in this checkout")
+    try:
+        from fastdata import gpu
+        from fastdata.dataset import ShardedDataset
+        from fastdata.loader import DataLoader
+        from fastdata.prefetch import CUDAPrefetcher
+
+        stage = gpu.Compose(gpu.DecodeImages(keys=["jpg"], device="cuda"), gpu.RandomResizedCrop(SIZE),
+                            gpu.RandomHorizontalFlip(), gpu.Normalize())
+        ds = ShardedDataset(cfg["shards"], shuffle=True, fields=["jpg", "cls"], image_decode="device")
+    except (ImportError, AttributeError, TypeError, ValueError) as e:
+        raise _Skip(f"the GPU decode API of this checkout does not fit: {type(e).__name__}: {e}") from e
+    loader = DataLoader(ds, batch_size=cfg["batch_size"], num_workers=min(cfg["workers"], 4), pin_memory=True)
+    prefetcher = CUDAPrefetcher(loader, device="cuda", transform=stage)
+
+    def consume(b: Any) -> int:
+        x = b["jpg"]
+        if not x.is_cuda or x.dtype != torch.float32 or x.shape[1:] != (3, SIZE, SIZE):
+            raise RuntimeError(f"gpu: unexpected batch {x.device} {x.dtype} {tuple(x.shape)}")
+        return len(x)
+
+    return prefetcher, consume  # CUDAPrefetcher.set_epoch drives the loader
 
 
 def _cpu_s() -> float:
@@ -240,51 +264,78 @@ class _Skip(Exception):
     pass
 
 
-def child(cfg: dict[str, Any]) -> dict[str, Any]:
+def _epoch(loader: Any, consume: Any, epoch: int, cfg: dict[str, Any]) -> tuple[float, float]:
+    """(seconds, CPU ms per image) of one epoch."""
+    import torch
+
+    if hasattr(loader, "set_epoch"):
+        loader.set_epoch(epoch)
+    c0 = _cpu_s()
+    t0 = time.perf_counter()
+    count = sum(consume(b) for b in loader)
+    if cfg["device"] == "cuda":
+        torch.cuda.synchronize()
+    dt = time.perf_counter() - t0
+    if count != cfg["count"]:
+        raise RuntimeError(f"{count} images in epoch {epoch}, expected {cfg['count']}")
+    return dt, (_cpu_s() - c0) / count * 1e3
+
+
+def child(cfg: dict[str, Any]) -> list[dict[str, Any]]:
+    """All rows at one N in this process (pinned to N cores), epochs interleaved row by row, so a
+    change of load on a shared machine hits every row alike."""
     cores = cfg["cores"]
     if cores is not None and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, cores)
-    import torch
-
     sys.path.insert(0, str(REPO))
-    out: dict[str, Any] = {"row": cfg["row"], "workers": cfg["workers"], "cores": len(cores) if cores else None}
-    try:
-        loader, consume = _loader(cfg["row"], cfg)
-    except _Skip as e:
-        return {**out, "skipped": str(e)}
-    secs: list[float] = []
-    cpu: list[float] = []
-    for epoch in range(cfg["reps"] + 1):  # the first is the warm-up
-        if hasattr(loader, "set_epoch"):
-            loader.set_epoch(epoch)
-        c0 = _cpu_s()
-        t0 = time.perf_counter()
-        count = sum(consume(b) for b in loader)
-        if cfg["device"] == "cuda":
-            torch.cuda.synchronize()
-        dt = time.perf_counter() - t0
-        if epoch:
-            cpu.append((_cpu_s() - c0) / count * 1e3)
-        if count != cfg["count"]:
-            raise RuntimeError(f"{cfg['row']}: {count} images in epoch {epoch}, expected {cfg['count']}")
-        if epoch:
+    deadline = time.perf_counter() + cfg["seconds"]
+    res: dict[str, dict[str, Any]] = {}
+    runs: dict[str, Any] = {}
+    for row in cfg["rows"]:
+        res[row] = {"row": row, "workers": cfg["workers"], "cores": len(cores) if cores else None}
+        try:
+            loader, consume = _loader(row, cfg)
+            _epoch(loader, consume, 0, cfg)  # warm-up: page cache, imports, first fork
+        except _Skip as e:
+            res[row]["skipped"] = str(e)
+            continue
+        except Exception as e:  # noqa: BLE001 - one failing row must not end the run
+            res[row]["error"] = f"{type(e).__name__}: {e}"
+            continue
+        runs[row] = (loader, consume, [], [])
+        res[row]["path"] = getattr(loader, "last_path", None)
+        res[row]["impl"] = getattr(getattr(loader, "dataset", None), "impl", None)
+    for rep in range(1, cfg["reps"] + 1):
+        if time.perf_counter() > deadline and rep > 1:
+            break
+        for row, (loader, consume, secs, cpu) in list(runs.items()):
+            try:
+                dt, c = _epoch(loader, consume, rep, cfg)
+            except Exception as e:  # noqa: BLE001
+                res[row]["error"] = f"{type(e).__name__}: {e}"
+                del runs[row]
+                continue
             secs.append(dt)
-    per_s = [cfg["count"] / s for s in secs]
-    return {**out, "epoch_s": secs, "images_per_s": statistics.median(per_s), "runs": per_s,
-            "cpu_ms_per_image": statistics.median(cpu), "load_avg": os.getloadavg()[0],
-            "path": getattr(loader, "last_path", None), "impl": getattr(loader.dataset, "impl", None)}
+            cpu.append(c)
+    for row, (_, _, secs, cpu) in runs.items():
+        per_s = [cfg["count"] / s for s in secs]
+        res[row].update(epoch_s=secs, runs=per_s, images_per_s=statistics.median(per_s),
+                        cpu_ms_per_image=statistics.median(cpu), load_avg=os.getloadavg()[0])
+    return list(res.values())
 
 
-def run_child(cfg: dict[str, Any], timeout: float) -> dict[str, Any]:
+def run_child(cfg: dict[str, Any], timeout: float) -> list[dict[str, Any]]:
+    def fail(msg: str) -> list[dict[str, Any]]:
+        return [{"row": row, "workers": cfg["workers"], "error": msg} for row in cfg["rows"]]
+
     try:
         proc = subprocess.run([sys.executable, __file__, "--child", json.dumps(cfg)], capture_output=True, text=True,
                               timeout=timeout, cwd=REPO)
     except subprocess.TimeoutExpired:
-        return {"row": cfg["row"], "workers": cfg["workers"], "error": f"timed out after {timeout:.0f} s"}
+        return fail(f"timed out after {timeout:.0f} s")
     lines = proc.stdout.strip().splitlines()
     if proc.returncode != 0 or not lines:
-        return {"row": cfg["row"], "workers": cfg["workers"],
-                "error": f"exit {proc.returncode}: {proc.stderr.strip()[-2000:]}"}
+        return fail(f"exit {proc.returncode}: {proc.stderr.strip()[-2000:]}")
     return json.loads(lines[-1])
 
 
@@ -315,21 +366,24 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     available = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
     device = "cuda" if torch.cuda.is_available() else "cpu"
     results: list[dict[str, Any]] = []
-    for workers in args.workers:
+    for k, workers in enumerate(args.workers):
         cores = None if available is None else available[:workers]
         if cores is not None and len(cores) < workers:
             print(f"N={workers}: only {len(cores)} cores available; rows share them", file=sys.stderr)
-        for row in args.rows:
-            left = None if args.budget is None else args.budget - (time.perf_counter() - t_start)
-            if left is not None and left < 5:
-                results.append({"row": row, "workers": workers, "skipped": "time budget spent"})
-                continue
-            cfg = {"row": row, "workers": workers, "cores": cores, "count": n, "batch_size": args.batch_size,
-                   "reps": reps, "device": device, "shards": str(shards), "images_dir": str(images)}
-            res = run_child(cfg, timeout=left if left is not None else 3600)
+        left = None if args.budget is None else args.budget - (time.perf_counter() - t_start)
+        if left is not None and left < 10:
+            results += [{"row": row, "workers": workers, "skipped": "time budget spent"} for row in args.rows]
+            continue
+        # this N's share of what is left; its reps stop early past it (at least one is measured)
+        share = 3600.0 if left is None else max(5.0, left / (len(args.workers) - k) - 5)
+        cfg = {"rows": args.rows, "workers": workers, "cores": cores, "count": n, "batch_size": args.batch_size,
+               "reps": reps, "device": device, "shards": str(shards), "images_dir": str(images), "seconds": share}
+        for res in run_child(cfg, timeout=left if left is not None else 7200):
             results.append(res)
-            msg = res.get("skipped") or res.get("error") or f"{res['images_per_s']:8.1f} images/s"
-            print(f"N={workers:2d} {row:12s} {msg}", file=sys.stderr)
+            msg = res.get("skipped") or res.get("error") or (
+                f"{res['images_per_s']:8.1f} images/s  {res['cpu_ms_per_image']:.2f} CPU ms/image "
+                f"({len(res['runs'])} epochs)")
+            print(f"N={workers:2d} {res['row']:12s} {msg}", file=sys.stderr)
     out = {
         "benchmark": "decode_stage",
         "config": {"images": n, "workers": args.workers, "batch_size": args.batch_size, "shards": args.shards,

@@ -400,3 +400,11 @@ def test_pinned_batches_through_the_prefetcher_cuda(shards):
     with CUDAPrefetcher(dl, device="cuda") as pf:
         got = [{k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in b.items()} for b in pf]
     assert_same(got, ref)
+
+
+def test_no_worker_count_warning_without_workers(shards):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        dl = DataLoader(_make(shards), batch_size=8, num_workers=16, decode_threads=2)
+        assert sum(len(b["cls"]) for b in dl) == N
+    assert not [w for w in caught if "worker processes in total" in str(w.message)]

@@ -23,6 +23,7 @@ behaves exactly like torch's (``state_dict()`` then raises TypeError).
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -156,7 +157,10 @@ class DataLoader(torch.utils.data.DataLoader):
                  **kwargs: Any):
         mode = _cache_loader.check_mode(cached_fast_path)
         self.decode_threads = _thread_loader.check_threads(decode_threads)
-        super().__init__(dataset, *args, **kwargs)
+        with warnings.catch_warnings():
+            if decode_threads:  # no worker processes start: torch's advice on their number does not apply
+                warnings.filterwarnings("ignore", message="This DataLoader will create", category=UserWarning)
+            super().__init__(dataset, *args, **kwargs)
         if decode_threads:
             why = _thread_loader.static_reason(dataset, batch_size=self.batch_size, worker_init_fn=self.worker_init_fn)
             if why is not None:
