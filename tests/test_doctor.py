@@ -5,6 +5,7 @@ import pytest
 
 from fastdata.cli import main
 from fastdata.monitor import DoctorOptions, diagnose
+from fastdata.monitor._diagnose import TOGETHER
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -34,8 +35,8 @@ def test_loader_bound_setup_is_classified(shards):
     inputs = {r.name for r in d.rows if r.input_stage}
     assert d.bound in inputs and d.bound != "training step"
     bound = next(r for r in d.rows if r.name == d.bound)
-    assert bound.capacity == min(r.capacity for r in d.rows if r.input_stage and r.capacity
-                                 and not r.name.startswith("loader,"))
+    singles = [r.capacity for r in d.rows if r.input_stage and r.capacity and r.name != TOGETHER]
+    assert bound.capacity == min(singles) or (bound.name == TOGETHER and bound.capacity < 0.5 * min(singles))
     assert d.recommendations[0].startswith("loader-bound: waited")
     assert d.measurements["cached"]["path"] == "cached"  # measured through the cached fast path
     scaling = d.measurements["scaling"]
@@ -123,3 +124,19 @@ def test_bench_measures_given_shards_as_json(shards, tmp_path, capsys):
     assert data == json.loads(out.read_text())
     assert data["source"] == str(shards) and data["samples"] == 32 and data["raw_read"]["samples"] == 32
     assert data["decode_pipeline"]["images/s"] > 0 and data["cached_pipeline"]["images/s"] > 0
+
+
+def test_hdf5_arrays_have_no_decode_or_preprocess_stage(tmp_path):
+    import numpy as np
+
+    import fastdata
+
+    with fastdata.ShardWriter(tmp_path / "h5", format="hdf5", max_samples=16) as w:
+        for i in range(32):
+            w.write({"__key__": f"k{i:04d}", "img.npy": np.full((3, 40, 48), i, np.uint8), "cls": i % 3})
+    d = diagnose(tmp_path / "h5", _opts(samples=32, step_ms=0.1, job_steps=4))
+    rows = {r.name: r for r in d.rows}
+    assert rows["decode"].capacity is None and rows["decode"].detail == "stored decoded"
+    assert rows["preprocess"].capacity is None and "img.npy is stored as an array" in rows["preprocess"].detail
+    assert rows["shard read"].capacity > 0 and rows[TOGETHER].capacity > 0
+    assert d.verdict == "loader-bound" and d.bound != "decode"

@@ -160,7 +160,7 @@ def format_diagnosis(d: Any, source: str) -> list[str]:
         busy = f"; load average {loaded:.1f} on {d.cores} cores" if loaded is not None else ""
         lines.append(f"note: the loader measured together reaches {together / predicted:.0%} of the {predicted:,.0f} "
                      f"images/s its stages' CPU costs allow on {min(max(o.num_workers, 1), d.cores)} cores: the rest "
-                     f"goes to process overhead or other processes{busy}")
+                     f"goes to per-sample work between the stages or to other processes{busy}")
     if d.stall is not None and d.stall.periodic is not None:
         lines.append("stalls: " + d.stall.periodic.describe())
     note = d.measurements.get("gpu_decode_note")

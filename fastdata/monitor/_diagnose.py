@@ -32,6 +32,9 @@ from fastdata.monitor import _stages as st
 from fastdata.monitor._stall import StallMeter, StallReport
 
 
+TOGETHER = "loader: the stages together"  # the row measuring the worker-side stages as one
+
+
 @dataclass(frozen=True)
 class DoctorOptions:
     """The pipeline to measure (the loader settings of the job) and the step it feeds."""
@@ -178,7 +181,7 @@ def diagnose(source: str | Path, opts: DoctorOptions) -> Diagnosis:
         read = st.copy_subset(source, subset, fields, opts.samples)
         raws = st.raw_samples(subset, fields, min(64, read.samples))
         costs = st.cpu_costs(raws, fields, pre, opts.decode, B)
-        shape = (3, *pre.size)
+        shape = (3, *pre.size) if fields.encoded else tuple(torch.as_tensor(raws[0][fields.image]).shape)
         handoff = st.handoff_run(read.samples, shape, fields, B, workers)
         ds = _dataset(subset, fields, pre, opts.decode)
         loader = _loader(ds, B, workers)
@@ -223,7 +226,7 @@ def diagnose(source: str | Path, opts: DoctorOptions) -> Diagnosis:
             step_rate = B / st.time_step(step, norm(dev_batch), device)
             job_rate, stall = run_job(ds, opts, device, step, norm)
     rate_for_use = job_rate if job_rate is not None else lrun.rate
-    per_image = read.cpu_s / read.samples + (costs.decode_s or 0.0) + costs.preprocess_s + costs.collate_s
+    per_image = read.cpu_s / read.samples + (costs.decode_s or 0.0) + (costs.preprocess_s or 0.0) + costs.collate_s
     meas["loader_predicted"] = par / per_image  # what the worker stages' CPU costs allow on ``par`` cores
     meas["load_average"] = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
 
@@ -239,26 +242,31 @@ def diagnose(source: str | Path, opts: DoctorOptions) -> Diagnosis:
         StageRow("decode", par / costs.decode_s if costs.decode_s else None, use(costs.decode_s, ncores), cpu,
                  {"pil": "Pillow, reduced-scale JPEG decoding", "torchvision": "torchvision.io.decode_image"}[opts.decode]
                  if costs.decode_s else "stored decoded"),
-        StageRow("preprocess", par / costs.preprocess_s, use(costs.preprocess_s, ncores), cpu, repr(pre)),
+        StageRow("preprocess", par / costs.preprocess_s if costs.preprocess_s else None,
+                 use(costs.preprocess_s, ncores), cpu,
+                 repr(pre) if costs.preprocess_s else f"not applied: {fields.image} is stored as an array"),
         StageRow("collate + worker hand-off", handoff.rate, use(costs.collate_s + handoff.main_cpu_s, ncores), cpu,
                  f"{workers} workers -> main process" if workers else "in process (num_workers=0)"),
-        StageRow("loader, all of the above", lrun.rate,
-                 use((read.cpu_s / read.samples) + (costs.decode_s or 0) + costs.preprocess_s + costs.collate_s
-                     + lrun.main_cpu_s, ncores), cpu, f"measured together, {workers} workers, batch {B}"),
+        StageRow(TOGETHER, lrun.rate,
+                 use((read.cpu_s / read.samples) + (costs.decode_s or 0) + (costs.preprocess_s or 0)
+                     + costs.collate_s + lrun.main_cpu_s, ncores), cpu, f"measured together, {workers} workers, batch {B}"),
         StageRow("pin/pack", B / pack_s if pack_s else None, use(pack_s, B * ncores) if pack_s else None, cpu,
                  "one pageable batch into pinned memory" if pack_s else "no CUDA: batches stay in host memory"),
         StageRow("host-to-device copy", h2d * 1e9 / bpi if h2d else None, use(bpi / (h2d * 1e9)) if h2d else None,
                  "copy engine", f"pinned, {h2d:.1f} GB/s, {bpi / 1e3:.0f} kB/image" if h2d else "no CUDA"),
         StageRow("GPU transforms" if device.type == "cuda" else "device transforms (on the CPU)", B / t_norm,
                  use(t_norm, B if device.type == "cuda" else B * ncores), "GPU" if device.type == "cuda" else cpu,
-                 "Normalize" + (" (channels_last)" if device.type == "cuda" else ", in the prefetch thread")),
+                 "Normalize" + (" (channels_last)" if device.type == "cuda"
+                                else ", in the prefetch thread (timed with one torch thread)")),
     ]
     if step is not None:
         rows.append(StageRow("training step", step_rate, job_rate / step_rate if step_rate and job_rate else None,
                              "GPU" if device.type == "cuda" else "step time", f"{step!r}, batch {B}, resident batch",
                              input_stage=False))
-    singles = [r for r in rows if r.input_stage and r.capacity and not r.name.startswith("loader,")]
+    singles = [r for r in rows if r.input_stage and r.capacity and r.name != TOGETHER]
     weakest = min(singles, key=lambda r: r.capacity or math.inf)
+    if lrun.rate < 0.5 * (weakest.capacity or 0.0):  # no single stage explains it: the hand-offs between them do
+        weakest = rows[4]
     diag = Diagnosis(opts, str(device), ncores, rows, "input only", weakest.name, job_rate, step_rate,
                      None, None, [], meas, stall)
     if stall is not None and step_rate and job_rate:

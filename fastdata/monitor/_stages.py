@@ -162,7 +162,7 @@ class CpuCosts:
     """CPU seconds per image of each worker-side stage, measured in one thread."""
 
     decode_s: float | None  # None: stored decoded
-    preprocess_s: float
+    preprocess_s: float | None  # None: not applied (stored arrays)
     collate_s: float
     images: int
 
@@ -180,10 +180,14 @@ def cpu_costs(samples: Sequence[dict[str, Any]], fields: Fields, preprocess: Cal
         c0 = time.thread_time()
         images = [decode(b) for b in images]
         dec_s = (time.thread_time() - c0) / len(images)
-    preprocess(images[0])
-    c0 = time.thread_time()
-    outs = [preprocess(img) for img in images]
-    pre_s = (time.thread_time() - c0) / len(outs)
+    pre_s: float | None = None
+    outs = images
+    if fields.encoded:  # ShardedDataset applies ``preprocess`` to image fields (jpg, png, ...), not to arrays
+        preprocess(images[0])
+        c0 = time.thread_time()
+        outs = [preprocess(img) for img in images]
+        pre_s = (time.thread_time() - c0) / len(outs)
+    outs = [torch.as_tensor(o) for o in outs]
     items = [{fields.image: o, **({fields.label: int(s.get(fields.label, 0) or 0)} if fields.label else {})}
              for o, s in zip(outs, samples)]
     c0 = time.thread_time()
@@ -429,16 +433,25 @@ def time_pack(batch: torch.Tensor, repeats: int = 5) -> float:
 
 
 def time_transform(transform: Callable[[Any], Any], batch: Any, device: torch.device, repeats: int = 10) -> float:
-    """Seconds per call of a batch transform on ``device`` (the fastest of ``repeats``: its capacity,
-    undisturbed by other processes; on a busy CPU torch's intra-op threads wait for the scheduler)."""
-    transform(batch)
-    sync(device)
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
+    """Seconds per call of a batch transform on ``device``: the fastest of ``repeats`` (its capacity,
+    undisturbed by other processes). On the CPU it runs with one torch thread, so the figure is the
+    CPU seconds it costs, like the other CPU stages: with several intra-op threads on a busy machine
+    every parallel region waits for the scheduler to run all of them (a 0.2 ms op took 20-30 ms at a
+    load average of 7 on 2 cores)."""
+    threads = torch.get_num_threads()
+    if device.type == "cpu":
+        torch.set_num_threads(1)
+    try:
         transform(batch)
         sync(device)
-        times.append(time.perf_counter() - t0)
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            transform(batch)
+            sync(device)
+            times.append(time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(threads)
     return min(times)
 
 

@@ -158,7 +158,7 @@ def tune(source: str | Path, start: DoctorOptions, *, batch_limit: int = 2048) -
                 except Exception as e:  # noqa: BLE001  a backend that cannot decode these images is no candidate
                     notes.append(f"decode backend {backend}: failed ({type(e).__name__}: {e})")
                     continue
-                costs[backend] = (c.decode_s or 0.0) + c.preprocess_s
+                costs[backend] = (c.decode_s or 0.0) + (c.preprocess_s or 0.0)
                 trials.append({"dimension": "decode", "value": backend, "images/s per core": 1 / costs[backend]})
             pick = min(costs, key=lambda k: costs[k] * (1.0 if k == start.decode else 1.0 + MIN_GAIN))
             best = dataclasses.replace(best, decode=pick)
