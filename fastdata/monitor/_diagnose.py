@@ -265,7 +265,7 @@ def diagnose(source: str | Path, opts: DoctorOptions) -> Diagnosis:
                              input_stage=False))
     singles = [r for r in rows if r.input_stage and r.capacity and r.name != TOGETHER]
     weakest = min(singles, key=lambda r: r.capacity or math.inf)
-    if lrun.rate < 0.5 * (weakest.capacity or 0.0):  # no single stage explains it: the hand-offs between them do
+    if lrun.rate < 0.5 * meas["loader_predicted"]:  # the stages' summed costs do not explain it: the loader as a whole
         weakest = rows[4]
     diag = Diagnosis(opts, str(device), ncores, rows, "input only", weakest.name, job_rate, step_rate,
                      None, None, [], meas, stall)
