@@ -32,6 +32,7 @@ import hashlib
 import logging
 import math
 import os
+import queue
 import threading
 import time
 import uuid
@@ -337,19 +338,42 @@ class ShardCache:
         _log.debug("node cache: %s downloaded in %.2fs", self.url(i), time.perf_counter() - t0)
 
     def _download(self, i: int, shard: ShardInfo, tmp: Path) -> None:
+        """Stream shard ``i`` into ``tmp``; a second thread hashes and writes while this one receives
+        (sha256 and the network each take a core: pipelined, a download costs the slower of the two)."""
         url = self.url(i)
         digest = hashlib.sha256()
+        chunks: queue.Queue[bytes | None] = queue.Queue(maxsize=4)
+        failed: list[BaseException] = []
+
+        def sink(out: Any) -> None:
+            try:
+                while (chunk := chunks.get()) is not None:
+                    digest.update(chunk)  # releases the GIL
+                    out.write(chunk)
+            except BaseException as e:  # noqa: BLE001 - handed to the receiving thread below
+                failed.append(e)
+                while chunks.get() is not None:  # drain so that the receiver never blocks
+                    pass
+
         size = 0
-        with RemoteStream(url, size=shard.bytes, retry=self.retry, what="downloading") as src, open(tmp, "wb") as out:
-            while True:
-                chunk = src.read(_CHUNK)
-                if not chunk:
-                    break
-                digest.update(chunk)
-                out.write(chunk)
-                size += len(chunk)
-                if size > shard.bytes:
-                    break
+        with open(tmp, "wb") as out:
+            writer = threading.Thread(target=sink, args=(out,), name="fastdata-nodecache-sink", daemon=True)
+            writer.start()
+            try:
+                with RemoteStream(url, size=shard.bytes, retry=self.retry, what="downloading") as src:
+                    while not failed:
+                        chunk = src.read(_CHUNK)
+                        if not chunk:
+                            break
+                        size += len(chunk)
+                        chunks.put(chunk)
+                        if size > shard.bytes:
+                            break
+            finally:
+                chunks.put(None)
+                writer.join()
+        if failed:
+            raise failed[0]
         if size != shard.bytes or digest.hexdigest() != shard.sha256:
             what = (f"size {size} bytes, manifest says {shard.bytes}" if size != shard.bytes
                     else f"sha256 {digest.hexdigest()}, manifest says {shard.sha256}")
