@@ -343,7 +343,8 @@ def test_evaluate_on_cuda_matches_cpu():
     model = _conv_model()
     g = torch.Generator().manual_seed(2)
     batches = [(torch.rand(4, 3, 8, 8, generator=g), torch.randint(0, 4, (4,), generator=g)) for _ in range(3)]
-    cpu = evaluate(model, batches, loss_fn=torch.nn.functional.cross_entropy, metrics={"acc": lambda o, t: (o.argmax(-1) == t).float()})
+    cpu = evaluate(model, batches, loss_fn=torch.nn.functional.cross_entropy,
+                   metrics={"acc": lambda o, t: (o.argmax(-1) == t).float()})
     gpu = evaluate(model.cuda(), batches, loss_fn=torch.nn.functional.cross_entropy, precision="fp32",
                    metrics={"acc": lambda o, t: (o.argmax(-1) == t).float()})
     assert gpu["samples"] == cpu["samples"] == 12

@@ -15,7 +15,14 @@ from typing import Any
 import torch
 
 from fastdata.prefetch import CUDAPrefetcher
-from fastdata.train._precision import autocast, check_precision, input_dtype, model_device_dtype, prepare, resolve_precision
+from fastdata.train._precision import (
+    autocast,
+    check_precision,
+    input_dtype,
+    model_device_dtype,
+    prepare,
+    resolve_precision,
+)
 from fastdata.train._step import split_batch
 
 Metric = Callable[[Any, Any], torch.Tensor]
