@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
 
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(args.dir) if args.dir else Path(tmp)
-        corpus = make_image_folder(work / f"jpeg-{images}", images)
+        corpus = make_image_folder(work / f"jpeg-{images}", images, workers=max(1, min(args.workers, 8)))
         cache_dir = work / "cache"
         for info in Cache(cache_dir).list():  # measure a fill from scratch
             Cache(cache_dir).remove(info.key)

@@ -11,9 +11,21 @@ training loop does with ``loss.item()`` or GradScaler. Compared in the same run:
 - ``pinned``: batches already pinned (as DataLoader ``pin_memory=True`` delivers them),
   ``.to(device, non_blocking=True)`` in a plain loop (the copy queues behind compute);
 - ``one_ahead``: the apex/timm pattern: one batch ahead on a side stream, ``wait_stream`` +
-  ``record_stream``, ``next()`` on the training thread;
+  ``record_stream``, ``next()`` on the training thread, over the pinned loader;
+- ``one_ahead_pin``: the same over the pageable loader, pinning each batch in the training thread
+  (``batch.pin_memory()`` before the copy, as apex's ``data_prefetcher`` does without a pinning loader);
 - ``prefetcher``: ``CUDAPrefetcher`` over the pageable loader (it pins in its own thread);
 - ``prefetcher_pinned``: ``CUDAPrefetcher`` over the pinned loader (direct copies).
+
+Multi-epoch mode (``--epochs N``): the same steps split into N epochs, each starting
+``--epoch-start-ms`` late (a loader whose workers restart); every variant starts a new iterator per
+epoch (``CUDAPrefetcher``: seamless epochs, the next one is started ahead), so the waits at epoch
+starts show in wait p99.
+
+``--pack`` measures the options for getting a pageable batch into pinned memory: one thread
+(torch ``copy_`` with 1 and with all intra-op threads), ``PackPool`` with 1..N numpy threads (what
+``CUDAPrefetcher`` uses, ``pack_threads=``), and registering the batch's own pages per batch
+(``cudaHostRegister`` + copy + unregister, no pack at all).
 
 Reported per variant (median over ``--reps``): step time against the ideal ``max(compute, raw
 pinned copy, mean load)``, where compute is the step time of the same loop with the batch already
@@ -53,19 +65,42 @@ class SyntheticLoader:
     """Re-iterable of ``steps`` pre-made batches with a seeded per-batch host latency."""
 
     def __init__(self, batches: list[torch.Tensor], *, steps: int, load_ms: float, jitter: float,
-                 spike_ms: float, seed: int = 0) -> None:
+                 spike_ms: float, seed: int = 0, epochs: int = 1, start_ms: float = 0.0) -> None:
         self.batches, self.steps = batches, steps
         rng = np.random.default_rng(seed)
         spikes = rng.random(steps) < jitter
         self.delays = (load_ms + spikes * spike_ms) / 1e3
+        self.per_epoch = -(-steps // epochs)
+        self.start_s = start_ms / 1e3
+        self.epoch = 0
 
     def __len__(self) -> int:
-        return self.steps
+        return self.per_epoch
 
     def __iter__(self) -> Iterator[torch.Tensor]:
-        for i in range(self.steps):
+        first = self.epoch * self.per_epoch
+        self.epoch += 1
+        return self._epoch(first)
+
+    def _epoch(self, first: int) -> Iterator[torch.Tensor]:
+        _sleep_precise(self.start_s)
+        for i in range(first, min(first + self.per_epoch, self.steps)):
             _sleep_precise(self.delays[i])
             yield self.batches[i % len(self.batches)]
+
+
+def _endless(make_epoch: Callable[[], Iterator[Any]]) -> Callable[[], Any]:
+    """``fetch()`` over consecutive epochs: a new epoch iterator whenever one is exhausted."""
+    def gen() -> Iterator[Any]:
+        while True:
+            empty = True
+            for x in make_epoch():
+                empty = False
+                yield x
+            if empty:
+                return
+    it = gen()
+    return lambda: next(it)
 
 
 def _sleep_precise(seconds: float) -> None:
@@ -134,7 +169,8 @@ def run_loop(fetch: Callable[[], Any], steps: int, compute: Callable[[Any], None
     return waits, starts
 
 
-def cuda_fetchers(device: torch.device, depth: int) -> dict[str, Callable[[dict, list], tuple[Callable, Callable]]]:
+def cuda_fetchers(device: torch.device, depth: int, pack_threads: int | None = None, epochs: int = 1
+                  ) -> dict[str, Callable[[dict, list], tuple[Callable, Callable]]]:
     """Per variant: (loaders, copies) -> (fetch, close); ``copies`` collects copy timings."""
 
     def timed_to(b: torch.Tensor, non_blocking: bool, copies: list, stream: Any = None) -> torch.Tensor:
@@ -146,51 +182,56 @@ def cuda_fetchers(device: torch.device, depth: int) -> dict[str, Callable[[dict,
         return x
 
     def sync(loaders: dict, copies: list):
-        it = iter(loaders["pageable"])
-        return (lambda: timed_to(next(it), False, copies)), None
+        return _endless(lambda: (timed_to(b, False, copies) for b in loaders["pageable"])), None
 
     def pinned(loaders: dict, copies: list):
-        it = iter(loaders["pinned"])
-        return (lambda: timed_to(next(it), True, copies)), None
+        return _endless(lambda: (timed_to(b, True, copies) for b in loaders["pinned"])), None
 
-    def one_ahead(loaders: dict, copies: list):
+    def one_ahead_epoch(loader: Any, copies: list, pin: bool) -> Iterator[torch.Tensor]:
         stream = torch.cuda.Stream(device=device)  # the recipe makes one per epoch
         cur = torch.cuda.current_stream(device)
-        it = iter(loaders["pinned"])
+        it = iter(loader)
 
         def preload() -> torch.Tensor | None:
             b = next(it, None)
             if b is None:
                 return None
+            if pin:
+                b = b.pin_memory()  # in the training thread
             with torch.cuda.stream(stream):
                 return timed_to(b, True, copies, stream)
 
-        state = {"next": preload()}
-
-        def fetch() -> torch.Tensor:
+        nxt = preload()
+        while nxt is not None:
             cur.wait_stream(stream)
-            x = state["next"]
+            x = nxt
             x.record_stream(cur)
-            state["next"] = preload()
-            return x
+            nxt = preload()
+            yield x
 
-        return fetch, None
+    def one_ahead(loaders: dict, copies: list):
+        return _endless(lambda: one_ahead_epoch(loaders["pinned"], copies, False)), None
 
-    def prefetch_over(kind: str) -> Callable:
+    def one_ahead_pin(loaders: dict, copies: list):
+        return _endless(lambda: one_ahead_epoch(loaders["pageable"], copies, True)), None
+
+    def prefetch_over(kind: str, **kw: Any) -> Callable:
         def make(loaders: dict, copies: list):
-            pf = CUDAPrefetcher(loaders[kind], device=device, depth=depth)
-            it = iter(pf)
+            pf = CUDAPrefetcher(loaders[kind], device=device, depth=depth, pack_threads=pack_threads, **kw)
 
             def close() -> None:
                 torch.cuda.synchronize(device)
                 pf.close()  # folds the timing of every finished copy into the stats
                 copies.append(pf.stats())
 
-            return (lambda: next(it)), close
+            return _endless(lambda: iter(pf)), close
         return make
 
-    return {"sync": sync, "pinned": pinned, "one_ahead": one_ahead,
-            "prefetcher": prefetch_over("pageable"), "prefetcher_pinned": prefetch_over("pinned")}
+    variants = {"sync": sync, "pinned": pinned, "one_ahead": one_ahead, "one_ahead_pin": one_ahead_pin,
+                "prefetcher": prefetch_over("pageable"), "prefetcher_pinned": prefetch_over("pinned")}
+    if epochs > 1:
+        variants["prefetcher_no_seamless"] = prefetch_over("pageable", seamless=False)
+    return variants
 
 
 def _copy_gbps(copies: list, nbytes: int, *, skip: int) -> float:
@@ -223,12 +264,15 @@ def bench_cuda(args: argparse.Namespace, device: torch.device) -> dict:
         for jitter in args.jitter:
             cfg = _config(args, compute_ms, jitter)
             cfg["measured_compute_ms"] = measured * 1e3
-            ideal = max(measured * 1e3, raw["pinned_copy_ms"], cfg["mean_load_ms"])
-            for name, make in cuda_fetchers(device, args.depth).items():
+            ideal = max(measured * 1e3, raw["pinned_copy_ms"], cfg["mean_load_ms"] + cfg["start_ms_per_step"])
+            for name, make in cuda_fetchers(device, args.depth, args.pack_threads, args.epochs).items():
+                if args.variants and name not in args.variants:
+                    continue
                 runs = []
                 for rep in range(args.reps):
                     loaders = {k: SyntheticLoader(v, steps=args.warmup + args.steps, load_ms=cfg["load_ms"],
-                                                  jitter=jitter, spike_ms=cfg["spike_ms"], seed=rep)
+                                                  jitter=jitter, spike_ms=cfg["spike_ms"], seed=rep,
+                                                  epochs=args.epochs, start_ms=args.epoch_start_ms)
                                for k, v in (("pageable", pageable), ("pinned", pinned))}
                     copies: list = []
                     fetch, close = make(loaders, copies)
@@ -237,7 +281,65 @@ def bench_cuda(args: argparse.Namespace, device: torch.device) -> dict:
                         close()
                 gbps = [_copy_gbps(r[2], nbytes, skip=args.warmup) for r in runs]
                 results.append(_summary(name, cfg, ideal, runs, statistics.median(gbps), raw))
-    return {"raw": raw, "cycles_per_ms": cycles_per_ms, "results": results}
+    report = {"raw": raw, "cycles_per_ms": cycles_per_ms, "results": results}
+    if args.pack:
+        report["pack"] = bench_pack(pageable[0], device)
+    return report
+
+
+def bench_pack(src: torch.Tensor, device: torch.device, reps: int = 15) -> list[dict]:
+    """GB/s of each way to get a pageable batch into page-locked memory (see the module docstring)."""
+    from fastdata.prefetch._stage import PackPool, _pinned_empty, _pinned_free, usable_cores
+
+    n = src.numel()
+    dst = _pinned_empty(n)
+    dst_np, src_np = dst.numpy(), src.numpy()
+    out = []
+
+    def timed(name: str, fn: Callable[[], None], **extra: Any) -> None:
+        fn()
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        t = statistics.median(times)
+        out.append({"option": name, "ms": t * 1e3, "gbps": n / t / 1e9, **extra})
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    timed("torch copy_, 1 thread", lambda: dst.copy_(src))
+    torch.set_num_threads(threads)
+    timed(f"torch copy_, {threads} intra-op threads", lambda: dst.copy_(src))
+    for k in sorted({1, 2, 4, 8, min(12, usable_cores())}):
+        if k > usable_cores():
+            continue
+        pool = PackPool(k)
+        timed(f"PackPool numpy, {k} threads", lambda: pool.copy([(dst_np, src_np)], n), threads=k)
+        pool.close()
+    dev = torch.empty(n, dtype=torch.uint8, device=device)
+    cudart = torch.cuda.cudart()
+
+    def register_copy() -> None:  # no pack: lock the batch's own pages for the one copy
+        ptr = src.data_ptr()
+        if int(cudart.cudaHostRegister(ptr, n, 0)) != 0:
+            raise RuntimeError("cudaHostRegister failed")
+        dev.copy_(src, non_blocking=True)
+        torch.cuda.synchronize(device)
+        cudart.cudaHostUnregister(ptr)
+
+    try:
+        timed("cudaHostRegister + H2D + unregister per batch (no pack)", register_copy)
+    except RuntimeError as e:
+        out.append({"option": "cudaHostRegister per batch", "error": str(e)})
+
+    def pageable_copy() -> None:
+        dev.copy_(src, non_blocking=True)
+        torch.cuda.synchronize(device)
+
+    timed("pageable H2D (driver staging, no pack)", pageable_copy)
+    _pinned_free(dst)
+    return out
 
 
 def _timed(fetch: Callable, compute: Callable, sync: Callable, args: argparse.Namespace) -> tuple:
@@ -252,9 +354,12 @@ def _timed(fetch: Callable, compute: Callable, sync: Callable, args: argparse.Na
 def _config(args: argparse.Namespace, compute_ms: float, jitter: float) -> dict:
     load_ms = args.load_ms if args.load_ms is not None else 0.2 * compute_ms
     spike_ms = args.spike_ms if args.spike_ms is not None else 2.0 * compute_ms
+    per_epoch = -(-(args.warmup + args.steps) // args.epochs)
     return {"compute_ms": compute_ms, "jitter": jitter, "load_ms": load_ms, "spike_ms": spike_ms,
             "mean_load_ms": load_ms + jitter * spike_ms, "batch_mb": args.batch_mb, "depth": args.depth,
-            "sync_every": args.sync_every, "steps": args.steps}
+            "sync_every": args.sync_every, "steps": args.steps, "epochs": args.epochs,
+            "epoch_start_ms": args.epoch_start_ms,
+            "start_ms_per_step": args.epoch_start_ms / per_epoch if args.epochs > 1 else 0.0}
 
 
 def _summary(name: str, cfg: dict, ideal_ms: float, runs: list, gbps: float | None, raw: dict | None) -> dict:
@@ -283,15 +388,19 @@ def bench_cpu(args: argparse.Namespace) -> dict:
         for jitter in args.jitter:
             cfg = _config(args, compute_ms, jitter)
             cfg["measured_compute_ms"] = measured * 1e3
-            ideal = max(measured * 1e3, cfg["mean_load_ms"])
-            for name in ("plain", "prefetcher"):
+            ideal = max(measured * 1e3, cfg["mean_load_ms"] + cfg["start_ms_per_step"])
+            names = ["plain", "prefetcher"] + (["prefetcher_no_seamless"] if args.epochs > 1 else [])
+            for name in names:
                 runs = []
                 for rep in range(args.reps):
                     loader = SyntheticLoader(batches, steps=args.warmup + args.steps, load_ms=cfg["load_ms"],
-                                             jitter=jitter, spike_ms=cfg["spike_ms"], seed=rep)
-                    pf = CUDAPrefetcher(loader, device="cpu", depth=args.depth) if name == "prefetcher" else None
-                    it = iter(pf if pf is not None else loader)
-                    runs.append(_timed(lambda: next(it), compute, lambda: None, args) + ([],))
+                                             jitter=jitter, spike_ms=cfg["spike_ms"], seed=rep,
+                                             epochs=args.epochs, start_ms=args.epoch_start_ms)
+                    pf = None
+                    if name != "plain":
+                        pf = CUDAPrefetcher(loader, device="cpu", depth=args.depth, seamless=name == "prefetcher")
+                    fetch = _endless(lambda: iter(pf if pf is not None else loader))
+                    runs.append(_timed(fetch, compute, lambda: None, args) + ([],))
                     if pf is not None:
                         pf.close()
                 results.append(_summary(name, cfg, ideal, runs, None, None))
@@ -302,7 +411,8 @@ def bench_cpu(args: argparse.Namespace) -> dict:
 
 
 def _table(results: list[dict]) -> str:
-    cols = ["variant", "compute_ms", "measured_compute_ms", "jitter", "step_ms", "ideal_ms", "efficiency", "wait_p50_ms", "wait_p99_ms"]
+    cols = ["variant", "compute_ms", "measured_compute_ms", "jitter", "epochs", "step_ms", "ideal_ms", "efficiency",
+            "wait_p50_ms", "wait_p99_ms"]
     if results and "h2d_gbps" in results[0]:
         cols += ["h2d_gbps", "h2d_vs_raw"]
     rows = [cols] + [[f"{r[c]:.3f}" if isinstance(r[c], float) else str(r[c]) for c in cols] for r in results]
@@ -323,6 +433,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=10, help="warm-up steps per run (default 10)")
     ap.add_argument("--sync-every", type=int, default=1, help="synchronise every N steps (default 1)")
     ap.add_argument("--reps", type=int, default=3, help="repetitions; the median is reported (default 3)")
+    ap.add_argument("--epochs", type=int, default=1, help="split the steps into this many epochs (default 1)")
+    ap.add_argument("--epoch-start-ms", type=float, default=0.0,
+                    help="extra delay of each epoch's first batch in multi-epoch mode (default 0)")
+    ap.add_argument("--pack-threads", type=int, help="CUDAPrefetcher pack_threads (default: its own default)")
+    ap.add_argument("--variants", nargs="+", help="run only these variants (CUDA)")
+    ap.add_argument("--pack", action="store_true", help="also measure the pack options (CUDA)")
     ap.add_argument("--quick", action="store_true", help="one short configuration (a few seconds)")
     ap.add_argument("--json", type=Path, help="write results here")
     args = ap.parse_args(argv)
@@ -333,7 +449,7 @@ def main(argv: list[str] | None = None) -> int:
         args.compute_ms = args.compute_ms or [5.0]
         args.batch_mb = min(args.batch_mb, 16.0)
     args.compute_ms = args.compute_ms or ([10.0, 0.5] if use_cuda else [10.0])
-    for name in ("depth", "steps", "sync_every", "reps"):
+    for name in ("depth", "steps", "sync_every", "reps", "epochs"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if use_cuda:
@@ -351,6 +467,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"raw copy of {args.batch_mb} MB: pinned {raw['pinned_copy_ms']:.3f} ms ({raw['pinned_gbps']:.1f} GB/s),"
               f" pageable {raw['pageable_copy_ms']:.3f} ms ({raw['pageable_gbps']:.1f} GB/s)")
     print(_table(report["results"]))
+    for row in report.get("pack", []):
+        print(f"pack: {row['option']:<58} " + (f"{row['ms']:7.2f} ms {row['gbps']:6.1f} GB/s" if "ms" in row else row["error"]))
     if args.json:
         report.update(device=where, torch=torch.__version__, python=platform.python_version(),
                       args={k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()})

@@ -1,0 +1,354 @@
+"""End-to-end training throughput: how close does each input pipeline get to the model's own speed?
+
+A torchvision ResNet (``--models``, default resnet18 and resnet50, random init, channels_last)
+is trained with ``fastdata.TrainStep`` (bf16 autocast on CUDA, SGD) on a generated photo-like JPEG
+corpus (``fastdata.cli._synth``, 300-640 px, written to tar shards), 224 px centre crops, batch
+``--batch-size``, over ``--epochs`` timed epochs (one untimed warm-up epoch before them). Compared
+for every model:
+
+- ``resident``: the same batch, already on the GPU and normalised, every step: the model's own speed;
+- ``torch_loader``: a tuned ``torch.utils.data.DataLoader`` over the JPEG files (the same decode:
+  PIL with ``draft`` + ``ResizeCenterCrop``), ``pin_memory=True``, ``persistent_workers=True``,
+  ``prefetch_factor=4``, ``.to(device, non_blocking=True)`` and ``Normalize`` on the GPU;
+- ``fastdata_uncached``: ``ShardedDataset(preprocess=ResizeCenterCrop)`` -> ``fastdata.DataLoader``
+  (the same workers) -> ``CUDAPrefetcher(Normalize)``, epochs through ``set_epoch`` on the prefetcher;
+- ``fastdata_cached``: the same with ``cache=``; the warm-up epoch fills the cache, the timed epochs
+  take the cached fast path.
+
+Reported per run: images/s over the timed epochs (epoch starts included), its share of
+``resident``, mean GPU utilisation (NVML, the device looked up by UUID/PCI bus id, sampled over the
+timed window), and the training thread's wait for its next batch (p50/p99/max). JSON with
+``--json``. Without CUDA it runs on the CPU (fp32; utilisation n/a), small, as a smoke test.
+
+    python benchmarks/train_e2e.py --json /tmp/e2e.json                     # CUDA machine
+    python benchmarks/train_e2e.py --quick                                    # smoke test
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from fastdata.cli._synth import make_image_folder  # noqa: E402
+
+
+class JpegFiles(torch.utils.data.Dataset):
+    """Map-style dataset over the corpus files: the same decode + preprocess as fastdata's workers."""
+
+    def __init__(self, files: list[Path], size: int) -> None:
+        from fastdata.transforms import ResizeCenterCrop
+
+        self.files, self.rcc = files, ResizeCenterCrop(size)
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        from PIL import Image
+
+        with Image.open(self.files[i]) as im:
+            t = self.rcc.target_size
+            im.draft("RGB", (t, t))  # reduced-scale JPEG decode for large images, as fastdata does
+            return self.rcc(im.convert("RGB")), int(self.files[i].parent.name.split("_")[-1])
+
+
+def quantiles(waits: list[float]) -> dict[str, float]:
+    if not waits:
+        return {"wait_p50_ms": 0.0, "wait_p99_ms": 0.0, "wait_max_ms": 0.0}
+    a = np.asarray(waits) * 1e3
+    return {"wait_p50_ms": float(np.percentile(a, 50)), "wait_p99_ms": float(np.percentile(a, 99)),
+            "wait_max_ms": float(a.max())}
+
+
+class Utilisation:
+    """Mean GPU utilisation over a window: fastdata.monitor's NVML sampler (UUID/PCI lookup), or None."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.sampler: Any = None
+        self.error: str | None = None
+        if device.type != "cuda":
+            self.error = "no CUDA device"
+            return
+        try:
+            from fastdata.monitor import GPUSampler
+
+            self.sampler = GPUSampler(device.index or 0, 0.05)
+        except Exception as e:  # noqa: BLE001  reported in the results, the run goes on
+            self.error = f"{type(e).__name__}: {e}"
+
+    def stop(self) -> tuple[float | None, int]:
+        if self.sampler is None:
+            return None, 0
+        samples = self.sampler.stop()
+        return (float(np.mean(samples)) if samples else None), len(samples)
+
+
+def make_model(name: str, device: torch.device, num_classes: int) -> torch.nn.Module:
+    if name == "tiny":  # smoke tests of the harness where torchvision is unavailable
+        model: torch.nn.Module = torch.nn.Sequential(
+            torch.nn.Conv2d(3, 16, 3, stride=2), torch.nn.ReLU(), torch.nn.AdaptiveAvgPool2d(1),
+            torch.nn.Flatten(), torch.nn.Linear(16, num_classes))
+    else:
+        import torchvision
+
+        model = getattr(torchvision.models, name)(weights=None, num_classes=num_classes)
+    model = model.to(device)
+    if device.type == "cuda":
+        model = model.to(memory_format=torch.channels_last)
+    return model
+
+
+def make_step(model: torch.nn.Module, device: torch.device) -> Any:
+    from fastdata.train import TrainStep
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    return TrainStep(model, opt, torch.nn.functional.cross_entropy, input_key="jpg", target_key="cls",
+                     precision="bf16" if device.type == "cuda" else "fp32")
+
+
+def run_epochs(step: Any, epoch_iter: Any, epochs: int, device: torch.device, *,
+               after_warmup: Any = None) -> dict[str, Any]:
+    """Epoch 0 untimed (warm-up), then epochs 1..``epochs`` timed. ``epoch_iter(e)`` yields
+    (batch, wait seconds) pairs, or batches whose waits the caller measures itself."""
+    def one(e: int, waits: list[float]) -> tuple[int, Any]:
+        n, loss = 0, None
+        for item in epoch_iter(e):
+            batch, wait = item if isinstance(item, tuple) and len(item) == 2 and isinstance(item[1], float) else (item, None)
+            if wait is not None:
+                waits.append(wait)
+            loss = step(batch)
+            n += int(batch["cls"].shape[0])
+        return n, loss
+
+    one(0, [])
+    if after_warmup is not None:
+        after_warmup()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    util = Utilisation(device)
+    waits: list[float] = []
+    images = 0
+    t0 = time.perf_counter()
+    loss = None
+    for e in range(1, epochs + 1):
+        n, loss = one(e, waits)
+        images += n
+    if loss is not None:
+        loss = float(loss)  # the one sync (TrainStep never syncs on its own)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    wall = time.perf_counter() - t0
+    mean_util, samples = util.stop()
+    out = {"images": images, "wall_s": wall, "images_per_s": images / wall, "gpu_util_pct": mean_util,
+           "gpu_util_samples": samples, "final_loss": loss, **quantiles(waits)}
+    if util.error:
+        out["gpu_util_error"] = util.error
+    return out
+
+
+def resident(model_name: str, args: argparse.Namespace, device: torch.device, steps_per_epoch: int) -> dict:
+    from fastdata.gpu import Normalize
+
+    model = make_model(model_name, device, args.classes)
+    step = make_step(model, device)
+    g = torch.Generator().manual_seed(0)
+    raw = torch.randint(0, 256, (args.batch_size, 3, args.size, args.size), dtype=torch.uint8, generator=g)
+    norm = Normalize(dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
+                     channels_last=device.type == "cuda")
+    batch = {"jpg": norm(raw.to(device)), "cls": torch.randint(0, args.classes, (args.batch_size,)).to(device)}
+
+    def epoch_iter(_e: int) -> Any:
+        return ((batch, 0.0) for _ in range(steps_per_epoch))
+
+    return run_epochs(step, epoch_iter, args.epochs, device)
+
+
+def torch_loader(model_name: str, args: argparse.Namespace, device: torch.device, files: list[Path]) -> dict:
+    from fastdata.gpu import Normalize
+
+    model = make_model(model_name, device, args.classes)
+    step = make_step(model, device)
+    loader = torch.utils.data.DataLoader(
+        JpegFiles(files, args.size), batch_size=args.batch_size, shuffle=True, num_workers=args.workers,
+        pin_memory=device.type == "cuda", persistent_workers=args.workers > 0, drop_last=True,
+        prefetch_factor=4 if args.workers > 0 else None, generator=torch.Generator().manual_seed(0))
+    norm = Normalize(dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
+                     channels_last=device.type == "cuda")
+
+    def epoch_iter(_e: int) -> Any:
+        it = iter(loader)
+        while True:
+            t0 = time.perf_counter()
+            try:
+                img, cls = next(it)
+            except StopIteration:
+                return
+            img = img.to(device, non_blocking=True)
+            cls = cls.to(device, non_blocking=True)
+            wait = time.perf_counter() - t0
+            yield {"jpg": norm(img), "cls": cls}, wait
+
+    try:
+        return run_epochs(step, epoch_iter, args.epochs, device)
+    finally:
+        del loader
+        gc.collect()
+
+
+def fastdata_run(model_name: str, args: argparse.Namespace, device: torch.device, shards: Path,
+                 cache: Path | None) -> dict:
+    from fastdata.dataset import ShardedDataset
+    from fastdata.gpu import Normalize
+    from fastdata.loader import DataLoader
+    from fastdata.prefetch import CUDAPrefetcher
+    from fastdata.transforms import ResizeCenterCrop
+
+    model = make_model(model_name, device, args.classes)
+    step = make_step(model, device)
+    ds = ShardedDataset(shards, shuffle=True, seed=0, fields=["jpg", "cls"], preprocess=ResizeCenterCrop(args.size),
+                        cache=cache, rank=0, world_size=1)
+    loader = DataLoader(ds, batch_size=args.batch_size, num_workers=args.workers, drop_last=True,
+                        persistent_workers=args.workers > 0)
+    norm = Normalize(keys=["jpg"], dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
+                     channels_last=device.type == "cuda")
+    pf = CUDAPrefetcher(loader, device=device, depth=args.depth, transform=norm)
+    paths: list[str | None] = []
+
+    def epoch_iter(e: int) -> Any:
+        pf.set_epoch(e)
+        yield from pf
+        paths.append(loader.last_path)
+
+    try:
+        out = run_epochs(step, epoch_iter, args.epochs, device, after_warmup=pf.reset_stats)
+        st = pf.stats()
+        out.update(wait_p50_ms=st["wait_p50_s"] * 1e3, wait_p99_ms=st["wait_p99_s"] * 1e3,
+                   wait_max_ms=st["wait_max_s"] * 1e3, paths=paths,
+                   prefetcher={k: st[k] for k in ("batches", "epochs", "lookahead_epochs", "lookahead_discarded",
+                                                  "throttle_s", "load_s", "pack_s", "copy_gbps", "pinned_bytes",
+                                                  "pack_threads")})
+        return out
+    finally:
+        pf.close()
+        del loader
+        gc.collect()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", nargs="+", default=["resnet18", "resnet50"],
+                    help="torchvision model names ('tiny': a 2-layer net for smoke tests)")
+    ap.add_argument("--variants", nargs="+",
+                    default=["resident", "torch_loader", "fastdata_uncached", "fastdata_cached"])
+    ap.add_argument("--images", type=int, default=None, help="corpus size (default 4096; CPU/--quick 128)")
+    ap.add_argument("--batch-size", type=int, default=None, help="default 128 (CPU/--quick 16)")
+    ap.add_argument("--size", type=int, default=224)
+    ap.add_argument("--epochs", type=int, default=3, help="timed epochs (after one warm-up epoch)")
+    ap.add_argument("--workers", type=int, default=None, help="loader workers (default: cores - 1, at most 15)")
+    ap.add_argument("--depth", type=int, default=2, help="CUDAPrefetcher depth")
+    ap.add_argument("--classes", type=int, default=10)
+    ap.add_argument("--dir", default=None, help="work folder (corpus and shards kept and reused)")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args(argv)
+    device = torch.device("cuda" if (args.device == "auto" and torch.cuda.is_available()) else
+                          ("cpu" if args.device == "auto" else args.device))
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    small = args.quick or device.type != "cuda"
+    args.images = args.images or (128 if small else 4096)
+    args.batch_size = args.batch_size or (16 if small else 128)
+    if small and args.size == 224:
+        args.size = 64
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    args.workers = args.workers if args.workers is not None else max(1, min(15, cores - 1))
+    if args.epochs < 1:
+        ap.error("--epochs must be >= 1")
+    if device.type == "cuda":
+        torch.backends.cudnn.benchmark = True
+    report: dict[str, Any] = {"benchmark": "train_e2e", "device": str(device), "torch": torch.__version__,
+                              "python": platform.python_version(), "cores": cores, "args": {
+                                  k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+                              "results": []}
+    if device.type == "cuda":
+        report["device_name"] = torch.cuda.get_device_name(device)
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(args.dir) if args.dir else Path(tmp)
+        t0 = time.perf_counter()
+        corpus = make_image_folder(work / f"jpeg-{args.images}", args.images, num_classes=args.classes,
+                                   workers=min(args.workers, 8))
+        files = sorted(corpus.rglob("*.jpg"))
+        shards = work / f"shards-{args.images}"
+        if not (shards / "manifest.json").exists():
+            from fastdata.shards.writer import ShardWriter
+
+            with ShardWriter(shards, max_bytes=32 << 20, overwrite=True) as w:
+                for f in files:
+                    w.write({"__key__": f"{f.parent.name}/{f.stem}", "jpg": f.read_bytes(),
+                             "cls": int(f.parent.name.split("_")[-1])})
+        report["corpus_s"] = time.perf_counter() - t0
+        steps_per_epoch = args.images // args.batch_size
+        for model_name in args.models:
+            base: float | None = None
+            for variant in args.variants:
+                t1 = time.perf_counter()
+                try:
+                    if variant == "resident":
+                        r = resident(model_name, args, device, steps_per_epoch)
+                    elif variant == "torch_loader":
+                        r = torch_loader(model_name, args, device, files)
+                    elif variant == "fastdata_uncached":
+                        r = fastdata_run(model_name, args, device, shards, None)
+                    elif variant == "fastdata_cached":
+                        cache = work / f"cache-{model_name}"
+                        r = fastdata_run(model_name, args, device, shards, cache)
+                    else:
+                        raise ValueError(f"unknown variant {variant!r}")
+                except Exception as e:  # noqa: BLE001  one failing part never ends the run
+                    r = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+                r.update(model=model_name, variant=variant, elapsed_s=time.perf_counter() - t1)
+                if variant == "resident" and "images_per_s" in r:
+                    base = r["images_per_s"]
+                if base and "images_per_s" in r:
+                    r["share_of_resident"] = r["images_per_s"] / base
+                report["results"].append(r)
+                print(_row(r), flush=True)
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+    print()
+    print(_table(report["results"]))
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=1))
+    return 0
+
+
+def _row(r: dict) -> str:
+    if "error" in r:
+        return f"{r['model']:<9} {r['variant']:<18} ERROR {r['error']}"
+    util = f"{r['gpu_util_pct']:.0f}%" if r.get("gpu_util_pct") is not None else "n/a"
+    share = f"{r['share_of_resident']:.0%}" if "share_of_resident" in r else "-"
+    return (f"{r['model']:<9} {r['variant']:<18} {r['images_per_s']:9.0f} img/s  {share:>5} of resident  "
+            f"GPU {util:>4}  wait p50/p99/max {r['wait_p50_ms']:.2f}/{r['wait_p99_ms']:.2f}/{r['wait_max_ms']:.1f} ms")
+
+
+def _table(results: list[dict]) -> str:
+    return "\n".join(_row(r) for r in results)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
