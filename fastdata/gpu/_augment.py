@@ -47,8 +47,8 @@ __all__ = [
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
 _S30, _S27, _S31, _S11 = np.uint64(30), np.uint64(27), np.uint64(31), np.uint64(11)
-MAX_CANVAS = 1 << 27  # elements per resampling group: 256 MiB of float16 on CUDA
-_WASTE = 2.0  # a group's padded canvas may hold up to this many times its images' pixels
+MAX_CANVAS = 1 << 28  # elements per resampling group: 512 MiB of float16 on CUDA (2 groups for 256 images of 640 px)
+_WASTE = 3.0  # a group's padded canvas may hold up to this many times its images' pixels (fewer groups, fewer launches)
 
 
 def _mix64(x: np.ndarray) -> np.ndarray:
@@ -126,14 +126,19 @@ class ImageBatch:
         h, w = self.size[0]
         return (int(h), int(w)) if bool(np.all(self.size == self.size[0])) else None
 
-    def _with(self, geom: np.ndarray, clip: np.ndarray, size: np.ndarray) -> ImageBatch:
-        return ImageBatch(self.images, self.ids, self.epoch, geom=geom, clip=clip, size=size)
+    def _with(self, geom: np.ndarray, clip: np.ndarray, size: np.ndarray, images: list | None = None,
+              ids: np.ndarray | None = None) -> ImageBatch:
+        """A batch with new geometry (no re-validation of images already checked)."""
+        out = ImageBatch.__new__(ImageBatch)
+        out.images = self.images if images is None else images
+        out.ids = self.ids if ids is None else ids
+        out.epoch, out.geom, out.clip, out.size = self.epoch, geom, clip, size
+        return out
 
     def select(self, keep: Sequence[int]) -> ImageBatch:
         """The images at positions ``keep``, with their geometry."""
         k = np.asarray(keep, dtype=np.int64)
-        return ImageBatch([self.images[i] for i in k.tolist()], self.ids[k], self.epoch, geom=self.geom[k],
-                          clip=self.clip[k], size=self.size[k])
+        return self._with(self.geom[k], self.clip[k], self.size[k], [self.images[i] for i in k.tolist()], self.ids[k])
 
     # ----- geometry (host only) --------------------------------------------------------------
     def crop(self, top: np.ndarray, left: np.ndarray, height: np.ndarray, width: np.ndarray,

@@ -62,7 +62,7 @@ class DecodeImages:
 
     def __init__(self, keys: Sequence[str | int] | str | int | None = None, *,
                  device: str | torch.device | None = None, on_error: str = "raise",
-                 host_decoder: str = "auto", chunk_size: int = 64) -> None:
+                 host_decoder: str = "auto", chunk_size: int = 128) -> None:
         if isinstance(keys, (str, int)):
             keys = (keys,)
         self.keys = None if keys is None else frozenset(keys)
