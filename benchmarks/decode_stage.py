@@ -305,6 +305,7 @@ def child(cfg: dict[str, Any]) -> list[dict[str, Any]]:
         runs[row] = (loader, consume, [], [])
         res[row]["path"] = getattr(loader, "last_path", None)
         res[row]["impl"] = getattr(getattr(loader, "dataset", None), "impl", None)
+    print(json.dumps(list(res.values())), flush=True)  # partial results survive a kill by the parent
     for rep in range(1, cfg["reps"] + 1):
         if time.perf_counter() > deadline and rep > 1:
             break
@@ -317,10 +318,10 @@ def child(cfg: dict[str, Any]) -> list[dict[str, Any]]:
                 continue
             secs.append(dt)
             cpu.append(c)
-    for row, (_, _, secs, cpu) in runs.items():
-        per_s = [cfg["count"] / s for s in secs]
-        res[row].update(epoch_s=secs, runs=per_s, images_per_s=statistics.median(per_s),
-                        cpu_ms_per_image=statistics.median(cpu), load_avg=os.getloadavg()[0])
+            per_s = [cfg["count"] / s for s in secs]
+            res[row].update(epoch_s=secs, runs=per_s, images_per_s=statistics.median(per_s),
+                            cpu_ms_per_image=statistics.median(cpu), load_avg=os.getloadavg()[0])
+        print(json.dumps(list(res.values())), flush=True)
     return list(res.values())
 
 
@@ -331,9 +332,16 @@ def run_child(cfg: dict[str, Any], timeout: float) -> list[dict[str, Any]]:
     try:
         proc = subprocess.run([sys.executable, __file__, "--child", json.dumps(cfg)], capture_output=True, text=True,
                               timeout=timeout, cwd=REPO)
-    except subprocess.TimeoutExpired:
-        return fail(f"timed out after {timeout:.0f} s")
-    lines = proc.stdout.strip().splitlines()
+    except subprocess.TimeoutExpired as e:
+        out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        lines = [ln for ln in out.strip().splitlines() if ln.startswith("[")]
+        if not lines:
+            return fail(f"timed out after {timeout:.0f} s")
+        got = json.loads(lines[-1])  # the rounds finished before the kill
+        for r in got:
+            r.setdefault("note", f"killed after {timeout:.0f} s; epochs measured until then")
+        return got
+    lines = [ln for ln in proc.stdout.strip().splitlines() if ln.startswith("[")]
     if proc.returncode != 0 or not lines:
         return fail(f"exit {proc.returncode}: {proc.stderr.strip()[-2000:]}")
     return json.loads(lines[-1])
@@ -354,7 +362,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child is not None:
-        print(json.dumps(child(json.loads(args.child))))
+        child(json.loads(args.child))  # prints its results as JSON lines
         return {}
     t_start = time.perf_counter()
     sys.path.insert(0, str(REPO))
@@ -378,9 +386,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         share = 3600.0 if left is None else max(5.0, left / (len(args.workers) - k) - 5)
         cfg = {"rows": args.rows, "workers": workers, "cores": cores, "count": n, "batch_size": args.batch_size,
                "reps": reps, "device": device, "shards": str(shards), "images_dir": str(images), "seconds": share}
-        for res in run_child(cfg, timeout=left if left is not None else 7200):
+        for res in run_child(cfg, timeout=share + 20 if left is not None else 7200):
             results.append(res)
-            msg = res.get("skipped") or res.get("error") or (
+            msg = res.get("skipped") or res.get("error") or ("no epoch measured" if "runs" not in res else None) or (
                 f"{res['images_per_s']:8.1f} images/s  {res['cpu_ms_per_image']:.2f} CPU ms/image "
                 f"({len(res['runs'])} epochs)")
             print(f"N={workers:2d} {res['row']:12s} {msg}", file=sys.stderr)
