@@ -141,3 +141,14 @@ def test_hdf5_arrays_have_no_decode_or_preprocess_stage(tmp_path):
     assert rows["preprocess"].capacity is None and "img.npy is stored as an array" in rows["preprocess"].detail
     assert rows["shard read"].capacity > 0 and rows[TOGETHER].capacity > 0
     assert d.verdict == "loader-bound" and d.bound != "decode"
+
+
+def test_device_decode_is_measured_beside_cpu_decode(shards):
+    # on the CPU DecodeImages decodes on the host: the plumbing a GPU run uses, measured the same way
+    d = diagnose(shards, _opts(step_ms=0.1, job_steps=4, device_decode=True))
+    gpu = d.measurements["gpu_decode"]
+    assert gpu["images/s"] > 0 and gpu["cpu images/s"] > 0 and "image_decode='device'" in gpu["note"]
+    assert d.measurements["nvjpeg_probe"]["images/s"] is None  # no CUDA: the probe says why, and nothing fails
+    assert "no CUDA device" in d.measurements["nvjpeg_probe"]["note"]
+    with pytest.raises(ValueError, match="doctor measures a CPU decode pipeline"):
+        diagnose(shards, _opts(decode="device"))

@@ -1,4 +1,5 @@
 """``fastdata tune``: the batch-size search (with a fake memory limit) and the settings search on the CPU."""
+import dataclasses
 import json
 
 import pytest
@@ -116,3 +117,23 @@ def test_tune_cli_prints_ready_to_paste_python_that_runs(shards, capsys):
     out = capsys.readouterr().out
     assert "measured on the loader alone" in out and "# the tuned configuration, ready to paste:" in out
     assert "tuned  num_workers=" in out
+
+
+def test_tune_tries_device_decode_and_its_snippet_runs(shards):
+    from fastdata.manifest import Manifest
+    from fastdata.monitor import DoctorOptions, pick_fields, python_snippet, tune
+
+    start = DoctorOptions(samples=40, batch_size=8, num_workers=0, size=48, job_steps=4, device="cpu",
+                          step_ms=0.5, device_decode=True)
+    r = tune(shards, start)
+    tried = [t for t in r.trials if t["dimension"] == "decode (input side)"]
+    assert {t["value"] for t in tried} == {"pil", "device"} and all(t["images/s"] > 0 for t in tried)
+    assert r.best.decode in ("pil", "device")
+    fields = pick_fields(Manifest.load(shards))
+    code = python_snippet(str(shards), dataclasses.replace(r.best, decode="device"), fields, torch.device("cpu"))
+    assert "image_decode='device'" in code and "DecodeImages" in code
+    namespace = {}
+    exec(compile(code, "<tune snippet>", "exec"), namespace)  # noqa: S102
+    with namespace["batches"] as batches:
+        batch = next(iter(batches))
+    assert batch["jpg"].shape == (8, 3, 48, 48) and batch["jpg"].dtype == torch.float32

@@ -4,9 +4,10 @@
 #   bash benchmarks/gpu/doctor.sh --out DIR        (from the repository root; budget ~120 s)
 #
 # 1. generates 1,024 photo-like JPEGs (300-640 px, in a process pool) and shards them;
-# 2. `fastdata doctor SHARDS --model resnet18` (8 workers, batch 128): stage table + JSON;
+# 2. `fastdata doctor SHARDS --model resnet18` (8 workers, batch 128): stage table + JSON, including the
+#    input side with device decode (image_decode="device" + fastdata.gpu.DecodeImages) against CPU decode;
 # 3. `fastdata tune SHARDS --model resnet18` from the CLI's default configuration (2 workers, depth 2,
-#    batch 32, pil), batch-size search up to 256, on 768 samples: text + JSON;
+#    batch 32, pil), batch-size search up to 256, device decode as a candidate, on 768 samples: text + JSON;
 # 4. GPUSampler over a 2 s matmul loop and StallMeter(sample_gpu=True) over a short loop: how NVML
 #    found the device (uuid/pci) and how many samples a window gets.
 # The CUDA test to run besides (needs pytest): python3 -m pytest -q -m cuda tests/test_monitor.py

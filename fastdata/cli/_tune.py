@@ -14,7 +14,8 @@ def _describe(o: Any) -> str:
 
 
 def format_result(r: Any, snippet: str) -> list[str]:
-    what = "the whole job (loader -> CUDAPrefetcher -> step)" if r.measured == "job" else "the loader alone"
+    what = {"job": "the whole job (loader -> CUDAPrefetcher -> step)", "loader": "the loader alone",
+            "input": "the input side (loader -> CUDAPrefetcher -> transforms)"}[r.measured]
     lines = ["trials:"]
     for t in r.trials:
         extra = ", ".join(f"{k} {v:,.0f}" if isinstance(v, float) else f"{k} {v}"

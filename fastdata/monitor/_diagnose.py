@@ -33,6 +33,7 @@ from fastdata.monitor._stall import StallMeter, StallReport
 
 
 TOGETHER = "loader: the stages together"  # the row measuring the worker-side stages as one
+DECODE_BACKENDS = ("pil", "torchvision", "device")
 
 
 @dataclass(frozen=True)
@@ -49,8 +50,9 @@ class DoctorOptions:
     model: str | None = None  # torchvision model name (random weights)
     step_ms: float | None = None  # or a synthetic step of this duration
     device: str | None = None  # default: CUDA when available
-    decode: str = "pil"  # "pil" or "torchvision"
+    decode: str = "pil"  # "pil", "torchvision" (CPU decoders) or "device" (decoded by the prefetcher's transform)
     job_steps: int = 20  # training steps of the whole-job measurement
+    device_decode: bool | None = None  # measure the device-decode input path (None: on CUDA only)
 
     def __post_init__(self) -> None:
         for name in ("size", "batch_size", "depth", "samples", "job_steps"):
@@ -63,8 +65,8 @@ class DoctorOptions:
             raise ValueError(f"step_ms must be > 0, got {self.step_ms!r}")
         if self.model is not None and self.step_ms is not None:
             raise ValueError("give a model or a step time (step_ms), not both")
-        if self.decode not in ("pil", "torchvision"):
-            raise ValueError(f"decode must be 'pil' or 'torchvision', got {self.decode!r}")
+        if self.decode not in DECODE_BACKENDS:
+            raise ValueError(f"decode must be one of {DECODE_BACKENDS}, got {self.decode!r}")
 
 
 @dataclass(frozen=True)
@@ -109,10 +111,24 @@ def _dataset(subset: Path, fields: st.Fields, preprocess: Any, backend: str, cac
     from fastdata.dataset import ShardedDataset
 
     keep = [fields.image] + ([fields.label] if fields.label else [])
+    if backend == "device":  # images travel encoded; the prefetcher's transform decodes them (device_transform)
+        return ShardedDataset(subset, fields=keep, image_decode="device")
     decode: Any = True
     if backend != "pil" and fields.encoded:
         decode = {fields.image: st.decoder(backend, None)}
     return ShardedDataset(subset, fields=keep, preprocess=preprocess, decode=decode, cache=cache)
+
+
+def device_transform(fields: st.Fields, preprocess: Any, device: torch.device) -> Any:
+    """The device-side equivalent of decode + ``ResizeCenterCrop`` + ``Normalize``, for ``image_decode="device"``."""
+    from fastdata.gpu import CenterCrop, Compose, DecodeImages, Normalize, Resize
+
+    return Compose(DecodeImages(keys=[fields.image], device=device), Resize(preprocess.resize),
+                   CenterCrop(preprocess.size), Normalize(keys=[fields.image], channels_last=device.type == "cuda"))
+
+
+def no_step(batch: Any) -> None:
+    """The step of an input-side measurement: consume the batch, compute nothing."""
 
 
 def _loader(ds: Any, batch_size: int, workers: int) -> Any:
@@ -161,6 +177,19 @@ def run_job(ds: Any, opts: DoctorOptions, device: torch.device, step: Any, trans
     return ((images - first) / timed if timed > 0 else 0.0), rep
 
 
+def _device_decode(subset: Path, fields: st.Fields, pre: Any, opts: DoctorOptions, device: torch.device,
+                   norm: Any) -> dict[str, Any]:
+    """The input side (loader -> prefetcher -> transforms, no step) with CPU decode and with device decode."""
+    cpu = run_job(_dataset(subset, fields, pre, opts.decode), opts, device, no_step, norm)[0]
+    try:
+        dev = run_job(_dataset(subset, fields, pre, "device"), opts, device, no_step,
+                      device_transform(fields, pre, device))[0]
+    except Exception as e:  # noqa: BLE001  a measurement of an option: its failure is reported, not fatal
+        return {"images/s": None, "cpu images/s": cpu, "note": f"device decode failed: {type(e).__name__}: {e}"}
+    return {"images/s": dev, "cpu images/s": cpu, "note": "ShardedDataset(image_decode='device') + "
+            "fastdata.gpu.Compose(DecodeImages, Resize, CenterCrop, Normalize) in the CUDAPrefetcher"}
+
+
 def diagnose(source: str | Path, opts: DoctorOptions) -> Diagnosis:
     """Measure every stage of the pipeline ``opts`` describes over ``source`` (see the module docstring)."""
     from fastdata.gpu import Normalize
@@ -168,6 +197,9 @@ def diagnose(source: str | Path, opts: DoctorOptions) -> Diagnosis:
     from fastdata.prefetch import resolve_device
     from fastdata.transforms import ResizeCenterCrop
 
+    if opts.decode == "device":
+        raise ValueError("doctor measures a CPU decode pipeline (decode 'pil' or 'torchvision'); decoding on the "
+                         "device is measured beside it where CUDA is available")
     device = resolve_device(opts.device)
     ncores = st.cores()
     workers = opts.num_workers
@@ -217,7 +249,9 @@ def diagnose(source: str | Path, opts: DoctorOptions) -> Diagnosis:
         t_norm = st.time_transform(norm, dev_batch, device)
         if fields.encoded:
             gpu_rate, gpu_note = st.probe_gpu_decode([r[fields.image] for r in raws], device)
-            meas["gpu_decode"] = {"images/s": gpu_rate, "note": gpu_note}
+            meas["nvjpeg_probe"] = {"images/s": gpu_rate, "note": gpu_note}
+            if opts.device_decode or (opts.device_decode is None and device.type == "cuda"):
+                meas["gpu_decode"] = _device_decode(subset, fields, pre, opts, device, norm)
 
         step = st.make_step(opts.model, opts.step_ms, device, fields)
         step_rate = job_rate = None
@@ -304,14 +338,20 @@ def recommend(d: Diagnosis, lrun: st.LoaderRun, crun: st.LoaderRun, costs: st.Cp
                    f"{crun.rate / lrun.rate:.1f}x uncached ({lrun.rate:,.0f}); the first epoch fills it "
                    f"(`fastdata cache build` does it ahead of time)")
     gpu = d.measurements.get("gpu_decode")
-    if gpu is not None:
-        if gpu["images/s"] and costs.decode_s:
-            cpu_rate = par / costs.decode_s
-            if gpu["images/s"] > 1.1 * cpu_rate:
-                out.append(f"decode on the GPU: {gpu['note']} measured {gpu['images/s']:,.0f} images/s, "
-                           f"{gpu['images/s'] / cpu_rate:.1f}x the CPU decode stage ({cpu_rate:,.0f} on {par} workers)")
+    if gpu is not None and gpu["images/s"]:
+        if gpu["images/s"] > 1.1 * gpu["cpu images/s"]:
+            out.append(f"decode on the device: the input side measured {gpu['images/s']:,.0f} images/s with "
+                       f"{gpu['note']}, {gpu['images/s'] / gpu['cpu images/s']:.1f}x CPU decoding "
+                       f"({gpu['cpu images/s']:,.0f}, same {o.num_workers} workers)")
         else:
-            d.measurements["gpu_decode_note"] = f"GPU decode: {gpu['note']}"
+            d.measurements["gpu_decode_note"] = (
+                f"device decode: measured {gpu['images/s']:,.0f} images/s against {gpu['cpu images/s']:,.0f} with CPU "
+                "decoding: no gain here")
+    else:
+        probe = d.measurements.get("nvjpeg_probe") or {}
+        why = gpu["note"] if gpu is not None else probe.get("note", "not measured")
+        rate = f": nvJPEG alone {probe['images/s']:,.0f} images/s" if probe.get("images/s") else ""
+        d.measurements["gpu_decode_note"] = f"device decode: {why}{rate}"
     if d.step_rate and d.job_rate and d.stall is not None:
         step_s = o.batch_size / d.step_rate
         gaps = (f"batches arrive p50 {lrun.interval_p50_s * 1e3:.1f} ms / p99 {lrun.interval_p99_s * 1e3:.1f} ms "

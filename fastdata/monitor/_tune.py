@@ -33,7 +33,7 @@ import torch
 
 from fastdata.monitor import _stages as st
 from fastdata.monitor._batch import BatchSearch, search_batch_size
-from fastdata.monitor._diagnose import DoctorOptions, _close, _dataset, _loader, run_job
+from fastdata.monitor._diagnose import DoctorOptions, _close, _dataset, _loader, device_transform, no_step, run_job
 
 # A setting must beat the simpler one by this much to be chosen (measurement noise on a busy machine).
 MIN_GAIN = 0.05
@@ -66,6 +66,18 @@ class TuneResult:
 def python_snippet(source: str, o: DoctorOptions, fields: st.Fields, device: torch.device) -> str:
     """The tuned configuration as code to paste into a training script."""
     keep = [fields.image] + ([fields.label] if fields.label else [])
+    if o.decode == "device" and fields.encoded:
+        return "\n".join([
+            "import fastdata",
+            "from fastdata.gpu import CenterCrop, Compose, DecodeImages, Normalize, Resize",
+            "",
+            f"ds = fastdata.ShardedDataset({source!r}, shuffle=True, fields={keep!r}, image_decode='device')",
+            f"loader = fastdata.DataLoader(ds, batch_size={o.batch_size}, num_workers={o.num_workers}, "
+            f"persistent_workers={o.num_workers > 0}, drop_last=True)",
+            f"decode = Compose(DecodeImages(keys=[{fields.image!r}]), Resize({round(o.size * 256 / 224)}), "
+            f"CenterCrop({o.size}),",
+            f"                 Normalize(keys=[{fields.image!r}], channels_last={device.type == 'cuda'}))",
+            f"batches = fastdata.CUDAPrefetcher(loader, depth={o.depth}, transform=decode)"])
     lines = ["import fastdata", "from fastdata.gpu import Normalize"]
     decode = ""
     if o.decode == "torchvision" and fields.encoded:
@@ -103,7 +115,10 @@ def model_fits(step: st.ModelStep, size: int, device: torch.device) -> Any:
 
 
 def tune(source: str | Path, start: DoctorOptions, *, batch_limit: int = 2048) -> TuneResult:
-    """Search batch size (CUDA + model), decode backend, workers and depth; see the module docstring."""
+    """Search batch size (CUDA + model), decode backend, workers and depth; see the module docstring.
+
+    ``start.device_decode`` (None: on CUDA only) adds decoding on the device as a decode candidate.
+    """
     from fastdata.gpu import Normalize
     from fastdata.manifest import Manifest
     from fastdata.prefetch import resolve_device
@@ -124,15 +139,18 @@ def tune(source: str | Path, start: DoctorOptions, *, batch_limit: int = 2048) -
         subset = Path(tmp) / "subset"
         st.copy_subset(source, subset, fields, start.samples)
 
-        def rate(o: DoctorOptions) -> float:
+        def rate(o: DoctorOptions, *, through_prefetcher: bool = False) -> float:
+            """The job's images/s; without a step the loader's (through the prefetcher and its transforms
+            when asked: device decoding happens there)."""
             ds = _dataset(subset, fields, pre, o.decode)
-            if step is None:
+            if step is None and not through_prefetcher and o.decode != "device":
                 loader = _loader(ds, o.batch_size, o.num_workers)
                 try:
                     return st.time_loader(loader).rate
                 finally:
                     _close(loader)
-            return run_job(ds, o, device, step, norm)[0]
+            transform = device_transform(fields, pre, device) if o.decode == "device" else norm
+            return run_job(ds, o, device, step or no_step, transform)[0]
 
         # 1. batch size
         if isinstance(step, st.ModelStep) and device.type == "cuda":
@@ -193,6 +211,25 @@ def tune(source: str | Path, start: DoctorOptions, *, batch_limit: int = 2048) -
         enough = [w for w in sorted(rates) if rates[w] >= (1 - MIN_GAIN) * top or (need and rates[w] >= need)]
         best = dataclasses.replace(best, num_workers=enough[0])
 
+        # 3b. decoding on the device instead, with the workers just chosen, two interleaved rounds
+        if fields.encoded and (start.device_decode or (start.device_decode is None and device.type == "cuda")):
+            dev = dataclasses.replace(best, decode="device")
+            got = {best.decode: 0.0, "device": 0.0}
+            for _ in range(2):
+                for o in (best, dev):
+                    try:
+                        r = rate(o, through_prefetcher=True)
+                    except Exception as e:  # noqa: BLE001  a candidate that fails here is no candidate
+                        notes.append(f"decode on the device: failed ({type(e).__name__}: {e})")
+                        got["device"] = -1.0
+                        break
+                    got[o.decode] = max(got[o.decode], r)
+                    trials.append({"dimension": "decode (input side)", "value": o.decode, "images/s": r})
+                if got["device"] < 0:
+                    break
+            if got["device"] > (1 + MIN_GAIN) * got[best.decode]:
+                best = dev
+
         # 4. prefetch depth, over the whole job, two interleaved rounds
         if step is not None:
             depth_rates: dict[int, float] = {}
@@ -210,10 +247,11 @@ def tune(source: str | Path, start: DoctorOptions, *, batch_limit: int = 2048) -
 
         # 5. the start against the tuned configuration, interleaved, best of three each
         start_rate = best_rate = 0.0
+        fair = best.decode == "device"  # then the loader alone does not decode: compare through the prefetcher
         for _ in range(3):
-            start_rate = max(start_rate, rate(start))
+            start_rate = max(start_rate, rate(start, through_prefetcher=fair))
             if best != start:
-                best_rate = max(best_rate, rate(best))
+                best_rate = max(best_rate, rate(best, through_prefetcher=fair))
         if best == start:
             best_rate = start_rate
         elif best_rate < (1 + MIN_GAIN) * start_rate and best.batch_size == start.batch_size:
@@ -223,7 +261,8 @@ def tune(source: str | Path, start: DoctorOptions, *, batch_limit: int = 2048) -
     busy = _load_note(ncores, load_before)
     if busy:
         notes.append(busy)
-    return TuneResult(start, best, start_rate, best_rate, "job" if step is not None else "loader", trials, batch, notes)
+    measured = "job" if step is not None else ("input" if fair else "loader")
+    return TuneResult(start, best, start_rate, best_rate, measured, trials, batch, notes)
 
 
 def _load() -> float | None:
