@@ -239,3 +239,18 @@ def test_verify_over_http_and_http_dest_refused(served, tmp_path):
         assert len(problems) == 1 and srv.url + "/nowhere/manifest.json" in problems[0]
         with pytest.raises(Exception, match="read-only"):
             convert(served / "ds", srv.url + "/out", ConvertOptions(samples_per_shard=6))
+
+
+def test_convert_from_url_sources(served, tmp_path):
+    from fastdata.shards.convert import ConvertOptions, convert
+
+    opts = ConvertOptions(samples_per_shard=9, workers=1, staging=str(tmp_path / "staging"))
+    with LoopbackServer(served, ranges=False, max_requests=500, lifetime=60) as srv:
+        remote = convert(srv.url + "/ds", tmp_path / "from_url", opts)
+        single = convert(srv.url + "/ds/shard-000001.tar", tmp_path / "from_tar_url", opts)
+    local = convert(served / "ds", tmp_path / "from_local", ConvertOptions(samples_per_shard=9, workers=1))
+    assert remote.written == local.written == 5
+    assert not (tmp_path / "staging").exists() and not list((tmp_path / "staging-src").glob("**/*.tar"))
+    for s in local.manifest.shards:
+        assert (tmp_path / "from_url" / s.name).read_bytes() == (tmp_path / "from_local" / s.name).read_bytes()
+    assert single.manifest.num_samples == 6

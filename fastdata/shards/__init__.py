@@ -13,6 +13,7 @@ Heavy optional imports (h5py) happen only in :mod:`fastdata.shards.hdf5`.
 from fastdata.shards._remote import (  # noqa: E402
     RemoteStream,
     RetryPolicy,
+    download,
     env_retry,
     filesystem,
     is_transient,

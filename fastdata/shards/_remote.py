@@ -24,7 +24,7 @@ from fastdata.errors import RemoteError
 
 __all__ = [
     "RemoteStream", "RetryPolicy", "env_retry", "filesystem", "is_transient", "is_url", "read_bytes", "remote_error",
-    "remote_size", "upload", "url_join", "with_retries",
+    "download", "remote_size", "upload", "url_join", "with_retries",
 ]
 
 T = TypeVar("T")
@@ -271,6 +271,36 @@ def remote_size(url: str) -> int | None:
         raise remote_error(url, e, "checking") from e
     size = info.get("size")
     return int(size) if size is not None else None
+
+
+def download(url: str, dest: str | os.PathLike[str], *, size: int | None = None, sha256: str | None = None,
+             retry: RetryPolicy | None = None) -> None:
+    """Copy ``url`` to local file ``dest`` (atomically: a unique temporary name, then a rename).
+
+    With ``size``/``sha256`` (from a manifest) the copy is checked before the rename; a mismatch is
+    a RemoteError with both values, and nothing is left at ``dest``.
+    """
+    import hashlib
+    import uuid
+
+    dest = os.fspath(dest)
+    tmp = f"{dest}.{os.getpid()}.{uuid.uuid4().hex}.part"
+    digest = hashlib.sha256()
+    got = 0
+    try:
+        with RemoteStream(url, size=size, retry=retry, what="downloading") as src, open(tmp, "wb") as out:
+            while chunk := src.read(_CHUNK):
+                digest.update(chunk)
+                out.write(chunk)
+                got += len(chunk)
+        if size is not None and got != size:
+            raise RemoteError(f"downloading {url}: {got} bytes, the manifest says {size}")
+        if sha256 is not None and digest.hexdigest() != sha256:
+            raise RemoteError(f"downloading {url}: sha256 {digest.hexdigest()}, the manifest says {sha256}")
+        os.replace(tmp, dest)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
 
 
 def read_bytes(url: str, *, retry: RetryPolicy | None = None, what: str = "reading") -> bytes:

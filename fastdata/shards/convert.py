@@ -42,9 +42,9 @@ import numpy as np
 
 from fastdata._util import parse_size
 from fastdata.errors import ConversionError, FastdataError, RemoteError
-from fastdata.manifest import MANIFEST_NAME, FieldInfo, Manifest
+from fastdata.manifest import MANIFEST_NAME, FieldInfo, Manifest, sha256_file
 from fastdata.shards import _progress
-from fastdata.shards._remote import RetryPolicy, is_url, read_bytes, remote_size, upload, url_join
+from fastdata.shards._remote import RetryPolicy, download, is_url, read_bytes, remote_size, upload, url_join
 from fastdata.shards._fields import missing_fields, required_fields
 from fastdata.shards._images import (
     BadImage,
@@ -193,6 +193,11 @@ def convert(src: str | os.PathLike[str], dest: str | os.PathLike[str], options: 
     """
     t0 = time.perf_counter()
     opts = options or ConvertOptions()
+    if isinstance(src, str) and is_url(src):  # fetched into a local staging folder first, removed after
+        staged = _stage_source(src, opts)
+        result = convert(staged, dest, options)
+        shutil.rmtree(staged if staged.is_dir() else staged.parent, ignore_errors=True)
+        return result
     plan = plan_conversion(src, opts)
     remote = isinstance(dest, str) and is_url(dest)
     dest_path = _staging(dest, opts) if remote else Path(dest)  # type: ignore[arg-type]
@@ -253,6 +258,47 @@ def _staging(url: str, opts: ConvertOptions) -> Path:
         return Path(opts.staging)
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "fastdata" / "convert" / hashlib.sha256(url.rstrip("/").encode()).hexdigest()[:24]
+
+
+def _stage_source(url: str, opts: ConvertOptions) -> Path:
+    """A local copy of SRC ``url``: one file (``.tar``/``.h5``/``.npz``), or a shard folder with its
+    ``manifest.json`` (every file checked against it). Files already staged intact are kept, and
+    their mtimes are fixed, so a rerun plans the same conversion (resume works)."""
+    from fastdata.shards.reader import load_manifest
+
+    if opts.staging is not None:
+        root = Path(opts.staging + "-src")
+    else:
+        root = _staging("src:" + url.rstrip("/"), opts)
+    name = url.rstrip("/").rsplit("/", 1)[-1] or "src"
+    try:
+        if name.lower().endswith((".tar", ".h5", ".hdf5", ".npz")):
+            local = root / name
+            root.mkdir(parents=True, exist_ok=True)
+            size = remote_size(url)
+            if size is None:
+                raise ConversionError(f"SRC {url}: not found")
+            if not (local.is_file() and local.stat().st_size == size):
+                download(url, local, size=size)
+            os.utime(local, ns=(0, 0))
+            return local
+        manifest = load_manifest(url)
+        folder = root / name
+        folder.mkdir(parents=True, exist_ok=True)
+        for shard in manifest.shards:
+            local = folder / shard.name
+            local.parent.mkdir(parents=True, exist_ok=True)
+            if not (local.is_file() and local.stat().st_size == shard.bytes and sha256_file(local) == shard.sha256):
+                download(url_join(url, shard.name), local, size=shard.bytes, sha256=shard.sha256)
+            os.utime(local, ns=(0, 0))
+            if shard.index:  # no checksum in the manifest: the tar reader checks it against the shard's size
+                download(url_join(url, shard.index), folder / shard.index)
+                os.utime(folder / shard.index, ns=(0, 0))
+        manifest.save(folder)
+        os.utime(folder / MANIFEST_NAME, ns=(0, 0))
+        return folder
+    except RemoteError as e:
+        raise ConversionError(f"SRC {url}: {e}") from e
 
 
 def _upload(local: Path, base_url: str, name: str) -> None:
