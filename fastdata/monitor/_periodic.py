@@ -8,8 +8,9 @@ worker count) and what absorbs it (prefetch depth covers a burst only if it hold
 period's batches; more workers shorten the refill).
 
 Detection on the per-step waits: the first wait (start-up) is left out; a step "stalls" when its
-wait exceeds both ``min_stall_s`` and 4x the 25th percentile (for a period k >= 2 at least half
-the steps are fast, so the 25th percentile is a fast step's wait); the period is the most common
+wait exceeds ``min_stall_s``, 4x the 25th percentile (for a period k >= 2 at least half the steps
+are fast, so the 25th percentile is a fast step's wait) and a quarter of the median wait of the
+steps above those two (so a 1-2 ms scheduler hiccup is not taken for a 30 ms tooth); the period is the most common
 distance between consecutive stalls. It counts as periodic when there are at least
 ``min_stalls`` stalls, at least half of the distances equal the period and at least 3/4 are a
 multiple of it (a burst that happened to arrive in time skips one tooth). Random spikes (the
@@ -57,8 +58,10 @@ def find_periodic_stalls(
     if len(w) < 2 * min_stalls:
         return None
     ordered = sorted(w)
-    base = quantile(ordered, 0.25)
-    threshold = max(min_stall_s, 4.0 * base)
+    threshold = max(min_stall_s, 4.0 * quantile(ordered, 0.25))
+    above = [x for x in ordered if x > threshold]
+    if above:  # a stall is within 4x of the typical stall: a 1 ms scheduler hiccup is no 30 ms tooth
+        threshold = max(threshold, quantile(above, 0.5) / 4.0)
     stalled = [i for i, x in enumerate(w) if x > threshold]
     if len(stalled) < min_stalls or len(stalled) > len(w) // 2 + 1:
         return None  # too few to call a pattern, or most steps stall: steadily starved, not a saw-tooth

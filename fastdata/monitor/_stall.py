@@ -231,11 +231,15 @@ def advise(report: StallReport, loader: Any) -> list[str]:
         out.append("decoding and resizing repeat every epoch: pass cache= to ShardedDataset")
     p = report.periodic
     if p is not None:
-        burst = " = num_workers, so workers deliver in bursts" if workers and p.period == workers else ""
+        burst = " (= num_workers: the workers deliver in bursts)" if workers and p.period == workers else ""
+        body = max(report.wall_s - report.wait_s, 0.0) / max(report.steps, 1)
         depth = getattr(getattr(loader, "options", None), "depth", None)
-        have = f" (now {depth})" if depth is not None else ""
-        out.append(f"saw-tooth: every {p.period} steps one waits {p.mean_s * 1e3:.1f} ms{burst}; a prefetch depth "
-                   f"of at least {p.period + 1}{have} holds a whole burst, more workers shorten the refill")
+        shallow = (f"; the prefetch depth ({depth}) is below the burst of {p.period}: raise it to {p.period + 1}"
+                   if depth is not None and depth < p.period else "")
+        out.append(f"saw-tooth: every {p.period} steps one waits {p.mean_s * 1e3:.1f} ms{burst}; the loader took "
+                   f"{(p.period * body + p.mean_s) * 1e3:.0f} ms per {p.period} batches that the steps consume in "
+                   f"{p.period * body * 1e3:.0f} ms, so it is slower on average: more workers or the cache help"
+                   f"{shallow}")
     elif report.wait_p99_s > 5 * max(report.wait_p50_s, 1e-6):
         out.append("waits are spiky (p99 >> p50): raise prefetch depth or prefetch_factor to absorb jitter")
     return out
