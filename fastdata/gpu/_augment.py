@@ -17,12 +17,13 @@ Resampling. Bilinear with antialiasing, the filter of ``torch.nn.functional.inte
 antialias=True)`` (PIL's): output pixel ``j`` reads source pixels ``k`` with weight
 ``max(0, 1 - |k + 0.5 - c_j| / s)``, ``c_j = a (j + 0.5) + b``, ``s = max(|a|, 1)``, normalised per
 output pixel. It is separable, so a group of images is resampled with two batched matrix products
-``Wy @ X @ Wx^T`` over a zero-padded canvas ``X`` of the group's images (weights outside ``clip`` are 0). Images are
+``Wy @ X @ Wx^T`` over a zero-padded canvas ``X`` holding each image's ``clip`` region. Images are
 grouped by size so that padding stays bounded (and the canvas under ``max_canvas`` elements).
-Launches per batch: one canvas copy per image plus about twenty per group (weights, two matmuls,
-rounding, scatter into the output rows); no resampling launch per image. The canvas is
+Launches per batch: one canvas copy per image (of its ``clip`` region only) plus about twenty per
+group (weights, two matmuls, rounding, scatter into the output rows); no resampling launch per image. The canvas is
 float16 on CUDA (integers 0..255 are exact, weights to 2^-11; results within a grey level of
-float32) and float32 on the CPU. Output pixels the filter cannot reach (``CenterCrop`` larger than
+float32) and float32 on the CPU. A batch is reproduced bit for bit; the same image in a batch of
+other images can differ by one grey level (the padded canvas changes the summation order). Output pixels the filter cannot reach (``CenterCrop`` larger than
 the image) are 0, as torchvision's padding gives.
 
 Random parameters come from a counter-based hash of ``(seed, epoch, sample index)`` computed on
@@ -201,8 +202,8 @@ class ImageBatch:
         elif rows is None or len(rows) != len(self) or tuple(out.shape[1:]) != (channels, *size):
             raise ValueError(f"ImageBatch.render: out {tuple(out.shape)} / rows do not fit {len(self)} images of "
                              f"{(channels, *size)}")
-        hw = np.array([im.shape[1:] for im in self.images], dtype=np.int64)
-        groups = _groups(hw[:, 0], hw[:, 1], channels, max_canvas)
+        ry, rx = self.clip[:, 1] - self.clip[:, 0], self.clip[:, 3] - self.clip[:, 2]
+        groups = _groups(ry, rx, channels, max_canvas)
         order = np.concatenate(groups)
         # one host->device transfer for every group: ay, by, ax, bx, clip y0, y1, x0, x1, output row
         params = np.concatenate([self.geom, self.clip.astype(np.float64),
@@ -210,7 +211,8 @@ class ImageBatch:
         p = _to_device(params.astype(np.float32), out.device)
         start = 0
         for group in groups:
-            _render_group([self.images[i] for i in group.tolist()], p[start : start + len(group)], size, out)
+            _render_group([self.images[i] for i in group.tolist()], self.clip[group], p[start : start + len(group)],
+                          size, out)
             start += len(group)
         return out
 
@@ -242,16 +244,21 @@ def _to_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
     return t
 
 
-def _render_group(images: list[torch.Tensor], p: torch.Tensor, size: tuple[int, int], out: torch.Tensor) -> None:
-    """Resample one group of images (params ``p``: see ``render``) into their rows of ``out``."""
+def _render_group(images: list[torch.Tensor], clip: np.ndarray, p: torch.Tensor, size: tuple[int, int],
+                  out: torch.Tensor) -> None:
+    """Resample one group of images (host ``clip`` regions, device params ``p``: see ``render``) into
+    their rows of ``out``."""
     dtype = torch.float16 if out.device.type == "cuda" else torch.float32
-    # the zero-padded canvas: one copy per image (torch.nested.to_padded_tensor would do it in one
-    # kernel but synchronises the host on CUDA: it copies its size metadata with a blocking copy)
-    ky, kx = max(im.shape[1] for im in images), max(im.shape[2] for im in images)
-    canvas = torch.zeros((len(images), images[0].shape[0], ky, kx), dtype=dtype, device=out.device)
-    for k, im in enumerate(images):
-        canvas[k, :, : im.shape[1], : im.shape[2]] = im
+    # the zero-padded canvas of the clip regions: one copy per image (torch.nested.to_padded_tensor
+    # would do it in one kernel but synchronises the host on CUDA: it copies its size metadata blocking)
+    ry, rx = clip[:, 1] - clip[:, 0], clip[:, 3] - clip[:, 2]
+    canvas = torch.zeros((len(images), images[0].shape[0], max(int(ry.max()), 1), max(int(rx.max()), 1)),
+                         dtype=dtype, device=out.device)
+    for k, (im, (y0, y1, x0, x1)) in enumerate(zip(images, clip.tolist())):
+        if y1 > y0 and x1 > x0:
+            canvas[k, :, : y1 - y0, : x1 - x0] = im[:, y0:y1, x0:x1]
     oh, ow = size
+    ky, kx = canvas.shape[2], canvas.shape[3]
     wy = _weights(p[:, 0], p[:, 1], p[:, 4], p[:, 5], oh, ky, dtype).unsqueeze(1)  # (g, 1, oh, ky)
     wxt = _weights(p[:, 2], p[:, 3], p[:, 6], p[:, 7], ow, kx, dtype).transpose(1, 2).unsqueeze(1)  # (g, 1, kx, ow)
     if ky * kx * ow + oh * ky * ow <= oh * ky * kx + oh * kx * ow:
@@ -264,17 +271,18 @@ def _render_group(images: list[torch.Tensor], p: torch.Tensor, size: tuple[int, 
 
 def _weights(a: torch.Tensor, b: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, out: int, k: int,
              dtype: torch.dtype) -> torch.Tensor:
-    """Antialiased bilinear weights ``(g, out, k)`` from source pixels ``k`` (clipped to ``[lo, hi)``) to
-    output pixels. A mirrored axis (``a < 0``) gets the unmirrored weights in reverse order, so a flip is exact."""
-    j = torch.arange(out, dtype=torch.float32, device=a.device) + 0.5
+    """Antialiased bilinear weights ``(g, out, k)`` from canvas positions ``k`` (source pixel ``lo + k``,
+    valid below ``hi``) to output pixels. A mirrored axis (``a < 0``) gets the unmirrored weights in
+    reverse order, so a flip is exact."""
+    j = torch.arange(out, dtype=torch.float32, device=a.device)
     pos = torch.arange(k, dtype=torch.float32, device=a.device)
     mirrored = a < 0
     b = torch.where(mirrored, b + a * out, b)
     a = a.abs()
-    centre = a[:, None] * j[None, :] + b[:, None]
-    x = (pos[None, None, :] + 0.5 - centre[:, :, None]) / a.clamp_min(1.0)[:, None, None]
-    w = (1.0 - x.abs()).clamp_min_(0.0)
-    w.mul_(((pos[None, :] >= lo[:, None]) & (pos[None, :] < hi[:, None])).to(w.dtype)[:, None, :])
+    # distance from source pixel centre (lo + k + 0.5) to output pixel centre (a (j + 0.5) + b), in filter units
+    centre = torch.addcmul((b + 0.5 * a - lo - 0.5)[:, None], a[:, None], j[None, :])
+    w = (pos[None, None, :] - centre[:, :, None]).abs_().mul_((1.0 / a.clamp_min(1.0))[:, None, None])
+    w = (1.0 - w).clamp_min_(0.0).mul_((pos[None, :] < (hi - lo)[:, None]).to(w.dtype)[:, None, :])
     w.div_(w.sum(-1, keepdim=True).clamp_min_(1e-12))  # unreachable pixels (outside the image) stay 0
     w = torch.where(mirrored[:, None, None], w.flip(1), w)
     return w.to(dtype)
