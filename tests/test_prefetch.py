@@ -1010,3 +1010,16 @@ def test_exact_resume_across_the_epoch_boundary(tmp_path, num_workers: int) -> N
     assert [ids(x) for x in b] == expected[1][2:]
     assert [ids(x) for x in b] == expected[2]
     b.close()
+
+
+def test_cuda_prefetcher_asks_the_loader_for_pinned_gathers(fake_cuda: dict) -> None:
+    class Loader:
+        fast_path_pinned = False
+
+        def __iter__(self):
+            return iter([torch.zeros(3)])
+
+    on_cpu, on_cuda = Loader(), Loader()
+    CUDAPrefetcher(on_cpu, device="cpu").close()
+    CUDAPrefetcher(on_cuda, device="cuda").close()
+    assert on_cpu.fast_path_pinned is False and on_cuda.fast_path_pinned is True

@@ -480,6 +480,16 @@ class Store:
                 ) from e
             raise CacheError(f"cache store {self.path}: cannot write sample {i} ({field}): {e}") from e
 
+    def field_arrays(self) -> dict[str, np.ndarray] | None:
+        """The read-only memory maps ``{field: (num_samples, *shape) array}``, or None before the first
+        put. For gathers that must not run on torch's intra-op threads (``fastdata.DataLoader``'s
+        cached fast path copies rows with numpy on its own threads). Rows that ``missing()`` reports
+        hold no sample: check first."""
+        self._ensure_open()
+        if self._valid is None and not self._refresh_layout():
+            return None
+        return dict(self._arrays)
+
     def missing(self, indices: Any) -> np.ndarray:
         """The entries of ``indices`` that are not filled (int64, in the given order; empty: all filled)."""
         self._ensure_open()

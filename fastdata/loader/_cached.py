@@ -22,7 +22,10 @@ It runs in the calling thread, without read-ahead: a read-ahead thread was slowe
 consumer releases the GIL for long stretches (measured on 2 cores, 2048 cached 224 px samples,
 batches of 64: 37k vs 7k samples/s with an idle consumer, 11.8k vs 6.9k with 3 ms of sleep per
 batch, 4.8k vs 5.4k with 10 ms); ``CUDAPrefetcher`` already iterates the loader in its own thread.
-Each batch is gathered into a fresh tensor (never a reused buffer the caller may still hold).
+The cached fields are gathered by ``_gather.FastGather``: ``gather_threads`` threads of numpy row
+copies (never torch's intra-op pool), into reused buffers that go back into use only when no tensor
+of an earlier batch views them any more; page-locked when the loader pins (``pin_memory=True``) or a
+``CUDAPrefetcher`` consumes it (``fast_path_pinned``).
 """
 from __future__ import annotations
 
@@ -37,6 +40,7 @@ from torch.utils.data._utils.pin_memory import pin_memory as _pin_memory
 
 from fastdata.dataset import Cursor, EpochStart, ShardedDataset
 from fastdata.errors import CacheError
+from fastdata.loader._gather import FastGather
 
 __all__ = [
     "FAST_PATH_MODES",
@@ -115,15 +119,6 @@ def pin_device() -> str | None:
     return None if acc is None or acc.type == "mps" else acc.type
 
 
-def _empty_like_fields(store: Any, n: int) -> dict[str, torch.Tensor]:
-    """Fresh pinned tensors for ``n`` rows of every store field (gathered into directly)."""
-    out = {}
-    for f in store.fields:
-        dtype = torch.from_numpy(np.empty(0, dtype=f.dtype)).dtype
-        out[f.name] = torch.empty((n, *f.shape), dtype=dtype, pin_memory=True)
-    return out
-
-
 class FastBatch:
     """A batch of the fast path with the virtual worker that yields it and its position after it."""
 
@@ -170,7 +165,8 @@ class _VirtualWorker:
 
 def cached_batches(
     ds: ShardedDataset, store: Any, seqs: list[np.ndarray], *, missing: frozenset[int], start: EpochStart,
-    batch_size: int, drop_last: bool, collate_fn: Callable[[Any], Any], pin: str | None,
+    batch_size: int, drop_last: bool, collate_fn: Callable[[Any], Any], pin: str | None, gather: FastGather,
+    pinned: bool = False,
 ) -> Iterator[FastBatch]:
     """The batches of one epoch, in the worker path's order (see the module docstring)."""
     n = len(seqs)
@@ -187,15 +183,15 @@ def cached_batches(
             metas, rows, pos = workers[w].take(batch_size, missing, cached_fields)
             full = len(rows) == batch_size
             if full or (rows and not drop_last):
-                yield FastBatch(_assemble(store, metas, rows, collate_fn, fast_collate, pin), w, pos)
+                yield FastBatch(_assemble(store, metas, rows, collate_fn, fast_collate, pin, gather,
+                                          pinned or pin is not None), w, pos)
             active[w] = full
         w = (w + 1) % n
 
 
 def _assemble(store: Any, metas: list[dict[str, Any]], rows: list[int], collate_fn: Callable[[Any], Any],
-              fast_collate: bool, pin: str | None) -> Any:
-    out = _empty_like_fields(store, len(rows)) if pin is not None else None
-    cached = store.get_batch(rows, out=out)  # a fresh tensor per batch: the caller owns it
+              fast_collate: bool, pin: str | None, gather: FastGather, pinned: bool) -> Any:
+    cached = gather.batch(store, rows, pinned=pinned)
     if cached is None:
         raise CacheError(f"cache store {store.path}: samples of this batch are no longer filled ({rows[:8]}...)")
     if fast_collate:

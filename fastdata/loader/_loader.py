@@ -36,6 +36,7 @@ from fastdata.dataset import collate as collate_encoded
 from fastdata.errors import CacheError, FastdataError
 from fastdata.loader import _cached as _cache_loader
 from fastdata.loader import _threads as _thread_loader
+from fastdata.loader._gather import FastGather, check_gather_threads, default_gather_threads
 
 __all__ = ["DataLoader"]
 
@@ -150,12 +151,22 @@ class DataLoader(torch.utils.data.DataLoader):
             ``batch_size`` and no ``worker_init_fn``; ``transform=``/``sample_transform=`` and a
             custom ``collate_fn`` must be thread-safe (the collate runs in the calling thread).
             An epoch the cached fast path can serve takes that path instead.
+        gather_threads: threads of this process that copy the cached fast path's rows into batch
+            buffers (numpy row copies, never torch's intra-op pool). Default (None): a quarter of the
+            usable cores, at most 4, leaving the rest to the training loop.
         Everything else: as ``torch.utils.data.DataLoader``.
+
+    ``fast_path_pinned`` (attribute, default False): gather the cached fast path's batches straight
+    into page-locked buffers even without ``pin_memory``; ``CUDAPrefetcher`` sets it on the loader it
+    wraps (on a CUDA device), so its host-to-device copies need no pack.
     """
 
     def __init__(self, dataset: Any, *args: Any, cached_fast_path: bool | str = "auto", decode_threads: int = 0,
-                 **kwargs: Any):
+                 gather_threads: int | None = None, **kwargs: Any):
         mode = _cache_loader.check_mode(cached_fast_path)
+        self.gather_threads = check_gather_threads(gather_threads)
+        self.fast_path_pinned = False
+        self._gather: FastGather | None = None
         self.decode_threads = _thread_loader.check_threads(decode_threads)
         with warnings.catch_warnings():
             if decode_threads:  # no worker processes start: torch's advice on their number does not apply
@@ -255,9 +266,12 @@ class DataLoader(torch.utils.data.DataLoader):
         pin = _cache_loader.pin_device() if self.pin_memory else None
         seqs, missing = plan
         batch_size: int = self.batch_size  # type: ignore[assignment]  # not None: static_reason checks it
+        if self._gather is None:  # one per loader: its threads and buffers serve every epoch
+            self._gather = FastGather(self.gather_threads or default_gather_threads(), batch_size)
         return _cache_loader.cached_batches(
             ds, store, seqs, missing=missing, start=start, batch_size=batch_size,
-            drop_last=self.drop_last, collate_fn=self._user_collate, pin=pin,
+            drop_last=self.drop_last, collate_fn=self._user_collate, pin=pin, gather=self._gather,
+            pinned=self.fast_path_pinned,
         )
 
     def _draw_base_seed(self) -> None:

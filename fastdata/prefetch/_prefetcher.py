@@ -242,6 +242,9 @@ class CUDAPrefetcher:
                                        seamless=seamless, pack_threads=pack_threads)
         self.device = resolve_device(device)
         self._iterable = iterable
+        if self.device.type == "cuda" and getattr(iterable, "fast_path_pinned", None) is False:
+            # fastdata.DataLoader: gather cached batches straight into page-locked memory (no pack)
+            iterable.fast_path_pinned = True  # type: ignore[attr-defined]
         self._epochs = _Epochs(iterable)
         self._stats = Stats()
         skip = keys_matcher(self.options.keep_on_host)
@@ -506,20 +509,20 @@ def _produce(
     """Thread body. Holds no reference to the prefetcher, so dropping it stops the thread."""
     pipe = run.pipe
     number = 0
-    where = f"raised while setting up the thread for {device}"
+    where = [f"raised while setting up the thread for {device}"]
     try:
         if device.type == "cuda":
             torch.cuda.set_device(device)
         stager.begin_thread()
         while True:
-            _pump(pipe, source, stager, stats, epochs, number, device)
+            _pump(pipe, source, stager, stats, epochs, number, device, where)
             pipe.items.put(END)
             _close_generator(source)
             if not seamless:
                 return
             run.wait_requested(number + 1)  # at most one epoch ahead of the consumer
             number += 1
-            where = f"raised while starting epoch {number} ahead (iter() of the wrapped iterable)"
+            where[0] = f"raised while starting epoch {number} ahead (iter() of the wrapped iterable)"
 
             def started(value: Any, n: int = number) -> None:
                 run.ahead = (n, value)
@@ -529,24 +532,17 @@ def _produce(
             pipe.items.put(EpochStart(number, state, value))
     except Stopped:
         return
-    except _Raised as e:
-        _note(e.error, f"{e.where} (thread {threading.current_thread().name})")
-        pipe.items.put(Failure(e.error))
     except BaseException as e:  # noqa: BLE001  travels to the consumer, traceback included
-        _note(e, f"{where} (thread {threading.current_thread().name})")
+        _note(e, f"{where[0]} (thread {threading.current_thread().name})")
         pipe.items.put(Failure(e))
     finally:
         _close_generator(source)
 
 
-class _Raised(Exception):
-    def __init__(self, error: BaseException, where: str) -> None:
-        self.error, self.where = error, where
-
-
 def _pump(pipe: Pipe, source: Iterator[Any], stager: CpuStager | CudaStager, stats: Stats, epochs: _Epochs,
-          number: int, device: torch.device) -> None:
-    """Stage every batch of one epoch into the pipe (raises ``Stopped`` when the run is stopped)."""
+          number: int, device: torch.device, where: list[str]) -> None:
+    """Stage every batch of one epoch into the pipe (raises ``Stopped`` when the run is stopped);
+    ``where[0]`` names the step in progress, for the note on an error."""
     index = 0
     snapshot = epochs.snapshot
     stop = pipe.stop
@@ -554,24 +550,19 @@ def _pump(pipe: Pipe, source: Iterator[Any], stager: CpuStager | CudaStager, sta
         if stop.is_set():
             raise Stopped
         t0 = perf_counter()
+        where[0] = f"raised by the wrapped iterable at batch {index} of epoch {number}"
         try:
             batch = next(source)
         except StopIteration:
             return
-        except BaseException as e:  # noqa: BLE001
-            raise _Raised(e, f"raised by the wrapped iterable at batch {index} of epoch {number}") from None
-        try:
-            state = snapshot() if snapshot is not None else None
-        except BaseException as e:  # noqa: BLE001
-            raise _Raised(e, f"raised by the wrapped iterable's state_dict() after batch {index}") from None
+        where[0] = f"raised by the wrapped iterable's state_dict() after batch {index}"
+        state = snapshot() if snapshot is not None else None
         stats.add(load_s=perf_counter() - t0)
         credit = pipe.take_credit()
         if stop.is_set():
             raise Stopped
-        try:
-            item = stager.stage(batch, credit)
-        except BaseException as e:  # noqa: BLE001
-            raise _Raised(e, f"raised while staging batch {index} (transform or copy to {device})") from None
+        where[0] = f"raised while staging batch {index} (transform or copy to {device})"
+        item = stager.stage(batch, credit)
         del batch
         item.state = state
         pipe.items.put(item)

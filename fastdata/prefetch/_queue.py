@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from fastdata._util import quantile
+from fastdata.errors import FastdataError
 
 # Wake-up period of every blocking wait. Only bounds how late a stop/close is noticed; wake-ups
 # on new data are immediate, so this does not add latency to the data path.
@@ -55,8 +56,8 @@ class EpochStart:
         self.number, self.state, self.epoch_value = number, state, epoch_value
 
 
-class Stopped(Exception):
-    """Raised inside the producer when its run was stopped while it waited."""
+class Stopped(FastdataError):
+    """Raised inside the producer when its run was stopped while it waited (never leaves the thread)."""
 
 
 class Pipe:
