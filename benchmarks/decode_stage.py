@@ -353,7 +353,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--rows", nargs="+", default=list(ROWS), choices=ROWS)
     ap.add_argument("--images", type=int, default=None, help="corpus size (default 1024, quick 256)")
     ap.add_argument("--batch-size", type=int, default=64)
-    ap.add_argument("--shards", type=int, default=16)
+    ap.add_argument("--shards", type=int, default=4, help="tar shards (default 4: ~500 images each, as 256 MB shards of real photos hold thousands)")
     ap.add_argument("--reps", type=int, default=None, help="timed epochs per row (default 3, quick 1)")
     ap.add_argument("--data", type=Path, default=Path(tempfile.gettempdir()) / "fastdata-bench-decode")
     ap.add_argument("--budget", type=float, default=None, help="seconds; configurations past it are skipped")

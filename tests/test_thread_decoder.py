@@ -408,3 +408,33 @@ def test_no_worker_count_warning_without_workers(shards):
         dl = DataLoader(_make(shards), batch_size=8, num_workers=16, decode_threads=2)
         assert sum(len(b["cls"]) for b in dl) == N
     assert not [w for w in caught if "worker processes in total" in str(w.message)]
+
+
+def test_next_epoch_starts_in_place_with_the_same_buffers(shards):
+    ds = _make(shards)
+
+    def epoch() -> dict[str, int]:
+        it = _threads.thread_batches(ds, ds.epoch_start(2), threads=2, batch_size=4, drop_last=False,
+                                     collate_fn=torch.utils.data.default_collate, pin=None)
+        for fb in it:
+            del fb
+        return it.stats
+
+    first = epoch()
+    assert first["copied"] > 0  # dispatched before the first sample showed the layout
+    second = epoch()
+    assert second["copied"] == 0 and second["in_place"] == N
+    assert second["allocated"] == first["allocated"]  # no new buffers: the ring carried over
+
+
+def test_a_stale_layout_is_replaced(shards):
+    ds = _make(shards)
+    kw = dict(batch_size=4, num_workers=2, decode_threads=2)
+    _epoch(DataLoader(ds, **kw), "threads")  # layout: 3 x 24 x 24
+    ds.transform = lambda img: img[:, :12]  # now 3 x 12 x 24
+    got = _epoch(DataLoader(ds, **kw), "threads")
+    ref = _epoch(DataLoader(_make(shards, transform=lambda img: img[:, :12]), batch_size=4, num_workers=2), "workers")
+    assert_same(got, ref)
+    it = _threads.thread_batches(ds, ds.epoch_start(2), threads=2, batch_size=4, drop_last=False,
+                                 collate_fn=torch.utils.data.default_collate, pin=None)
+    assert sum(len(fb.batch["cls"]) for fb in it) == N and it.stats["copied"] == 0

@@ -114,7 +114,12 @@ def thread_batches(ds: ShardedDataset, start: EpochStart, *, threads: int, batch
     # with one worker ds.state_dict() follows, as with num_workers=0 on the worker path
     cursors = [ds.cursor(start, w, seq=seq, live=n == 1) for w, seq in enumerate(seqs)]
     return ThreadBatches(cursors, first=start.first, threads=threads, batch_size=batch_size, drop_last=drop_last,
-                         collate_fn=collate_fn, pin=pin)
+                         collate_fn=collate_fn, pin=pin, carry=_CARRY.setdefault(ds, {}))
+
+
+# What one epoch leaves to the next of the same dataset: the sample layout (so the first batches
+# land in place too) and the buffer rings (their pages are already faulted in).
+_CARRY: weakref.WeakKeyDictionary[Any, dict[Any, Any]] = weakref.WeakKeyDictionary()
 
 
 # ----- the pool ---------------------------------------------------------------------------------
@@ -241,12 +246,14 @@ class _Buffers:
     def __init__(self, pin: str | None, in_flight: int):
         self.pin = pin
         self.cap = in_flight + RING_SPARE
+        self._lock = threading.Lock()  # two iterators of one dataset may share the ring
         self._ring: dict[tuple[Any, tuple[int, ...], torch.dtype], list[tuple[torch.Tensor, int]]] = {}
         self._busy: set[int] = set()  # id() of ring tensors assigned to batches in flight
         self.allocated = 0  # tensors allocated (ring and fresh), for tests and stats
 
     def take(self, spec: Spec, rows: int) -> dict[Any, torch.Tensor]:
-        return {name: self._one(name, (rows, *shape), dtype) for name, (shape, dtype) in spec.items()}
+        with self._lock:
+            return {name: self._one(name, (rows, *shape), dtype) for name, (shape, dtype) in spec.items()}
 
     def _one(self, name: Any, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         if self.pin is not None:
@@ -266,8 +273,9 @@ class _Buffers:
 
     def release(self, bufs: dict[Any, torch.Tensor]) -> None:
         """The batch left our hands (handed over as views, or discarded)."""
-        for t in bufs.values():
-            self._busy.discard(id(t))
+        with self._lock:
+            for t in bufs.values():
+                self._busy.discard(id(t))
 
 
 class _Layout:
@@ -385,7 +393,7 @@ class ThreadBatches:
     """
 
     def __init__(self, cursors: Sequence[Any], *, first: int, threads: int, batch_size: int, drop_last: bool,
-                 collate_fn: Callable[[Any], Any], pin: str | None):
+                 collate_fn: Callable[[Any], Any], pin: str | None, carry: dict[Any, Any] | None = None):
         self._walks = [_Walk(c, c.seq) for c in cursors]
         self._n = len(cursors)
         self._w = first
@@ -397,8 +405,9 @@ class ThreadBatches:
         self._pin = pin
         self._threads = threads
         self._chunk = max(1, min(8, batch_size // (4 * threads)))
-        self._layout: _Layout | None = None
-        self._buffers = _Buffers(pin, LOOKAHEAD + 1)
+        self._carry = {} if carry is None else carry
+        self._layout: _Layout | None = self._carry.get("layout") if self._inplace else None
+        self._buffers = self._carry.setdefault(("buffers", pin), _Buffers(pin, LOOKAHEAD + 1))
         self._batches = 0
         self._in_place = self._copied = 0
         self._pool: _Pool | None = _Pool(threads)
@@ -541,7 +550,7 @@ class ThreadBatches:
             if item.sample is None:
                 continue  # skipped under on_error; recorded in dataset.skipped by the dataset
             if self._layout is None and self._inplace:
-                self._layout = _Layout.of(item.sample)
+                self._layout = self._carry["layout"] = _Layout.of(item.sample)
                 if self._layout is None:
                     self._inplace = False
             rows.append((item.sample, item.written == walk.taken))
@@ -564,7 +573,12 @@ class ThreadBatches:
         try:
             for j, (s, in_place) in enumerate(rows):
                 if not in_place and not _write(s, layout, bufs, j):
-                    return self._pinned(default_collate(samples))  # torch's error for mismatched samples
+                    batch = default_collate(samples)  # torch's error for samples that do not match
+                    # they matched each other: the layout (e.g. carried from an epoch with another
+                    # transform) is stale; the next dispatches use theirs
+                    self._layout = self._carry["layout"] = _Layout.of(samples[0])
+                    self._inplace = self._layout is not None
+                    return self._pinned(batch)
             copied = sum(not in_place for _, in_place in rows)
             self._copied += copied
             self._in_place += len(rows) - copied
