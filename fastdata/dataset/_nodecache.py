@@ -37,7 +37,6 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -148,9 +147,10 @@ class ShardCache:
     def _setup(self) -> None:
         self._pid = os.getpid()
         self._lock = threading.Lock()
-        self._pool: ThreadPoolExecutor | None = None
-        self._pending: dict[int, Future[Any]] = {}
+        self._queue: queue.Queue[int | None] | None = None  # prefetch requests for the daemon threads
+        self._pending: dict[int, threading.Event] = {}
         self._failed: dict[int, Exception] = {}  # prefetches that failed after every retry
+        self._active: set[int] = set()  # shards a prefetch thread is fetching now
         self._use: dict[int, list[int]] = {}  # shard -> fds holding its shared use lock
         for sub in (".locks", ".tmp"):
             (self.root / sub).mkdir(parents=True, exist_ok=True)
@@ -161,7 +161,7 @@ class ShardCache:
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        for name in ("_lock", "_pool", "_pending", "_failed", "_use"):
+        for name in ("_lock", "_queue", "_pending", "_failed", "_active", "_use"):
             state.pop(name)
         return state
 
@@ -225,23 +225,36 @@ class ShardCache:
         if not want:
             return
         with self._lock:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(max_workers=min(4, self.prefetch),
-                                                thread_name_prefix="fastdata-nodecache")
+            if self._queue is None:
+                # daemon threads: a download in flight never keeps the interpreter from exiting (a
+                # killed download leaves a .part file that the next holder of the shard's lock removes)
+                self._queue = queue.Queue()
+                for k in range(min(4, self.prefetch)):
+                    threading.Thread(target=self._prefetch_loop, args=(self._queue,), daemon=True,
+                                     name=f"fastdata-nodecache-{k}").start()
             for s in want:
-                if s not in self._pending:
-                    self._pending[s] = self._pool.submit(self._prefetch_one, s)
+                if s not in self._pending and s not in self._failed:  # a failed one waits for its demand fetch
+                    self._pending[s] = threading.Event()
+                    self._queue.put(s)
 
-    def _prefetch_one(self, i: int) -> None:
-        try:
-            self._fetch(i, demand=False)
-        except Exception as e:  # noqa: BLE001 - handed to the demand fetch of shard i, which raises it
-            _log.debug("node cache: prefetch of %s failed: %s", self.url(i), e)
+    def _prefetch_loop(self, requests: queue.Queue[int | None]) -> None:
+        while (i := requests.get()) is not None:
             with self._lock:
-                self._failed[i] = e
-        finally:
-            with self._lock:
-                self._pending.pop(i, None)
+                if i not in self._pending:
+                    continue  # fetched on demand meanwhile, or the cache was closed
+                self._active.add(i)
+            try:
+                self._fetch(i, demand=False)
+            except Exception as e:  # noqa: BLE001 - handed to the demand fetch of shard i, which raises it
+                _log.debug("node cache: prefetch of %s failed: %s", self.url(i), e)
+                with self._lock:
+                    self._failed[i] = e
+            finally:
+                with self._lock:
+                    self._active.discard(i)
+                    done = self._pending.pop(i, None)
+                if done is not None:
+                    done.set()
 
     # ----- public entry points ------------------------------------------------------------------
     def ensure(self, i: int) -> Path:
@@ -252,9 +265,14 @@ class ShardCache:
             self.stats.hits += 1
             _touch(path)
         else:
-            pending = self._pending.get(i)
+            with self._lock:
+                pending = self._pending.get(i)
+                if pending is not None and i not in self._active:
+                    del self._pending[i]  # only queued: fetch it here rather than wait for its turn
+                    pending.set()
+                    pending = None
             if pending is not None:
-                pending.result()  # never raises (see _prefetch_one)
+                pending.wait()  # a prefetch thread is downloading it
             with self._lock:
                 failed = self._failed.pop(i, None)
             if failed is not None and not path.is_file():  # the prefetch used up every retry already
@@ -292,9 +310,14 @@ class ShardCache:
         """Stop prefetching and release every use lock of this process."""
         if self._pid != os.getpid():
             return
-        pool, self._pool = self._pool, None
-        if pool is not None:
-            pool.shutdown(wait=True, cancel_futures=True)
+        requests, self._queue = self._queue, None
+        if requests is not None:
+            with self._lock:
+                pending, self._pending = dict(self._pending), {}
+            for event in pending.values():
+                event.set()  # nobody waits for these any more
+            for _ in range(min(4, self.prefetch)):
+                requests.put(None)
         for i in list(self._use):
             while self._use.get(i):
                 self.release(i)
