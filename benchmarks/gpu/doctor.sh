@@ -28,21 +28,21 @@ WORK="$(mktemp -d /tmp/fastdata-gpu-doctor.XXXXXX)"
 trap 'rm -rf "$WORK"' EXIT
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 # DRY=1: a plumbing check on a CPU machine (synthetic 5 ms step instead of resnet18, fewer images)
-STEP="--model resnet18"; N=1024
-if [ "${DRY:-0}" = 1 ]; then STEP="--step-ms 5"; N=256; fi
+STEP="--model resnet18"; N=1024; SLOW=1
+if [ "${DRY:-0}" = 1 ]; then STEP="--step-ms 5"; N=256; SLOW=4; fi  # DRY: a busy 2-core box needs more time
 export N
 declare -A STATUS
 
 part() {  # part NAME SECONDS COMMAND...
   local name="$1" limit="$2"; shift 2
   local t0=$SECONDS
-  timeout --kill-after=5 "$limit" "$@"
+  timeout --kill-after=5 "$((limit * SLOW))" "$@"
   local rc=$?
   STATUS[$name]="rc=$rc $((SECONDS - t0))s"
   [ $rc -eq 0 ] || echo "== $name failed (rc=$rc) ==" >&2
 }
 
-part data 15 python3 - "$WORK" <<'EOF'
+part data 20 python3 - "$WORK" <<'EOF'
 import sys, time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -71,7 +71,7 @@ SHARDS="$WORK/shards"
 part doctor 35 bash -c "python3 -m fastdata doctor '$SHARDS' $STEP --workers 8 --batch-size 128 \
   --samples $N --steps 30 --out '$OUT/doctor.json' | tee '$OUT/doctor.txt'; exit \${PIPESTATUS[0]}"
 
-part tune 60 bash -c "python3 -m fastdata tune '$SHARDS' $STEP --max-batch 256 --samples $((N * 3 / 4)) --steps 8 \
+part tune 55 bash -c "python3 -m fastdata tune '$SHARDS' $STEP --max-batch 256 --samples $((N * 3 / 4)) --steps 8 \
   --out '$OUT/tune.json' | tee '$OUT/tune.txt'; exit \${PIPESTATUS[0]}"
 
 part nvml 10 python3 - "$OUT" <<'EOF'
