@@ -51,21 +51,32 @@ def throughput(kind: str, data: dict[str, Any]) -> tuple[int, dict[str, float]]:
     return int(data["config"]["workers"]), {k: float(v["images_per_s"]) for k, v in data["results"].items()}
 
 
-def machine_label(kind: str, data: dict[str, Any]) -> str:
+def load_avg(data: dict[str, Any]) -> float | None:
+    """The machine's 1-minute load average when the run ended (demo JSONs record it)."""
+    value = data.get("machine", {}).get("load_avg_1min")
+    return float(value) if value is not None else None
+
+
+def machine_label(kind: str, data: dict[str, Any], *, with_load: bool = True) -> str:
     m = data.get("machine", {})
     if kind == "demo":
         where = m.get("gpu") or f"{m.get('cpu_cores', '?')} CPU cores, no GPU"
+        load = load_avg(data)
+        if with_load and load is not None:
+            where += f" (load average {load:.1f} at the end)"
         s = data["settings"]
-        return (f"{where}, torch {m.get('torch', '?')}; {s['model']}, batch {s['batch_size']}, "
+        return (f"{where}, torch {m.get('torch', '?')}\n{s['model']}, batch {s['batch_size']}, "
                 f"{s['images']} images")
     return f"{m.get('cpus', '?')} CPUs, torch {m.get('torch', '?')}; batch {data['config']['batch_size']}"
 
 
 def plot_throughput(plt: Any, kind: str, files: list[dict[str, Any]], out: Path) -> Path:
     by_workers: dict[int, dict[str, float]] = defaultdict(dict)
+    loads: dict[int, float | None] = {}
     pipelines: list[str] = []
     for data in files:
         workers, rates = throughput(kind, data)
+        loads[workers] = load_avg(data)
         for name, rate in rates.items():
             by_workers[workers][name] = rate  # a later file with the same workers wins
             if name not in pipelines:
@@ -78,9 +89,11 @@ def plot_throughput(plt: Any, kind: str, files: list[dict[str, Any]], out: Path)
         ys = [by_workers[w].get(name, 0.0) for w in groups]
         bars = ax.bar(xs, ys, width, label=name)
         ax.bar_label(bars, labels=[f"{y:,.0f}" if y else "" for y in ys], fontsize=7, padding=2)
-    ax.set_xticks(range(len(groups)), [f"{w} worker{'s' if w != 1 else ''}" for w in groups])
+    ax.set_xticks(range(len(groups)), [f"{w} worker{'s' if w != 1 else ''}" + (
+        f"\n(load average {loads[w]:.1f})" if loads.get(w) is not None else "") for w in groups])
     ax.set_ylabel("images/s")
-    ax.set_title(f"{kind}: throughput by pipeline and worker count\n{machine_label(kind, files[-1])}", fontsize=9)
+    ax.set_title(f"{kind}: throughput by pipeline and worker count\n"
+                 f"{machine_label(kind, files[-1], with_load=False)}", fontsize=9)
     ax.legend(fontsize=8)
     ax.margins(y=0.12)
     fig.tight_layout()
@@ -94,7 +107,8 @@ def plot_timeline(plt: Any, name: str, data: dict[str, Any], out: Path) -> Path:
     rows = [r for r in data["rows"] if r.get("timeline")]
     if not rows:
         raise SystemExit(f"plot.py: {name}: the demo JSON has no per-step timeline")
-    fig, axes = plt.subplots(len(rows), 1, figsize=(8, 1.6 * len(rows) + 0.8), sharey=True, squeeze=False)
+    fig, axes = plt.subplots(len(rows), 1, figsize=(8, 1.6 * len(rows) + 0.8), sharex=True, sharey=True,
+                             squeeze=False)
     floor = 1e-3  # ms: waits below 1 us are drawn at 1 us on the log scale
     for ax, row in zip(axes[:, 0], rows):
         t0 = row["timeline"][0][0]

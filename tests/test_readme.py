@@ -9,6 +9,10 @@ holds what the README assumes: ``shards/`` (tar shards of small photo-like JPEGs
 labels) and ``shards-h5/`` (the same as HDF5), with ``HOME`` pointing there too, so
 ``~/.cache/fastdata`` stays inside it. The blocks pick their device themselves: on a machine
 without a GPU they run on the CPU.
+
+A block that cannot run alone (a fragment of a script that needs ``torchrun``) is preceded by
+``<!-- not run by tests/test_readme.py: REASON -->`` naming where it is tested instead; such blocks
+are listed in the test's output, and there may be only a few.
 """
 from __future__ import annotations
 
@@ -20,11 +24,18 @@ import pytest
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
+NOT_RUN = re.compile(r"<!-- not run by tests/test_readme.py: (.*?) -->\s*$")
+MAX_NOT_RUN = 2
 
 
-def python_blocks(text: str) -> list[tuple[int, str]]:
-    """(first line number, source) of every ```python block."""
-    return [(text.count("\n", 0, m.start(1)) + 1, m.group(1)) for m in BLOCK.finditer(text)]
+def python_blocks(text: str) -> list[tuple[int, str, str | None]]:
+    """(first line number, source, reason it is not run or None) of every ```python block."""
+    out = []
+    for m in BLOCK.finditer(text):
+        before = text[:m.start()].rstrip("\n").rsplit("\n", 1)[-1]
+        reason = NOT_RUN.search(before)
+        out.append((text.count("\n", 0, m.start(1)) + 1, m.group(1), reason.group(1).strip() if reason else None))
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -41,13 +52,20 @@ def readme_folder(tmp_path_factory):
 
 
 def test_the_block_extractor_finds_every_block():
-    text = "a\n```python\nx = 1\n```\nb\n```bash\nls\n```\n```python\ny = 2\nz = 3\n```\n"
-    assert python_blocks(text) == [(3, "x = 1\n"), (10, "y = 2\nz = 3\n")]
+    text = ("a\n```python\nx = 1\n```\nb\n```bash\nls\n```\n```python\ny = 2\nz = 3\n```\n"
+            "<!-- not run by tests/test_readme.py: needs torchrun -->\n```python\nw = 1\n```\n")
+    assert python_blocks(text) == [(3, "x = 1\n", None), (10, "y = 2\nz = 3\n", None),
+                                   (15, "w = 1\n", "needs torchrun")]
 
 
 def test_readme_python_blocks_run_as_written(readme_folder, monkeypatch, capsys):
     blocks = python_blocks(README.read_text())
     assert len(blocks) >= 4, "the README lost its examples"
+    not_run = [(line, reason) for line, _, reason in blocks if reason is not None]
+    assert len(not_run) <= MAX_NOT_RUN, f"too many README blocks marked not run: {not_run}"
+    assert all(not_run_reason for _, not_run_reason in not_run), "a 'not run' marker must give its reason"
+    print("README blocks not run here:", not_run)
+    blocks = [(line, source) for line, source, reason in blocks if reason is None]
     monkeypatch.chdir(readme_folder)
     monkeypatch.setenv("HOME", str(readme_folder))
     monkeypatch.setenv("XDG_CACHE_HOME", str(readme_folder / ".cache"))

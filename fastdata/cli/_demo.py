@@ -304,10 +304,11 @@ def _run_pipelines(root: Path, shards: Path, *, device: torch.device, model_name
         return make
 
     rows = []
-    w = f"{workers} workers"
+    w = f"{workers} worker{'s' if workers != 1 else ''}"
     plain = _tuned_torch_loader(root / "images", batch_size, workers, device)
     rows.append(_train("torch DataLoader, tuned",
-                       f"PIL decode+resize+normalise in {w}, pin_memory, persistent, prefetch_factor=4",
+                       f"PIL decode+resize+normalise in {w}, {'pin_memory, ' if device.type == 'cuda' else ''}"
+                       "persistent, prefetch_factor=4",
                        plain, make_step(0, 1), epochs, device))
     _report(rows[-1])
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -408,7 +409,8 @@ def run_demo(*, workdir: str | None, num_images: int, num_workers: int | None, e
         params = sum(p.numel() for p in m.parameters())
         del m
         print(f"[3/4] training {model_name} ({params / 1e6:.2f} M parameters) on {device} ({precision}), "
-              f"batch {batch_size}, {workers} workers{', 1 intra-op thread' if device.type == 'cpu' else ''}, "
+              f"batch {batch_size}, {workers} worker{'s' if workers != 1 else ''}"
+              f"{', 1 intra-op thread' if device.type == 'cpu' else ''}, "
               f"{epochs} epochs per pipeline "
               f"({'the first is warm-up, the rest measured' if epochs > 1 else 'one measured epoch'})", flush=True)
         threads = torch.get_num_threads()
