@@ -454,7 +454,7 @@ def add_demo_subparser(sub: Any) -> None:
         "demo", help="before/after: the same model trained from a tuned torch DataLoader and from fastdata",
         description="Generate photo-like JPEGs, shard them, and train the same model from a tuned "
                     "torch.utils.data.DataLoader, fastdata uncached and fastdata cached; print one table "
-                    "(images/s, input wait, GPU utilisation, speed-up). About a minute on 2 CPU cores.")
+                    "(images/s, input wait, GPU utilisation, speed-up).")
     demo.add_argument("--dir", default=None, metavar="DIR",
                       help="keep the images, shards and cache in DIR (default: a temporary folder, removed after)")
     demo.add_argument("--images", type=positive_int, default=1024, metavar="N",
