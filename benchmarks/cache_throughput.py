@@ -8,7 +8,7 @@ every pipeline:
 - ``uncached``: no cache; every epoch decodes and resizes every JPEG in the workers;
 - ``fill``: the first cached epoch (decode, resize, write into the store; through the workers);
 - ``cached``: later epochs with ``cached_fast_path="auto"``: the store is complete, so the
-  loader gathers each batch from the store in this process (``Store.get_batch``) instead of
+  loader gathers each batch from the store in this process (``--gather-threads`` numpy threads) instead of
   handing it over from a worker; ``cached_gb_per_cpu_s`` is its image bytes per CPU second
   of this process (all its threads), i.e. cached reading per core;
 - ``cached_workers``: the same cached epoch forced through the workers
@@ -147,6 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--size", type=int, default=224)
     p.add_argument("--repeats", type=int, default=None, help="epochs per measurement (default 3, --quick 1)")
+    p.add_argument("--gather-threads", type=int, default=None,
+                   help="cached fast path gather threads (default: fastdata.DataLoader's own default)")
     p.add_argument("--dir", default=None, help="work folder (corpus is kept and reused); default: temporary")
     p.add_argument("--json", default=None, metavar="PATH", help="write results here")
     args = p.parse_args(argv)
@@ -160,7 +162,8 @@ def main(argv: list[str] | None = None) -> int:
         for info in Cache(cache_dir).list():  # measure a fill from scratch
             Cache(cache_dir).remove(info.key)
         pipe = Pipelines(corpus, work, size=args.size, cache=Cache(cache_dir))
-        loader_kw: dict[str, Any] = dict(batch_size=args.batch_size, num_workers=args.workers)
+        loader_kw: dict[str, Any] = dict(batch_size=args.batch_size, num_workers=args.workers,
+                                         gather_threads=args.gather_threads)
         if args.workers:  # the same persistent workers for every pipeline, as in a training loop
             loader_kw.update(persistent_workers=True, multiprocessing_context="fork")
 
@@ -177,6 +180,7 @@ def main(argv: list[str] | None = None) -> int:
             unc.append(epoch(uncached_loader))
             cached.append(epoch(cached_loader, path="cached"))
             cached_workers.append(epoch(workers_loader, path="workers"))
+        cached_threads = cached_loader._gather.threads if cached_loader._gather is not None else None
         del uncached_loader, cached_loader, workers_loader
         gc.collect()
         store = pipe.store()
@@ -220,6 +224,7 @@ def main(argv: list[str] | None = None) -> int:
             "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
                         "numpy": np.__version__, "load_avg_1m": os.getloadavg()[0]},
         }
+        res["cached_gather_threads"] = cached_threads
         res["cached_over_uncached"] = res["cached_samples_per_s"] / res["uncached_samples_per_s"]
         res["cached_workers_over_uncached"] = res["cached_workers_samples_per_s"] / res["uncached_samples_per_s"]
 
