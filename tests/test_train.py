@@ -304,6 +304,10 @@ def test_evaluate_rejects_bad_metrics():
         evaluate(model, batches, metrics={"bad": lambda o, t: torch.ones(3)})
     with pytest.raises(ValueError, match="metric names must differ"):
         evaluate(model, batches, loss_fn=torch.nn.functional.cross_entropy, metrics={"loss": lambda o, t: o})
+    with pytest.raises(ValueError, match="metric names must differ"):
+        evaluate(model, batches, metrics={"samples": lambda o, t: o})
+    with pytest.raises(ValueError, match="metric 'x' must return a tensor, got float"):
+        evaluate(model, batches, metrics={"x": lambda o, t: 1.0})
     with pytest.raises(ValueError, match="the batches were empty"):
         evaluate(model, [])
     with pytest.raises(ValueError, match="max_batches must be an int >= 1 or None, got 0"):

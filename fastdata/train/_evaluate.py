@@ -110,8 +110,9 @@ def evaluate(
     if metrics is None:
         metrics = {"accuracy": accuracy} if loss_fn is None else {}
     names = (["loss"] if loss_fn is not None else []) + list(metrics)
-    if len(set(names)) != len(names):
-        raise ValueError(f"metric names must differ from each other and from 'loss', got {list(metrics)}")
+    if len(set(names)) != len(names) or "samples" in names:
+        raise ValueError(f"metric names must differ from each other, from 'loss' and from 'samples', "
+                         f"got {list(metrics)}")
     device, param_dtype = model_device_dtype(model)
     mode = resolve_precision(precision, device)
     dtype = input_dtype(mode, param_dtype)
