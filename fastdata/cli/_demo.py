@@ -310,6 +310,7 @@ def _run_pipelines(root: Path, shards: Path, *, device: torch.device, model_name
                        f"PIL decode+resize+normalise in {w}, {'pin_memory, ' if device.type == 'cuda' else ''}"
                        "persistent, prefetch_factor=4",
                        plain, make_step(0, 1), epochs, device))
+    del plain  # its persistent workers stop now rather than idle through the other pipelines
     _report(rows[-1])
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     norm = Normalize(keys=["jpg"], dtype=dtype, channels_last=device.type == "cuda")
