@@ -1,9 +1,10 @@
 """CUDAPrefetcher: pinned staging, side-stream host-to-device copies, device transforms.
 
 Stage 5 of the pipeline (shards -> dataset -> cache -> loader -> **prefetch** -> GPU -> train).
-Behind it: ``_prefetcher`` (the iterator and its producer thread), ``_stage`` (pinned staging
-and copies), ``_queue`` (the bounded channel and statistics); ``tree`` walks nested batches and
-is shared with :mod:`fastdata.gpu`.
+Behind it: ``_prefetcher`` (the iterator, seamless epochs and the persistent producer thread),
+``_stage`` (pinned staging ring, parallel pack, copies, the memory bound), ``_queue`` (the pipe, the
+credits that bound memory, and statistics); ``tree`` walks nested batches and is shared with
+:mod:`fastdata.gpu`.
 """
 from fastdata.prefetch._prefetcher import CUDAPrefetcher, PrefetchOptions, resolve_device
 

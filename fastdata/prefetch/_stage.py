@@ -39,6 +39,7 @@ import mmap
 import os
 import queue
 import threading
+import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -291,6 +292,8 @@ class CudaStager:
         self.lock = threading.Lock()  # an orphaned producer of an earlier run must never stage concurrently
         self.pinned_bytes = 0
         self.pinned_allocs = 0
+        # a prefetcher dropped without close(): its registered slots are still unregistered (after their copies)
+        self._finalizer = weakref.finalize(self, _free_slots, self._slots)
 
     def begin_thread(self) -> None:
         """In the producer thread, once: no autograd, and the side stream as its current stream (both
@@ -478,13 +481,24 @@ class CudaStager:
 
     def release(self) -> None:
         with self.lock:
-            for slot in self._slots:
-                self._recycle(slot)
-                if slot.buf is not None:
-                    buf, slot.buf, slot.array = slot.buf, None, None
-                    _pinned_free(buf)
+            self._finalizer()
             self.pinned_bytes = 0
         self._pool.close()
+
+
+def _free_slots(slots: list[_Slot]) -> None:
+    """Wait for each slot's last copy, then unregister and drop its buffer."""
+    for slot in slots:
+        try:
+            if slot.pending:
+                slot.end.synchronize()
+                slot.pending = False
+            slot.refs = []
+            if slot.buf is not None:
+                buf, slot.buf, slot.array = slot.buf, None, None
+                _pinned_free(buf)
+        except Exception as e:  # noqa: BLE001  e.g. at interpreter exit, after CUDA shut down
+            warnings.warn(f"CUDAPrefetcher: freeing a pinned staging slot failed: {e!r}", RuntimeWarning, stacklevel=1)
 
 
 # Allocation and transfer primitives, module-level so tests can run the whole stager on a CPU-only
