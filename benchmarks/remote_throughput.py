@@ -87,7 +87,7 @@ def main() -> None:
     ap.add_argument("--epochs", type=int, default=3)
     ap.add_argument("--workers", type=int, default=0, help="DataLoader workers (0: in-process)")
     ap.add_argument("--prefetch", type=int, default=4)
-    ap.add_argument("--evict-epochs", type=int, default=6)
+    ap.add_argument("--evict-epochs", type=int, default=6, help="epochs of the eviction comparison (0: skip it)")
     ap.add_argument("--repeat", type=int, default=3, help="interleaved rounds (fresh node cache each)")
     ap.add_argument("--payload", choices=("raw", "jpeg"), default="raw",
                     help="raw: random bytes, read without decoding (I/O only); jpeg: 500x375 JPEGs decoded and "
@@ -124,7 +124,7 @@ def main() -> None:
             shard_bytes = max(p.stat().st_size for p in (www / "ds").glob("*.tar"))
             limit = shard_bytes * args.shards // 2
             hits = {}
-            for policy in ("future", "lru"):
+            for policy in (("future", "lru") if args.evict_epochs >= 2 else ()):
                 ds = ShardedDataset(RemoteShards(url + "/ds", cache_dir=Path(tmp) / f"evict-{policy}", max_bytes=limit,
                                                  prefetch=0, eviction=policy),
                                     shuffle=ShuffleOptions(open_shards=1, buffer_size=0, within_shard=False),
@@ -158,8 +158,9 @@ def main() -> None:
         print(f"{e:5d} {statistics.median(loc):8.2f} {statistics.median(rem):9.2f} "
               f"{total_mb / statistics.median(loc):11.0f} {total_mb / statistics.median(rem):12.0f} "
               f"{med:>17.0%} ({ratios[0]:.0%}-{ratios[-1]:.0%})")
-    print(f"eviction at 2x oversubscription (cache = {limit / 1e6:.0f} MB, {args.evict_epochs} epochs, hit rate over "
-          f"epochs 1..): future {hits['future']['hit_rate']:.0%}, LRU {hits['lru']['hit_rate']:.0%}")
+    if hits:
+        print(f"eviction at 2x oversubscription (cache = {limit / 1e6:.0f} MB, {args.evict_epochs} epochs, hit rate over "
+              f"epochs 1..): future {hits['future']['hit_rate']:.0%}, LRU {hits['lru']['hit_rate']:.0%}")
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "remote_throughput.json").write_text(json.dumps({

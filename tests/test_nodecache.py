@@ -108,10 +108,20 @@ def test_always_corrupted_download_fails_clearly(served, tmp_path):
 
 
 def _cache_bytes(root: Path, manifest: Manifest) -> int:
-    total = sum((root / s.name).stat().st_size for s in manifest.shards if (root / s.name).is_file())
-    for part in (root / ".tmp").glob("*.part"):
-        total += int(part.name.split("-")[1])  # reserved: the size the download will reach
-    return total
+    """Verified shards plus reserved downloads, measured under the cache's space lock (evictions and
+    reservations happen under it, so the count is consistent)."""
+    import fcntl
+
+    fd = os.open(root / ".locks" / "space.lock", os.O_RDWR | os.O_CREAT)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        total = sum((root / s.name).stat().st_size for s in manifest.shards if (root / s.name).is_file())
+        for part in (root / ".tmp").glob("*.part"):
+            total += int(part.name.split("-")[1])  # reserved: the size the download will reach
+        return total
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
 
 
 def test_byte_limit_respected_with_prefetch(served, tmp_path):
@@ -209,3 +219,15 @@ def test_limit_smaller_than_a_shard_is_refused(served, tmp_path):
     with LoopbackServer(served, ranges=False, max_requests=50, lifetime=60) as srv:
         with pytest.raises(ValueError, match="smaller than the largest shard"):
             ShardedDataset(RemoteShards(srv.url + "/ds", cache_dir=tmp_path, max_bytes=100))
+
+
+def test_limit_below_the_open_readers_fails_fast(served, tmp_path):
+    manifest = Manifest.load(served / "ds")
+    limit = 4 * max(s.bytes for s in manifest.shards)  # the dataset keeps 3 x 1 + 2 = 5 readers open
+    with LoopbackServer(served, ranges=False, max_requests=500, lifetime=60) as srv:
+        ds = ShardedDataset(RemoteShards(srv.url + "/ds", cache_dir=tmp_path, max_bytes=limit, prefetch=0),
+                            shuffle=ShuffleOptions(open_shards=3, buffer_size=0), decode=False)
+        t0 = time.monotonic()
+        with pytest.raises(RemoteError, match="this process has open"):
+            list(ds)
+        assert time.monotonic() - t0 < 30

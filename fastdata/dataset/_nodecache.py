@@ -426,11 +426,14 @@ class ShardCache:
                 used, victims = self._usage(exclude=i)
                 need = used + shard.bytes - self.max_bytes
                 mine = self._next_use(i)
+                others_hold = False  # shards other processes read (they will move on)
                 while need > 0 and victims:
                     victim = victims.pop(0)
                     if not demand and self.eviction == "future" and self._next_use(victim) <= mine:
                         return None  # evicting would throw away something needed sooner
                     freed = self._evict(victim)
+                    if not freed and victim not in self._use:
+                        others_hold = True
                     need -= freed
                 if need <= 0:
                     tmp.touch()
@@ -438,7 +441,17 @@ class ShardCache:
                     return tmp
             if not demand:
                 return None
-            # everything left is in use or being downloaded: wait for readers to move on
+            if not others_hold and any((self.root / ".tmp").glob("*.part")):
+                others_hold = True  # downloads in progress (any process or thread) become evictable when done
+            if not others_hold:  # only this process's own open readers pin the space: waiting cannot help
+                mine_open = sorted(self._use)
+                raise RemoteError(
+                    f"node cache {self.root}: max_bytes={self.max_bytes} cannot hold shard {shard.name} "
+                    f"({shard.bytes} bytes) next to the {len(mine_open)} shards this process has open "
+                    f"({used} bytes in the cache); ShardedDataset keeps open_shards x (walks in this process) + 2 "
+                    "shards open per process: raise max_bytes (to a few more shards than that, times the "
+                    "processes on this host) or lower ShuffleOptions.open_shards")
+            # everything left is in use by other processes or being downloaded: wait for them to move on
             time.sleep(0.05)
             if self._stalled_since is None:
                 self._stalled_since = time.monotonic()
