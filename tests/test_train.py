@@ -353,3 +353,52 @@ def test_evaluate_on_cuda_matches_cpu():
                    metrics={"acc": lambda o, t: (o.argmax(-1) == t).float()})
     assert gpu["samples"] == cpu["samples"] == 12
     assert gpu["loss"] == pytest.approx(cpu["loss"], rel=1e-3) and gpu["acc"] == pytest.approx(cpu["acc"])
+
+
+def _ddp_worker(rank: int, world: int, store: str, out: str) -> None:
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from fastdata.train import evaluate
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        x, y = _problem(seed=rank)  # each rank its own data
+        ddp = DistributedDataParallel(_model())
+        step = TrainStep(ddp, torch.optim.SGD(ddp.parameters(), lr=0.1), torch.nn.functional.mse_loss, grad_accum=2)
+        step((x[:32], y[:32]))
+        local = torch.cat([p.grad.flatten() for p in ddp.module.parameters()])  # after a no_sync micro-step
+        step((x[32:], y[32:]))
+        params = torch.cat([p.detach().flatten() for p in ddp.module.parameters()])
+        n = 4 + 2 * rank  # uneven batches: 4 and 6 samples
+        res = evaluate(ddp.module, [(x[:n], y[:n])], loss_fn=torch.nn.functional.mse_loss, metrics={})
+        torch.save({"local": local, "params": params, "eval": res, "x": x, "y": y}, out)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_two_process_ddp_no_sync_and_evaluate_allreduce(tmp_path):
+    import multiprocessing as mp
+
+    ctx = mp.get_context("fork")
+    procs = [ctx.Process(target=_ddp_worker, args=(r, 2, str(tmp_path / "store"), str(tmp_path / f"r{r}.pt")))
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+    assert [p.exitcode for p in procs] == [0, 0]
+    r0, r1 = (torch.load(tmp_path / f"r{r}.pt") for r in range(2))
+    assert not torch.allclose(r0["local"], r1["local"])  # no all-reduce on the first micro-step
+    torch.testing.assert_close(r0["params"], r1["params"])  # ... but on the last one
+    model = _model()  # the global mean of the evaluation, from the same parameters on one process
+    with torch.no_grad():
+        torch.nn.utils.vector_to_parameters(r0["params"], model.parameters())
+        sq = torch.cat([(model(r["x"][:n]) - r["y"][:n]).pow(2).mean(1) for r, n in ((r0, 4), (r1, 6))])
+    assert r0["eval"]["samples"] == r1["eval"]["samples"] == 10
+    assert r0["eval"]["loss"] == pytest.approx(r1["eval"]["loss"])
+    # evaluate weights each rank's mean loss by its batch size: sum of squares over 10 samples
+    assert r0["eval"]["loss"] == pytest.approx(sq.sum().item() / 10, rel=1e-5)
+
