@@ -23,7 +23,7 @@ def shards(tmp_path_factory):
 
 
 def _opts(**kw):
-    base = dict(samples=48, batch_size=8, num_workers=0, size=64, job_steps=10, device="cpu")
+    base = {"samples": 48, "batch_size": 8, "num_workers": 0, "size": 64, "job_steps": 10, "device": "cpu"}
     return DoctorOptions(**{**base, **kw})
 
 

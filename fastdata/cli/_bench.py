@@ -129,13 +129,13 @@ def _subset(source: Path, dest: Path, samples: int) -> Path:
 
 
 def format_results(r: dict[str, Any]) -> list[str]:
-    lines = [f"{'measurement':<18} result  ({r['samples']} samples of {r['source']}, {r['workers']} workers, "
-             f"median of {r['repeats']})",
+    lines = [(f"{'measurement':<18} result  ({r['samples']} samples of {r['source']}, {r['workers']} workers, "
+             f"median of {r['repeats']})"),
              f"{'raw shard read':<18} {r['raw_read']['GB/s']:.2f} GB/s, {r['raw_read']['samples/s']:,.0f} samples/s",
-             f"{'decode pipeline':<18} {r['decode_pipeline']['images/s']:,.0f} images/s "
-             f"(decode + ResizeCenterCrop({r['size']}), batch {BATCH_SIZE})",
-             f"{'cached pipeline':<18} {r['cached_pipeline']['images/s']:,.0f} images/s "
-             f"({r['cached_pipeline']['speedup']:.1f}x the decode pipeline)"]
+             (f"{'decode pipeline':<18} {r['decode_pipeline']['images/s']:,.0f} images/s "
+             f"(decode + ResizeCenterCrop({r['size']}), batch {BATCH_SIZE})"),
+             (f"{'cached pipeline':<18} {r['cached_pipeline']['images/s']:,.0f} images/s "
+             f"({r['cached_pipeline']['speedup']:.1f}x the decode pipeline)")]
     if "h2d" in r:
         h = r["h2d"]
         lines.append(f"{'host-to-device':<18} pinned {h['pinned_GB/s']:.1f} GB/s, pageable {h['pageable_GB/s']:.1f} GB/s")

@@ -31,7 +31,6 @@ import torch
 from fastdata.monitor import _stages as st
 from fastdata.monitor._stall import StallMeter, StallReport
 
-
 TOGETHER = "loader: the stages together"  # the row measuring the worker-side stages as one
 DECODE_BACKENDS = ("pil", "torchvision", "device")
 

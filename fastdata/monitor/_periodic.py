@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 
 from fastdata._util import quantile
 
@@ -65,7 +66,7 @@ def find_periodic_stalls(
     stalled = [i for i, x in enumerate(w) if x > threshold]
     if len(stalled) < min_stalls or len(stalled) > len(w) // 2 + 1:
         return None  # too few to call a pattern, or most steps stall: steadily starved, not a saw-tooth
-    gaps = [b - a for a, b in zip(stalled, stalled[1:])]
+    gaps = [b - a for a, b in pairwise(stalled)]
     period, exact = Counter(gaps).most_common(1)[0]
     if period < 2:
         return None

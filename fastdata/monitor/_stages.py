@@ -336,7 +336,7 @@ def torchvision_model(name: str, num_classes: int = 1000) -> torch.nn.Module:
     """A torchvision model by name with random weights (nothing is downloaded)."""
     try:
         import torchvision
-    except Exception as e:  # noqa: BLE001  a broken install raises RuntimeError/OSError, not only ImportError
+    except Exception as e:  # a broken install raises RuntimeError/OSError, not only ImportError
         raise FastdataError(f"--model {name!r} needs torchvision, which cannot be imported here: {e}") from e
     try:
         return torchvision.models.get_model(name, weights=None, num_classes=num_classes)

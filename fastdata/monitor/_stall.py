@@ -64,9 +64,9 @@ class StallReport:
     def summary(self) -> str:
         verdict = ("LOADER-BOUND" if self.loader_bound else "not loader-bound")
         lines = [
-            f"{verdict}: waited {self.wait_share:.0%} of {self.wall_s:.2f} s over {self.steps} steps "
+            (f"{verdict}: waited {self.wait_share:.0%} of {self.wall_s:.2f} s over {self.steps} steps "
             f"(p50 {self.wait_p50_s * 1e3:.2f} ms, p99 {self.wait_p99_s * 1e3:.2f} ms per step; "
-            f"first batch {self.first_wait_s:.2f} s)",
+            f"first batch {self.first_wait_s:.2f} s)"),
         ]
         if self.loader_bound:
             lines.append(f"feeding the GPU fully would make this loop {self.speedup_if_fed:.2f}x faster")

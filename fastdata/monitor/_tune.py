@@ -33,7 +33,15 @@ import torch
 
 from fastdata.monitor import _stages as st
 from fastdata.monitor._batch import BatchSearch, search_batch_size
-from fastdata.monitor._diagnose import DoctorOptions, _close, _dataset, _loader, device_transform, no_step, run_job
+from fastdata.monitor._diagnose import (
+    DoctorOptions,
+    _close,
+    _dataset,
+    _loader,
+    device_transform,
+    no_step,
+    run_job,
+)
 
 # A setting must beat the simpler one by this much to be chosen (measurement noise on a busy machine).
 MIN_GAIN = 0.05
@@ -72,10 +80,10 @@ def python_snippet(source: str, o: DoctorOptions, fields: st.Fields, device: tor
             "from fastdata.gpu import CenterCrop, Compose, DecodeImages, Normalize, Resize",
             "",
             f"ds = fastdata.ShardedDataset({source!r}, shuffle=True, fields={keep!r}, image_decode='device')",
-            f"loader = fastdata.DataLoader(ds, batch_size={o.batch_size}, num_workers={o.num_workers}, "
-            f"persistent_workers={o.num_workers > 0}, drop_last=True)",
-            f"decode = Compose(DecodeImages(keys=[{fields.image!r}]), Resize({round(o.size * 256 / 224)}), "
-            f"CenterCrop({o.size}),",
+            (f"loader = fastdata.DataLoader(ds, batch_size={o.batch_size}, num_workers={o.num_workers}, "
+            f"persistent_workers={o.num_workers > 0}, drop_last=True)"),
+            (f"decode = Compose(DecodeImages(keys=[{fields.image!r}]), Resize({round(o.size * 256 / 224)}), "
+            f"CenterCrop({o.size}),"),
             f"                 Normalize(keys=[{fields.image!r}], channels_last={device.type == 'cuda'}))",
             f"batches = fastdata.CUDAPrefetcher(loader, depth={o.depth}, transform=decode)"])
     lines = ["import fastdata", "from fastdata.gpu import Normalize"]
@@ -90,10 +98,10 @@ def python_snippet(source: str, o: DoctorOptions, fields: st.Fields, device: tor
     lines += ["",
               f"ds = fastdata.ShardedDataset({source!r}, shuffle=True, fields={keep!r},",
               f"                             preprocess=fastdata.ResizeCenterCrop({o.size}){decode})",
-              f"loader = fastdata.DataLoader(ds, batch_size={o.batch_size}, num_workers={o.num_workers}, "
-              f"persistent_workers={o.num_workers > 0}, drop_last=True)",
-              f"batches = fastdata.CUDAPrefetcher(loader, depth={o.depth}, "
-              f"transform=Normalize(keys=[{fields.image!r}], channels_last={device.type == 'cuda'}))"]
+              (f"loader = fastdata.DataLoader(ds, batch_size={o.batch_size}, num_workers={o.num_workers}, "
+              f"persistent_workers={o.num_workers > 0}, drop_last=True)"),
+              (f"batches = fastdata.CUDAPrefetcher(loader, depth={o.depth}, "
+              f"transform=Normalize(keys=[{fields.image!r}], channels_last={device.type == 'cuda'}))")]
     return "\n".join(lines)
 
 
