@@ -153,4 +153,18 @@ def test_save_rejects_bad_arguments(tmp_path):
         fastdata.save_checkpoint(tmp_path / "x.pt", _plain_step(), epoch=-1)
     with pytest.raises(CheckpointError, match="loader must have a state_dict"):
         fastdata.save_checkpoint(tmp_path / "x.pt", _plain_step(), loader=[1, 2])
+    with pytest.raises(CheckpointError, match="pass loader= or loader_state=, not both"):
+        fastdata.save_checkpoint(tmp_path / "x.pt", _plain_step(), loader=[1, 2], loader_state=[{}])
     assert not (tmp_path / "x.pt").exists()
+
+
+def test_loader_state_list_of_every_rank_is_stored_as_given(tmp_path):
+    class Recorder:
+        def load_state_dict(self, state):
+            self.state = state
+
+    states = [{"rank": 0, "pos": [3, 4]}, {"rank": 1, "pos": [3, 3]}]
+    fastdata.save_checkpoint(tmp_path / "ddp.pt", _plain_step(), loader_state=states, epoch=2)
+    rec = Recorder()
+    assert fastdata.load_checkpoint(tmp_path / "ddp.pt", _plain_step(), loader=rec).epoch == 2
+    assert rec.state == states

@@ -8,9 +8,10 @@ is written to a temporary name, flushed to disk and renamed over ``path``, so a 
 leaves the previous checkpoint intact. It is loaded with ``torch.load(weights_only=True)``: it holds
 only tensors and plain Python values, and loading never runs code from the file.
 
-Under DDP every rank holds the same model and optimizer and, with ``fastdata.DataLoader``, the
-same per-worker positions, so rank 0 saves and every rank loads the same file (``extra`` is the
-place for anything else rank-specific).
+Under DDP every rank holds the same model and optimizer; the loader positions differ per rank.
+Gather every rank's ``batches.state_dict()`` (``torch.distributed.all_gather_object``) and let rank
+0 save them with ``loader_state=states``; every rank then loads the same file, and
+``fastdata.DataLoader`` resumes from the list at any world size (``examples/train_ddp.py``).
 """
 from __future__ import annotations
 
@@ -54,6 +55,7 @@ def save_checkpoint(
     step: TrainStep,
     *,
     loader: Any = None,
+    loader_state: Any = None,
     epoch: int | None = None,
     extra: Mapping[str, Any] | None = None,
 ) -> Path:
@@ -65,6 +67,8 @@ def save_checkpoint(
             ``GradScaler``, counters, random stream and, between two optimiser steps, the
             accumulated gradients.
         loader: anything with ``state_dict()`` (a ``CUDAPrefetcher`` or ``fastdata.DataLoader``), or None.
+        loader_state: instead of ``loader``, a loader state to store as it is (e.g. the list of every
+            rank's ``state_dict()`` under DDP).
         epoch: the epoch being trained, returned by :func:`load_checkpoint` to restart the epoch loop.
         extra: more plain values or tensors to store (e.g. the learning-rate scheduler's state).
     """
@@ -72,7 +76,8 @@ def save_checkpoint(
         raise CheckpointError(f"step must be a fastdata.TrainStep, got {type(step).__name__}")
     if epoch is not None and (isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0):
         raise CheckpointError(f"epoch must be an int >= 0 or None, got {epoch!r}")
-    loader_state = None
+    if loader is not None and loader_state is not None:
+        raise CheckpointError("pass loader= or loader_state=, not both")
     if loader is not None:
         fn = getattr(loader, "state_dict", None)
         if not callable(fn):
