@@ -93,14 +93,16 @@ class ImageBatch:
         n = len(self.images)
         if len(self.ids) != n:
             raise ValueError(f"ImageBatch: {len(self.ids)} ids for {n} images")
+        shapes = []
         for i, im in enumerate(self.images):
-            if not isinstance(im, torch.Tensor) or im.dim() != 3 or im.dtype != torch.uint8:
+            if not isinstance(im, torch.Tensor) or im.dtype != torch.uint8 or im.dim() != 3:
                 raise ValueError(f"ImageBatch: image {i} must be a uint8 (C, H, W) tensor, got "
                                  f"{getattr(im, 'dtype', type(im).__name__)} {tuple(getattr(im, 'shape', ()))}")
-            if im.shape[0] != self.images[0].shape[0] or im.device != self.images[0].device:
-                raise ValueError(f"ImageBatch: image {i} has {im.shape[0]} channels on {im.device}, image 0 "
-                                 f"{self.images[0].shape[0]} on {self.images[0].device}")
-        hw = np.array([im.shape[1:] for im in self.images], dtype=np.int64).reshape(n, 2)
+            shapes.append(im.shape)
+        if len({s[0] for s in shapes}) > 1 or len({im.device for im in self.images}) > 1:
+            raise ValueError(f"ImageBatch: images differ in channels or device: "
+                             f"{sorted({(s[0], str(im.device)) for s, im in zip(shapes, self.images)})}")
+        hw = np.array([s[1:] for s in shapes], dtype=np.int64).reshape(n, 2)
         self.geom = geom if geom is not None else np.tile(np.array([1.0, 0.0, 1.0, 0.0]), (n, 1))
         self.clip = clip if clip is not None else np.stack([np.zeros(n, np.int64), hw[:, 0],
                                                             np.zeros(n, np.int64), hw[:, 1]], axis=1)
@@ -209,10 +211,14 @@ class ImageBatch:
         params = np.concatenate([self.geom, self.clip.astype(np.float64),
                                  np.asarray(rows, dtype=np.float64)[:, None]], axis=1)[order]
         p = _to_device(params.astype(np.float32), out.device)
+        dtype = torch.float16 if out.device.type == "cuda" else torch.float32
+        # the weights of every image at once (one set of launches per call, not per group), sliced per group
+        wy = _weights(p[:, 0], p[:, 1], p[:, 4], p[:, 5], size[0], max(int(ry.max()), 1), dtype)
+        wx = _weights(p[:, 2], p[:, 3], p[:, 6], p[:, 7], size[1], max(int(rx.max()), 1), dtype)
         start = 0
         for group in groups:
-            _render_group([self.images[i] for i in group.tolist()], self.clip[group], p[start : start + len(group)],
-                          size, out)
+            sl = slice(start, start + len(group))
+            _render_group([self.images[i] for i in group.tolist()], self.clip[group], wy[sl], wx[sl], p[sl, 8], out)
             start += len(group)
         return out
 
@@ -244,29 +250,26 @@ def _to_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
     return t
 
 
-def _render_group(images: list[torch.Tensor], clip: np.ndarray, p: torch.Tensor, size: tuple[int, int],
-                  out: torch.Tensor) -> None:
-    """Resample one group of images (host ``clip`` regions, device params ``p``: see ``render``) into
-    their rows of ``out``."""
-    dtype = torch.float16 if out.device.type == "cuda" else torch.float32
+def _render_group(images: list[torch.Tensor], clip: np.ndarray, wy: torch.Tensor, wx: torch.Tensor,
+                  rows: torch.Tensor, out: torch.Tensor) -> None:
+    """Resample one group of images (their host ``clip`` regions; weights ``(g, out, k)`` of the whole
+    call, cut here to the group's canvas) into ``out[rows]``."""
     # the zero-padded canvas of the clip regions: one copy per image (torch.nested.to_padded_tensor
     # would do it in one kernel but synchronises the host on CUDA: it copies its size metadata blocking)
     ry, rx = clip[:, 1] - clip[:, 0], clip[:, 3] - clip[:, 2]
-    canvas = torch.zeros((len(images), images[0].shape[0], max(int(ry.max()), 1), max(int(rx.max()), 1)),
-                         dtype=dtype, device=out.device)
+    ky, kx = max(int(ry.max()), 1), max(int(rx.max()), 1)
+    canvas = torch.zeros((len(images), images[0].shape[0], ky, kx), dtype=wy.dtype, device=out.device)
     for k, (im, (y0, y1, x0, x1)) in enumerate(zip(images, clip.tolist())):
         if y1 > y0 and x1 > x0:
             canvas[k, :, : y1 - y0, : x1 - x0] = im[:, y0:y1, x0:x1]
-    oh, ow = size
-    ky, kx = canvas.shape[2], canvas.shape[3]
-    wy = _weights(p[:, 0], p[:, 1], p[:, 4], p[:, 5], oh, ky, dtype).unsqueeze(1)  # (g, 1, oh, ky)
-    wxt = _weights(p[:, 2], p[:, 3], p[:, 6], p[:, 7], ow, kx, dtype).transpose(1, 2).unsqueeze(1)  # (g, 1, kx, ow)
+    wy, wxt = wy[:, :, :ky].unsqueeze(1), wx[:, :, :kx].transpose(1, 2).unsqueeze(1)  # (g,1,oh,ky), (g,1,kx,ow)
+    oh, ow = wy.shape[2], wxt.shape[3]
     if ky * kx * ow + oh * ky * ow <= oh * ky * kx + oh * kx * ow:
         res = torch.matmul(wy, torch.matmul(canvas, wxt))
     else:
         res = torch.matmul(torch.matmul(wy, canvas), wxt)
     res = res.float().add_(0.5).clamp_(0, 255).floor_().to(torch.uint8)
-    out.index_copy_(0, p[:, 8].long(), res)
+    out.index_copy_(0, rows.long(), res)
 
 
 def _weights(a: torch.Tensor, b: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, out: int, k: int,

@@ -307,6 +307,8 @@ class DecodeAhead:
         self._has_state = False
         nxt = next(it, _END)
         state = snapshot() if callable(snapshot) and nxt is not _END else None
+        if nxt is not _END:
+            self.stage.submit(nxt)
         while nxt is not _END:
             cur, cur_state = nxt, state
             nxt = next(it, _END)
