@@ -6,8 +6,8 @@ the offending input without a debugger.
 from __future__ import annotations
 
 __all__ = [
-    "CacheError", "ConversionError", "DecodeError", "FastdataError", "ManifestError", "RemoteError", "ShardError",
-    "SourceError",
+    "CacheError", "ConversionError", "DecodeError", "FastdataError", "ManifestError", "MissingFieldError",
+    "RemoteError", "ShardError", "SkipBudgetError", "SourceError",
 ]
 
 
@@ -24,6 +24,24 @@ class ShardError(FastdataError):
 
     The message names the shard path and, where known, the member/key and byte offset.
     """
+
+
+class MissingFieldError(ShardError):
+    """A sample lacks a field the dataset requires (``on_missing="raise"``); names shard, key and fields."""
+
+
+class SkipBudgetError(FastdataError):
+    """More samples were skipped in an epoch than ``max_skips`` allows.
+
+    ``skipped`` holds the skip records of that epoch (``{"shard", "key", "index", "reason", ...}``).
+    """
+
+    def __init__(self, message: str, skipped: list | None = None):
+        super().__init__(message)
+        self.skipped = list(skipped or [])
+
+    def __reduce__(self) -> tuple:  # keep the records across processes (pickle)
+        return (type(self), (str(self), self.skipped))
 
 
 class DecodeError(FastdataError):

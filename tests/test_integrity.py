@@ -439,3 +439,156 @@ def _alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+# ------------------------------------------------------ 1: every skip is reported, workers too
+
+def nine_with_a_corrupt_last(tmp_path):
+    from fastdata.shards.tar import write_tar_shard
+
+    path = tmp_path / "nine.tar"
+    write_tar_shard(path, [{"__key__": f"s{i}", "cls": i, "png": png(i) if i < 8 else b"not an image"}
+                           for i in range(9)])
+    return path
+
+
+@pytest.mark.parametrize("workers, batch, drop_last, persistent", [
+    (0, 4, False, False), (1, 4, False, False), (2, 4, False, False), (1, 4, True, False), (2, 3, True, True),
+    (1, None, False, False), (2, 8, False, True),
+])
+def test_1_skip_after_a_workers_last_batch_is_reported(tmp_path, workers, batch, drop_last, persistent):
+    from fastdata import DataLoader, ShardedDataset
+
+    ds = ShardedDataset(str(nine_with_a_corrupt_last(tmp_path)), on_error="skip")
+    loader = DataLoader(ds, batch_size=batch, num_workers=workers, drop_last=drop_last,
+                        persistent_workers=persistent)
+    for epoch in range(2):
+        ds.set_epoch(epoch)
+        got = [k for b in loader for k in (b["__key__"] if batch else [b["__key__"]])]
+        assert "s8" not in got and len(got) <= 8
+        assert [(r["key"], r["epoch"]) for r in ds.skipped] == [("s8", e) for e in range(epoch + 1)]
+        assert "not a recognised image" in ds.skipped[-1]["reason"] or "cannot identify" in ds.skipped[-1]["reason"]
+
+
+def test_1_worker_whose_shard_is_truncated_reports_every_skip(tmp_path):
+    from fastdata import DataLoader, ShardedDataset
+
+    folder = write_set(tmp_path / "d", n_shards=2, per_shard=20)
+    shard = folder / "shard-000001.tar"
+    shard.write_bytes(shard.read_bytes()[:-3000])  # cut: worker 1 yields nothing at all
+    ds = ShardedDataset(folder, on_error="skip")
+    got = [k for b in DataLoader(ds, batch_size=8, num_workers=2) for k in b["__key__"]]
+    assert len(got) == 20
+    assert sorted(r["index"] for r in ds.skipped) == list(range(20, 40))  # keys: '#i' (the index is refused)
+    assert all(r["shard"].endswith("shard-000001.tar") and "truncated" in r["reason"] for r in ds.skipped)
+
+
+def test_1_plain_torch_loader_gets_samples_only(tmp_path):
+    import torch
+
+    from fastdata import DataLoader, ShardedDataset
+
+    ds = ShardedDataset(str(nine_with_a_corrupt_last(tmp_path)), on_error="skip")
+    list(DataLoader(ds, batch_size=4, num_workers=1))  # a fastdata loader first: the flag must not stay set
+    got = [k for b in torch.utils.data.DataLoader(ds, batch_size=4, num_workers=1) for k in b["__key__"]]
+    assert got == [f"s{i}" for i in range(8)]
+
+
+# --------------------------------------------------------------- 5: missing fields when reading
+
+def set_with_a_missing_field(tmp_path):
+    return write_set(tmp_path / "d", n_shards=1, per_shard=8,
+                     sample=lambda i, s: {k: v for k, v in s.items() if not (i == 5 and k == "cls")})
+
+
+def test_5_missing_field_raises_naming_shard_and_key_by_default(tmp_path):
+    from fastdata import DataLoader, ShardedDataset
+    from fastdata.errors import MissingFieldError
+
+    folder = set_with_a_missing_field(tmp_path)
+    for on_error in ("raise", "skip"):  # on_missing, not on_error, decides
+        with pytest.raises(MissingFieldError, match=r"shard-000000.tar: sample 's0005' lacks field\(s\) \['cls'\] "
+                                                    r"\(it has \['img.npy'\]\); pass on_missing="):
+            list(DataLoader(ShardedDataset(folder, on_error=on_error), batch_size=4))
+
+
+def test_5_on_missing_skip_and_allow(tmp_path):
+    from fastdata import DataLoader, ShardedDataset
+
+    folder = set_with_a_missing_field(tmp_path)
+    ds = ShardedDataset(folder, on_missing="skip")
+    got = [k for b in DataLoader(ds, batch_size=4, num_workers=1) for k in b["__key__"]]
+    assert "s0005" not in got and len(got) == 7
+    assert [r["key"] for r in ds.skipped] == ["s0005"] and "lacks field(s) ['cls']" in ds.skipped[0]["reason"]
+    allowed = {s["__key__"]: s for s in ShardedDataset(folder, on_missing="allow")}
+    assert "cls" not in allowed["s0005"] and allowed["s0004"]["cls"] == 4
+    only = [s for s in ShardedDataset(folder, fields=["img.npy"])]  # cls not asked for: not required
+    assert len(only) == 8
+
+
+def test_5_unknown_field_names_list_the_available_ones(tmp_path):
+    from fastdata import ShardedDataset
+
+    folder = set_with_a_missing_field(tmp_path)
+    with pytest.raises(ValueError, match=r"fields=\['jpeg'\]: \['jpeg'\] not in this dataset; available fields: "
+                                         r"\['cls', 'img.npy'\]"):
+        ShardedDataset(folder, fields=["jpeg"])
+    tar = tmp_path / "d" / "shard-000000.tar"
+    with pytest.raises(ValueError, match=r"available fields: \['cls', 'img.npy'\]"):
+        ShardedDataset(str(tar), fields=["jpg"])  # no manifest: the tar index knows the fields
+
+
+def test_4_dataset_lists_members_that_give_no_data(tmp_path):
+    from fastdata import ShardedDataset
+
+    with pytest.warns(UserWarning, match="skipped 2 member"):
+        ds = ShardedDataset(str(links_tar(tmp_path)), decode=False)
+    assert [s["__key__"] for s in ds] == ["a", "b", "c", "d"]
+    assert [(r["key"], r["member"], r["reason"]) for r in ds.skipped] == [
+        ("e", "e.jpg", LINK_SKIPS[0][1]), ("f", "f.jpg", LINK_SKIPS[1][1])]
+
+
+# -------------------------------------------------------------------- 11: the failure budget
+
+def mostly_corrupt(tmp_path, bad: int = 6, n: int = 20):
+    from fastdata.shards.tar import write_tar_shard
+
+    path = tmp_path / "bad.tar"
+    write_tar_shard(path, [{"__key__": f"s{i:02d}", "cls": i, "png": png(i) if i >= bad else b"junk"}
+                           for i in range(n)])
+    return path
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_11_max_skips_count_raises_with_the_skipped_samples(tmp_path, workers):
+    from fastdata import DataLoader, ShardedDataset
+    from fastdata.errors import SkipBudgetError
+
+    ds = ShardedDataset(str(mostly_corrupt(tmp_path)), on_error="skip", max_skips=3)
+    with pytest.raises(SkipBudgetError, match=r"samples skipped in this pass over epoch 0: more than max_skips=3 "
+                                              r"allows \(3 samples\); skipped: .*bad.tar: 's0\d'") as info:
+        list(DataLoader(ds, batch_size=2, num_workers=workers))
+    assert len(info.value.skipped) >= 4 and all(r["key"] < "s06" for r in info.value.skipped)
+    ok = ShardedDataset(str(mostly_corrupt(tmp_path)), on_error="skip", max_skips=6)
+    for _ in range(3):  # the budget is per pass: 6 skips each time is fine
+        assert len([k for b in DataLoader(ok, batch_size=2, num_workers=workers) for k in b["__key__"]]) == 14
+
+
+def test_11_max_skips_fraction(tmp_path):
+    from fastdata import ShardedDataset
+    from fastdata.errors import SkipBudgetError
+
+    with pytest.raises(SkipBudgetError, match=r"max_skips=0.25 allows \(5 0.25 of the 20 samples\)"):
+        list(ShardedDataset(str(mostly_corrupt(tmp_path)), on_error="skip", max_skips=0.25))
+    assert len(list(ShardedDataset(str(mostly_corrupt(tmp_path)), on_error="skip", max_skips=0.3))) == 14
+    for bad in (-1, 1.0, 0.0, "3", True):
+        with pytest.raises(ValueError, match="max_skips must be None"):
+            ShardedDataset(str(mostly_corrupt(tmp_path)), max_skips=bad)
+
+
+def test_12_dataset_max_pixels(tmp_path):
+    from fastdata import ShardedDataset
+
+    ds = ShardedDataset(str(nine_with_a_corrupt_last(tmp_path)), on_error="skip", max_pixels=35)  # 6x6 = 36
+    assert list(ds) == []
+    assert all("exceeds max_pixels=35" in r["reason"] for r in ds.skipped[:8])

@@ -7,7 +7,9 @@ regenerates the order and skips the consumed prefix without reading data.
 """
 from __future__ import annotations
 
+import math
 import os
+import threading
 import uuid
 import warnings
 import weakref
@@ -42,18 +44,33 @@ from fastdata.dataset._split import (
     worker_sequence,
 )
 from fastdata.dataset._packed import EncodedImage, key_index
-from fastdata.decode import Decoder, SampleDecoder, image_to_tensor, is_image_field, suffix
-from fastdata.errors import CacheError, FastdataError, ShardError
+from fastdata.decode import Decoder, SampleDecoder, check_max_pixels, image_to_tensor, is_image_field, suffix
+from fastdata.errors import CacheError, FastdataError, MissingFieldError, ShardError, SkipBudgetError
+from fastdata.shards import missing_fields, required_fields
 
 if TYPE_CHECKING:  # pragma: no cover
     from fastdata.cache import Store, StoreInfo
 
-__all__ = ["ON_ERROR", "ShardedDataset", "ShuffleOptions", "SkippedSampleWarning"]
+__all__ = ["ON_ERROR", "ON_MISSING", "ShardedDataset", "ShuffleOptions", "SkipReport", "SkippedSampleWarning"]
 
 ON_ERROR = ("raise", "skip", "warn")
+ON_MISSING = ("raise", "skip", "allow")
 IMAGE_DECODE = ("cpu", "device")
 STATE_VERSION = 1
 _LOCATE_CHUNK = 1024  # samples whose shards are located at once (bounded memory for long epochs)
+
+
+class SkipReport:
+    """End-of-walk marker of a DataLoader worker that skipped samples after its last yield.
+
+    Yielded only to ``fastdata.DataLoader`` workers (never to plain torch loaders); its collate
+    function drops it and sends the worker's pending skip records and final position instead.
+    """
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "SkipReport()"
 
 
 class SkippedSampleWarning(UserWarning):
@@ -88,6 +105,18 @@ class ShardedDataset(IterableDataset):
         samples_per_epoch: fixed global samples per epoch (rounded to a multiple of
             world_size per ``even``); epochs walk an endless sequence of passes.
         on_error: "raise" (default), "skip" or "warn" for unreadable/undecodable samples.
+            Every skip is recorded in ``skipped`` (``{"shard", "key", "index", "epoch", "reason"}``),
+            with DataLoader workers too (see ``fastdata.DataLoader``).
+        on_missing: a sample lacking a required field: "raise" (default: ``MissingFieldError``
+            naming shard, key and fields, whatever ``on_error`` says), "skip" (recorded like an
+            ``on_error`` skip) or "allow" (served as it is). Required: every field of ``fields``,
+            else of the manifest (or of the tar indexes without one); image fields of one base
+            name are alternatives (``jpg`` or ``png``). Streaming sources check only ``fields``.
+        max_skips: failure budget per epoch (of this rank): an int (at most that many skipped
+            samples) or a float in (0, 1) (that fraction of the epoch's samples); one more raises
+            ``SkipBudgetError`` listing the epoch's skips. None (default): no limit.
+        max_pixels: refuse images whose header claims more pixels (``DecodeError``, under
+            ``on_error``); None: Pillow's ``MAX_IMAGE_PIXELS`` warning/error only.
         allow_pickle: decode pickle/torch members (runs code from the shards).
         image_decode: "cpu" (default: image fields are decoded in the workers) or "device": image
             fields without an explicit ``decode`` entry stay encoded, as
@@ -117,11 +146,25 @@ class ShardedDataset(IterableDataset):
         on_error: str = "raise",
         allow_pickle: bool = False,
         image_decode: str = "cpu",
+        on_missing: str = "raise",
+        max_skips: int | float | None = None,
+        max_pixels: int | None = None,
     ):
         if not isinstance(seed, int):
             raise TypeError(f"seed must be an int, got {seed!r}")
         if on_error not in ON_ERROR:
             raise ValueError(f"on_error must be one of {ON_ERROR}, got {on_error!r}")
+        if on_missing not in ON_MISSING:
+            raise ValueError(f"on_missing must be one of {ON_MISSING}, got {on_missing!r}")
+        if max_skips is not None and (
+            isinstance(max_skips, bool) or not isinstance(max_skips, (int, float))
+            or (isinstance(max_skips, int) and max_skips < 0)
+            or (isinstance(max_skips, float) and not 0.0 < max_skips < 1.0)
+        ):
+            raise ValueError(f"max_skips must be None, an int >= 0 or a float in (0, 1), got {max_skips!r}")
+        check_max_pixels(max_pixels)
+        if isinstance(fields, str):
+            raise TypeError(f"fields must be a list of field names, got the string {fields!r}")
         if even not in EVEN_POLICIES:
             raise ValueError(f"even must be one of {EVEN_POLICIES}, got {even!r}")
         if samples_per_epoch is not None and (
@@ -139,6 +182,14 @@ class ShardedDataset(IterableDataset):
         self.source: Source = resolve_source(source)
         if cache is not None and self.source.streaming:
             raise ValueError("cache= needs random access to samples; a streaming (URL) source has none")
+        if isinstance(max_skips, float) and self.source.streaming and samples_per_epoch is None:
+            raise ValueError("max_skips as a fraction needs the epoch's size: a streaming source needs "
+                             "samples_per_epoch= (or pass a count)")
+        if fields is not None and self.source.fields is not None:
+            unknown = sorted(set(fields) - set(self.source.fields))
+            if unknown:
+                raise ValueError(f"fields={list(fields)!r}: {unknown} not in this dataset; available fields: "
+                                 f"{list(self.source.fields)}")
         self.shuffle = ShuffleOptions() if shuffle is True else (shuffle or None)
         if self.shuffle is not None and not isinstance(self.shuffle, ShuffleOptions):
             raise TypeError(f"shuffle must be a bool or ShuffleOptions, got {shuffle!r}")
@@ -154,10 +205,15 @@ class ShardedDataset(IterableDataset):
         self.image_decode = image_decode
         self.preprocess, self.transform, self.sample_transform = preprocess, transform, sample_transform
         self.fields = None if fields is None else frozenset(fields)
+        self.on_missing = on_missing
+        self.max_skips = max_skips
+        known = self.fields if self.fields is not None else self.source.fields
+        # groups of field names a sample needs one of each (image formats are alternatives)
+        self._required = required_fields(known) if known is not None and on_missing != "allow" else ()
         first = preprocess if preprocess is not None else transform
         self._decoder = SampleDecoder(
             decode, allow_pickle=allow_pickle, draft_size=getattr(first, "target_size", None),
-            images_as_pil=bool(getattr(first, "accepts_pil", False)),
+            images_as_pil=bool(getattr(first, "accepts_pil", False)), max_pixels=max_pixels,
         )
         self._cache_arg = cache
         self._explicit_dist = None if rank is None else (int(rank), int(world_size))  # type: ignore[arg-type]
@@ -170,7 +226,9 @@ class ShardedDataset(IterableDataset):
         # (epoch, ended eras, worker counts per rank): the rest of an epoch after a world-size change
         self._elastic: tuple[int, tuple[Era, ...], tuple[tuple[int, ...], ...]] | None = None
         self._token = uuid.uuid4().hex
-        self.skipped: list[dict[str, Any]] = []
+        # tar members that give no data (found while indexing), then every skipped sample
+        self.skipped: list[dict[str, Any]] = [{**r, "epoch": None} for r in self.source.skipped]
+        self._inline_skips: tuple[int, bool] | None = None  # see report_skips_inline
         self._reset_process_state()
         if not self.source.streaming:
             self._plan()  # validate now (empty dataset, drop leaving nothing)
@@ -184,10 +242,14 @@ class ShardedDataset(IterableDataset):
         self._live: Cursor | None = None
         self._plans: dict[tuple[int, int], SplitPlan] = {}
         self._uncached: tuple[Any, frozenset[str]] | None = None
+        self._skip_lock = threading.Lock()
+        self._skip_count = 0  # skips counted against max_skips since begin_skip_budget() (this process)
+        self._skip_first = len(self.skipped)  # where this pass's records start in ``skipped``
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        for name in ("_readers", "_cursors", "_store", "_store_pid", "_live", "_plans", "_uncached"):
+        for name in ("_readers", "_cursors", "_store", "_store_pid", "_live", "_plans", "_uncached", "_skip_lock",
+                     "_skip_count", "_skip_first"):
             state.pop(name)
         return state
 
@@ -470,6 +532,8 @@ class ShardedDataset(IterableDataset):
         # over workers reproduces the interrupted run's batch order.
         worker = (worker + start.first) % max(1, nw)
         self.consume_resume()  # a resume state is applied once per copy of the dataset
+        if info is None:
+            self.begin_skip_budget()
         return iter(self.cursor(start, worker, live=info is None))
 
     def iterate(self, cursor: Cursor) -> Iterator[Any]:
@@ -494,6 +558,7 @@ class ShardedDataset(IterableDataset):
                     continue
                 cursor.mark_current()
                 yield sample
+        yield from self._end_of_walk(cursor)
 
     def _reader(self, shard: int) -> Any:
         reader = self._readers.get(shard)
@@ -544,10 +609,15 @@ class ShardedDataset(IterableDataset):
             store = self.cache_store()
             hit = store.get(g) if store is not None else None
             if hit is not None:
-                sample = self._read_uncached(shard, i)
+                sample = self._read_uncached(shard, i, g, cursor)
+                if sample is None:
+                    return None  # lacks a required field: skipped under on_missing="skip"
                 sample.update(hit)
             else:
-                sample = self._decode_fields(self._reader(shard).read(i, fields=self.fields), shard, g, cursor.epoch)
+                raw = self._reader(shard).read(i, fields=self.fields)
+                if self._required and self._lacks(raw, self._required, shard, i, g, cursor):
+                    return None
+                sample = self._decode_fields(raw, shard, g, cursor.epoch)
                 sample = self._apply(self.preprocess, sample)
                 if store is not None:
                     # the order a hit gives: uncached fields as read, then cached ones in store order
@@ -555,8 +625,8 @@ class ShardedDataset(IterableDataset):
                     if outputs:
                         store.put(g, outputs)
                     sample.update(outputs)
-        except CacheError:
-            raise  # the store, not the sample, failed (e.g. disk full): on_error does not apply
+        except (CacheError, MissingFieldError, SkipBudgetError):
+            raise  # the store failed (e.g. disk full), on_missing="raise", the budget: on_error does not apply
         except (FastdataError, OSError, IndexError) as e:
             self._handle_error(self._wrap_error(e, shard, i), e, shard, i, g, cursor)
             return None
@@ -582,18 +652,42 @@ class ShardedDataset(IterableDataset):
         rest = self._decoder({k: v for k, v in raw.items() if k not in encoded}, shard=name)
         return {k: encoded[k] if k in encoded else rest[k] for k in raw}
 
-    def _read_uncached(self, shard: int, i: int) -> dict[str, Any]:
-        """``__key__`` and the decoded fields of sample ``i`` of ``shard`` that the cache does not hold."""
+    def _read_uncached(self, shard: int, i: int, g: int, cursor: Cursor) -> dict[str, Any] | None:
+        """``__key__`` and the decoded fields of sample ``i`` of ``shard`` that the cache does not hold
+        (None: it lacks a required one and ``on_missing="skip"`` skipped it)."""
         raw = self._reader(shard).read(i, fields=self._uncached_fields())
+        if self._required and self._lacks(raw, self._required_uncached(), shard, i, g, cursor):
+            return None
         return self._decoder({k: v for k, v in raw.items() if not is_image_field(k)}, shard=self.source.names[shard])
 
     def load_uncached(self, shard: int, i: int, g: int, cursor: Cursor) -> dict[str, Any] | None:
         """:meth:`_read_uncached` under the error policy (None: skipped). The cached fast path's read."""
         try:
-            return self._read_uncached(shard, i)
+            return self._read_uncached(shard, i, g, cursor)
+        except (MissingFieldError, SkipBudgetError):
+            raise
         except (FastdataError, OSError, IndexError) as e:
             self._handle_error(self._wrap_error(e, shard, i), e, shard, i, g, cursor)
             return None
+
+    def _required_uncached(self) -> tuple[frozenset[str], ...]:
+        """The required field groups without image fields (a cache hit holds those)."""
+        return tuple(group for group in self._required if not any(is_image_field(f) for f in group))
+
+    def _lacks(self, raw: Mapping[str, Any], required: Sequence[frozenset[str]], shard: int, i: int, g: int,
+               cursor: Cursor) -> bool:
+        """Apply ``on_missing`` to a raw sample: False if it has every required field, True if it
+        was skipped; MissingFieldError naming shard, key and fields for ``on_missing="raise"``."""
+        missing = missing_fields(raw, required)
+        if not missing:
+            return False
+        name, key = self.source.names[shard], str(raw.get("__key__", "?"))
+        have = sorted(k for k in raw if not k.startswith("__"))
+        err = MissingFieldError(f"{name}: sample {key!r} lacks field(s) {missing} (it has {have})")
+        if self.on_missing == "raise":
+            raise MissingFieldError(f"{err}; pass on_missing='skip' or 'allow', or fields=[...] to read fewer")
+        self._record_skip(err, shard, g, cursor, key)
+        return True
 
     def _key(self, shard: int, i: int) -> str:
         """Key of sample ``i`` of ``shard`` for error reports (``#i`` when the shard's index is unreadable)."""
@@ -634,14 +728,71 @@ class ShardedDataset(IterableDataset):
             if err is cause:
                 raise err
             raise err from cause
+        self._record_skip(err, shard, g, cursor, self._key(shard, i) if key is None else key)
+
+    def _record_skip(self, err: FastdataError, shard: int, g: int, cursor: Cursor, key: str) -> None:
+        """Record a skipped sample (``skipped``, the cursor's report, the budget of this process)."""
         name = self.source.names[shard]
-        if key is None:
-            key = self._key(shard, i)
-        record = {"shard": name, "key": key, "index": g, "reason": str(err)}
-        self.skipped.append(record)
+        record = {"shard": name, "key": key, "index": g, "epoch": cursor.epoch, "reason": str(err)}
+        with self._skip_lock:
+            self.skipped.append(record)
         cursor.skips.append(record)
         if self.on_error == "warn":
-            warnings.warn(f"skipped sample {key!r} of shard {name}: {err}", SkippedSampleWarning, stacklevel=3)
+            warnings.warn(f"skipped sample {key!r} of shard {name}: {err}", SkippedSampleWarning, stacklevel=4)
+        if not _in_worker():  # a worker's skips are counted when they reach the main process
+            self._count_skips(1)
+
+    # ----- skip reports and the failure budget (package-internal: fastdata.loader) ---------------
+    def begin_skip_budget(self) -> None:
+        """A pass over an epoch starts in this process: ``max_skips`` counts from zero again."""
+        with self._skip_lock:
+            self._skip_count = 0
+            self._skip_first = len(self.skipped)
+
+    def record_skips(self, records: Sequence[dict[str, Any]]) -> None:
+        """Skip records that reached this process from a worker: add them to ``skipped``, count them."""
+        if records:
+            with self._skip_lock:
+                self.skipped.extend(records)
+            self._count_skips(len(records))
+
+    def _count_skips(self, n: int) -> None:
+        if self.max_skips is None:
+            return
+        with self._skip_lock:
+            self._skip_count += n
+            count, records = self._skip_count, self.skipped[self._skip_first:]
+        if isinstance(self.max_skips, float):
+            per_rank = self._per_rank()
+            limit, what = math.floor(self.max_skips * per_rank), f"{self.max_skips:g} of the {per_rank} samples"
+        else:
+            limit, what = self.max_skips, "samples"
+        if count > limit:
+            shown = "; ".join(f"{r['shard']}: {r['key']!r}: {r['reason']}" for r in records[:3])
+            more = f" (and {len(records) - 3} more)" if len(records) > 3 else ""
+            raise SkipBudgetError(f"{count} samples skipped in this pass over epoch {self.epoch}: more than "
+                                  f"max_skips={self.max_skips!r} allows ({limit} {what}); skipped: {shown}{more} "
+                                  "(all in SkipBudgetError.skipped)", records)
+
+    def report_skips_inline(self, batch_size: int | None, drop_last: bool) -> None:
+        """Set by ``fastdata.DataLoader`` while it starts its workers (then :meth:`stop_skip_reports`):
+        their copies of the dataset end a walk that skipped samples since its last yield with
+        :class:`SkipReport` markers, which the loader's collate turns into a report-only result, so
+        skips after a worker's last batch (or of a worker that yields nothing) reach the main
+        process through the ordinary result queue. One marker, or ``batch_size`` of them with
+        ``drop_last`` so that one fills a batch torch does not drop."""
+        self._inline_skips = (batch_size or 1, bool(drop_last))
+
+    def stop_skip_reports(self) -> None:
+        """Plain torch loaders over this dataset get samples only (see :meth:`report_skips_inline`)."""
+        self._inline_skips = None
+
+    def _end_of_walk(self, cursor: Cursor) -> Iterator[SkipReport]:
+        if self._inline_skips is not None and cursor.skips and _in_worker():
+            batch_size, drop_last = self._inline_skips
+            cursor.mark_current()
+            for _ in range(batch_size if drop_last else 1):
+                yield SkipReport()
 
     # ----- streaming sources (URLs) -----------------------------------------------------------
     def _iter_stream(self, cursor: Cursor) -> Iterator[Any]:
@@ -665,6 +816,10 @@ class ShardedDataset(IterableDataset):
             pos += 1
             if pos <= cursor.pos:
                 continue  # resume: consumed before, skipped without decoding
+            if self._required and not isinstance(item, FastdataError) \
+                    and self._lacks(item, self._required, shard, -1, -1, cursor):
+                cursor.pos = pos
+                continue
             try:
                 if isinstance(item, FastdataError):
                     raise item
@@ -678,6 +833,7 @@ class ShardedDataset(IterableDataset):
             cursor.pos = pos
             cursor.mark_current()
             yield self.sample_transform(sample) if self.sample_transform is not None else sample
+        yield from self._end_of_walk(cursor)
 
     def _stream_raw(self, epoch: int, slot: int, slots: int, endless: bool) -> Iterator[tuple[int, Any]]:
         n = len(self.source.names)

@@ -31,7 +31,7 @@ from typing import Any
 import torch.utils.data
 from torch.utils.data._utils.pin_memory import pin_memory as _pin_memory
 
-from fastdata.dataset import EpochStart, ShardedDataset, current_cursor
+from fastdata.dataset import EpochStart, ShardedDataset, SkipReport, current_cursor
 from fastdata.dataset import collate as collate_encoded
 from fastdata.errors import CacheError, FastdataError
 from fastdata.loader import _cached as _cache_loader
@@ -57,13 +57,29 @@ class _Tagged:
         return _Tagged(_pin_memory(self.batch), self.tag)
 
 
+class _NoBatch:
+    """Stands for the batch of a report-only result (a worker's skips after its last batch)."""
+
+    __slots__ = ()
+
+
 class _TaggingCollate:
-    def __init__(self, collate_fn: Callable[[Any], Any], token: str):
+    def __init__(self, collate_fn: Callable[[Any], Any], token: str, batch_size: int | None = None,
+                 drop_last: bool = False):
         self.collate_fn = collate_fn
         self.token = token
+        self.batch_size = batch_size
+        self.drop_last = drop_last
 
     def __call__(self, data: Any) -> _Tagged:
-        batch = self.collate_fn(data)
+        if isinstance(data, SkipReport) or (isinstance(data, list) and data and isinstance(data[-1], SkipReport)):
+            # the walk ended with skips after its last yield: send them (and the final position);
+            # real samples in this batch are the ones torch would have batched without the markers
+            real = [] if isinstance(data, SkipReport) else [x for x in data if not isinstance(x, SkipReport)]
+            dropped = self.drop_last and self.batch_size is not None and len(real) < self.batch_size
+            batch = self.collate_fn(real) if real and not dropped else _NoBatch()
+        else:
+            batch = self.collate_fn(data)
         cursor = current_cursor()
         if cursor is None or cursor.token != self.token:
             return _Tagged(batch, None)
@@ -103,22 +119,27 @@ class _LoaderIter:
             close()
 
     def __next__(self) -> Any:
-        item = next(self._inner)
-        if isinstance(item, _cache_loader.FastBatch):  # skips are recorded in this process already
-            self._run.pos[item.worker] = item.pos
-            self._run.last = item.worker
+        while True:
+            item = next(self._inner)
+            if isinstance(item, _cache_loader.FastBatch):  # skips are recorded in this process already
+                self._run.pos[item.worker] = item.pos
+                self._run.last = item.worker
+                self._run.batches += 1
+                return item.batch
+            if isinstance(item, _Tagged):
+                report_only = isinstance(item.batch, _NoBatch)
+                if item.tag is not None:
+                    worker, _, pos, skips = item.tag
+                    self._run.pos[worker] = pos
+                    if not report_only:
+                        self._run.last = worker
+                    if skips and self._loader.num_workers > 0:  # in-process skips are already recorded
+                        self._loader.dataset.record_skips(skips)  # SkipBudgetError past max_skips
+                if report_only:
+                    continue  # a worker's skips after its last batch: recorded, nothing to yield
+                item = item.batch
             self._run.batches += 1
-            return item.batch
-        if isinstance(item, _Tagged):
-            if item.tag is not None:
-                worker, _, pos, skips = item.tag
-                self._run.pos[worker] = pos
-                self._run.last = worker
-                if skips and self._loader.num_workers > 0:  # in-process skips are already recorded
-                    self._loader.dataset.skipped.extend(skips)
-            item = item.batch
-        self._run.batches += 1
-        return item
+            return item
 
 
 class DataLoader(torch.utils.data.DataLoader):
@@ -189,7 +210,7 @@ class DataLoader(torch.utils.data.DataLoader):
             if reason is not None:
                 raise ValueError(f"cached_fast_path=True: {reason}")
         if isinstance(dataset, ShardedDataset):
-            self.collate_fn = _TaggingCollate(self.collate_fn, dataset.token)
+            self.collate_fn = _TaggingCollate(self.collate_fn, dataset.token, self.batch_size, self.drop_last)
 
     def _static_reason(self, *, forced: bool) -> str | None:
         return _cache_loader.static_reason(self.dataset, batch_size=self.batch_size, collate_fn=self._user_collate,
@@ -215,6 +236,7 @@ class DataLoader(torch.utils.data.DataLoader):
         if not isinstance(ds, ShardedDataset):
             return super().__iter__()
         ds.resolve_dist()
+        ds.begin_skip_budget()
         start = ds.epoch_start(self.num_workers)
         fast = self._fast_iter(ds, start)
         if fast is not None:
@@ -233,7 +255,12 @@ class DataLoader(torch.utils.data.DataLoader):
             self._run = _Run(start, list(start.consumed))
             return _LoaderIter(self, batches, self._run, len(self))
         self.last_path = "workers"
-        inner = super().__iter__()  # workers now hold a copy of the dataset with the resume state
+        if self.num_workers > 0:  # workers report skips after their last batch (see ShardedDataset.report_skips_inline)
+            ds.report_skips_inline(self.batch_size, self.drop_last)
+        try:
+            inner = super().__iter__()  # workers now hold a copy of the dataset with the resume state
+        finally:
+            ds.stop_skip_reports()
         ds.consume_resume()
         self._run = _Run(start, list(start.consumed))
         return _LoaderIter(self, inner, self._run)
