@@ -325,6 +325,54 @@ def child(cfg: dict[str, Any]) -> list[dict[str, Any]]:
     return list(res.values())
 
 
+def gil_share(shards: Path, count: int = 256) -> dict[str, float]:
+    """One thread loads ``count`` samples of the fastdata rows (``cursor.load``: read, decode, crop,
+    flip, to tensor): microseconds per sample in all, and outside Pillow's decode/resize/transpose
+    (which release the GIL). The latter bounds the GIL-held time per sample from above, so
+    ``1 / held_share`` bounds how many threads' worth of decoding one process can do."""
+    import torch
+    from PIL import Image, ImageFile
+
+    from fastdata.dataset import ShardedDataset
+
+    torch.set_num_threads(1)
+    spent = [0.0]
+
+    def timed(fn: Any) -> Any:
+        def wrapper(*a: Any, **k: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                spent[0] += time.perf_counter() - t
+        return wrapper
+
+    saved = ImageFile.ImageFile.load, Image.Image.resize, Image.Image.transpose
+    ImageFile.ImageFile.load = timed(saved[0])  # type: ignore[method-assign]
+    Image.Image.resize = timed(saved[1])  # type: ignore[method-assign]
+    Image.Image.transpose = timed(saved[2])  # type: ignore[method-assign]
+    try:
+        ds = ShardedDataset(shards, shuffle=True, decode={"jpg": DecodeRandomResizedCropFlip()},
+                            sample_transform=_to_tuple)
+        cursor = ds.cursor(ds.epoch_start(1), 0)
+        count = min(count, len(cursor.seq))
+        sh, loc = cursor.locate(0, count)
+        items = list(zip(cursor.seq[:count].tolist(), sh.tolist(), loc.tolist()))
+        best = (float("inf"), 0.0)
+        for _ in range(3):
+            spent[0] = 0.0
+            t = time.perf_counter()
+            for g, s, i in items:
+                cursor.load(s, i, g)
+            total = time.perf_counter() - t
+            best = min(best, (total, total - spent[0]))
+    finally:
+        ImageFile.ImageFile.load, Image.Image.resize, Image.Image.transpose = saved  # type: ignore[method-assign]
+    total_us, held_us = best[0] / count * 1e6, best[1] / count * 1e6
+    return {"us_per_sample": round(total_us), "held_us_upper": round(held_us),
+            "held_share_upper": round(held_us / total_us, 3), "thread_ceiling": round(total_us / held_us, 1)}
+
+
 def run_child(cfg: dict[str, Any], timeout: float) -> list[dict[str, Any]]:
     def fail(msg: str) -> list[dict[str, Any]]:
         return [{"row": row, "workers": cfg["workers"], "error": msg} for row in cfg["rows"]]
@@ -359,6 +407,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--budget", type=float, default=None, help="seconds; configurations past it are skipped")
     ap.add_argument("--quick", action="store_true", help="small corpus, one repetition")
     ap.add_argument("--json", type=Path, default=None, help="write results here")
+    ap.add_argument("--gil", action="store_true", help="also measure the GIL-held share of one sample's work")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child is not None:
@@ -374,6 +423,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     available = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
     device = "cuda" if torch.cuda.is_available() else "cpu"
     results: list[dict[str, Any]] = []
+    gil = None
+    if args.gil:
+        gil = gil_share(shards)
+        print(f"one thread: {gil['us_per_sample']} us per sample, at most {gil['held_us_upper']} us of it with the "
+              f"GIL held ({gil['held_share_upper']:.0%}): threads of one process top out near "
+              f"{gil['thread_ceiling']}x one core", file=sys.stderr)
     for k, workers in enumerate(args.workers):
         cores = None if available is None else available[:workers]
         if cores is not None and len(cores) < workers:
@@ -401,6 +456,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     "gpu": torch.cuda.get_device_name() if device == "cuda" else None,
                     "load_avg": os.getloadavg()},
         "results": results,
+        "gil": gil,
         "wall_s": time.perf_counter() - t_start,
     }
     print(table(results))

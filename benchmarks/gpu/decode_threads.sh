@@ -6,7 +6,9 @@
 # 1. benchmarks/decode_stage.py at 4, 8 and 15 cores (rows pinned to that many cores): worker
 #    processes with Pillow, the thread decoder, GPU decode (decode-gpu's fastdata.gpu stage in
 #    CUDAPrefetcher, min(N, 4) workers reading bytes) and torchvision's usual CPU recipe; images/s
-#    and CPU ms per image, medians of interleaved epochs -> DIR/decode_stage.json.
+#    and CPU ms per image, medians of interleaved epochs -> DIR/decode_stage.json. First, one
+#    thread's time per sample and the share of it spent holding the GIL (upper bound; its inverse
+#    bounds the thread decoder's speed-up over one core) -> "gil" in the same JSON.
 # 2. Pinned batch buffers: steady-state cost of a fresh torch.empty(pin_memory=True) per batch
 #    (what the thread decoder does with pin_memory=True) against reusing one -> DIR/pinned_alloc.json.
 # 3. The CUDA test of tests/test_thread_decoder.py (pinned batches through CUDAPrefetcher).
@@ -28,7 +30,7 @@ export PYTHONUNBUFFERED=1
 T0=$SECONDS
 
 echo "== decode_stage.py --workers 4 8 15 (budget 115 s)"
-timeout 135 "$PY" benchmarks/decode_stage.py --workers 4 8 15 --images 2048 --reps 3 --budget 115 \
+timeout 135 "$PY" benchmarks/decode_stage.py --workers 4 8 15 --images 2048 --reps 3 --budget 115 --gil \
     --data "$OUT/data" --json "$OUT/decode_stage.json" > "$OUT/decode_stage.txt" 2>&1
 echo "rc=$? ($((SECONDS - T0)) s)"
 tail -n 16 "$OUT/decode_stage.txt"

@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import os
 import threading
+import warnings
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
@@ -72,8 +73,8 @@ from fastdata.loader._cached import FastBatch
 
 __all__ = ["LOOKAHEAD", "ThreadBatches", "check_threads", "static_reason", "thread_batches"]
 
-# Batches dispatched beyond the one the consumer waits for. Two keep every thread busy while the
-# consumer holds a batch (a third gained nothing on 2 cores) at (LOOKAHEAD + 1) batches of memory.
+# Batches dispatched beyond the one the consumer waits for: the threads keep decoding while the
+# consumer works on a batch, at (LOOKAHEAD + 1) batches of memory (torch's prefetch_factor is 2 too).
 LOOKAHEAD = 2
 # Ring buffers kept per field beyond those in flight: batches the consumer (or a prefetcher) may
 # still hold; more are allocated fresh (and dropped) rather than waited for.
@@ -81,6 +82,7 @@ RING_SPARE = 4
 # Tensor fields smaller than this are collated normally; bigger ones are written in place.
 MIN_INPLACE_BYTES = 1024
 _POLL_S = 0.1  # how often a waiting consumer checks that the pool is alive
+_JOIN_S = 10.0  # how long close() waits for a thread stuck in a user transform before leaving it (daemon)
 
 
 def check_threads(value: Any) -> int:
@@ -186,7 +188,10 @@ class _Pool:
             threads = list(self._threads)
         for t in threads:
             if t is not me:
-                t.join()
+                t.join(_JOIN_S)
+                if t.is_alive():
+                    warnings.warn(f"fastdata decode thread {t.name} did not finish its task within {_JOIN_S:.0f} s "
+                                  "(a transform that blocks?); left running as a daemon", RuntimeWarning, stacklevel=3)
         with self._cv:
             self._threads = [t for t in self._threads if t.is_alive()]
 
@@ -213,8 +218,8 @@ class _Pool:
 def _run(tasks: deque[Any], cv: threading.Condition, should_stop: Callable[[], bool]) -> None:
     """Thread body: holds only the queue, so a dropped iterator lets its pool be collected."""
     # One intra-op thread for torch ops in transforms, as in a DataLoader worker process (the
-    # setting is per thread: the caller's own torch ops keep theirs). Measured on 2 cores: with
-    # torch's default, parallel regions entered from several threads spin idle cores.
+    # setting is per thread: the caller's own torch ops keep theirs); otherwise every pool thread
+    # entering a parallel region would open its own OpenMP team over all cores.
     torch.set_num_threads(1)
     while True:
         with cv:
