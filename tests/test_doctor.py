@@ -152,3 +152,19 @@ def test_device_decode_is_measured_beside_cpu_decode(shards):
     assert "no CUDA device" in d.measurements["nvjpeg_probe"]["note"]
     with pytest.raises(ValueError, match="doctor measures a CPU decode pipeline"):
         diagnose(shards, _opts(decode="device"))
+
+
+def test_bench_without_shards_generates_a_set(tmp_path, capsys):
+    assert main(["bench", "--images", "24", "--workers", "0", "--repeats", "1", "--size", "64", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)  # progress went to stderr: stdout is JSON only
+    assert data["samples"] == 24 and data["cached_pipeline"]["speedup"] > 0
+
+
+def test_unknown_model_fails_fast_with_a_clear_message(shards, capsys):
+    import time
+
+    t0 = time.perf_counter()
+    assert main(["doctor", str(shards), "--model", "no_such_net", "--device", "cpu", "--samples", "16"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("fastdata doctor: error:") and "no_such_net" in err
+    assert time.perf_counter() - t0 < 30  # before any measurement

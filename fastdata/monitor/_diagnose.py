@@ -205,6 +205,7 @@ def diagnose(source: str | Path, opts: DoctorOptions) -> Diagnosis:
     par = max(1, min(workers, ncores))
     fields = st.pick_fields(Manifest.load(source), opts.field, opts.label)
     pre = ResizeCenterCrop(opts.size)
+    step = st.make_step(opts.model, opts.step_ms, device, fields)  # first: a bad model name fails fast
     B = opts.batch_size
     meas: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="fastdata-doctor-") as tmp:
@@ -252,7 +253,6 @@ def diagnose(source: str | Path, opts: DoctorOptions) -> Diagnosis:
             if opts.device_decode or (opts.device_decode is None and device.type == "cuda"):
                 meas["gpu_decode"] = _device_decode(subset, fields, pre, opts, device, norm)
 
-        step = st.make_step(opts.model, opts.step_ms, device, fields)
         step_rate = job_rate = None
         stall = None
         if step is not None:
