@@ -347,9 +347,11 @@ class CudaStager:
         return list(seen.values())
 
     def _order_after_producer(self, plan: list[tuple[str, int]], leaves: list[torch.Tensor]) -> None:
-        """Batch tensors already on the device were made on this thread's current stream (the wrapped
-        iterable runs here): the side stream, and through its ready event the consumer, must wait for
-        that work; and the transform reads them on the side stream, so their memory is protected there."""
+        """Batch tensors already on the device were made by the wrapped iterable in this thread, whose
+        current stream is the side stream (``begin_thread``): then copies, transform and the ready
+        event are ordered after them already. If the iterable switched streams, the side stream waits
+        for that stream, and the transform's reads are protected there. (Device tensors made by other
+        threads must be complete on their streams before the iterable yields them.)"""
         kept = [t for (kind, _, _), t in zip(plan, leaves) if kind == "keep"]
         if not kept:
             return
