@@ -141,7 +141,8 @@ def _close(loader: Any) -> None:
 
 
 def run_job(ds: Any, opts: DoctorOptions, device: torch.device, step: Any, transform: Any,
-            workers: int | None = None, depth: int | None = None) -> tuple[float, StallReport]:
+            workers: int | None = None, depth: int | None = None, sample_gpu: bool = False,
+            ) -> tuple[float, StallReport]:
     """Images/s of loader -> CUDAPrefetcher -> step over ``job_steps`` steps, and the StallMeter's report.
 
     The rate leaves out the first batch (worker start-up): images after it over the time after it.
@@ -149,7 +150,7 @@ def run_job(ds: Any, opts: DoctorOptions, device: torch.device, step: Any, trans
     from fastdata.prefetch import CUDAPrefetcher
 
     loader = _loader(ds, opts.batch_size, opts.num_workers if workers is None else workers)
-    meter = StallMeter(sample_gpu=device.type == "cuda")
+    meter = StallMeter(sample_gpu=sample_gpu and device.type == "cuda")
     images = first = 0
     try:
         with CUDAPrefetcher(loader, device=device, depth=opts.depth if depth is None else depth,
@@ -174,6 +175,14 @@ def run_job(ds: Any, opts: DoctorOptions, device: torch.device, step: Any, trans
     rep = meter.report()
     timed = rep.wall_s - rep.first_wait_s
     return ((images - first) / timed if timed > 0 else 0.0), rep
+
+
+def _have_nvml() -> bool:
+    try:
+        import pynvml  # noqa: F401  nvidia-ml-py, optional
+    except ImportError:
+        return False
+    return True
 
 
 def _device_decode(subset: Path, fields: st.Fields, pre: Any, opts: DoctorOptions, device: torch.device,
@@ -257,7 +266,7 @@ def diagnose(source: str | Path, opts: DoctorOptions) -> Diagnosis:
         stall = None
         if step is not None:
             step_rate = B / st.time_step(step, norm(dev_batch), device)
-            job_rate, stall = run_job(ds, opts, device, step, norm)
+            job_rate, stall = run_job(ds, opts, device, step, norm, sample_gpu=_have_nvml())
     rate_for_use = job_rate if job_rate is not None else lrun.rate
     per_image = read.cpu_s / read.samples + (costs.decode_s or 0.0) + (costs.preprocess_s or 0.0) + costs.collate_s
     meas["loader_predicted"] = par / per_image  # what the worker stages' CPU costs allow on ``par`` cores
