@@ -228,6 +228,14 @@ def test_resume_mid_epoch_gives_the_uninterrupted_batches_bit_for_bit(tmp_path, 
     assert all(torch.equal(x[1], y[1]) for x, y in zip(got, full))
 
 
+def test_thread_decoder_packs_the_same_batches(tmp_path):
+    root = write(tmp_path, [jpeg(i) for i in range(14)])
+    run = lambda **kw: [(b["cls"].tolist(), [b["jpg"].tobytes(k) for k in range(len(b["jpg"]))])  # noqa: E731
+                        for b in DataLoader(ShardedDataset(root, image_decode="device", shuffle=True),
+                                            batch_size=4, num_workers=2, **kw)]
+    assert run(decode_threads=2) == run()
+
+
 def test_decode_images_validation_and_passthrough():
     with pytest.raises(ValueError, match="on_error must be one of"):
         gpu.DecodeImages(on_error="ignore")
