@@ -379,10 +379,11 @@ def test_cached_fast_path_gathers_pinned_and_reuses_buffers(tmp_path) -> None:
             got = []
             for b in pf:
                 assert loader.last_path == "cached" and b["jpg"].device == DEV
-                torch.cuda._sleep(200_000)  # a slow GPU: host-side buffers would be rewritten early
-                got.append((b["__key__"], b["jpg"].cpu()))
+                torch.cuda._sleep(2_000_000)  # a slow GPU, a host that never waits: a buffer
+                got.append((b["__key__"], b["jpg"] + 0))  # reused too early would show as wrong pixels
+            torch.cuda.synchronize()
             assert [k for k, _ in got] == [k for k, _ in ref[epoch]]
-            assert all(torch.equal(x, y) for (_, x), (_, y) in zip(got, ref[epoch]))
+            assert all(torch.equal(x.cpu(), y) for (_, x), (_, y) in zip(got, ref[epoch]))
         s = pf.stats()
     assert s["pinned_allocs"] <= 3  # only the small 'cls' field is packed; images come pinned
     assert loader._gather.ring.allocated <= 8  # reused across batches and epochs
