@@ -438,3 +438,16 @@ def test_a_stale_layout_is_replaced(shards):
     it = _threads.thread_batches(ds, ds.epoch_start(2), threads=2, batch_size=4, drop_last=False,
                                  collate_fn=torch.utils.data.default_collate, pin=None)
     assert sum(len(fb.batch["cls"]) for fb in it) == N and it.stats["copied"] == 0
+
+
+def test_shard_readers_are_not_closed_under_a_reading_thread(tmp_path):
+    """Many tiny shards and a wide shuffle make the dataset's reader cache evict constantly; an
+    eviction must never close a reader another thread is reading (it did, before the fix)."""
+    with ShardWriter(tmp_path / "ds", max_samples=3) as w:
+        for i in range(600):
+            w.write({"__key__": f"s{i:05d}", "bin": np.full(2000, i % 251, np.uint8).tobytes(), "cls": str(i).encode()})
+    make = lambda: ShardedDataset(tmp_path / "ds", shuffle=ShuffleOptions(open_shards=1, buffer_size=500),  # noqa: E731
+                                  seed=3)
+    ref = _keys(DataLoader(make(), batch_size=16, num_workers=1))
+    for _ in range(5):
+        assert _keys(DataLoader(make(), batch_size=16, num_workers=1, decode_threads=4)) == ref
