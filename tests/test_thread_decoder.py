@@ -451,3 +451,13 @@ def test_shard_readers_are_not_closed_under_a_reading_thread(tmp_path):
     ref = _keys(DataLoader(make(), batch_size=16, num_workers=1))
     for _ in range(5):
         assert _keys(DataLoader(make(), batch_size=16, num_workers=1, decode_threads=4)) == ref
+
+
+def test_hdf5_shards(tmp_path):
+    with ShardWriter(tmp_path / "h5", format="hdf5", max_samples=10) as w:
+        for i in range(N):
+            img = synth_image(np.random.default_rng(i), 30 + (i * 7) % 20, 30 + (i * 5) % 20)
+            w.write({"__key__": f"s{i:04d}", "jpg": jpeg_bytes(img, 90), "cls": i})
+    make = lambda: _make(tmp_path / "h5")  # noqa: E731
+    kw = dict(batch_size=4, num_workers=2)
+    assert_same(_epoch(DataLoader(make(), decode_threads=3, **kw), "threads"), _epoch(DataLoader(make(), **kw), "workers"))
