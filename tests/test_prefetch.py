@@ -1023,3 +1023,25 @@ def test_cuda_prefetcher_asks_the_loader_for_pinned_gathers(fake_cuda: dict) -> 
     CUDAPrefetcher(on_cpu, device="cpu").close()
     CUDAPrefetcher(on_cuda, device="cuda").close()
     assert on_cpu.fast_path_pinned is False and on_cuda.fast_path_pinned is True
+
+
+def test_second_iterator_of_the_same_epoch_stops_the_first() -> None:
+    pf = CUDAPrefetcher(list(range(6)), device="cpu")
+    first, second = iter(pf), iter(pf)  # neither advanced yet
+    assert list(second) == list(range(6))
+    assert list(first) == []  # stopped, not blocked on the pipe the second one owns
+    assert list(pf) == list(range(6))
+    pf.close()
+
+
+def test_driven_epochs_then_loader_set_epoch_directly() -> None:
+    loader = _EpochLoader(3)
+    pf = CUDAPrefetcher(loader, device="cpu")
+    pf.set_epoch(0)
+    assert list(pf) == [(0, i) for i in range(3)]
+    time.sleep(0.05)  # epoch 1 started ahead
+    loader.set_epoch(5)  # behind the prefetcher's back
+    with pytest.warns(RuntimeWarning, match="discarded and restarted"):
+        assert list(pf) == [(5, i) for i in range(3)]
+    assert list(pf) == [(6, i) for i in range(3)]  # and on from there
+    pf.close()

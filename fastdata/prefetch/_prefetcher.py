@@ -167,6 +167,7 @@ class _Run:
         self.thread: threading.Thread | None = None
         self.cv = threading.Condition()
         self.requested = 1  # epochs the consumer has begun (or asked for)
+        self.claimed = 0  # the latest epoch an iterator was handed out for (only one iterator per epoch)
         self.begun = -1  # the latest epoch the consumer has begun
         self.finished = -1  # the latest epoch the consumer has taken to its end
         self.ahead: tuple[int, Any] | None = None  # (number, epoch value) of the latest look-ahead epoch
@@ -278,6 +279,7 @@ class CUDAPrefetcher:
         run = self._run
         if run is not None and self._continues(run):
             number = run.finished + 1
+            run.claimed = number
             run.request(number)
         else:
             self._stop_run()
@@ -286,7 +288,7 @@ class CUDAPrefetcher:
 
     def _continues(self, run: _Run) -> bool:
         """The consumer took the run's latest epoch to its end and the thread goes on (or left a word)."""
-        return (self.options.seamless and run.finished == run.begun and not run.pipe.stop.is_set()
+        return (self.options.seamless and run.finished == run.claimed and not run.pipe.stop.is_set()
                 and (run.alive() or not run.pipe.items.empty()))
 
     def _start_run(self) -> _Run:
@@ -316,6 +318,8 @@ class CUDAPrefetcher:
                     if number > 0 and not self._ahead_still_valid(item):
                         self._stats.add(lookahead_discarded=1)
                         self._stop_run()
+                        with self._epochs.lock:  # restart with the epoch the loader was set to
+                            self._epochs.next_value = self._epochs.current()
                         run, number = self._start_run(), 0
                         continue
                     run.begun = number
