@@ -103,11 +103,14 @@ for name in ("h2d_grid.json", "h2d_pack8.json", "h2d_epochs.json"):
     for x in r["results"]:
         groups.setdefault((x["compute_ms"], x["jitter"], x["epochs"]), {})[x["variant"]] = x
     for cfg, g in sorted(groups.items()):
-        if "prefetcher" in g and ("one_ahead" in g or "one_ahead_pin" in g):
-            best_apex = min((g[v]["step_ms"] for v in ("one_ahead", "one_ahead_pin") if v in g))
-            pf = g["prefetcher"]["step_ms"]
-            print(f"  compute {cfg[0]} jitter {cfg[1]} epochs {cfg[2]}: prefetcher {pf:.3f} vs best one-ahead "
-                  f"{best_apex:.3f} ms -> {'OK' if pf <= best_apex * 1.005 else 'SLOWER'}")
+        # like for like: pageable input (prefetcher vs apex pinning in the training thread),
+        # pinned input (prefetcher_pinned vs one_ahead over the pinned loader)
+        for ours, theirs in (("prefetcher", "one_ahead_pin"), ("prefetcher_pinned", "one_ahead")):
+            if ours in g and theirs in g:
+                a, b = g[ours]["step_ms"], g[theirs]["step_ms"]
+                eff = g[ours]["efficiency"]
+                print(f"  compute {cfg[0]} jitter {cfg[1]} epochs {cfg[2]}: {ours} {a:.3f} vs {theirs} {b:.3f} ms "
+                      f"-> {'OK' if a <= b * 1.005 else 'SLOWER'}; efficiency {eff:.3f}")
     for p in r.get("pack", []):
         print(f"  pack: {p['option']:<58} " + (f"{p['gbps']:6.1f} GB/s" if "gbps" in p else p.get("error", "")))
 r = load("train_e2e.json")
