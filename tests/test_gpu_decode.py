@@ -91,6 +91,7 @@ def test_sniff_routes_what_the_device_decoder_takes():
         assert p.info(i) == info, name
         assert _codec.device_decodable(p.info(i)) is gpu_ok, name
     assert ImageInfo(p.codes()[0]).sof == 0
+    assert _codec.device_decodable_codes(p.codes()).tolist() == [ok for _, _, ok in cases.values()]
 
 
 def test_dataset_keeps_images_encoded_and_loader_packs_them(tmp_path):

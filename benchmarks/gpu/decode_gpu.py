@@ -31,7 +31,6 @@ import argparse
 import concurrent.futures as cf
 import io
 import json
-import math
 import os
 import sys
 import tempfile

@@ -7,7 +7,7 @@ Behind it: ``_source`` (where shards are), ``_split`` (the index math of an epoc
 from fastdata.dataset._cursor import Cursor, EpochStart, current_cursor
 from fastdata.dataset._dataset import ON_ERROR, ON_MISSING, ShardedDataset, SkippedSampleWarning, SkipReport
 from fastdata.dataset._source import RemoteShards
-from fastdata.dataset._packed import EncodedImage, ImageInfo, PackedImages, collate, key_index
+from fastdata.dataset._packed import FORMATS, EncodedImage, ImageInfo, PackedImages, collate, key_index
 from fastdata.dataset._split import ShuffleOptions, num_batches, rng_key
 
 # Public: ShardedDataset, RemoteShards, ShuffleOptions, SkippedSampleWarning, ON_ERROR. Package-internal seam
@@ -18,4 +18,4 @@ __all__ = ["ON_ERROR", "Cursor", "RemoteShards", "EpochStart", "ShardedDataset",
 __all__ += ["ON_MISSING", "SkipReport"]
 # Encoded images kept for the device decode stage (image_decode="device"); rng_key, the counter-based
 # hash of the split, also seeds the GPU stage's per-sample augmentation.
-__all__ += ["EncodedImage", "ImageInfo", "PackedImages", "collate", "key_index", "rng_key"]
+__all__ += ["FORMATS", "EncodedImage", "ImageInfo", "PackedImages", "collate", "key_index", "rng_key"]

@@ -26,7 +26,7 @@ import torch
 from torch.utils.data._utils.collate import collate as _torch_collate
 from torch.utils.data._utils.collate import default_collate_fn_map
 
-__all__ = ["EncodedImage", "ImageInfo", "PackedImages", "collate", "key_index", "sniff"]
+__all__ = ["FORMATS", "EncodedImage", "ImageInfo", "PackedImages", "collate", "key_index", "sniff"]
 
 # ---------------------------------------------------------------------------------------------
 # Header sniffing: which format, and for JPEG the facts a decoder's capabilities depend on. Done

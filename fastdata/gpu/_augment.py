@@ -259,9 +259,13 @@ def _render_group(images: list[torch.Tensor], clip: np.ndarray, wy: torch.Tensor
     ry, rx = clip[:, 1] - clip[:, 0], clip[:, 3] - clip[:, 2]
     ky, kx = max(int(ry.max()), 1), max(int(rx.max()), 1)
     canvas = torch.zeros((len(images), images[0].shape[0], ky, kx), dtype=wy.dtype, device=out.device)
+    dst, src = [], []
     for k, (im, (y0, y1, x0, x1)) in enumerate(zip(images, clip.tolist())):
         if y1 > y0 and x1 > x0:
-            canvas[k, :, : y1 - y0, : x1 - x0] = im[:, y0:y1, x0:x1]
+            dst.append(canvas[k, :, : y1 - y0, : x1 - x0])
+            src.append(im[:, y0:y1, x0:x1])
+    if dst:
+        torch._foreach_copy_(dst, src)  # one call: the per-image copies are dispatched in C++
     wy, wxt = wy[:, :, :ky].unsqueeze(1), wx[:, :, :kx].transpose(1, 2).unsqueeze(1)  # (g,1,oh,ky), (g,1,kx,ow)
     oh, ow = wy.shape[2], wxt.shape[3]
     if ky * kx * ow + oh * ky * ow <= oh * ky * kx + oh * kx * ow:

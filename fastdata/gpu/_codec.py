@@ -34,10 +34,11 @@ import numpy as np
 import torch
 from PIL import Image
 
-from fastdata.dataset import ImageInfo
+from fastdata.dataset import FORMATS, ImageInfo
 
 __all__ = [
-    "HOST_BACKENDS", "decode_device", "decode_host", "device_decodable", "host_backend", "torchvision_status",
+    "HOST_BACKENDS", "decode_device", "decode_host", "device_decodable", "device_decodable_codes", "host_backend",
+    "torchvision_status",
 ]
 
 HOST_BACKENDS = ("auto", "torchvision", "pillow")
@@ -81,6 +82,15 @@ def device_decodable(info: ImageInfo) -> bool:
     """
     return (info.format == "jpeg" and info.sof in (0, 1, 2) and info.precision == 8
             and info.components in (1, 3) and not (info.components == 3 and info.adobe_transform == 0))
+
+
+def device_decodable_codes(codes: np.ndarray) -> np.ndarray:
+    """:func:`device_decodable` for an array of header codes (``PackedImages.codes()``) at once."""
+    c = np.asarray(codes, dtype=np.int64)
+    fmt, sof, comps = c & 0xFF, (c >> 8) & 0xFF, (c >> 16) & 0xFF
+    prec, adobe = (c >> 24) & 0xFF, (c >> 32) & 0xFF
+    return ((fmt == FORMATS.index("jpeg")) & (sof <= 2) & (prec == 8) & ((comps == 1) | (comps == 3))
+            & ~((comps == 3) & (adobe == 0)))
 
 
 def decode_device(views: Sequence[torch.Tensor], device: torch.device) -> list[torch.Tensor]:

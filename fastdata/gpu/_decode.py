@@ -6,7 +6,7 @@ the host (it is not a container it walks), which is where nvJPEG (through torchv
 input. Per packed field and batch:
 
 1. Route each image by the header facts sniffed in the worker: JPEGs the device decoder takes
-   (:func:`fastdata.gpu._codec.device_decodable`) go to one batched device decode call; the rest
+   (:func:`fastdata.gpu._codec.device_decodable`) go to batched device decode call; the rest
    (PNG, CMYK, 12-bit, arithmetic-coded, unknown) are decoded on the host, pinned and copied
    with ``non_blocking`` (only those samples).
 2. If the batched call fails (a corrupt JPEG fails the whole call), each of its images is decoded
@@ -34,10 +34,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from fastdata.dataset import ON_ERROR, ImageInfo, PackedImages, SkippedSampleWarning
+from fastdata.dataset import ON_ERROR, PackedImages, SkippedSampleWarning
 from fastdata.errors import DecodeError
 from fastdata.gpu._augment import ImageBatch
-from fastdata.gpu._codec import HOST_BACKENDS, decode_device, decode_host, device_decodable, host_backend
+from fastdata.gpu._codec import HOST_BACKENDS, decode_device, decode_host, device_decodable_codes, host_backend
 
 __all__ = ["DecodeImages"]
 
@@ -139,16 +139,15 @@ class DecodeImages:
         """One packed field: ``(tensor, None)`` rendered (a row per sample), or ``(ImageBatch, rows)``
         with ``geometric`` pending when its images do not end in one size (``rows``: batch row per image)."""
         n = len(packed)
-        infos = [ImageInfo(c) for c in packed.codes()]
         views = packed.views()
         ids = packed.indices.numpy()
         pending = packed.pending if packed.pending is not None and packed.pending[0] == device else None
         packed.pending = None
         if pending is None:
-            pending = self._start(packed, infos, views, device)
+            pending = self._start(packed, views, device)
         _, on_device, pieces = pending
         on_host = sorted(set(range(n)) - set(on_device))  # decoded here while the device chunks decode
-        pieces.insert(0, (on_host, self._host(packed, on_host, views, infos, field, device, backend, bad)))
+        pieces.insert(0, (on_host, self._host(packed, on_host, views, field, device, backend, bad)))
         out: torch.Tensor | None = None
         done: list[tuple[list[int], ImageBatch]] = []
         ragged = 0  # non-empty chunks not rendered into ``out``
@@ -158,7 +157,7 @@ class DecodeImages:
                     images = _take(images.result(), device)
                 except RuntimeError as e:  # one bad image fails the call: find it on the host
                     _log.debug("batched device decode failed (%s); decoding its %d images on the host", e, len(rows))
-                    images = self._host(packed, rows, views, infos, field, device, backend, bad)
+                    images = self._host(packed, rows, views, field, device, backend, bad)
             ok = [k for k, r in enumerate(rows) if r not in bad]
             rows = [rows[k] for k in ok]
             if not rows:
@@ -181,10 +180,10 @@ class DecodeImages:
         rows = [r for rs, _ in done for r in rs]
         return _concat([ib for _, ib in done], rows), sorted(rows)  # chunk results in different sizes
 
-    def _start(self, packed: PackedImages, infos: list[ImageInfo], views: list[torch.Tensor],
+    def _start(self, packed: PackedImages, views: list[torch.Tensor],
                device: torch.device) -> tuple[torch.device, list[int], list[tuple[list[int], Any]]]:
         """Submit the device-decodable images of ``packed`` to the background decode thread, in chunks."""
-        on_device = [i for i in range(len(packed)) if device.type == "cuda" and device_decodable(infos[i])]
+        on_device = np.flatnonzero(device_decodable_codes(packed.codes())).tolist() if device.type == "cuda" else []
         chunks = [on_device[k : k + self.chunk_size] for k in range(0, len(on_device), self.chunk_size)]
         if not chunks:
             return device, on_device, []
@@ -202,7 +201,7 @@ class DecodeImages:
         _find(batch, (), found)
         for path, packed in found:
             if (self.keys is None or any(k in self.keys for k in path)) and packed.pending is None:
-                packed.pending = self._start(packed, [ImageInfo(c) for c in packed.codes()], packed.views(), device)
+                packed.pending = self._start(packed, packed.views(), device)
 
     def ahead(self, iterable: Any) -> DecodeAhead:
         """``iterable`` (e.g. a DataLoader) reading one batch ahead and starting its device decode early.
@@ -219,13 +218,12 @@ class DecodeImages:
             stream = self._streams[device] = torch.cuda.Stream(device)
         return stream
 
-    def _host(self, packed: PackedImages, rows: list[int], views: list[torch.Tensor], infos: list[ImageInfo],
-              field: str, device: torch.device, backend: str, bad: dict[int, str]) -> list[torch.Tensor | None]:
+    def _host(self, packed: PackedImages, rows: list[int], views: list[torch.Tensor], field: str, device: torch.device, backend: str, bad: dict[int, str]) -> list[torch.Tensor | None]:
         """Decode images ``rows`` on the host (and move them to ``device``); failures go to ``bad``."""
         out: list[torch.Tensor | None] = []
         for i in rows:
             try:
-                img = decode_host(views[i], infos[i], backend)
+                img = decode_host(views[i], packed.info(i), backend)
             except Exception as e:  # noqa: BLE001 - any failure of a codec on shard bytes
                 self._failed(packed, i, field, f"{type(e).__name__}: {e}", bad)
                 out.append(None)
