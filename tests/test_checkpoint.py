@@ -153,6 +153,9 @@ def test_save_rejects_bad_arguments(tmp_path):
         fastdata.save_checkpoint(tmp_path / "x.pt", _plain_step(), epoch=-1)
     with pytest.raises(CheckpointError, match="loader must have a state_dict"):
         fastdata.save_checkpoint(tmp_path / "x.pt", _plain_step(), loader=[1, 2])
+    with fastdata.CUDAPrefetcher([[torch.zeros(1)]], device="cpu") as plain:
+        with pytest.raises(CheckpointError, match="cannot save the loader's position: .*no state_dict"):
+            fastdata.save_checkpoint(tmp_path / "x.pt", _plain_step(), loader=plain)
     with pytest.raises(CheckpointError, match="pass loader= or loader_state=, not both"):
         fastdata.save_checkpoint(tmp_path / "x.pt", _plain_step(), loader=[1, 2], loader_state=[{}])
     assert not (tmp_path / "x.pt").exists()

@@ -82,7 +82,10 @@ def save_checkpoint(
         fn = getattr(loader, "state_dict", None)
         if not callable(fn):
             raise CheckpointError(f"loader must have a state_dict() method, got {type(loader).__name__}")
-        loader_state = fn()
+        try:
+            loader_state = fn()
+        except TypeError as e:  # e.g. a CUDAPrefetcher over an iterable without state_dict()
+            raise CheckpointError(f"cannot save the loader's position: {e}") from e
     module = unwrap(step.module)
     payload = {
         "format": FORMAT,
