@@ -254,3 +254,23 @@ def test_convert_from_url_sources(served, tmp_path):
     for s in local.manifest.shards:
         assert (tmp_path / "from_url" / s.name).read_bytes() == (tmp_path / "from_local" / s.name).read_bytes()
     assert single.manifest.num_samples == 6
+
+
+def test_fsspec_http_client_path(served, tmp_path, monkeypatch):
+    """FASTDATA_HTTP_CLIENT=fsspec (or an fsspec HTTP configuration) reads through fsspec/aiohttp:
+    same data, same error reasons, same retries."""
+    pytest.importorskip("aiohttp")
+    monkeypatch.setenv("FASTDATA_HTTP_CLIENT", "fsspec")
+    fault = lambda p, n: 503 if p.endswith("000003.tar") else ("drop" if n == 1 and p.endswith(".tar") else None)  # noqa: E731
+    with LoopbackServer(served, ranges=False, fault=fault, max_requests=500, lifetime=60) as srv:
+        ds = ShardedDataset(_remote(srv.url + "/ds", tmp_path, retries=3), decode=False)
+        ds.source.node_cache.retry = RetryPolicy(attempts=3, base_delay=0.01, max_delay=0.02)
+        with pytest.raises(RemoteError) as info:
+            list(ds)
+        assert "HTTP 503" in str(info.value) and "shard-000003.tar" in str(info.value)
+        srv.set_fault(lambda p, n: "drop" if n == 1 else None)
+        srv.reset_counts()
+        url_path = "/big/shard-000000.tar"
+        with RemoteStream(srv.url + url_path, retry=FAST) as s:
+            assert s.read() == (served / url_path.lstrip("/")).read_bytes()
+        assert srv.counts[url_path] == 2
