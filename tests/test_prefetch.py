@@ -484,6 +484,9 @@ class _FakeStream:
     def wait_event(self, event) -> None:
         assert event.recorded
 
+    def wait_stream(self, stream) -> None:
+        pass
+
 
 @pytest.fixture
 def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> dict:

@@ -322,9 +322,10 @@ class CudaStager:
         t0 = perf_counter()
         packed = self._pack(slot, plan, leaves)
         pack_s = perf_counter() - t0
-        if torch.cuda.current_stream(self.device) != self.stream:  # the iterable may have changed it
+        current = torch.cuda.current_stream(self.device)
+        if current != self.stream:  # the iterable switched streams (and did not switch back)
+            self._order_after_producer(plan, leaves, current)
             _set_current_stream(self.stream)
-        self._order_after_producer(plan, leaves)
         slot.start.record(self.stream)
         moved, owned = self._copy(slot, plan, leaves, total)
         slot.end.record(self.stream)
@@ -346,17 +347,15 @@ class CudaStager:
                 seen.setdefault(t.untyped_storage().data_ptr(), t)
         return list(seen.values())
 
-    def _order_after_producer(self, plan: list[tuple[str, int]], leaves: list[torch.Tensor]) -> None:
+    def _order_after_producer(self, plan: list[tuple[str, int, Any]], leaves: list[torch.Tensor], current: Any) -> None:
         """Batch tensors already on the device were made by the wrapped iterable in this thread, whose
-        current stream is the side stream (``begin_thread``): then copies, transform and the ready
-        event are ordered after them already. If the iterable switched streams, the side stream waits
-        for that stream, and the transform's reads are protected there. (Device tensors made by other
-        threads must be complete on their streams before the iterable yields them.)"""
+        current stream is normally the side stream (``begin_thread``): then copies, transform and the
+        ready event are ordered after them already. If the iterable switched this thread to another
+        stream, the side stream waits for that one, and the transform's reads are protected there.
+        (Device tensors made by other threads must be complete on their streams before the iterable
+        yields them.)"""
         kept = [t for (kind, _, _), t in zip(plan, leaves) if kind == "keep"]
         if not kept:
-            return
-        current = torch.cuda.current_stream(self.device)
-        if current == self.stream:  # made on the side stream itself (the thread's current stream)
             return
         self.stream.wait_stream(current)
         if self._transform is not None:
