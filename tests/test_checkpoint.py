@@ -80,7 +80,7 @@ def test_resumed_run_repeats_the_uninterrupted_losses(shards, tmp_path, workers,
 
 
 def test_mid_accumulation_gradients_are_restored(shards, tmp_path):
-    step, loader, batches = _setup(shards, 0, grad_accum=3)
+    step, _, batches = _setup(shards, 0, grad_accum=3)
     it = iter(batches)
     step(next(it))
     assert step.micro_step == 1

@@ -47,7 +47,7 @@ def test_grad_accum_matches_one_big_batch():
 def test_clip_norm_bounds_the_update():
     x, y = _problem()
     y = y * 1000  # huge gradients
-    m1, m2 = _model(), _model()
+    m2 = _model()
     before = copy.deepcopy(list(m2.parameters()))
     TrainStep(m2, torch.optim.SGD(m2.parameters(), lr=1.0), torch.nn.functional.mse_loss, clip_norm=0.5)((x, y))
     delta = torch.sqrt(sum(((a - b) ** 2).sum() for a, b in zip(m2.parameters(), before)))

@@ -188,7 +188,7 @@ class ImageFolderRecipe:
         w, h = img.size
         nw, nh = (RESIZE, int(RESIZE * h / w)) if w <= h else (int(RESIZE * w / h), RESIZE)
         img = img.resize((nw, nh), Image.Resampling.BILINEAR)
-        left, top = int(round((nw - IMAGE_SIZE) / 2)), int(round((nh - IMAGE_SIZE) / 2))
+        left, top = round((nw - IMAGE_SIZE) / 2), round((nh - IMAGE_SIZE) / 2)
         img = img.crop((left, top, left + IMAGE_SIZE, top + IMAGE_SIZE))
         x = torch.from_numpy(np.array(img, dtype=np.uint8)).permute(2, 0, 1).float().div_(255)
         return x.sub_(self.mean).div_(self.std), cls
