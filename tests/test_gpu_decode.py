@@ -242,7 +242,7 @@ def test_decode_images_validation_and_passthrough():
         gpu.DecodeImages(on_error="ignore")
     with pytest.raises(ValueError, match="host_decoder must be one of"):
         gpu.DecodeImages(host_decoder="magic")
-    with pytest.raises(ValueError, match="chunk_size must be an int >= 1"):
+    with pytest.raises(ValueError, match="chunk_size must be None or an int >= 1"):
         gpu.DecodeImages(chunk_size=0)
     with pytest.raises(ValueError, match="device must be 'cpu' or CUDA"):
         gpu.DecodeImages(device="meta")

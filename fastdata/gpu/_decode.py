@@ -55,14 +55,17 @@ class DecodeImages:
         host_decoder: ``"auto"`` (torchvision when it works here, else Pillow), ``"torchvision"``
             or ``"pillow"``: the decoder for host-side images.
         chunk_size: images per batched device decode call; chunks are decoded in a background
-            thread while this one resamples the previous chunk (see :meth:`fuse`).
+            thread while this one resamples the previous chunk (see :meth:`fuse`). None (default):
+            the whole batch when it was submitted ahead (:meth:`ahead`: decoding already overlaps
+            the previous batch), else two halves. Measured on an H100, batches of 256: with
+            ``ahead`` one chunk 14.8k images/s, chunks of 128 13.8k; without, halves 11.6k, one chunk 7.3k.
 
     Follow it with geometric transforms (``RandomResizedCrop``, ...) in :class:`fastdata.gpu.Compose`.
     """
 
     def __init__(self, keys: Sequence[str | int] | str | int | None = None, *,
                  device: str | torch.device | None = None, on_error: str = "raise",
-                 host_decoder: str = "auto", chunk_size: int = 128) -> None:
+                 host_decoder: str = "auto", chunk_size: int | None = None) -> None:
         if isinstance(keys, (str, int)):
             keys = (keys,)
         self.keys = None if keys is None else frozenset(keys)
@@ -79,8 +82,9 @@ class DecodeImages:
         self.host_decoder = host_decoder
         self.skipped: list[dict[str, Any]] = []
         self.host_decoded = 0  # images decoded on the host on a CUDA device (fallbacks), for diagnostics
-        if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-            raise ValueError(f"DecodeImages: chunk_size must be an int >= 1, got {chunk_size!r}")
+        if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int)
+                                       or chunk_size < 1):
+            raise ValueError(f"DecodeImages: chunk_size must be None or an int >= 1, got {chunk_size!r}")
         self.chunk_size = chunk_size
         self._executor: ThreadPoolExecutor | None = None
         self._executor_pid: int | None = None
@@ -144,7 +148,7 @@ class DecodeImages:
         pending = packed.pending if packed.pending is not None and packed.pending[0] == device else None
         packed.pending = None
         if pending is None:
-            pending = self._start(packed, views, device)
+            pending = self._start(packed, views, device, ahead=False)
         _, on_device, pieces = pending
         on_host = sorted(set(range(n)) - set(on_device))  # decoded here while the device chunks decode
         pieces.insert(0, (on_host, self._host(packed, on_host, views, field, device, backend, bad)))
@@ -180,11 +184,12 @@ class DecodeImages:
         rows = [r for rs, _ in done for r in rs]
         return _concat([ib for _, ib in done], rows), sorted(rows)  # chunk results in different sizes
 
-    def _start(self, packed: PackedImages, views: list[torch.Tensor],
-               device: torch.device) -> tuple[torch.device, list[int], list[tuple[list[int], Any]]]:
+    def _start(self, packed: PackedImages, views: list[torch.Tensor], device: torch.device,
+               ahead: bool) -> tuple[torch.device, list[int], list[tuple[list[int], Any]]]:
         """Submit the device-decodable images of ``packed`` to the background decode thread, in chunks."""
         on_device = np.flatnonzero(device_decodable_codes(packed.codes())).tolist() if device.type == "cuda" else []
-        chunks = [on_device[k : k + self.chunk_size] for k in range(0, len(on_device), self.chunk_size)]
+        size = self.chunk_size or (len(on_device) if ahead else -(-len(on_device) // 2))
+        chunks = [on_device[k : k + size] for k in range(0, len(on_device), max(size, 1))]
         if not chunks:
             return device, on_device, []
         stream = self._decode_stream(device)
@@ -201,7 +206,7 @@ class DecodeImages:
         _find(batch, (), found)
         for path, packed in found:
             if (self.keys is None or any(k in self.keys for k in path)) and packed.pending is None:
-                packed.pending = self._start(packed, packed.views(), device)
+                packed.pending = self._start(packed, packed.views(), device, ahead=True)
 
     def ahead(self, iterable: Any) -> DecodeAhead:
         """``iterable`` (e.g. a DataLoader) reading one batch ahead and starting its device decode early.
