@@ -447,6 +447,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 f"{res['images_per_s']:8.1f} images/s  {res['cpu_ms_per_image']:.2f} CPU ms/image "
                 f"({len(res['runs'])} epochs)")
             print(f"N={workers:2d} {res['row']:12s} {msg}", file=sys.stderr)
+    paired = {}
+    for workers in args.workers:  # threads / workers of the same round: both saw about the same load
+        t = next((r for r in results if r["row"] == "threads" and r["workers"] == workers and "runs" in r), None)
+        w = next((r for r in results if r["row"] == "workers" and r["workers"] == workers and "runs" in r), None)
+        if t and w:
+            paired[workers] = statistics.median(a / b for a, b in zip(t["runs"], w["runs"]))
     out = {
         "benchmark": "decode_stage",
         "config": {"images": n, "workers": args.workers, "batch_size": args.batch_size, "shards": args.shards,
@@ -456,10 +462,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     "gpu": torch.cuda.get_device_name() if device == "cuda" else None,
                     "load_avg": os.getloadavg()},
         "results": results,
+        "threads_over_workers_paired": paired,
         "gil": gil,
         "wall_s": time.perf_counter() - t_start,
     }
     print(table(results))
+    if paired:
+        print("threads/workers, median of per-round ratios: "
+              + ", ".join(f"N={k}: {v:.2f}" for k, v in paired.items()))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(out, indent=1))
