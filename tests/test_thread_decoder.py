@@ -400,6 +400,12 @@ def test_pinned_batches_through_the_prefetcher_cuda(shards):
     with CUDAPrefetcher(dl, device="cuda") as pf:
         got = [{k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in b.items()} for b in pf]
     assert_same(got, ref)
+    plain = DataLoader(_make(shards), batch_size=4, num_workers=2, decode_threads=2)  # no pin_memory
+    with CUDAPrefetcher(plain, device="cuda") as pf:  # sets fast_path_pinned: rows land page-locked
+        got = [{k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in b.items()} for b in pf]
+    assert_same(got, ref)
+    first = next(iter(plain))
+    assert first["jpg"].is_pinned() and not first["cls"].is_pinned()
 
 
 def test_no_worker_count_warning_without_workers(shards):

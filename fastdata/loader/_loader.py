@@ -179,7 +179,8 @@ class DataLoader(torch.utils.data.DataLoader):
 
     ``fast_path_pinned`` (attribute, default False): gather the cached fast path's batches straight
     into page-locked buffers even without ``pin_memory``; ``CUDAPrefetcher`` sets it on the loader it
-    wraps (on a CUDA device), so its host-to-device copies need no pack.
+    wraps (on a CUDA device), so its host-to-device copies need no pack. The thread decoder
+    (``decode_threads``) then writes its samples into page-locked batch rows too.
     """
 
     def __init__(self, dataset: Any, *args: Any, cached_fast_path: bool | str = "auto", decode_threads: int = 0,
@@ -247,9 +248,11 @@ class DataLoader(torch.utils.data.DataLoader):
         if self.decode_threads:
             self.last_path = "threads"
             pin = _cache_loader.pin_device() if self.pin_memory else None
+            # a CUDAPrefetcher consumes this loader: samples land in page-locked rows (no pack)
+            pin_rows = pin or ("cuda" if self.fast_path_pinned and torch.cuda.is_available() else None)
             batches = _thread_loader.thread_batches(
                 ds, start, threads=self.decode_threads, batch_size=self.batch_size,  # type: ignore[arg-type]
-                drop_last=self.drop_last, collate_fn=self._user_collate, pin=pin)
+                drop_last=self.drop_last, collate_fn=self._user_collate, pin=pin, pin_rows=pin_rows)
             ds.consume_resume()
             self._draw_base_seed()
             self._run = _Run(start, list(start.consumed))

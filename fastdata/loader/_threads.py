@@ -106,8 +106,11 @@ def static_reason(ds: Any, *, batch_size: int | None, worker_init_fn: Any) -> st
 
 
 def thread_batches(ds: ShardedDataset, start: EpochStart, *, threads: int, batch_size: int, drop_last: bool,
-                   collate_fn: Callable[[Any], Any], pin: str | None) -> ThreadBatches:
-    """The batches of ``start``'s epoch decoded in ``threads`` threads (see the module docstring)."""
+                   collate_fn: Callable[[Any], Any], pin: str | None, pin_rows: str | None = None) -> ThreadBatches:
+    """The batches of ``start``'s epoch decoded in ``threads`` threads (see the module docstring).
+
+    ``pin``: pin every tensor of a batch (``pin_memory=True``); ``pin_rows``: allocate the batch
+    rows samples are written into page-locked (default: as ``pin``)."""
     if ds.has_cache:
         ds.cache_store()  # opened here once, not raced by the pool's first loads
     seqs = ds.sequences_at(start)
@@ -116,7 +119,7 @@ def thread_batches(ds: ShardedDataset, start: EpochStart, *, threads: int, batch
     # with one worker ds.state_dict() follows, as with num_workers=0 on the worker path
     cursors = [ds.cursor(start, w, seq=seq, live=n == 1) for w, seq in enumerate(seqs)]
     batches = ThreadBatches(cursors, first=start.first, threads=threads, batch_size=batch_size, drop_last=drop_last,
-                            collate_fn=collate_fn, pin=pin, carry=_CARRY.setdefault(ds, {}))
+                            collate_fn=collate_fn, pin=pin, pin_rows=pin_rows, carry=_CARRY.setdefault(ds, {}))
     batches.hold(_reader_holders(ds, start, seqs))
     return batches
 
@@ -419,7 +422,8 @@ class ThreadBatches:
     """
 
     def __init__(self, cursors: Sequence[Any], *, first: int, threads: int, batch_size: int, drop_last: bool,
-                 collate_fn: Callable[[Any], Any], pin: str | None, carry: dict[Any, Any] | None = None):
+                 collate_fn: Callable[[Any], Any], pin: str | None, pin_rows: str | None = None,
+                 carry: dict[Any, Any] | None = None):
         self._walks = [_Walk(c, c.seq) for c in cursors]
         self._n = len(cursors)
         self._w = first
@@ -433,7 +437,8 @@ class ThreadBatches:
         self._chunk = max(1, min(8, batch_size // (4 * threads)))
         self._carry = {} if carry is None else carry
         self._layout: _Layout | None = self._carry.get("layout") if self._inplace else None
-        self._buffers = self._carry.setdefault(("buffers", pin), _Buffers(pin, LOOKAHEAD + 1))
+        pin_rows = pin_rows or pin
+        self._buffers = self._carry.setdefault(("buffers", pin_rows), _Buffers(pin_rows, LOOKAHEAD + 1))
         self._batches = 0
         self._in_place = self._copied = 0
         self._held: list[Any] = []
