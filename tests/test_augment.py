@@ -9,7 +9,14 @@ import torch
 import torch.nn.functional as F
 
 from fastdata import gpu
-from fastdata.gpu import CenterCrop, Compose, ImageBatch, RandomHorizontalFlip, RandomResizedCrop, Resize
+from fastdata.gpu import (
+    CenterCrop,
+    Compose,
+    ImageBatch,
+    RandomHorizontalFlip,
+    RandomResizedCrop,
+    Resize,
+)
 
 
 def smooth_images(sizes, seed=0):
@@ -30,21 +37,22 @@ def reference(img: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
 
 def torchvision_get_params(H: int, W: int, scale, ratio, gen: np.random.Generator):
     """torchvision 0.28 ``RandomResizedCrop.get_params``, transcribed with a numpy RNG (the library's
-    own function is used instead when torchvision is importable, see the test)."""
+    own function is used instead when torchvision is importable, see the test); its ``int(round(x))``
+    kept as written."""
     area = H * W
     log_ratio = (math.log(ratio[0]), math.log(ratio[1]))
     for _ in range(10):
         target_area = area * gen.uniform(scale[0], scale[1])
         aspect = math.exp(gen.uniform(*log_ratio))
-        w = int(round(math.sqrt(target_area * aspect)))
-        h = int(round(math.sqrt(target_area / aspect)))
+        w = int(round(math.sqrt(target_area * aspect)))  # noqa: RUF046
+        h = int(round(math.sqrt(target_area / aspect)))  # noqa: RUF046
         if 0 < w <= W and 0 < h <= H:
             return int(gen.integers(0, H - h + 1)), int(gen.integers(0, W - w + 1)), h, w
     in_ratio = W / H
     if in_ratio < min(ratio):
-        w, h = W, int(round(W / min(ratio)))
+        w, h = W, int(round(W / min(ratio)))  # noqa: RUF046
     elif in_ratio > max(ratio):
-        h, w = H, int(round(H * max(ratio)))
+        h, w = H, int(round(H * max(ratio)))  # noqa: RUF046
     else:
         w, h = W, H
     return (H - h) // 2, (W - w) // 2, h, w
@@ -134,7 +142,7 @@ def test_resize_center_crop_is_one_resampling_like_torchvision():
         H, W = im.shape[1:]
         nh, nw = (30, int(30 * W / H)) if H <= W else (int(30 * H / W), 30)
         full = reference(im, (nh, nw))
-        top, left = int(round((nh - 24) / 2)), int(round((nw - 24) / 2))
+        top, left = round((nh - 24) / 2), round((nw - 24) / 2)
         assert (out[k].float() - full[:, top : top + 24, left : left + 24]).abs().max() <= 1
     # Resize to a pair alone renders; Resize(int) alone leaves different sizes: an ImageBatch
     assert Resize((20, 10))({"x": ImageBatch(imgs, [0, 1, 2], 0)})["x"].shape == (3, 3, 20, 10)

@@ -13,7 +13,13 @@ from PIL import Image
 from fastdata import gpu
 from fastdata.cli._synth import jpeg_bytes, synth_image
 from fastdata.dataset import (
-    EncodedImage, ImageInfo, PackedImages, ShardedDataset, SkippedSampleWarning, collate, key_index,
+    EncodedImage,
+    ImageInfo,
+    PackedImages,
+    ShardedDataset,
+    SkippedSampleWarning,
+    collate,
+    key_index,
 )
 from fastdata.errors import DecodeError
 from fastdata.gpu import _codec
@@ -147,7 +153,7 @@ def corrupt_batch():
 
 
 def test_corrupt_jpeg_raises_naming_shard_key_and_field():
-    datas, bad = corrupt_batch()
+    datas, _ = corrupt_batch()
     batch = {"__key__": [f"k{i}" for i in range(6)], "jpg": packed(datas), "cls": torch.arange(6)}
     with pytest.raises(DecodeError, match=r"shard-0\.tar: sample 'k2' field 'jpg': cannot decode image \(jpeg\)"):
         gpu.DecodeImages(device="cpu")(batch)
@@ -158,7 +164,7 @@ def test_corrupt_jpeg_raises_naming_shard_key_and_field():
 
 @pytest.mark.parametrize("on_error", ["skip", "warn"])
 def test_corrupt_jpeg_is_skipped_and_shapes_stay_consistent(on_error):
-    datas, bad = corrupt_batch()
+    datas, _ = corrupt_batch()
     batch = {"__key__": [f"k{i}" for i in range(6)], "jpg": packed(datas), "cls": torch.arange(6),
              "meta": {"w": torch.ones(6, 2)}, "scalar": torch.tensor(5.0)}
     dec = gpu.DecodeImages(device="cpu", on_error=on_error)
@@ -190,7 +196,7 @@ def run_epoch(loader, *, seed=0, ahead=False):
 
 def test_same_seed_same_batches_other_epoch_other_crops(tmp_path):
     root = write(tmp_path, [jpeg(i) for i in range(24)])
-    make = lambda: DataLoader(ShardedDataset(root, image_decode="device", shuffle=True, seed=1),  # noqa: E731
+    make = lambda: DataLoader(ShardedDataset(root, image_decode="device", shuffle=True, seed=1),
                               batch_size=5, num_workers=2)
     a, b = run_epoch(make()), run_epoch(make())
     assert [x[0] for x in a] == [x[0] for x in b] and all(torch.equal(x[1], y[1]) for x, y in zip(a, b))
@@ -198,7 +204,7 @@ def test_same_seed_same_batches_other_epoch_other_crops(tmp_path):
     loader = make()
     loader.set_epoch(1)
     c = run_epoch(loader)
-    by_sample = lambda run: {s: img for ids, imgs in run for s, img in zip(ids, imgs)}  # noqa: E731
+    by_sample = lambda run: {s: img for ids, imgs in run for s, img in zip(ids, imgs)}
     ea, ec = by_sample(a), by_sample(c)
     assert sorted(ea) == sorted(ec) == list(range(24))
     assert sum(not torch.equal(ea[s], ec[s]) for s in ea) >= 20  # other epoch: other crops for (almost) all
@@ -208,7 +214,7 @@ def test_same_seed_same_batches_other_epoch_other_crops(tmp_path):
 @pytest.mark.parametrize("ahead", [False, True])
 def test_resume_mid_epoch_gives_the_uninterrupted_batches_bit_for_bit(tmp_path, ahead):
     root = write(tmp_path, [jpeg(i) for i in range(30)])
-    make = lambda: DataLoader(ShardedDataset(root, image_decode="device", shuffle=True, seed=3),  # noqa: E731
+    make = lambda: DataLoader(ShardedDataset(root, image_decode="device", shuffle=True, seed=3),
                               batch_size=4, num_workers=2)
     full = run_epoch(make(), ahead=ahead)
     first = make()
@@ -231,7 +237,7 @@ def test_resume_mid_epoch_gives_the_uninterrupted_batches_bit_for_bit(tmp_path, 
 
 def test_thread_decoder_packs_the_same_batches(tmp_path):
     root = write(tmp_path, [jpeg(i) for i in range(14)])
-    run = lambda **kw: [(b["cls"].tolist(), [b["jpg"].tobytes(k) for k in range(len(b["jpg"]))])  # noqa: E731
+    run = lambda **kw: [(b["cls"].tolist(), [b["jpg"].tobytes(k) for k in range(len(b["jpg"]))])
                         for b in DataLoader(ShardedDataset(root, image_decode="device", shuffle=True),
                                             batch_size=4, num_workers=2, **kw)]
     assert run(decode_threads=2) == run()
@@ -336,7 +342,7 @@ def test_cuda_resampling_matches_cpu_and_skips_corrupt_images():
     p = packed(datas).pin_memory()
     with pytest.raises(DecodeError, match="sample 'k2'"):
         gpu.DecodeImages(device="cuda")({"jpg": p})
-    geo = lambda dev: gpu.Compose(gpu.DecodeImages(device=dev, on_error="skip"),  # noqa: E731
+    geo = lambda dev: gpu.Compose(gpu.DecodeImages(device=dev, on_error="skip"),
                                   gpu.RandomResizedCrop(48), gpu.RandomHorizontalFlip())
     on_gpu = geo("cuda")({"jpg": p, "cls": torch.arange(len(datas))})
     on_cpu = geo("cpu")({"jpg": packed(datas), "cls": torch.arange(len(datas))})

@@ -44,12 +44,17 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from fastdata.cli._synth import jpeg_bytes, synth_image  # noqa: E402
-from fastdata.dataset import EncodedImage, PackedImages  # noqa: E402
+from fastdata.cli._synth import jpeg_bytes, synth_image
+from fastdata.dataset import EncodedImage, PackedImages
 
 T0 = time.perf_counter()
 RESULTS: dict = {}
 ROWS: list[tuple[str, str]] = []
+
+
+def row(name: str, text: str) -> None:
+    """One line of the final table."""
+    ROWS.append((name, text))
 
 
 def elapsed() -> float:
@@ -61,7 +66,7 @@ def part(name: str, budget_left: float, need: float):
     def wrap(fn):
         if budget_left - elapsed() < need:
             RESULTS[name] = {"skipped": f"not enough time left ({budget_left - elapsed():.0f}s < {need}s)"}
-            ROWS.append((name, "skipped (time)"))
+            row(name, "skipped (time)")
             return fn
         t = time.perf_counter()
         try:
@@ -69,7 +74,7 @@ def part(name: str, budget_left: float, need: float):
             RESULTS[name] = out
         except Exception as e:  # noqa: BLE001 - one failing part must not stop the run
             RESULTS[name] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]}
-            ROWS.append((name, f"ERROR {type(e).__name__}: {str(e)[:120]}"))
+            row(name, f"ERROR {type(e).__name__}: {str(e)[:120]}")
         RESULTS.setdefault(name, {})
         if isinstance(RESULTS[name], dict):
             RESULTS[name]["seconds"] = round(time.perf_counter() - t, 2)
@@ -135,10 +140,10 @@ def main() -> None:
         (out_dir / "decode_gpu.json").write_text(json.dumps({"error": "no CUDA"}))
         return
     dev = torch.device("cuda", 0)
-    import torchvision  # noqa: PLC0415
+    import torchvision
 
-    from fastdata import gpu  # noqa: PLC0415
-    from fastdata.gpu import _codec  # noqa: PLC0415
+    from fastdata import gpu
+    from fastdata.gpu import _codec
 
     RESULTS["env"] = {"torch": torch.__version__, "torchvision": torchvision.__version__, "cuda": torch.version.cuda,
                       "gpu": torch.cuda.get_device_name(0), "cpus": len(os.sched_getaffinity(0)),
@@ -148,7 +153,7 @@ def main() -> None:
     RESULTS["corpus"] = {"images": len(datas), "mean_kB": round(float(np.mean([len(d) for d in datas])) / 1e3, 1),
                          "sides_px": [300, 640], "quality": [75, 95], "seconds": round(time.perf_counter() - t, 1),
                          "kind": "synthetic photo-like JPEGs (fastdata.cli._synth), baseline, 4:2:0"}
-    ROWS.append(("corpus", f"{len(datas)} JPEGs, mean {RESULTS['corpus']['mean_kB']} kB"))
+    row("corpus", f"{len(datas)} JPEGs, mean {RESULTS['corpus']['mean_kB']} kB")
     batches = {bs: packed(datas, bs) for bs in (128, 256)}
     stream = torch.cuda.Stream()
 
@@ -161,7 +166,7 @@ def main() -> None:
         res = {}
         for bs, bl in batches.items():
             res[f"bs{bs}"] = rate(lambda p: _codec.decode_device(p.views(), dev), bl)
-            ROWS.append((f"decode bs{bs}", f"{res[f'bs{bs}']['images_per_s']:,} img/s (torchvision.io.decode_jpeg cuda)"))
+            row(f"decode bs{bs}", f"{res[f'bs{bs}']['images_per_s']:,} img/s (torchvision.io.decode_jpeg cuda)")
         return res
 
     @part("stage", budget, 15)
@@ -170,10 +175,10 @@ def main() -> None:
         for bs, bl in batches.items():
             fn = stage_fn()
             with torch.cuda.stream(stream):
-                r = rate(lambda p: fn({"jpg": p}), bl)
+                r = rate(lambda p, fn=fn: fn({"jpg": p}), bl)
             res[f"bs{bs}"] = r
-            ROWS.append((f"stage bs{bs}", f"{r['images_per_s']:,} img/s decode+RRC224+flip+norm bf16 CL "
-                                          f"(naive ref 15,900; x{r['images_per_s'] / 15900:.2f})"))
+            row(f"stage bs{bs}", f"{r['images_per_s']:,} img/s decode+RRC224+flip+norm bf16 CL "
+                                 f"(naive ref 15,900; x{r['images_per_s'] / 15900:.2f})")
         for bs, bl, chunk in ((128, batches[128], None), (256, batches[256], None), (256, batches[256], 128)):
             # DecodeImages.ahead: batch i+1 decodes while batch i is resampled
             fn = stage_fn(chunk)
@@ -193,14 +198,14 @@ def main() -> None:
                 torch.cuda.synchronize()
                 rates.append(3 * sum(len(p) for p in bl) / (time.perf_counter() - t))
             res[key] = {"images_per_s": round(float(np.median(rates))), "reps": [round(r) for r in rates]}
-            ROWS.append((f"stage+ahead bs{bs} chunk{chunk or 'all'}", f"{res[key]['images_per_s']:,} img/s with DecodeImages.ahead "
-                                                             f"(x{res[key]['images_per_s'] / 15900:.2f} of 15,900)"))
+            row(f"stage+ahead bs{bs} chunk{chunk or 'all'}", f"{res[key]['images_per_s']:,} img/s with "
+                f"DecodeImages.ahead (x{res[key]['images_per_s'] / 15900:.2f} of 15,900)")
         for chunk in (64, 256):  # default (halves) above; 256 = no overlap of decode and resampling
             fn = stage_fn(chunk)
             with torch.cuda.stream(stream):
-                res[f"bs256_chunk{chunk}"] = rate(lambda p: fn({"jpg": p}), batches[256], reps=2)
-        ROWS.append(("stage bs256 chunks", ", ".join(f"{c}: {res[f'bs256_chunk{c}']['images_per_s']:,}"
-                                                      for c in (64, 256)) + " img/s (halves: above)"))
+                res[f"bs256_chunk{chunk}"] = rate(lambda p, fn=fn: fn({"jpg": p}), batches[256], reps=2)
+        row("stage bs256 chunks", ", ".join(f"{c}: {res[f'bs256_chunk{c}']['images_per_s']:,}"
+                                             for c in (64, 256)) + " img/s (halves: above)")
         return res
 
     @part("augment", budget, 10)
@@ -214,20 +219,20 @@ def main() -> None:
             res[f"bs{bs}"] = rate(aug, decoded, count=lambda b: len(b["jpg"]))
             ib = decoded[0]["jpg"]
             rrc = gpu.RandomResizedCrop(224).lazy(ib)
-            from fastdata.gpu._augment import _groups  # noqa: PLC0415
+            from fastdata.gpu._augment import _groups
 
             ry, rx = rrc.clip[:, 1] - rrc.clip[:, 0], rrc.clip[:, 3] - rrc.clip[:, 2]
             hw = np.array([im.shape[1:] for im in rrc.images])
             res[f"bs{bs}"]["groups"] = len(_groups(hw[:, 0], hw[:, 1], 3, 1 << 27))
             full = hw[:, 0] * hw[:, 1]
             res[f"bs{bs}"]["mean_crop_area_fraction"] = round(float(np.mean(ry * rx / full)), 3)
-            ROWS.append((f"augment bs{bs}", f"{res[f'bs{bs}']['images_per_s']:,} img/s RRC+flip+norm on decoded "
-                                            f"({res[f'bs{bs}']['groups']} groups)"))
+            row(f"augment bs{bs}", f"{res[f'bs{bs}']['images_per_s']:,} img/s RRC+flip+norm on decoded "
+                                   f"({res[f'bs{bs}']['groups']} groups)")
         return res
 
     @part("naive", budget, 10)
     def _naive():
-        from torchvision.ops import roi_align  # noqa: PLC0415
+        from torchvision.ops import roi_align
 
         rrc = gpu.RandomResizedCrop(224)
         mean = torch.tensor([0.485, 0.456, 0.406], device=dev).view(1, 3, 1, 1) * 255
@@ -248,7 +253,7 @@ def main() -> None:
             return ((out - mean) / std).to(torch.bfloat16).contiguous(memory_format=torch.channels_last)
 
         r = rate(naive, batches[128])
-        ROWS.append(("naive bs128", f"{r['images_per_s']:,} img/s (padded canvas + roi_align, same run)"))
+        row("naive bs128", f"{r['images_per_s']:,} img/s (padded canvas + roi_align, same run)")
         return r
 
     @part("correctness", budget, 10)
@@ -272,8 +277,8 @@ def main() -> None:
                "images_compared": sum(len(p) for p in bl), "host_decoder": _codec.host_backend("auto"),
                "render_gpu_fp16_vs_cpu_fp32_max_abs": int(dr.max()),
                "render_frac_pixels_differing": round(float((dr > 0).float().mean()), 5)}
-        ROWS.append(("correctness", f"decode max|gpu-host| {worst}, mean {res['decode_gpu_vs_host_mean_abs']}; "
-                                    f"render max|gpu-cpu| {int(dr.max())}"))
+        row("correctness", f"decode max|gpu-host| {worst}, mean {res['decode_gpu_vs_host_mean_abs']}; "
+                           f"render max|gpu-cpu| {int(dr.max())}")
         return res
 
     @part("sync", budget, 5)
@@ -292,7 +297,7 @@ def main() -> None:
         finally:
             torch.cuda.set_sync_debug_mode(0)
         torch.cuda.synchronize()
-        ROWS.append(("sync", "no host sync in the stage" if res["sync_free"] else f"SYNC: {res['error'][:100]}"))
+        row("sync", "no host sync in the stage" if res["sync_free"] else f"SYNC: {res['error'][:100]}")
         return res
 
     @part("memory", budget, 15)
@@ -314,8 +319,8 @@ def main() -> None:
         res = {"allocated_MB": [round(a / 2**20, 1) for a in alloc], "reserved_MB": [round(r / 2**20, 1) for r in reserved],
                "allocated_growth_MB_epoch2_to_30": round((alloc[-1] - alloc[1]) / 2**20, 2),
                "reserved_growth_MB_epoch2_to_30": round((reserved[-1] - reserved[1]) / 2**20, 2)}
-        ROWS.append(("memory", f"30 epochs: allocated growth {res['allocated_growth_MB_epoch2_to_30']} MB, "
-                               f"reserved growth {res['reserved_growth_MB_epoch2_to_30']} MB"))
+        row("memory", f"30 epochs: allocated growth {res['allocated_growth_MB_epoch2_to_30']} MB, "
+                      f"reserved growth {res['reserved_growth_MB_epoch2_to_30']} MB")
         return res
 
     @part("backend", budget, 20)
@@ -330,7 +335,7 @@ def main() -> None:
         res["baseline_bs128"] = rate(lambda p: _codec.decode_device(p.views(), dev), bb)
         res["progressive_bs128"] = rate(lambda p: _codec.decode_device(p.views(), dev), pb, reps=1)
         try:
-            import pynvml  # noqa: PLC0415
+            import pynvml
 
             pynvml.nvmlInit()
             h = pynvml.nvmlDeviceGetHandleByIndex(0)
@@ -404,17 +409,19 @@ def main() -> None:
         res["matmul_per_s_while_stage_runs"] = round(busy, 2)
         res["matmul_slowdown"] = round(alone / busy, 3)
         res["stage_images_per_s_while_matmul"] = round((d1 - d0) / (t1 - t0))
-        ROWS.append(("backend", f"baseline {res['baseline_bs128']['images_per_s']:,} vs progressive "
-                                f"{res['progressive_bs128']['images_per_s']:,} img/s; matmul slowdown x{res['matmul_slowdown']} "
-                                f"while stage runs ({res['stage_images_per_s_while_matmul']:,} img/s); NVML JPG util "
-                                f"{res['nvml_jpg_utilization_percent']}"))
+        row("backend", f"baseline {res['baseline_bs128']['images_per_s']:,} vs progressive "
+                       f"{res['progressive_bs128']['images_per_s']:,} img/s; matmul slowdown x{res['matmul_slowdown']} "
+                       f"while stage runs ({res['stage_images_per_s_while_matmul']:,} img/s); NVML JPG util "
+                       f"{res['nvml_jpg_utilization_percent']}")
         return res
 
     @part("roi", budget, 3)
     def _roi():
         res = {"torchvision": "torchvision.io.decode_jpeg has no region-of-interest or reduced-scale option"}
         try:
-            from nvidia import nvimgcodec  # noqa: PLC0415, F401
+            import importlib
+
+            importlib.import_module("nvidia.nvimgcodec")
 
             res["nvimgcodec"] = "importable (not measured by this script)"
         except Exception as e:  # noqa: BLE001
@@ -422,16 +429,16 @@ def main() -> None:
         rrc = gpu.RandomResizedCrop(224)
         hs = np.array([int(np.random.default_rng([0, i]).integers(300, 641, size=2)[1]) for i in range(len(datas))])
         ws = np.array([int(np.random.default_rng([0, i]).integers(300, 641, size=2)[0]) for i in range(len(datas))])
-        top, left, h, w = rrc.params(hs, ws, np.arange(len(datas)), 0)
+        _, _, h, w = rrc.params(hs, ws, np.arange(len(datas)), 0)
         frac = h * w / (hs * ws)
         res["rrc_mean_crop_area_fraction"] = round(float(frac.mean()), 3)
         res["rrc_mean_shrink_factor"] = round(float(np.mean(np.sqrt(h * w) / 224)), 3)
-        ROWS.append(("roi", f"no ROI/scale decode in torchvision; nvImageCodec: {res['nvimgcodec'][:40]}; RRC keeps "
-                            f"{res['rrc_mean_crop_area_fraction']:.0%} of the pixels on average"))
+        row("roi", f"no ROI/scale decode in torchvision; nvImageCodec: {res['nvimgcodec'][:40]}; RRC keeps "
+                   f"{res['rrc_mean_crop_area_fraction']:.0%} of the pixels on average")
         return res
 
     def resnet_setup(bs: int):
-        import torchvision.models as tvm  # noqa: PLC0415
+        import torchvision.models as tvm
 
         model = tvm.resnet18(num_classes=1000).to(dev).to(memory_format=torch.channels_last)
         opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
@@ -446,7 +453,7 @@ def main() -> None:
 
     @part("resnet18", budget, 25)
     def _resnet():
-        from fastdata.prefetch import CUDAPrefetcher  # noqa: PLC0415
+        from fastdata.prefetch import CUDAPrefetcher
 
         bs = 256
         step = resnet_setup(bs)
@@ -487,16 +494,16 @@ def main() -> None:
         res = {"batch": bs, "resident_images_per_s": round(alone), "fed_images_per_s": round(fed),
                "fed_share_of_resident": round(fed / alone, 3),
                "note": "packed batches from memory (no workers): isolates the device stage's overlap with training"}
-        ROWS.append(("resnet18", f"resident {round(alone):,} img/s; fed by prefetcher+stage {round(fed):,} "
-                                 f"({fed / alone:.0%})"))
+        row("resnet18", f"resident {round(alone):,} img/s; fed by prefetcher+stage {round(fed):,} "
+                        f"({fed / alone:.0%})")
         return res
 
     @part("loader", budget, 30)
     def _loader():
-        from fastdata.dataset import ShardedDataset  # noqa: PLC0415
-        from fastdata.loader import DataLoader  # noqa: PLC0415
-        from fastdata.prefetch import CUDAPrefetcher  # noqa: PLC0415
-        from fastdata.shards.writer import ShardWriter  # noqa: PLC0415
+        from fastdata.dataset import ShardedDataset
+        from fastdata.loader import DataLoader
+        from fastdata.prefetch import CUDAPrefetcher
+        from fastdata.shards.writer import ShardWriter
 
         tmp = Path(tempfile.mkdtemp(prefix="decode_gpu_"))
         with ShardWriter(tmp / "ds", max_samples=256) as w:
@@ -523,7 +530,7 @@ def main() -> None:
             torch.cuda.synchronize()
             r = n / (time.perf_counter() - t)
             res[f"workers{workers}_images_per_s"] = round(r)
-            ROWS.append((f"loader w{workers}", f"{round(r):,} img/s tar -> 4 workers -> prefetcher+stage -> resnet18"))
+            row(f"loader w{workers}", f"{round(r):,} img/s tar -> 4 workers -> prefetcher+stage -> resnet18")
             pf.close()
         return res
 

@@ -18,6 +18,7 @@ where ``torchvision.io.decode_jpeg(..., device="cuda")`` wants its input.
 from __future__ import annotations
 
 import hashlib
+import itertools
 from collections.abc import Sequence
 from typing import Any
 
@@ -53,7 +54,7 @@ class ImageInfo(tuple):
 
     __slots__ = ()
 
-    def __new__(cls, code: int) -> ImageInfo:
+    def __new__(cls, code: int) -> ImageInfo:  # noqa: PYI034 - a tuple subclass without typing.Self (Python 3.10)
         code = int(code)
         fmt = FORMATS[code & 0xFF] if (code & 0xFF) < len(FORMATS) else "unknown"
         sof, adobe = (code >> 8) & 0xFF, (code >> 32) & 0xFF
@@ -233,7 +234,7 @@ class PackedImages:
     def views(self) -> list[torch.Tensor]:
         """Each image's bytes as a 1-D uint8 view into :attr:`data` (no copy)."""
         bounds = self.offsets.tolist()
-        return [self.data[lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:])]
+        return [self.data[lo:hi] for lo, hi in itertools.pairwise(bounds)]
 
     def tobytes(self, i: int) -> bytes:
         """The bytes of image ``i``."""

@@ -6,9 +6,22 @@ packed encoded images -> images on the device), ``_augment`` (batched RandomResi
 RandomHorizontalFlip, Resize, CenterCrop over an ImageBatch), ``_codec`` (the one module that calls
 image codec libraries).
 """
-from fastdata.gpu._augment import CenterCrop, ImageBatch, RandomHorizontalFlip, RandomResizedCrop, Resize
+from fastdata.gpu._augment import (
+    CenterCrop,
+    ImageBatch,
+    RandomHorizontalFlip,
+    RandomResizedCrop,
+    Resize,
+)
 from fastdata.gpu._decode import DecodeImages
-from fastdata.gpu._transforms import IMAGENET_MEAN, IMAGENET_STD, ChannelsLast, Compose, Normalize, ToDtype
+from fastdata.gpu._transforms import (
+    IMAGENET_MEAN,
+    IMAGENET_STD,
+    ChannelsLast,
+    Compose,
+    Normalize,
+    ToDtype,
+)
 
 __all__ = [
     "IMAGENET_MEAN", "IMAGENET_STD", "CenterCrop", "ChannelsLast", "Compose", "DecodeImages", "ImageBatch",

@@ -300,8 +300,8 @@ def _weights(a: torch.Tensor, b: torch.Tensor, lo: torch.Tensor, hi: torch.Tenso
 
 
 def _check_size(owner: str, size: Any, *, allow_int_short: bool = False) -> tuple[int, int] | int:
-    if isinstance(size, bool):
-        raise ValueError(f"{owner}: size must be an int or (height, width), got {size!r}")
+    if isinstance(size, bool):  # ValueError for every bad option value, like fastdata.gpu.Normalize
+        raise ValueError(f"{owner}: size must be an int or (height, width), got {size!r}")  # noqa: TRY004
     if isinstance(size, int):
         if size < 1:
             raise ValueError(f"{owner}: size must be >= 1, got {size!r}")
@@ -327,7 +327,7 @@ def _check_range(owner: str, name: str, value: Any, *, positive: bool) -> tuple[
 
 def _check_seed(owner: str, seed: Any) -> int:
     if isinstance(seed, bool) or not isinstance(seed, int):
-        raise ValueError(f"{owner}: seed must be an int, got {seed!r}")
+        raise ValueError(f"{owner}: seed must be an int, got {seed!r}")  # noqa: TRY004
     return seed
 
 

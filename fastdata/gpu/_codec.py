@@ -44,16 +44,16 @@ __all__ = [
 HOST_BACKENDS = ("auto", "torchvision", "pillow")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def torchvision_status() -> tuple[Any, str]:
     """``(torchvision.io module or None, reason)``: whether torchvision's image ops load here."""
     try:
-        import torchvision.io as tvio  # noqa: PLC0415 - optional at runtime: imported on first use
+        import torchvision.io as tvio
 
         tvio.decode_jpeg(_TINY_JPEG)  # the C extension really loads (a CPU-only torch with a CUDA build does not)
     except Exception as e:  # noqa: BLE001 - any import/load failure means "not usable here"
         return None, f"torchvision image ops unavailable: {type(e).__name__}: {str(e)[:200]}"
-    import torchvision  # noqa: PLC0415
+    import torchvision
 
     return tvio, f"torchvision {torchvision.__version__}"
 

@@ -27,8 +27,8 @@ from __future__ import annotations
 import logging
 import os
 import warnings
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -37,7 +37,13 @@ import torch
 from fastdata.dataset import ON_ERROR, PackedImages, SkippedSampleWarning
 from fastdata.errors import DecodeError
 from fastdata.gpu._augment import ImageBatch
-from fastdata.gpu._codec import HOST_BACKENDS, decode_device, decode_host, device_decodable_codes, host_backend
+from fastdata.gpu._codec import (
+    HOST_BACKENDS,
+    decode_device,
+    decode_host,
+    device_decodable_codes,
+    host_backend,
+)
 
 __all__ = ["DecodeImages"]
 
