@@ -254,14 +254,19 @@ def test_nvml_device_found_by_uuid_then_pci_never_by_cuda_index(fake_props, monk
 def test_gpu_sampler_collects_buffered_samples_and_falls_back(fake_props):
     from fastdata.monitor import GPUSampler
 
+    def wait_for(sampler, n):  # the thread may wait long for a core on a busy machine: no fixed sleep
+        deadline = time.monotonic() + 20
+        while len(sampler._samples) < n and time.monotonic() < deadline:
+            time.sleep(0.01)
+
     nvml = _FakeNVML()
     sampler = GPUSampler(0, 0.01, nvml=nvml)
-    time.sleep(0.15)
+    wait_for(sampler, 3)
     samples = sampler.stop()
     assert sampler.found_by == "uuid" and len(samples) >= 3 and set(samples) == {70}
     assert nvml.inits == 0 and sampler.stop() == samples  # NVML released once; stop() twice is harmless
     sampler = GPUSampler(0, 0.01, nvml=_FakeNVML(buffered=False))
-    time.sleep(0.05)
+    wait_for(sampler, 2)
     samples = sampler.stop()
     assert len(samples) >= 2 and set(samples) == {60}
     short = GPUSampler(0, 10.0, nvml=_FakeNVML())  # a window shorter than the polling interval

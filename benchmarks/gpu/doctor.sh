@@ -69,7 +69,7 @@ EOF
 
 SHARDS="$WORK/shards"
 part doctor 35 bash -c "python3 -m fastdata doctor '$SHARDS' $STEP --workers 8 --batch-size 128 \
-  --samples $N --steps 30 --out '$OUT/doctor.json' | tee '$OUT/doctor.txt'; exit \${PIPESTATUS[0]}"
+  --samples $N --steps 20 --out '$OUT/doctor.json' | tee '$OUT/doctor.txt'; exit \${PIPESTATUS[0]}"
 
 part tune 55 bash -c "python3 -m fastdata tune '$SHARDS' $STEP --max-batch 256 --samples $((N * 3 / 4)) --steps 8 \
   --out '$OUT/tune.json' | tee '$OUT/tune.txt'; exit \${PIPESTATUS[0]}"

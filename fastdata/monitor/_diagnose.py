@@ -19,6 +19,7 @@ recommendation quotes the measurement it rests on.
 """
 from __future__ import annotations
 
+import logging
 import math
 import os
 import tempfile
@@ -29,6 +30,8 @@ from typing import Any
 import torch
 
 from fastdata.monitor import _stages as st
+
+log = logging.getLogger(__name__)
 from fastdata.monitor._stall import StallMeter, StallReport
 
 TOGETHER = "loader: the stages together"  # the row measuring the worker-side stages as one
@@ -220,6 +223,7 @@ def diagnose(source: str | Path, opts: DoctorOptions) -> Diagnosis:
     with tempfile.TemporaryDirectory(prefix="fastdata-doctor-") as tmp:
         subset = Path(tmp) / "subset"
         read = st.copy_subset(source, subset, fields, opts.samples)
+        log.info("doctor: read %d samples; timing decode, preprocess and collate", read.samples)
         raws = st.raw_samples(subset, fields, min(64, read.samples))
         costs = st.cpu_costs(raws, fields, pre, opts.decode, B)
         shape = (3, *pre.size) if fields.encoded else tuple(torch.as_tensor(raws[0][fields.image]).shape)
@@ -231,6 +235,7 @@ def diagnose(source: str | Path, opts: DoctorOptions) -> Diagnosis:
         finally:
             _close(loader)
         meas["loader"] = asdict(lrun)
+        log.info("doctor: loader with %d workers: %.0f images/s", workers, lrun.rate)
         more = min(ncores, max(2, 2 * workers))
         if workers < ncores and more > workers:
             loader = _loader(ds, B, more)
@@ -244,6 +249,7 @@ def diagnose(source: str | Path, opts: DoctorOptions) -> Diagnosis:
         finally:
             _close(cached_loader)
         meas["cached"] = asdict(crun)
+        log.info("doctor: loader from a filled cache: %.0f images/s", crun.rate)
 
         batch = next(iter(_loader(ds, B, 0)))
         img = batch[fields.image]
@@ -266,6 +272,7 @@ def diagnose(source: str | Path, opts: DoctorOptions) -> Diagnosis:
         stall = None
         if step is not None:
             step_rate = B / st.time_step(step, norm(dev_batch), device)
+            log.info("doctor: training step alone: %.0f images/s; now the whole job", step_rate)
             job_rate, stall = run_job(ds, opts, device, step, norm, sample_gpu=_have_nvml())
     rate_for_use = job_rate if job_rate is not None else lrun.rate
     per_image = read.cpu_s / read.samples + (costs.decode_s or 0.0) + (costs.preprocess_s or 0.0) + costs.collate_s

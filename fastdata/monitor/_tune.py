@@ -23,6 +23,7 @@ configuration that is not more than 5% faster than the start is reported as such
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import tempfile
 from dataclasses import dataclass, field
@@ -42,6 +43,8 @@ from fastdata.monitor._diagnose import (
     no_step,
     run_job,
 )
+
+log = logging.getLogger(__name__)
 
 # A setting must beat the simpler one by this much to be chosen (measurement noise on a busy machine).
 MIN_GAIN = 0.05
@@ -139,6 +142,11 @@ def tune(source: str | Path, start: DoctorOptions, *, batch_limit: int = 2048) -
     norm = Normalize(keys=[fields.image], channels_last=device.type == "cuda")
     step = st.make_step(start.model, start.step_ms, device, fields)
     trials: list[dict[str, Any]] = []
+
+    def trial(t: dict[str, Any]) -> None:
+        trials.append(t)
+        log.info("tune: %s", ", ".join(f"{k} {v:,.0f}" if isinstance(v, float) else f"{k} {v}" for k, v in t.items()))
+
     notes: list[str] = []
     best = start
     load_before = _load()
@@ -165,7 +173,8 @@ def tune(source: str | Path, start: DoctorOptions, *, batch_limit: int = 2048) -
             batch = search_batch_size(model_fits(step, start.size, device), start=min(start.batch_size, batch_limit),
                                       limit=batch_limit, after_oom=torch.cuda.empty_cache)
             torch.cuda.empty_cache()
-            trials += [{"dimension": "batch_size", "value": b, "fits": ok} for b, ok in batch.tried]
+            for b, ok in batch.tried:
+                trial({"dimension": "batch_size", "value": b, "fits": ok})
             best = dataclasses.replace(best, batch_size=batch.batch_size)
             notes.append(f"batch size: {batch.largest_fit} fits in GPU memory"
                          + (f", {batch.first_oom} does not" if batch.first_oom else f" (searched up to {batch_limit})")
@@ -185,7 +194,7 @@ def tune(source: str | Path, start: DoctorOptions, *, batch_limit: int = 2048) -
                     notes.append(f"decode backend {backend}: failed ({type(e).__name__}: {e})")
                     continue
                 costs[backend] = (c.decode_s or 0.0) + (c.preprocess_s or 0.0)
-                trials.append({"dimension": "decode", "value": backend, "images/s per core": 1 / costs[backend]})
+                trial({"dimension": "decode", "value": backend, "images/s per core": 1 / costs[backend]})
             pick = min(costs, key=lambda k: costs[k] * (1.0 if k == start.decode else 1.0 + MIN_GAIN))
             best = dataclasses.replace(best, decode=pick)
 
@@ -204,7 +213,7 @@ def tune(source: str | Path, start: DoctorOptions, *, batch_limit: int = 2048) -
                 r = st.time_loader(loader).rate
             finally:
                 _close(loader)
-            trials.append({"dimension": "num_workers", "value": w, "loader images/s": r})
+            trial({"dimension": "num_workers", "value": w, "loader images/s": r})
             rates[w] = max(rates.get(w, 0.0), r)
             return r
 
@@ -232,7 +241,7 @@ def tune(source: str | Path, start: DoctorOptions, *, batch_limit: int = 2048) -
                         got["device"] = -1.0
                         break
                     got[o.decode] = max(got[o.decode], r)
-                    trials.append({"dimension": "decode (input side)", "value": o.decode, "images/s": r})
+                    trial({"dimension": "decode (input side)", "value": o.decode, "images/s": r})
                 if got["device"] < 0:
                     break
             if got["device"] > (1 + MIN_GAIN) * got[best.decode]:
@@ -245,7 +254,7 @@ def tune(source: str | Path, start: DoctorOptions, *, batch_limit: int = 2048) -
                 for d in (1, 2, 4):
                     r = rate(dataclasses.replace(best, depth=d))
                     depth_rates[d] = max(depth_rates.get(d, 0.0), r)
-                    trials.append({"dimension": "depth", "value": d, "job images/s": r})
+                    trial({"dimension": "depth", "value": d, "job images/s": r})
             top = max(depth_rates.values())
             keep = best.depth if depth_rates.get(best.depth, 0.0) >= (1 - 2 * MIN_GAIN) * top else None
             best = dataclasses.replace(best, depth=keep or min(d for d, r in depth_rates.items()
@@ -260,6 +269,7 @@ def tune(source: str | Path, start: DoctorOptions, *, batch_limit: int = 2048) -
             start_rate = max(start_rate, rate(start, through_prefetcher=fair))
             if best != start:
                 best_rate = max(best_rate, rate(best, through_prefetcher=fair))
+            log.info("tune: start %.0f, tuned %.0f images/s (best so far)", start_rate, best_rate)
         if best == start:
             best_rate = start_rate
         elif best_rate < (1 + MIN_GAIN) * start_rate and best.batch_size == start.batch_size:
