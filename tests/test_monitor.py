@@ -143,11 +143,11 @@ class _BurstLoader:
 
 def test_stall_meter_reports_the_saw_tooth_of_a_real_loop():
     meter = StallMeter()
-    for _ in meter.wrap(_BurstLoader(30, 3, 0.04)):
+    for _ in meter.wrap(_BurstLoader(45, 3, 0.08)):  # 80 ms teeth: scheduler hiccups on a busy box stay below 20 ms
         time.sleep(0.002)
     rep = meter.report()
     assert rep.periodic is not None and rep.periodic.period == 3, rep.summary()
-    assert rep.periodic.mean_s > 0.03
+    assert rep.periodic.mean_s > 0.07
     text = rep.summary()
     assert "every 3rd step stalls" in text
     assert any("saw-tooth: every 3 steps" in a and "= num_workers" in a and "slower on average" in a
