@@ -127,7 +127,7 @@ def _cache_bytes(root: Path, manifest: Manifest) -> int:
 def test_byte_limit_respected_with_prefetch(served, tmp_path):
     manifest = Manifest.load(served / "ds")
     biggest = max(s.bytes for s in manifest.shards)
-    limit = 3 * biggest
+    limit = 5 * biggest  # the dataset keeps up to open_shards x walks + 2 = 3 (4 while an old walk lingers) open
     with LoopbackServer(served, ranges=False, max_requests=2000, lifetime=90) as srv:
         ds = ShardedDataset(RemoteShards(srv.url + "/ds", cache_dir=tmp_path, max_bytes=limit, prefetch=2),
                             shuffle=ShuffleOptions(open_shards=1, buffer_size=0), decode=False)
