@@ -25,7 +25,7 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 GPU_UTILIZATION_SAMPLES = 1  # nvmlSamplingType_t NVML_GPU_UTILIZATION_SAMPLES
-_VALUE_FIELDS = {0: "dVal", 1: "uiVal", 2: "ulVal", 3: "ullVal", 4: "sllVal", 5: "siVal"}  # nvmlValueType_t
+_VALUE_FIELDS = {0: "dVal", 1: "uiVal", 2: "ulVal", 3: "ullVal", 4: "sllVal", 5: "siVal", 6: "usVal"}  # nvmlValueType_t
 
 
 def nvml_handle(nvml: Any, index: int) -> tuple[Any, str]:
