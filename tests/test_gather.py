@@ -115,3 +115,35 @@ def test_cached_fast_path_gathers_without_torch_threads(tmp_path: Path, monkeypa
     assert any(t.name.startswith("fastdata-gather") for t in threading.enumerate())
     del loader
     gc.collect()
+
+
+def test_uncached_fields_read_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Keys and labels of samples read in one cached epoch are not read from the shards again."""
+    from fastdata.dataset import Cursor
+    from fastdata.loader import _cached
+
+    shards = _write(tmp_path / "ds", 40)
+    make = lambda: ShardedDataset(shards, preprocess=ResizeCenterCrop(16), cache=tmp_path / "cache",  # noqa: E731
+                                  shuffle=True, seed=2)
+    make().build_cache()
+    calls = []
+    real = Cursor.load_uncached
+
+    def counting(self, shard, i, g):
+        calls.append(g)
+        return real(self, shard, i, g)
+
+    monkeypatch.setattr(Cursor, "load_uncached", counting)
+    loader = DataLoader(make(), batch_size=8)
+    ref = DataLoader(make(), batch_size=8, cached_fast_path=False)
+    for epoch in range(3):
+        loader.set_epoch(epoch)
+        ref.set_epoch(epoch)
+        got, want = list(loader), list(ref)
+        assert [b["__key__"] for b in got] == [b["__key__"] for b in want]
+        assert all(torch.equal(x["cls"], y["cls"]) for x, y in zip(got, want))
+        assert len(calls) == 40  # all in the first epoch
+    assert len(loader._gather.metas) == 40
+    assert not _cached._memoizable({"__key__": "k", "big": b"x" * 1000})
+    assert not _cached._memoizable({"t": torch.zeros(2)})
+    assert _cached._memoizable({"__key__": "k", "cls": 3, "w": 0.5, "none": None})
