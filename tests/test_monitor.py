@@ -1,5 +1,6 @@
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -170,7 +171,23 @@ def test_per_stage_times_when_the_pipeline_is_fastdata():
     plain = StallMeter()
     for _ in plain.wrap(_SlowLoader(3, 0.0)):
         pass
-    assert plain.report().stage_s == ()
+    assert plain.report().stage_s == () and plain.report().loader_path is None
+
+
+def test_report_names_the_path_a_fastdata_loader_took(tmp_path):
+    import fastdata
+    from fastdata.prefetch import CUDAPrefetcher
+
+    with fastdata.ShardWriter(tmp_path / "s", max_samples=8) as w:
+        for i in range(16):
+            w.write({"__key__": f"k{i:03d}", "npy": np.full((4,), i, np.uint8), "cls": i % 2})
+    loader = fastdata.DataLoader(fastdata.ShardedDataset(tmp_path / "s"), batch_size=4)
+    with CUDAPrefetcher(loader, device="cpu") as pf:
+        meter = StallMeter()
+        for _ in meter.wrap(pf):
+            pass
+    rep = meter.report()
+    assert rep.loader_path == "workers" and "loader path: workers" in rep.summary()
 
 
 # ------------------------------------------------------------------------------ NVML, faked

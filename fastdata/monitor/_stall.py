@@ -44,6 +44,7 @@ class StallReport:
     advice: tuple[str, ...] = field(default_factory=tuple)
     periodic: PeriodicStalls | None = None  # the saw-tooth, when the stalls have a period
     stage_s: tuple[tuple[str, float], ...] = ()  # per-batch seconds by stage (fastdata pipelines)
+    loader_path: str | None = None  # fastdata.DataLoader.last_path: "cached" (in-process fast path) or "workers"
 
     @property
     def wait_share(self) -> float:
@@ -73,6 +74,9 @@ class StallReport:
         if self.periodic is not None:
             share = self.periodic.total_s / self.wall_s if self.wall_s > 0 else 0.0
             lines.append(f"periodic stalls: {self.periodic.describe()}: {share:.0%} of the wall time")
+        if self.loader_path is not None:
+            lines.append(f"loader path: {self.loader_path}"
+                         + (" (the cached fast path, in this process)" if self.loader_path == "cached" else ""))
         if self.stage_s:
             lines.append("per batch: " + ", ".join(f"{name} {sec * 1e3:.2f} ms" for name, sec in self.stage_s))
         if self.gpu_util_mean is not None:
@@ -176,7 +180,7 @@ class StallMeter:
             wait_p50_s=quantile(waits, 0.5), wait_p99_s=quantile(waits, 0.99),
             first_wait_s=self.waits[0] if self.waits else 0.0,
             gpu_util_mean=sum(gpu) / len(gpu) if gpu else None, gpu_util_samples=len(gpu),
-            periodic=find_periodic_stalls(self.waits), stage_s=stages,
+            periodic=find_periodic_stalls(self.waits), stage_s=stages, loader_path=_loader_path(self._loader),
         )
         return StallReport(**{**rep.__dict__, "advice": tuple(advise(rep, self._loader))})
 
@@ -189,6 +193,15 @@ _STAGE_KEYS = {
     "copy_s": "host-to-device copy (device time)",
     "wait_s": "consumer wait",
 }
+
+
+def _loader_path(loader: Any) -> str | None:
+    """Which path the latest epoch of a fastdata.DataLoader (possibly inside a CUDAPrefetcher) took."""
+    for candidate in (loader, getattr(loader, "iterable", None)):
+        path = getattr(candidate, "last_path", None)
+        if isinstance(path, str):
+            return path
+    return None
 
 
 def _prefetch_stats(loader: Any) -> dict[str, Any] | None:
