@@ -63,6 +63,9 @@ def test_never_recommends_more_workers_than_cores(shards, monkeypatch):
     text = "\n".join(d.recommendations)
     assert "num_workers=1 already uses all 1 cores" in text
     assert "num_workers=2" not in text
+    d = diagnose(shards, _opts(step_ms=0.1, num_workers=2, job_steps=4))  # more workers than cores: the cores measured
+    assert d.measurements["scaling"]["workers"] == [2, 1]
+    assert any(r.startswith(("num_workers=1:", "num_workers=2 exceeds the 1 cores")) for r in d.recommendations)
 
 
 def test_without_a_step_it_reports_input_capacity(shards):

@@ -236,8 +236,8 @@ def diagnose(source: str | Path, opts: DoctorOptions) -> Diagnosis:
             _close(loader)
         meas["loader"] = asdict(lrun)
         log.info("doctor: loader with %d workers: %.0f images/s", workers, lrun.rate)
-        more = min(ncores, max(2, 2 * workers))
-        if workers < ncores and more > workers:
+        more = min(ncores, max(2, 2 * workers))  # more workers, never more than the cores; above them: the cores
+        if workers > ncores or (workers < ncores and more > workers):
             loader = _loader(ds, B, more)
             try:
                 meas["scaling"] = {"workers": [workers, more], "rate": [lrun.rate, st.time_loader(loader, passes=2).rate]}
@@ -338,7 +338,15 @@ def recommend(d: Diagnosis, lrun: st.LoaderRun, crun: st.LoaderRun, costs: st.Cp
                    f"what the job consumed ({d.job_rate:,.0f}); input changes will not make this job faster")
         return out
     scaling = d.measurements.get("scaling")
-    if o.num_workers >= d.cores:
+    if o.num_workers > d.cores and scaling:
+        (w1, w2), (r1, r2) = scaling["workers"], scaling["rate"]
+        if r2 >= 0.95 * r1:
+            out.append(f"num_workers={w2}: {w1} workers on {d.cores} cores measured {r1:,.0f} images/s, {w2} measured "
+                       f"{r2:,.0f}: the extra workers cost memory and start-up time and add nothing")
+        else:
+            out.append(f"num_workers={w1} exceeds the {d.cores} cores but measured faster than {w2} "
+                       f"({r1:,.0f} vs {r2:,.0f} images/s): keep it; more would not help")
+    elif o.num_workers >= d.cores:
         out.append(f"num_workers={o.num_workers} already uses all {d.cores} cores: more workers cannot help")
     elif scaling:
         (w1, w2), (r1, r2) = scaling["workers"], scaling["rate"]
