@@ -100,6 +100,22 @@ def test_sniff_routes_what_the_device_decoder_takes():
     assert _codec.device_decodable_codes(p.codes()).tolist() == [ok for _, _, ok in cases.values()]
 
 
+def test_header_sizes_and_max_pixels():
+    datas = [jpeg(1, 50, 40), jpeg(2, 33, 44, format="PNG"), jpeg(3, 20, 10, progressive=True),
+             jpeg(5, 30, 31, format="BMP"), jpeg(6)[:40]]
+    p = packed(datas)
+    assert p.sizes().tolist() == [[40, 50], [44, 33], [10, 20], [31, 30], [0, 0]]
+    batch = {"jpg": p, "cls": torch.arange(5)}
+    with pytest.raises(DecodeError, match=r"sample 'k0' field 'jpg': .*header claims 40x50 = 2000 pixels, "
+                                          r"over max_pixels=1500"):
+        gpu.DecodeImages(device="cpu", max_pixels=1500)(batch)
+    out = gpu.DecodeImages(device="cpu", max_pixels=1000, on_error="skip")({"jpg": packed(datas[1:4]),
+                                                                               "cls": torch.arange(3)})
+    assert out["cls"].tolist() == [1, 2] and [im.shape[1:] for im in out["jpg"].images] == [(10, 20), (31, 30)]
+    with pytest.raises(ValueError, match="max_pixels must be an int >= 1 or None"):
+        gpu.DecodeImages(max_pixels=0)
+
+
 def test_dataset_keeps_images_encoded_and_loader_packs_them(tmp_path):
     datas = [jpeg(i) for i in range(10)]
     root = write(tmp_path, datas, per_shard=4)
@@ -367,3 +383,12 @@ def test_cuda_prefetcher_ahead_end_to_end(tmp_path):
         assert b["jpg"].is_cuda and b["jpg"].shape[1:] == (3, 32, 32)
         seen += b["cls"].tolist()
     assert sorted(seen) == list(range(40))
+
+
+@pytest.mark.cuda
+def test_cuda_max_pixels_refuses_before_decoding():
+    datas = [jpeg(1, 50, 40), jpeg(2, 20, 10)]
+    dec = gpu.DecodeImages(device="cuda", max_pixels=1000, on_error="skip")
+    out = dec({"jpg": packed(datas).pin_memory(), "cls": torch.arange(2)})
+    assert out["cls"].tolist() == [1] and out["jpg"].images[0].is_cuda and dec.num_skipped == 1
+    assert "header claims 40x50" in dec.skipped[0]["reason"] and dec.host_decoded == 0

@@ -27,7 +27,7 @@ import torch
 from torch.utils.data._utils.collate import collate as _torch_collate
 from torch.utils.data._utils.collate import default_collate_fn_map
 
-__all__ = ["FORMATS", "EncodedImage", "ImageInfo", "PackedImages", "collate", "key_index", "sniff"]
+__all__ = ["FORMATS", "EncodedImage", "ImageInfo", "PackedImages", "collate", "key_index", "sniff", "sniff_size"]
 
 # ---------------------------------------------------------------------------------------------
 # Header sniffing: which format, and for JPEG the facts a decoder's capabilities depend on. Done
@@ -70,8 +70,17 @@ class ImageInfo(tuple):
 
 def sniff(data: Any) -> int:
     """A compact int code of the image header (decode it with :class:`ImageInfo`)."""
+    return _header(data)[0]
+
+
+def sniff_size(data: Any) -> tuple[int, int]:
+    """``(height, width)`` the image header claims (0, 0 when the format or header does not say)."""
+    return _header(data)[1]
+
+
+def _header(data: Any) -> tuple[int, tuple[int, int]]:
     b = memoryview(data).cast("B")
-    head = bytes(b[:12])
+    head = bytes(b[:26])
     fmt = "unknown"
     for magic, name in _MAGIC:
         if head.startswith(magic):
@@ -84,13 +93,20 @@ def sniff(data: Any) -> int:
             fmt = "pnm"
     code = FORMATS.index(fmt)
     if fmt != "jpeg":
-        return code | (_NO_SOF << 8) | (_NO_ADOBE << 32)
-    sof, comps, precision, adobe = _jpeg_frame(b)
-    return code | (sof << 8) | (comps << 16) | (precision << 24) | (adobe << 32)
+        size = (0, 0)
+        if fmt == "png" and len(head) >= 24 and head[12:16] == b"IHDR":
+            size = (int.from_bytes(head[20:24], "big"), int.from_bytes(head[16:20], "big"))
+        elif fmt == "gif" and len(head) >= 10:
+            size = (int.from_bytes(head[8:10], "little"), int.from_bytes(head[6:8], "little"))
+        elif fmt == "bmp" and len(head) >= 26:
+            size = (abs(int.from_bytes(head[22:26], "little", signed=True)), int.from_bytes(head[18:22], "little"))
+        return code | (_NO_SOF << 8) | (_NO_ADOBE << 32), size
+    sof, comps, precision, adobe, h, w = _jpeg_frame(b)
+    return code | (sof << 8) | (comps << 16) | (precision << 24) | (adobe << 32), (h, w)
 
 
-def _jpeg_frame(b: memoryview) -> tuple[int, int, int, int]:
-    """(sof, components, precision, adobe transform) of a JPEG; sof = 255 when no frame header."""
+def _jpeg_frame(b: memoryview) -> tuple[int, int, int, int, int, int]:
+    """(sof, components, precision, adobe transform, height, width) of a JPEG; sof = 255 when no frame header."""
     n, p, adobe = len(b), 2, _NO_ADOBE
     while p + 4 <= n:
         if b[p] != 0xFF:
@@ -110,12 +126,11 @@ def _jpeg_frame(b: memoryview) -> tuple[int, int, int, int]:
         if m in _SOF_MARKERS:
             if p + 10 > n:
                 break
-            return m - 0xC0, b[p + 9], b[p + 4], adobe
+            return m - 0xC0, b[p + 9], b[p + 4], adobe, (b[p + 5] << 8) | b[p + 6], (b[p + 7] << 8) | b[p + 8]
         if m == 0xEE and length >= 12 and p + 16 <= n and bytes(b[p + 4 : p + 9]) == b"Adobe":
             adobe = b[p + 15]
         p += 2 + length
-    return _NO_SOF, 0, 0, adobe
-
+    return _NO_SOF, 0, 0, adobe, 0, 0
 
 
 def key_index(shard: str, key: str) -> int:
@@ -162,8 +177,8 @@ class PackedImages:
 
     Attributes:
         data: 1-D uint8 tensor holding every image's bytes back to back.
-        meta: 1-D int64 tensor ``[offsets (n + 1), indices (n), header codes (n)]``; see
-            :attr:`offsets`, :attr:`indices`, :meth:`info`.
+        meta: 1-D int64 tensor ``[offsets (n + 1), indices (n), header codes (n), header sizes (n)]``;
+            see :attr:`offsets`, :attr:`indices`, :meth:`info`, :meth:`sizes`.
         shards, keys: per image, for error messages.
         epoch: the epoch of the batch's samples.
     """
@@ -175,8 +190,8 @@ class PackedImages:
         n = len(keys)
         if data.dtype != torch.uint8 or data.dim() != 1:
             raise ValueError(f"PackedImages: data must be a 1-D uint8 tensor, got {data.dtype} {tuple(data.shape)}")
-        if meta.dtype != torch.int64 or tuple(meta.shape) != (3 * n + 1,):
-            raise ValueError(f"PackedImages: meta must be int64 of shape ({3 * n + 1},) for {n} images, "
+        if meta.dtype != torch.int64 or tuple(meta.shape) != (4 * n + 1,):
+            raise ValueError(f"PackedImages: meta must be int64 of shape ({4 * n + 1},) for {n} images, "
                              f"got {meta.dtype} {tuple(meta.shape)}")
         if len(shards) != n:
             raise ValueError(f"PackedImages: {len(shards)} shard names for {n} keys")
@@ -197,12 +212,14 @@ class PackedImages:
             raise ValueError(f"PackedImages.pack: images of several epochs in one batch: {sorted(epochs)}")
         views = [np.frombuffer(memoryview(im.data).cast("B"), dtype=np.uint8) for im in images]
         n = len(views)
-        meta = torch.empty(3 * n + 1, dtype=torch.int64)
+        meta = torch.empty(4 * n + 1, dtype=torch.int64)
         m = meta.numpy()
         m[0] = 0
         np.cumsum([len(v) for v in views], out=m[1 : n + 1])
         m[n + 1 : 2 * n + 1] = [im.index for im in images]
-        m[2 * n + 1 :] = [sniff(v) for v in views]
+        headers = [_header(v) for v in views]
+        m[2 * n + 1 : 3 * n + 1] = [code for code, _ in headers]
+        m[3 * n + 1 :] = [(h << 32) | w for _, (h, w) in headers]
         data = torch.empty(int(m[n]), dtype=torch.uint8)
         d = data.numpy()
         for v, lo, hi in zip(views, m[:n].tolist(), m[1 : n + 1].tolist()):
@@ -229,7 +246,12 @@ class PackedImages:
 
     def codes(self) -> list[int]:
         """The header codes of all images (see :class:`ImageInfo`)."""
-        return self.meta[2 * len(self) + 1 :].tolist()
+        return self.meta[2 * len(self) + 1 : 3 * len(self) + 1].tolist()
+
+    def sizes(self) -> np.ndarray:
+        """int64 ``(n, 2)``: the ``(height, width)`` each header claims (0 where unknown), sniffed when packed."""
+        s = self.meta[3 * len(self) + 1 :].numpy()
+        return np.stack([s >> 32, s & 0xFFFFFFFF], axis=1)
 
     def views(self) -> list[torch.Tensor]:
         """Each image's bytes as a 1-D uint8 view into :attr:`data` (no copy)."""

@@ -37,8 +37,8 @@ from PIL import Image
 from fastdata.dataset import FORMATS, ImageInfo
 
 __all__ = [
-    "HOST_BACKENDS", "decode_device", "decode_host", "device_decodable", "device_decodable_codes", "host_backend",
-    "torchvision_status",
+    "HOST_BACKENDS", "decode_device", "decode_host", "default_max_pixels", "device_decodable", "device_decodable_codes",
+    "host_backend", "torchvision_status",
 ]
 
 HOST_BACKENDS = ("auto", "torchvision", "pillow")
@@ -82,6 +82,11 @@ def device_decodable(info: ImageInfo) -> bool:
     """
     return (info.format == "jpeg" and info.sof in (0, 1, 2) and info.precision == 8
             and info.components in (1, 3) and not (info.components == 3 and info.adobe_transform == 0))
+
+
+def default_max_pixels() -> int | None:
+    """The pixel limit of host decoding when none is given: Pillow's ``Image.MAX_IMAGE_PIXELS``."""
+    return Image.MAX_IMAGE_PIXELS
 
 
 def device_decodable_codes(codes: np.ndarray) -> np.ndarray:

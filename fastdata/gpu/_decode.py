@@ -35,12 +35,14 @@ import numpy as np
 import torch
 
 from fastdata.dataset import ON_ERROR, PackedImages, SkippedSampleWarning
+from fastdata.decode import check_max_pixels
 from fastdata.errors import DecodeError
 from fastdata.gpu._augment import ImageBatch
 from fastdata.gpu._codec import (
     HOST_BACKENDS,
     decode_device,
     decode_host,
+    default_max_pixels,
     device_decodable_codes,
     host_backend,
 )
@@ -65,13 +67,15 @@ class DecodeImages:
             the whole batch when it was submitted ahead (:meth:`ahead`: decoding already overlaps
             the previous batch), else two halves. Measured on an H100, batches of 256: with
             ``ahead`` one chunk 14.8k images/s, chunks of 128 13.8k; without, halves 11.6k, one chunk 7.3k.
+        max_pixels: refuse images whose header claims more pixels, before decoding them (a failure
+            under ``on_error``); default: Pillow's ``Image.MAX_IMAGE_PIXELS``, the host decoder's limit.
 
     Follow it with geometric transforms (``RandomResizedCrop``, ...) in :class:`fastdata.gpu.Compose`.
     """
 
     def __init__(self, keys: Sequence[str | int] | str | int | None = None, *,
                  device: str | torch.device | None = None, on_error: str = "raise",
-                 host_decoder: str = "auto", chunk_size: int | None = None) -> None:
+                 host_decoder: str = "auto", chunk_size: int | None = None, max_pixels: int | None = None) -> None:
         if isinstance(keys, (str, int)):
             keys = (keys,)
         self.keys = None if keys is None else frozenset(keys)
@@ -92,6 +96,7 @@ class DecodeImages:
                                        or chunk_size < 1):
             raise ValueError(f"DecodeImages: chunk_size must be None or an int >= 1, got {chunk_size!r}")
         self.chunk_size = chunk_size
+        self.max_pixels = check_max_pixels(max_pixels)
         self._executor: ThreadPoolExecutor | None = None
         self._executor_pid: int | None = None
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
@@ -193,7 +198,8 @@ class DecodeImages:
     def _start(self, packed: PackedImages, views: list[torch.Tensor], device: torch.device,
                ahead: bool) -> tuple[torch.device, list[int], list[tuple[list[int], Any]]]:
         """Submit the device-decodable images of ``packed`` to the background decode thread, in chunks."""
-        on_device = np.flatnonzero(device_decodable_codes(packed.codes())).tolist() if device.type == "cuda" else []
+        ok = device_decodable_codes(packed.codes()) & ~self._oversized(packed)
+        on_device = np.flatnonzero(ok).tolist() if device.type == "cuda" else []
         size = self.chunk_size or (len(on_device) if ahead else -(-len(on_device) // 2))
         chunks = [on_device[k : k + size] for k in range(0, len(on_device), max(size, 1))]
         if not chunks:
@@ -202,6 +208,17 @@ class DecodeImages:
         pool = self._pool()
         return device, on_device, [(c, pool.submit(_decode_chunk, [views[i] for i in c], device, stream))
                                    for c in chunks]
+
+    def _limit(self) -> int | None:
+        return self.max_pixels if self.max_pixels is not None else default_max_pixels()
+
+    def _oversized(self, packed: PackedImages) -> np.ndarray:
+        """Which images' headers claim more than the pixel limit (never decoded)."""
+        limit = self._limit()
+        sizes = packed.sizes()
+        if limit is None:
+            return np.zeros(len(sizes), dtype=bool)
+        return sizes[:, 0] * sizes[:, 1] > limit
 
     def submit(self, batch: Any) -> None:
         """Start decoding the packed fields of ``batch`` in the background (see :meth:`ahead`)."""
@@ -232,7 +249,14 @@ class DecodeImages:
     def _host(self, packed: PackedImages, rows: list[int], views: list[torch.Tensor], field: str, device: torch.device, backend: str, bad: dict[int, str]) -> list[torch.Tensor | None]:
         """Decode images ``rows`` on the host (and move them to ``device``); failures go to ``bad``."""
         out: list[torch.Tensor | None] = []
+        oversized = self._oversized(packed)
         for i in rows:
+            if oversized[i]:
+                h, w = packed.sizes()[i].tolist()
+                self._failed(packed, i, field, f"its header claims {h}x{w} = {h * w} pixels, over max_pixels="
+                             f"{self._limit()}", bad)
+                out.append(None)
+                continue
             try:
                 img = decode_host(views[i], packed.info(i), backend)
             except Exception as e:  # noqa: BLE001 - any failure of a codec on shard bytes
