@@ -32,7 +32,6 @@ import os
 import platform
 import sys
 import tempfile
-import threading
 import time
 import traceback
 from pathlib import Path
@@ -202,11 +201,7 @@ def torch_loader(model_name: str, args: argparse.Namespace, device: torch.device
             wait = time.perf_counter() - t0
             yield {"jpg": norm(img), "cls": cls}, wait
 
-    try:
-        return run_epochs(step, epoch_iter, args.epochs, device)
-    finally:
-        del loader
-        gc.collect()
+    return run_epochs(step, epoch_iter, args.epochs, device)
 
 
 def fastdata_run(model_name: str, args: argparse.Namespace, device: torch.device, shards: Path,
@@ -244,8 +239,6 @@ def fastdata_run(model_name: str, args: argparse.Namespace, device: torch.device
         return out
     finally:
         pf.close()
-        del loader
-        gc.collect()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -319,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
                         r = fastdata_run(model_name, args, device, shards, cache)
                     else:
                         raise ValueError(f"unknown variant {variant!r}")
-                except Exception as e:  # noqa: BLE001  one failing part never ends the run
+                except Exception as e:
                     r = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
                 r.update(model=model_name, variant=variant, elapsed_s=time.perf_counter() - t1)
                 if variant == "resident" and "images_per_s" in r:
@@ -328,6 +321,7 @@ def main(argv: list[str] | None = None) -> int:
                     r["share_of_resident"] = r["images_per_s"] / base
                 report["results"].append(r)
                 print(_row(r), flush=True)
+                gc.collect()  # the variant's loader and its workers go before the next one starts
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
     print()
