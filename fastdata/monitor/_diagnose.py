@@ -36,6 +36,7 @@ from fastdata.monitor._stall import StallMeter, StallReport
 
 TOGETHER = "loader: the stages together"  # the row measuring the worker-side stages as one
 DECODE_BACKENDS = ("pil", "torchvision", "device")
+MAX_DEPTH = 8  # the deepest prefetch queue doctor recommends (each batch ahead holds pinned and device memory)
 
 
 @dataclass(frozen=True)
@@ -379,13 +380,20 @@ def recommend(d: Diagnosis, lrun: st.LoaderRun, crun: st.LoaderRun, costs: st.Cp
         step_s = o.batch_size / d.step_rate
         gaps = (f"batches arrive p50 {lrun.interval_p50_s * 1e3:.1f} ms / p99 {lrun.interval_p99_s * 1e3:.1f} ms "
                 f"apart against {step_s * 1e3:.1f} ms steps")
-        if lrun.rate >= 0.9 * d.step_rate:
-            need = max(o.depth + 1, math.ceil(lrun.interval_p99_s / step_s) + 1)
-            if d.stall.periodic is not None:
-                need = max(need, d.stall.periodic.period + 1)
-            out.append(f"prefetch depth {o.depth} -> {need}: the loader keeps up on average but {gaps}"
-                       + (f"; {d.stall.periodic.describe()}" if d.stall.periodic else "")
-                       + f"; a queue of {need} absorbs that jitter")
+        need = max(o.depth + 1, math.ceil(lrun.interval_p99_s / step_s) + 1)
+        if d.stall.periodic is not None:
+            need = max(need, d.stall.periodic.period + 1)
+        teeth = f"; {d.stall.periodic.describe()}" if d.stall.periodic else ""
+        if need > MAX_DEPTH:  # batches held ahead cost pinned and device memory: past this, fix the loader
+            teeth += f"; gaps of {need - 1} steps are longer than any sensible queue (capped at {MAX_DEPTH})"
+            need = MAX_DEPTH
+        if lrun.rate >= d.step_rate:
+            out.append(f"prefetch depth {o.depth} -> {need}: the loader keeps up on average ({lrun.rate:,.0f} >= "
+                       f"{d.step_rate:,.0f} images/s) but {gaps}{teeth}; a queue of {need} absorbs that jitter")
+        elif lrun.rate >= 0.9 * d.step_rate:
+            out.append(f"prefetch depth {o.depth} -> {need} evens out the gaps ({gaps}{teeth}), but the loader is just "
+                       f"slower than the step ({lrun.rate:,.0f} < {d.step_rate:,.0f} images/s): the job cannot run "
+                       f"faster than the loader")
         else:
             out.append(f"a deeper prefetch queue would not help: the loader is slower on average "
                        f"({lrun.rate:,.0f} < {d.step_rate:,.0f} images/s); {gaps}")
