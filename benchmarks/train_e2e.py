@@ -312,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
                         r = fastdata_run(model_name, args, device, shards, cache)
                     else:
                         raise ValueError(f"unknown variant {variant!r}")
-                except Exception as e:
+                except Exception as e:  # noqa: BLE001  one failing part never ends the run
                     r = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
                 r.update(model=model_name, variant=variant, elapsed_s=time.perf_counter() - t1)
                 if variant == "resident" and "images_per_s" in r:
