@@ -171,3 +171,40 @@ def test_unknown_model_fails_fast_with_a_clear_message(shards, capsys):
     err = capsys.readouterr().err
     assert err.startswith("fastdata doctor: error:") and "no_such_net" in err
     assert time.perf_counter() - t0 < 30  # before any measurement
+
+
+def _recommend(lrun_rate, step_rate, p99_s, *, workers=2, cores=4, scaling=(300.0, 450.0), cached=900.0, depth=2):
+    from fastdata.monitor._diagnose import Diagnosis, StageRow, recommend
+    from fastdata.monitor._stages import CpuCosts, LoaderRun
+    from fastdata.monitor._stall import StallReport
+
+    o = DoctorOptions(num_workers=workers, batch_size=32, depth=depth, step_ms=10)
+    stall = StallReport(steps=50, wall_s=10.0, wait_s=5.0, wait_p50_s=0.01, wait_p99_s=0.2, first_wait_s=0.1)
+    meas = {"scaling": {"workers": [workers, min(cores, 2 * workers)], "rate": list(scaling)}} if scaling else {}
+    d = Diagnosis(o, "cpu", cores, [], "loader-bound", "decode", 100.0, step_rate, 0.5, step_rate / 100.0, [], meas, stall)
+    lrun = LoaderRun(lrun_rate, 512, 0.01, p99_s, 0.0, "workers")
+    crun = LoaderRun(cached, 512, 0.001, 0.002, 0.0, "cached")
+    weakest = StageRow("decode", 300.0, 0.9, "cores", "Pillow")
+    return recommend(d, lrun, crun, CpuCosts(0.003, 0.001, 0.0001, 64), weakest, workers)
+
+
+def test_recommendations_quote_their_measurements():
+    recs = _recommend(lrun_rate=300.0, step_rate=3200.0, p99_s=0.05)
+    assert recs[0].startswith("loader-bound: waited 50%") and "decode (300 images/s)" in recs[0]
+    assert any(r.startswith("num_workers=4: the loader measured 300 -> 450 images/s (1.50x)") for r in recs)
+    assert any(r.startswith("cache= on ShardedDataset") and "900 images/s, 3.0x uncached (300)" in r for r in recs)
+    assert any(r.startswith("a deeper prefetch queue would not help") for r in recs)
+    recs = _recommend(lrun_rate=300.0, step_rate=3200.0, p99_s=0.05, scaling=(300.0, 310.0), cached=310.0)
+    assert any(r.startswith("more workers did not help: 2 -> 4 workers measured 300 -> 310") for r in recs)
+    assert not any("cache=" in r for r in recs)  # 3% faster from the cache is no reason to add one
+
+
+def test_prefetch_depth_advice_follows_the_loader_rate():
+    step = 32 / 0.010  # 10 ms steps of 32 images
+    recs = _recommend(lrun_rate=1.2 * step, step_rate=step, p99_s=0.035)  # keeps up, 35 ms gaps
+    depth = next(r for r in recs if r.startswith("prefetch depth"))
+    assert depth.startswith("prefetch depth 2 -> 5: the loader keeps up on average")
+    recs = _recommend(lrun_rate=0.95 * step, step_rate=step, p99_s=0.035)
+    assert any("the loader is just slower than the step" in r and "cannot run faster" in r for r in recs)
+    recs = _recommend(lrun_rate=2 * step, step_rate=step, p99_s=2.0)  # an epoch start: 200 steps long
+    assert any(r.startswith("prefetch depth 2 -> 8") and "capped at 8" in r for r in recs)
