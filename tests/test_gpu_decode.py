@@ -141,6 +141,22 @@ def test_dataset_keeps_images_encoded_and_loader_packs_them(tmp_path):
     assert 0 <= key_index("a.tar", "k") < 2**63 and key_index("a.tar", "k") != key_index("a.tar", "k2")
 
 
+def test_streaming_source_identity_is_a_hash_of_shard_and_key(tmp_path):
+    fsspec = pytest.importorskip("fsspec")
+    root = write(tmp_path, [jpeg(i) for i in range(6)], per_shard=3)
+    fs = fsspec.filesystem("memory")
+    urls = []
+    for p in sorted(root.glob("*.tar")):
+        fs.pipe(f"/fastdata-gpu-decode/{p.name}", p.read_bytes())
+        urls.append(f"memory://fastdata-gpu-decode/{p.name}")
+    samples = list(ShardedDataset(urls, image_decode="device"))
+    assert len(samples) == 6
+    for s in samples:
+        enc = s["jpg"]
+        assert isinstance(enc, EncodedImage) and enc.index == key_index(enc.shard, enc.key) and enc.key == s["__key__"]
+    assert len({s["jpg"].index for s in samples}) == 6
+
+
 @pytest.mark.parametrize("host_decoder", HOST_DECODERS)
 def test_cpu_device_path_equals_pillow(host_decoder):
     datas = [jpeg(i, quality=q) for i, q in zip(range(12), [60, 75, 90, 95] * 3)]
