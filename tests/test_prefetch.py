@@ -1048,3 +1048,12 @@ def test_driven_epochs_then_loader_set_epoch_directly() -> None:
         assert list(pf) == [(5, i) for i in range(3)]
     assert list(pf) == [(6, i) for i in range(3)]  # and on from there
     pf.close()
+
+
+def test_gc_after_a_finished_epoch_stops_the_persistent_thread() -> None:
+    pf = CUDAPrefetcher(list(range(5)), device="cpu")
+    assert list(pf) == list(range(5))
+    assert _threads()  # waiting for the next epoch, one epoch started ahead
+    del pf
+    gc.collect()
+    assert not _wait_no_threads()
