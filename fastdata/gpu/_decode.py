@@ -6,9 +6,11 @@ the host (it is not a container it walks), which is where nvJPEG (through torchv
 input. Per packed field and batch:
 
 1. Route each image by the header facts sniffed in the worker: JPEGs the device decoder takes
-   (:func:`fastdata.gpu._codec.device_decodable`) go to batched device decode call; the rest
-   (PNG, CMYK, 12-bit, arithmetic-coded, unknown) are decoded on the host, pinned and copied
-   with ``non_blocking`` (only those samples).
+   (:func:`fastdata.gpu._codec.device_decodable`) go to batched device decode calls, made by a
+   background thread (one or two per batch, see ``chunk_size``); the rest (PNG, CMYK, 12-bit,
+   arithmetic-coded, unknown) are decoded on the host meanwhile, pinned and copied with
+   ``non_blocking`` (only those samples). Images whose header claims more than ``max_pixels`` are
+   refused before any decode.
 2. If the batched call fails (a corrupt JPEG fails the whole call), each of its images is decoded
    on the host instead, which finds the bad ones.
 3. A bad image raises :class:`~fastdata.errors.DecodeError` naming shard, key and field; with
@@ -118,7 +120,7 @@ class DecodeImages:
         """Decode, apply the ``geometric`` transforms (``.apply(ImageBatch)``) and render, chunk by chunk.
 
         :class:`fastdata.gpu.Compose` calls this for ``DecodeImages`` followed by geometric transforms.
-        On CUDA the device-decodable images are decoded in chunks of ``chunk_size`` by a background
+        On CUDA the device-decodable images are decoded in chunks (``chunk_size``) by a background
         thread (torchvision's decode call blocks its thread until nvJPEG is done) while this thread
         decodes the host-routed images and resamples the chunks already decoded: decoding and
         resampling overlap. Random parameters depend on sample indices only, so the result is the
