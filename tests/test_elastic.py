@@ -198,3 +198,33 @@ def test_streaming_resize_is_a_precise_error(tmp_path):
                              world_size=2).state_dict() for r in range(2)]
     with pytest.raises(ValueError, match="streaming .* cannot resume at world_size=1"):
         ds.load_state_dict(states)
+
+
+@pytest.mark.parametrize("options", [{"samples_per_epoch": 40, "shuffle": True}, {"shuffle": False},
+                                     {"even": "drop", "shuffle": True}], ids=["samples_per_epoch", "ordered", "drop"])
+def test_elastic_other_epoch_options(shards, options):
+    def loader(rank, world):
+        ds = ShardedDataset(shards, rank=rank, world_size=world, seed=3, **options)
+        ds.set_epoch(2)
+        return DataLoader(ds, batch_size=3, num_workers=2, collate_fn=_collate)
+
+    full = Counter(c for r in range(3) for b in loader(r, 3) for c in b)
+    seen: Counter = Counter()
+    states = []
+    for r in range(3):
+        it_loader = loader(r, 3)
+        it = iter(it_loader)
+        for _ in range(2):
+            seen.update(next(it))
+        states.append(it_loader.state_dict())
+        del it
+    batches = []
+    for r in range(2):
+        new = loader(r, 2)
+        new.load_state_dict(states)
+        n = 0
+        for b in new:
+            seen.update(b)
+            n += 1
+        batches.append(n)
+    assert seen == full and len(set(batches)) == 1
