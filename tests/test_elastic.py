@@ -141,12 +141,10 @@ def test_elastic_same_rank_resume_after_resize(shards):
 
 
 def test_elastic_drop_last(shards):
-    full_batches = None
     seen1, states = _run_partial(shards, 2, 2, 2, drop_last=True)
     seen2, batches = _run_rest(shards, 3, 2, states, drop_last=True)
-    assert len(set(batches)) == 1
+    assert len(set(batches)) == 1 and batches[0] > 0
     assert not (seen1 + seen2) - _epoch_multiset(shards, 2, 2)  # nothing read twice
-    assert full_batches is None
 
 
 def test_single_state_at_other_world_size_is_refused(shards):

@@ -20,6 +20,9 @@ computed here from ``(shard sizes, seed, epoch, rank, world_size, worker, num_wo
 5. **Resume.** A worker's order is a pure function of the above, so resuming means
    regenerating it and skipping the consumed prefix. Resuming with another worker count
    splits the union of the workers' remaining indices into new contiguous parts.
+6. **Elastic resume** (another world size mid-epoch): from every rank's state, the samples no
+   rank consumed are cut into contiguous parts per new rank and worker with equal batch counts
+   per rank (:func:`elastic_split`, :class:`ElasticPlan`).
 
 Random numbers come from a counter-based splitmix64 hash, so orders are identical on every
 machine and numpy version.
