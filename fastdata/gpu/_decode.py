@@ -337,8 +337,12 @@ class DecodeAhead:
         self._has_state = False
 
     def __iter__(self) -> Any:
+        # the loader's iterator is made here, in the caller's thread, as without this wrapper (a
+        # DataLoader starts or resets its workers there); batches are pulled where they are consumed
+        return self._batches(iter(self.iterable))
+
+    def _batches(self, it: Any) -> Any:
         snapshot = getattr(self.iterable, "state_dict", None)
-        it = iter(self.iterable)
         self._has_state = False
         nxt = next(it, _END)
         state = snapshot() if callable(snapshot) and nxt is not _END else None
