@@ -19,12 +19,15 @@ antialias=True)`` (PIL's): output pixel ``j`` reads source pixels ``k`` with wei
 output pixel. It is separable, so a group of images is resampled with two batched matrix products
 ``Wy @ X @ Wx^T`` over a zero-padded canvas ``X`` holding each image's ``clip`` region. Images are
 grouped by size so that padding stays bounded (and the canvas under ``max_canvas`` elements).
-Launches per batch: one canvas copy per image (of its ``clip`` region only) plus about twenty per
-group (weights, two matmuls, rounding, scatter into the output rows); no resampling launch per image. The canvas is
-float16 on CUDA (integers 0..255 are exact, weights to 2^-11; results within a grey level of
-float32) and float32 on the CPU. A batch is reproduced bit for bit; the same image in a batch of
-other images can differ by one grey level (the padded canvas changes the summation order). Output pixels the filter cannot reach (``CenterCrop`` larger than
-the image) are 0, as torchvision's padding gives.
+Launches per render: the weights of all images at once (about a dozen kernels per axis), then per
+group a zero canvas, the images' ``clip`` regions copied in by one ``torch._foreach_copy_`` call (the
+copies are dispatched in C++; ``torch.nested.to_padded_tensor`` would fuse them but synchronises
+the host on CUDA), two matmuls, rounding and a scatter into the output rows: no resampling launch
+per image. The canvas is float16 on CUDA (integers 0..255 are exact, weights to 2^-11; results
+within a grey level of float32) and float32 on the CPU. A batch is reproduced bit for bit; the same
+image in a batch of other images can differ by one grey level (the padded canvas changes the
+summation order). Output pixels the filter cannot reach (``CenterCrop`` larger than the image) are
+0, as torchvision's padding gives.
 
 Random parameters come from a counter-based hash of ``(seed, epoch, sample index)`` computed on
 the host (splitmix64, the hash behind the dataset's shuffling): a sample gets the same crop and flip
