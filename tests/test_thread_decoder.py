@@ -298,6 +298,9 @@ def test_threads_paused_around_fork_and_batches_unharmed(shards):
     assert _decode_threads_alive()
     _threads._pause_before_fork()  # what os.fork runs first
     assert _decode_threads_alive() == []
+    it._inner._pool.ensure_running()  # another thread asking during the fork window: no restart
+    assert _decode_threads_alive() == []
+    _threads._resume_after_fork()  # what os.fork runs in the parent afterwards
     got.append(next(it))  # restarted on demand
     # a DataLoader with forked worker processes elsewhere, mid-epoch
     other = DataLoader(_make(shards, shuffle=False), batch_size=8, num_workers=2,

@@ -157,8 +157,14 @@ def _pause_before_fork() -> None:
         pool.pause()
 
 
+def _resume_after_fork() -> None:
+    """In the parent after a fork: paused pools may start their threads again."""
+    for pool in list(_POOLS):
+        pool.resume()
+
+
 if hasattr(os, "register_at_fork"):  # pragma: no branch
-    os.register_at_fork(before=_pause_before_fork)
+    os.register_at_fork(before=_pause_before_fork, after_in_parent=_resume_after_fork)
 
 
 class _Pool:
@@ -171,6 +177,7 @@ class _Pool:
         self._cv = threading.Condition(threading.Lock())
         self._threads: list[threading.Thread] = []
         self._stopping = False  # threads exit after their current task (pause or close)
+        self._paused = False  # between os.fork's before and after hooks: no (re)start, even from another thread
         self._closed = False
         self._pid = os.getpid()
         _POOLS.add(self)
@@ -191,7 +198,7 @@ class _Pool:
             raise RuntimeError("a fastdata decode_threads iterator cannot be used in a forked child process; "
                                "iterate the DataLoader in the child instead")
         with self._cv:
-            if self._closed or (self._threads and all(t.is_alive() for t in self._threads)):
+            if self._closed or self._paused or (self._threads and all(t.is_alive() for t in self._threads)):
                 return
             self._stopping = False
             self._threads = [t for t in self._threads if t.is_alive()]
@@ -220,9 +227,17 @@ class _Pool:
             self._threads = [t for t in self._threads if t.is_alive()]
 
     def pause(self) -> None:
-        """Join the threads after their current task; queued tasks wait for :meth:`ensure_running`."""
-        if self._pid == os.getpid() and self._threads:
-            self._join()
+        """Join the threads after their current task; queued tasks wait until :meth:`resume`."""
+        if self._pid == os.getpid():
+            with self._cv:
+                self._paused = True
+            if self._threads:
+                self._join()
+
+    def resume(self) -> None:
+        """Allow :meth:`ensure_running` to start the threads again (they start on demand)."""
+        with self._cv:
+            self._paused = False
 
     def close(self) -> None:
         """Cancel queued tasks and join the threads (safe to call twice)."""
