@@ -226,6 +226,9 @@ class ImageBatch:
         return out
 
 
+_FOREACH_COPY = getattr(torch, "_foreach_copy_", None)  # a private torch op (2.1+); a loop where it is missing
+
+
 def _groups(h: np.ndarray, w: np.ndarray, channels: int, max_canvas: int) -> list[np.ndarray]:
     """Images grouped so that each group's padded canvas wastes little and fits ``max_canvas``."""
     order = np.argsort(h * w, kind="stable").tolist()
@@ -267,8 +270,11 @@ def _render_group(images: list[torch.Tensor], clip: np.ndarray, wy: torch.Tensor
         if y1 > y0 and x1 > x0:
             dst.append(canvas[k, :, : y1 - y0, : x1 - x0])
             src.append(im[:, y0:y1, x0:x1])
-    if dst:
-        torch._foreach_copy_(dst, src)  # one call: the per-image copies are dispatched in C++
+    if _FOREACH_COPY is None:  # torch without _foreach_copy_
+        for d, s_ in zip(dst, src):
+            d.copy_(s_)
+    elif dst:
+        _FOREACH_COPY(dst, src)  # one call: the per-image copies are dispatched in C++
     wy, wxt = wy[:, :, :ky].unsqueeze(1), wx[:, :, :kx].transpose(1, 2).unsqueeze(1)  # (g,1,oh,ky), (g,1,kx,ow)
     oh, ow = wy.shape[2], wxt.shape[3]
     if ky * kx * ow + oh * ky * ow <= oh * ky * kx + oh * kx * ow:
