@@ -373,6 +373,35 @@ def gil_share(shards: Path, count: int = 256) -> dict[str, float]:
             "held_share_upper": round(held_us / total_us, 3), "thread_ceiling": round(total_us / held_us, 1)}
 
 
+def buffer_cost(reps: int = 40) -> dict[str, dict[str, float]]:
+    """ms to fill a batch of 64 / 256 rows of 3x224x224 uint8 (as the pool threads do, NumPy row
+    copies) into a fresh tensor per batch vs a ring of three reused ones, while the consumer holds
+    the last two batches: the cost of first-touch page faults that a buffer ring avoids."""
+    import numpy as np
+    import torch
+
+    src = [np.random.default_rng(i).integers(0, 255, (3, SIZE, SIZE), dtype=np.uint8) for i in range(64)]
+    out: dict[str, dict[str, float]] = {}
+    for rows in (64, 256):
+        shape = (rows, 3, SIZE, SIZE)
+        res: dict[str, list[float]] = {"fresh": [], "reuse": []}
+        for name in ("fresh", "reuse", "fresh", "reuse"):
+            ring = [torch.empty(shape, dtype=torch.uint8) for _ in range(3)]
+            held: list[torch.Tensor] = []
+            ts = []
+            for i in range(reps):
+                t = time.perf_counter()
+                b = torch.empty(shape, dtype=torch.uint8) if name == "fresh" else ring[i % 3]
+                arr = b.numpy()
+                for j in range(rows):
+                    np.copyto(arr[j], src[j % 64])
+                ts.append(time.perf_counter() - t)
+                held = (held + [b])[-2:]
+            res[name].append(statistics.median(ts) * 1e3)
+        out[f"batch{rows}"] = {k: round(min(v), 2) for k, v in res.items()}
+    return out
+
+
 def run_child(cfg: dict[str, Any], timeout: float) -> list[dict[str, Any]]:
     def fail(msg: str) -> list[dict[str, Any]]:
         return [{"row": row, "workers": cfg["workers"], "error": msg} for row in cfg["rows"]]
@@ -408,11 +437,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--quick", action="store_true", help="small corpus, one repetition")
     ap.add_argument("--json", type=Path, default=None, help="write results here")
     ap.add_argument("--gil", action="store_true", help="also measure the GIL-held share of one sample's work")
+    ap.add_argument("--buffers", action="store_true", help="only measure fresh vs reused batch buffers")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child is not None:
         child(json.loads(args.child))  # prints its results as JSON lines
         return {}
+    if args.buffers:
+        costs = buffer_cost()
+        for k, v in costs.items():
+            print(f"{k}: fresh tensor {v['fresh']:.2f} ms, reused {v['reuse']:.2f} ms per batch fill")
+        if args.json:
+            args.json.write_text(json.dumps({"benchmark": "decode_stage --buffers", "results": costs}, indent=1))
+        return costs
     t_start = time.perf_counter()
     sys.path.insert(0, str(REPO))
     import torch

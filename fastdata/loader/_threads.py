@@ -31,10 +31,11 @@ finished) before any later sample's true row is filled, and a batch's buffer is 
 after every sample predicted into it has been consumed. Predictions re-base to the true count
 whenever the virtual worker has nothing in flight.
 
-Buffer ownership. Measured on the 2-core dev box (``/tmp/buf_bench.py`` in the note of issue 9:
-fill 64 or 256 samples of 3x224x224 uint8 into a batch while the consumer holds the previous two
-batches): a fresh tensor per batch costs 3.5-4.0 ms per 64 and 16 ms per 256 samples, a reused
-one 1.5 ms and 6 ms (first-touch page faults). So CPU batch memory comes from a ring whose
+Buffer ownership. ``python benchmarks/decode_stage.py --buffers`` fills 64 or 256 rows of
+3x224x224 uint8 into a batch while the consumer holds the previous two batches; on the 2-core dev
+box (busy, load ~12) a fresh tensor per batch took 11.8 ms per 64 and 46 ms per 256 rows, a
+reused one 4.2 and 23 ms (first-touch page faults; 3.5-4.0 vs 1.5 ms and 16 vs 6 ms in a quieter
+moment). So CPU batch memory comes from a ring whose
 buffers are reused only when provably free: not assigned to a batch in flight and no tensor but
 the ring's own refers to its storage (``torch._C._storage_Use_Count``; the consumer always gets
 views, so any batch, slice or NumPy array it keeps pins the buffer; a test guards this torch
