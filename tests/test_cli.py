@@ -137,3 +137,27 @@ def test_demo_gpu_decode_row_runs_on_the_cpu_path(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "not measured" not in out
     assert [r.pipeline for r in rows][-1] == "fastdata, GPU decode" and rows[-1].images_per_s > 0
+
+
+def test_no_typed_option_of_any_command_names_an_internal_function(capsys):
+    """Every option with a type=, in every command: a bad value names the option, not a function."""
+    import re
+
+    from fastdata.cli._main import build_parser
+
+    checked = 0
+    parser = build_parser()
+    for path, action in _options(parser):
+        if not action.option_strings or action.type is None or action.choices:
+            continue
+        try:  # parse only: a value the type accepts must not run the command
+            parser.parse_args([*path, action.option_strings[-1], "not-a-value"])
+        except SystemExit:
+            pass
+        err = capsys.readouterr().err
+        if f"argument {'/'.join(action.option_strings)}:" not in err:
+            continue  # the type took the text (e.g. a path); argparse complained about something else
+        names = re.findall(r"invalid (\S+) value", err)
+        assert not any("_" in n for n in names), f"{' '.join(path)} {action.option_strings[-1]}: {err.strip()}"
+        checked += 1
+    assert checked >= 10
