@@ -5,6 +5,7 @@ import gc
 import json
 import multiprocessing
 import threading
+import time
 import traceback
 import warnings
 from pathlib import Path
@@ -470,3 +471,15 @@ def test_hdf5_shards(tmp_path):
     make = lambda: _make(tmp_path / "h5")  # noqa: E731
     kw = dict(batch_size=4, num_workers=2)
     assert_same(_epoch(DataLoader(make(), decode_threads=3, **kw), "threads"), _epoch(DataLoader(make(), **kw), "workers"))
+
+
+def test_timeout_like_torch(shards):
+    def slow(img: Any) -> Any:
+        time.sleep(1.0)
+        return img
+
+    dl = DataLoader(_make(shards, transform=slow), batch_size=4, num_workers=2, decode_threads=1, timeout=0.3)
+    with pytest.raises(RuntimeError, match=r"DataLoader timed out after 0.3 seconds"):
+        next(iter(dl))
+    gc.collect()
+    assert _decode_threads_alive() == []

@@ -252,7 +252,8 @@ class DataLoader(torch.utils.data.DataLoader):
             pin_rows = pin or ("cuda" if self.fast_path_pinned and torch.cuda.is_available() else None)
             batches = _thread_loader.thread_batches(
                 ds, start, threads=self.decode_threads, batch_size=self.batch_size,  # type: ignore[arg-type]
-                drop_last=self.drop_last, collate_fn=self._user_collate, pin=pin, pin_rows=pin_rows)
+                drop_last=self.drop_last, collate_fn=self._user_collate, pin=pin, pin_rows=pin_rows,
+                timeout=self.timeout)
             ds.consume_resume()
             self._draw_base_seed()
             self._run = _Run(start, list(start.consumed))

@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 import warnings
 import weakref
 from collections import deque
@@ -107,7 +108,8 @@ def static_reason(ds: Any, *, batch_size: int | None, worker_init_fn: Any) -> st
 
 
 def thread_batches(ds: ShardedDataset, start: EpochStart, *, threads: int, batch_size: int, drop_last: bool,
-                   collate_fn: Callable[[Any], Any], pin: str | None, pin_rows: str | None = None) -> ThreadBatches:
+                   collate_fn: Callable[[Any], Any], pin: str | None, pin_rows: str | None = None,
+                   timeout: float = 0) -> ThreadBatches:
     """The batches of ``start``'s epoch decoded in ``threads`` threads (see the module docstring).
 
     ``pin``: pin every tensor of a batch (``pin_memory=True``); ``pin_rows``: allocate the batch
@@ -120,7 +122,8 @@ def thread_batches(ds: ShardedDataset, start: EpochStart, *, threads: int, batch
     # with one worker ds.state_dict() follows, as with num_workers=0 on the worker path
     cursors = [ds.cursor(start, w, seq=seq, live=n == 1) for w, seq in enumerate(seqs)]
     batches = ThreadBatches(cursors, first=start.first, threads=threads, batch_size=batch_size, drop_last=drop_last,
-                            collate_fn=collate_fn, pin=pin, pin_rows=pin_rows, carry=_CARRY.setdefault(ds, {}))
+                            collate_fn=collate_fn, pin=pin, pin_rows=pin_rows, carry=_CARRY.setdefault(ds, {}),
+                            timeout=timeout)
     batches.hold(_reader_holders(ds, start, seqs))
     return batches
 
@@ -439,7 +442,7 @@ class ThreadBatches:
 
     def __init__(self, cursors: Sequence[Any], *, first: int, threads: int, batch_size: int, drop_last: bool,
                  collate_fn: Callable[[Any], Any], pin: str | None, pin_rows: str | None = None,
-                 carry: dict[Any, Any] | None = None):
+                 carry: dict[Any, Any] | None = None, timeout: float = 0):
         self._walks = [_Walk(c, c.seq) for c in cursors]
         self._n = len(cursors)
         self._w = first
@@ -458,6 +461,7 @@ class ThreadBatches:
         self._batches = 0
         self._in_place = self._copied = 0
         self._held: list[Any] = []
+        self._timeout = timeout  # DataLoader(timeout=): seconds one wait for the pool may take (0: none)
         self._pool: _Pool | None = _Pool(threads)
         self._finalizer = weakref.finalize(self, self._pool.close)
 
@@ -539,7 +543,9 @@ class ThreadBatches:
             w = (w + 1) % self._n
 
     def _submit(self, walk: _Walk, count: int) -> None:
-        assert self._pool is not None
+        pool = self._pool
+        if pool is None:
+            raise RuntimeError("fastdata.DataLoader(decode_threads=...) iterator is closed")
         if walk.in_flight == 0:
             walk.predicted = walk.taken  # re-base: nothing in flight can collide
         lo = walk.dispatched
@@ -550,7 +556,7 @@ class ThreadBatches:
             part = items[k : k + self._chunk]
             dests = [self._dest(walk, walk.predicted + j) for j in range(len(part))]
             walk.predicted += len(part)
-            walk.pending.append((self._pool.submit(_load_chunk, walk.cursor, part, dests), len(part)))
+            walk.pending.append((pool.submit(_load_chunk, walk.cursor, part, dests), len(part)))
         walk.dispatched += count
         walk.in_flight += count
 
@@ -579,13 +585,18 @@ class ThreadBatches:
         return walk.results.popleft()
 
     def _wait(self, fut: Future[list[_Item]]) -> list[_Item]:
-        assert self._pool is not None
+        pool = self._pool
+        if pool is None:
+            raise RuntimeError("fastdata.DataLoader(decode_threads=...) iterator is closed")
+        deadline = time.monotonic() + self._timeout if self._timeout > 0 else None
         while True:
-            self._pool.ensure_running()  # after a fork pause
+            pool.ensure_running()  # after a fork pause
             try:
                 return fut.result(timeout=_POLL_S)
             except TimeoutError:
-                continue
+                if deadline is not None and time.monotonic() > deadline:
+                    raise RuntimeError(f"DataLoader timed out after {self._timeout} seconds (a decode_threads "
+                                       "thread spent that long on one chunk of samples)") from None
 
     def _take(self, walk: _Walk) -> tuple[list[Any], int]:
         """The next ``batch_size`` samples of ``walk`` that load (fewer at its end), and the position after."""
