@@ -69,15 +69,15 @@ def crop_params(width: int, height: int, rng: random.Random) -> tuple[int, int, 
     for _ in range(10):
         target = area * rng.uniform(*SCALE)
         aspect = math.exp(rng.uniform(*log_ratio))
-        w = int(round(math.sqrt(target * aspect)))
-        h = int(round(math.sqrt(target / aspect)))
+        w = round(math.sqrt(target * aspect))
+        h = round(math.sqrt(target / aspect))
         if 0 < w <= width and 0 < h <= height:
             return rng.randint(0, height - h), rng.randint(0, width - w), h, w
     in_ratio = width / height  # fallback: centre crop of the whole image at a clamped aspect
     if in_ratio < RATIO[0]:
-        w, h = width, int(round(width / RATIO[0]))
+        w, h = width, round(width / RATIO[0])
     elif in_ratio > RATIO[1]:
-        h, w = height, int(round(height * RATIO[1]))
+        h, w = height, round(height * RATIO[1])
     else:
         w, h = width, height
     return (height - h) // 2, (width - w) // 2, h, w
@@ -408,7 +408,7 @@ def run_child(cfg: dict[str, Any], timeout: float) -> list[dict[str, Any]]:
 
     try:
         proc = subprocess.run([sys.executable, __file__, "--child", json.dumps(cfg)], capture_output=True, text=True,
-                              timeout=timeout, cwd=REPO)
+                              timeout=timeout, cwd=REPO, check=False)
     except subprocess.TimeoutExpired as e:
         out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
         lines = [ln for ln in out.strip().splitlines() if ln.startswith("[")]
@@ -430,7 +430,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--rows", nargs="+", default=list(ROWS), choices=ROWS)
     ap.add_argument("--images", type=int, default=None, help="corpus size (default 1024, quick 256)")
     ap.add_argument("--batch-size", type=int, default=64)
-    ap.add_argument("--shards", type=int, default=4, help="tar shards (default 4: ~500 images each, as 256 MB shards of real photos hold thousands)")
+    ap.add_argument("--shards", type=int, default=4,
+                    help="tar shards (default 4: hundreds of images each, as 256 MB shards of real photos hold thousands)")
     ap.add_argument("--reps", type=int, default=None, help="timed epochs per row (default 3, quick 1)")
     ap.add_argument("--data", type=Path, default=Path(tempfile.gettempdir()) / "fastdata-bench-decode")
     ap.add_argument("--budget", type=float, default=None, help="seconds; configurations past it are skipped")

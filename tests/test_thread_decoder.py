@@ -18,8 +18,7 @@ import torch
 from fastdata.cli._synth import jpeg_bytes, synth_image
 from fastdata.dataset import ShardedDataset, ShuffleOptions
 from fastdata.errors import DecodeError
-from fastdata.loader import DataLoader
-from fastdata.loader import _threads
+from fastdata.loader import DataLoader, _threads
 from fastdata.shards.writer import ShardWriter
 from fastdata.transforms import ResizeCenterCrop
 
@@ -103,7 +102,7 @@ def test_threads_equal_worker_path(shards, num_workers, drop_last, batch_size):
 @pytest.mark.parametrize("rank", [0, 1])
 def test_threads_equal_worker_path_ranks_padding_and_samples_per_epoch(shards, rank):
     for extra in ({"even": "pad"}, {"samples_per_epoch": 60}):
-        make = lambda: _make(shards, rank=rank, world_size=4, **extra)  # noqa: E731
+        make = lambda extra=extra: _make(shards, rank=rank, world_size=4, **extra)  # noqa: E731
         kw = dict(batch_size=3, num_workers=3)
         assert_same(_epoch(DataLoader(make(), decode_threads=2, **kw), "threads"),
                     _epoch(DataLoader(make(), **kw), "workers"))
@@ -373,7 +372,7 @@ def test_cache_is_filled_from_threads_then_served_by_the_fast_path(shards, tmp_p
     ref = _epoch(DataLoader(_make(shards), **kw), "workers")
     dl = DataLoader(make(), decode_threads=2, **kw)
     first = _epoch(dl, "threads")  # fills the store from two threads
-    assert [list(b) for b in first][0] == ["__key__", "cls", "txt", "jpg"]  # cache order of keys
+    assert list(first[0]) == ["__key__", "cls", "txt", "jpg"]  # cache order of keys
     again = _epoch(dl, "cached")
     assert_same(again, first)
     for a, b in zip(first, ref):
@@ -470,7 +469,8 @@ def test_hdf5_shards(tmp_path):
             w.write({"__key__": f"s{i:04d}", "jpg": jpeg_bytes(img, 90), "cls": i})
     make = lambda: _make(tmp_path / "h5")  # noqa: E731
     kw = dict(batch_size=4, num_workers=2)
-    assert_same(_epoch(DataLoader(make(), decode_threads=3, **kw), "threads"), _epoch(DataLoader(make(), **kw), "workers"))
+    assert_same(_epoch(DataLoader(make(), decode_threads=3, **kw), "threads"),
+                _epoch(DataLoader(make(), **kw), "workers"))
 
 
 def test_timeout_like_torch(shards):

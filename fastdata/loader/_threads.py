@@ -61,7 +61,7 @@ import time
 import warnings
 import weakref
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any
 
@@ -330,7 +330,7 @@ class _Layout:
     """The fields of a sample written in place: top-level tensors (big enough) of a plain dict,
     tuple or list (``default_collate`` turns a tuple sample into a list batch)."""
 
-    __slots__ = ("kind", "length", "fields")
+    __slots__ = ("fields", "kind", "length")
 
     def __init__(self, kind: type, length: int, fields: Spec):
         self.kind, self.length, self.fields = kind, length, fields
@@ -386,7 +386,7 @@ def _write(sample: Any, layout: _Layout, bufs: dict[Any, torch.Tensor], row: int
 class _Item:
     """One sample's outcome: the sample (None: skipped), where it was written, or the error."""
 
-    __slots__ = ("pos", "g", "sample", "written", "error")
+    __slots__ = ("error", "g", "pos", "sample", "written")
 
     def __init__(self, pos: int, g: int, sample: Any = None, written: int = -1, error: BaseException | None = None):
         self.pos, self.g, self.sample, self.written, self.error = pos, g, sample, written, error
