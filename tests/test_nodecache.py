@@ -231,3 +231,21 @@ def test_limit_below_the_open_readers_fails_fast(served, tmp_path):
         with pytest.raises(RemoteError, match="this process has open"):
             list(ds)
         assert time.monotonic() - t0 < 30
+
+
+def test_hdf5_shards_through_the_node_cache(tmp_path):
+    pytest.importorskip("h5py")
+    with ShardWriter(tmp_path / "www" / "h5", format="hdf5", max_samples=5) as w:
+        for i in range(17):
+            w.write({"__key__": f"k{i:03d}", "cls": i, "x.npy": np.full((3,), i, dtype=np.int16)})
+    with LoopbackServer(tmp_path / "www", ranges=False, max_requests=200, lifetime=60) as srv:
+        remote = ShardedDataset(RemoteShards(srv.url + "/h5", cache_dir=tmp_path / "nc"), shuffle=True, seed=2)
+        local = ShardedDataset(tmp_path / "www" / "h5", shuffle=True, seed=2)
+        got, want = list(remote), list(local)
+        assert [s["__key__"] for s in got] == [s["__key__"] for s in want]
+        assert all(np.array_equal(a["x.npy"], b["x.npy"]) and a["cls"] == b["cls"] for a, b in zip(got, want))
+        assert set(_shard_gets_any(srv).values()) == {1}
+
+
+def _shard_gets_any(srv: LoopbackServer) -> dict[str, int]:
+    return {p: c for p, c in srv.counts.items() if not p.endswith("manifest.json")}
