@@ -161,3 +161,30 @@ def test_no_typed_option_of_any_command_names_an_internal_function(capsys):
         assert not any("_" in n for n in names), f"{' '.join(path)} {action.option_strings[-1]}: {err.strip()}"
         checked += 1
     assert checked >= 10
+
+
+def test_plot_draws_throughput_and_stall_timeline(tmp_path):
+    """benchmarks/plot.py on a demo JSON (from a tiny run) and a loader_throughput-shaped JSON."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    pytest.importorskip("matplotlib")
+    spec = importlib.util.spec_from_file_location("plot", Path(__file__).resolve().parents[1] / "benchmarks/plot.py")
+    plot = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plot)
+    demo = tmp_path / "demo.json"
+    assert main(["demo", "--dir", str(tmp_path / "w"), "--images", "32", "--workers", "0", "--epochs", "2",
+                 "--batch-size", "16", "--json", str(demo)]) == 0
+    loader = tmp_path / "loader.json"
+    loader.write_text(json.dumps({"benchmark": "loader_throughput", "config": {"workers": 2, "batch_size": 64},
+                                  "machine": {"cpus": 2, "torch": "x"},
+                                  "results": {"fastdata": {"images_per_s": 5.0}, "webdataset": {"images_per_s": 4.0}}}))
+    written = plot.main(["--out", str(tmp_path / "png"), str(demo), str(loader)])
+    assert sorted(p.name for p in written) == ["stall_timeline_demo.png", "throughput_demo.png",
+                                               "throughput_loader_throughput.png"]
+    assert all(p.read_bytes().startswith(b"\x89PNG") for p in written)
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"benchmark": "other"}')
+    with pytest.raises(SystemExit, match="not a known benchmark JSON"):
+        plot.main(["--out", str(tmp_path / "png"), str(bad)])
