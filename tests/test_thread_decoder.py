@@ -483,3 +483,14 @@ def test_timeout_like_torch(shards):
         next(iter(dl))
     gc.collect()
     assert _decode_threads_alive() == []
+
+
+def test_dtypes_numpy_lacks_are_written_by_torch(shards):
+    def to_bf16(s: dict[str, Any]) -> dict[str, Any]:
+        return {"x": s["jpg"].to(torch.bfloat16), "k": s["__key__"]}
+
+    make = lambda: _make(shards, sample_transform=to_bf16)  # noqa: E731
+    kw = dict(batch_size=4, num_workers=2)
+    got = _epoch(DataLoader(make(), decode_threads=2, **kw), "threads")
+    assert got[0]["x"].dtype == torch.bfloat16
+    assert_same(got, _epoch(DataLoader(make(), **kw), "workers"))

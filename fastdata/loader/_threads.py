@@ -369,16 +369,31 @@ class _Layout:
                 for i in range(self.length)]
 
 
-def _write(sample: Any, layout: _Layout, bufs: dict[Any, torch.Tensor], row: int) -> bool:
+Rows = tuple[dict[Any, torch.Tensor], dict[Any, "np.ndarray | None"]]  # a batch's buffers and NumPy views
+
+
+def _rows(bufs: dict[Any, torch.Tensor]) -> Rows:
+    """The buffers with their NumPy views, made once per batch (None for dtypes NumPy lacks)."""
+    arrays: dict[Any, np.ndarray | None] = {}
+    for key, t in bufs.items():
+        try:
+            arrays[key] = t.numpy()
+        except TypeError:  # bfloat16
+            arrays[key] = None
+    return bufs, arrays
+
+
+def _write(sample: Any, layout: _Layout, rows: Rows, row: int) -> bool:
     """Copy the sample's in-place fields into ``row``; False when the sample does not fit the layout."""
+    bufs, arrays = rows
     if not layout.fits(sample, bufs):
         return False
-    for key, buf in bufs.items():
+    for key, arr in arrays.items():
         v = sample[key]
-        try:  # NumPy copies without the GIL and without torch's intra-op threads
-            np.copyto(buf[row].numpy(), v.numpy())
-        except TypeError:  # a dtype NumPy lacks (bfloat16): torch's copy
-            buf[row].copy_(v)
+        if arr is not None:  # NumPy copies without the GIL and without torch's intra-op threads
+            np.copyto(arr[row], v.numpy())
+        else:
+            bufs[key][row].copy_(v)
     return True
 
 
@@ -392,7 +407,7 @@ class _Item:
         self.pos, self.g, self.sample, self.written, self.error = pos, g, sample, written, error
 
 
-Dest = tuple[_Layout, dict[Any, torch.Tensor], int, int]  # (layout, batch buffers, row, predicted ordinal)
+Dest = tuple[_Layout, Rows, int, int]  # (layout, batch buffers, row, predicted ordinal)
 
 
 def _load_chunk(cursor: Any, items: list[tuple[int, int, int, int]], dests: list[Dest | None]) -> list[_Item]:
@@ -426,7 +441,7 @@ class _Walk:
         self.in_flight = 0  # samples dispatched and not consumed
         self.taken = 0  # samples consumed into batches (true ordinal of the next one)
         self.predicted = 0  # predicted ordinal of the next dispatched sample
-        self.buffers: dict[int, dict[str, torch.Tensor]] = {}  # batch ordinal -> its buffers
+        self.buffers: dict[int, Rows] = {}  # batch ordinal -> its buffers
 
     @property
     def left(self) -> int:
@@ -564,10 +579,10 @@ class ThreadBatches:
         if self._layout is None or not self._inplace:
             return None
         b = ordinal // self._b
-        bufs = walk.buffers.get(b)
-        if bufs is None:
-            bufs = walk.buffers[b] = self._buffers.take(self._layout.fields, self._b)
-        return self._layout, bufs, ordinal % self._b, ordinal
+        rows = walk.buffers.get(b)
+        if rows is None:
+            rows = walk.buffers[b] = _rows(self._buffers.take(self._layout.fields, self._b))
+        return self._layout, rows, ordinal % self._b, ordinal
 
     # -- consumption
     def _next_item(self, walk: _Walk) -> _Item | None:
@@ -626,17 +641,17 @@ class ThreadBatches:
     def _assemble(self, walk: _Walk, rows: list[tuple[Any, bool]]) -> Any:
         b = (walk.taken - len(rows)) // self._b  # batches start at multiples of batch_size
         samples = [s for s, _ in rows]
-        bufs = walk.buffers.pop(b, None)
+        buffers = walk.buffers.pop(b, None)
         layout = self._layout
         if not self._inplace or layout is None:
-            if bufs is not None:
-                self._buffers.release(bufs)
+            if buffers is not None:
+                self._buffers.release(buffers[0])
             return self._pinned(self._collate(samples))
-        if bufs is None:
-            bufs = self._buffers.take(layout.fields, self._b)
+        if buffers is None:
+            buffers = _rows(self._buffers.take(layout.fields, self._b))
         try:
             for j, (s, in_place) in enumerate(rows):
-                if not in_place and not _write(s, layout, bufs, j):
+                if not in_place and not _write(s, layout, buffers, j):
                     batch = default_collate(samples)  # torch's error for samples that do not match
                     # they matched each other: the layout (e.g. carried from an epoch with another
                     # transform) is stale; the next dispatches use theirs
@@ -646,15 +661,15 @@ class ThreadBatches:
             copied = sum(not in_place for _, in_place in rows)
             self._copied += copied
             self._in_place += len(rows) - copied
-            return layout.collate(samples, bufs, self._pinned)
+            return layout.collate(samples, buffers[0], self._pinned)
         finally:
-            self._buffers.release(bufs)
+            self._buffers.release(buffers[0])
 
     def _pinned(self, value: Any) -> Any:
         return _pin_memory(value, self._pin) if self._pin is not None else value
 
     def _discard(self, walk: _Walk) -> None:
-        for bufs in walk.buffers.values():
+        for bufs, _ in walk.buffers.values():
             self._buffers.release(bufs)
         walk.buffers.clear()
 
