@@ -284,8 +284,14 @@ def _run(tasks: deque[Any], cv: threading.Condition, should_stop: Callable[[], b
 Spec = dict[Any, tuple[tuple[int, ...], torch.dtype]]  # field (dict key or tuple index) -> (shape, dtype)
 
 
+_USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)
+
+
 def _storage_users(t: torch.Tensor) -> int:
-    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+    """References to ``t``'s storage (-1 where this torch cannot tell: then nothing is reused)."""
+    if _USE_COUNT is None:
+        return -1
+    return _USE_COUNT(t.untyped_storage()._cdata)
 
 
 class _Buffers:
@@ -309,7 +315,7 @@ class _Buffers:
             return torch.empty(shape, dtype=dtype, pin_memory=True)
         ring = self._ring.setdefault((name, shape, dtype), [])
         for t, base in ring:
-            if id(t) not in self._busy and _storage_users(t) == base:
+            if base >= 0 and id(t) not in self._busy and _storage_users(t) == base:
                 self._busy.add(id(t))
                 return t
         t = torch.empty(shape, dtype=dtype)
