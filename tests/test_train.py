@@ -275,6 +275,9 @@ def test_evaluate_means_over_uneven_batches_with_one_transfer(monkeypatch):
     assert res["samples"] == 23
     assert res["loss"] == pytest.approx(want_loss, rel=1e-5)
     assert res["acc"] == pytest.approx(want_acc) and res["top2"] == pytest.approx(want_top2)
+    unreduced = lambda o, t: torch.nn.functional.cross_entropy(o, t, reduction="none")  # noqa: E731
+    per_sample = evaluate(model, batches, loss_fn=unreduced, metrics={}, input_key="x", target_key="y")
+    assert per_sample["loss"] == pytest.approx(want_loss, rel=1e-5)
     assert evaluate(model, batches, input_key="x", target_key="y", max_batches=1)["samples"] == 8
     assert set(evaluate(model, batches, input_key="x", target_key="y")) == {"accuracy", "samples"}
 
@@ -300,13 +303,13 @@ def test_evaluate_rejects_bad_metrics():
 
     model = torch.nn.Linear(2, 2)
     batches = [(torch.randn(4, 2), torch.tensor([0, 1, 0, 1]))]
-    with pytest.raises(ValueError, match=r"metric 'bad' returned shape \(3,\)"):
+    with pytest.raises(ValueError, match=r"'bad' returned shape \(3,\)"):
         evaluate(model, batches, metrics={"bad": lambda o, t: torch.ones(3)})
     with pytest.raises(ValueError, match="metric names must differ"):
         evaluate(model, batches, loss_fn=torch.nn.functional.cross_entropy, metrics={"loss": lambda o, t: o})
     with pytest.raises(ValueError, match="metric names must differ"):
         evaluate(model, batches, metrics={"samples": lambda o, t: o})
-    with pytest.raises(ValueError, match="metric 'x' must return a tensor, got float"):
+    with pytest.raises(ValueError, match="'x' must return a tensor, got float"):
         evaluate(model, batches, metrics={"x": lambda o, t: 1.0})
     with pytest.raises(ValueError, match="the batches were empty"):
         evaluate(model, [])

@@ -58,11 +58,11 @@ def _batch_size(targets: Any, inputs: Any) -> int:
 def _batch_sum(name: str, value: Any, n: int) -> torch.Tensor:
     """A metric's per-sample values (shape ``(n,)``) or batch mean (a scalar) as a batch sum."""
     if not isinstance(value, torch.Tensor):
-        raise ValueError(f"metric {name!r} must return a tensor, got {type(value).__name__}")
+        raise ValueError(f"{name!r} must return a tensor, got {type(value).__name__}")
     if value.dim() == 0:
         return value.float() * n
     if value.shape[0] != n:
-        raise ValueError(f"metric {name!r} returned shape {tuple(value.shape)}; expected a scalar (the batch "
+        raise ValueError(f"{name!r} returned shape {tuple(value.shape)}; expected a scalar (the batch "
                          f"mean) or per-sample values with first dimension {n}")
     return value.float().sum()
 
@@ -91,7 +91,8 @@ def evaluate(
         model: evaluated in ``eval()`` mode (its previous mode is restored afterwards).
         batches: a ``CUDAPrefetcher``, or any loader, which is then wrapped in one on the model's
             device with ``transform`` (e.g. ``Normalize``).
-        loss_fn: a mean-reducing loss (``cross_entropy``); reported as ``"loss"``, weighted by batch size.
+        loss_fn: a loss returning the batch mean (``cross_entropy``) or per-sample values
+            (``reduction="none"``); reported as ``"loss"``, the mean over all samples.
         metrics: name -> ``fn(outputs, targets)`` returning per-sample values (shape ``(N,)``) or a
             batch mean; reported as means over all samples. Default: ``{"accuracy": accuracy}``
             when ``loss_fn`` is None, else none.
@@ -130,7 +131,7 @@ def evaluate(
             n = _batch_size(targets, inputs)
             with autocast(mode, device):
                 outputs = model(inputs)
-                values = [loss_fn(outputs, targets).float() * n] if loss_fn is not None else []
+                values = [_batch_sum("loss", loss_fn(outputs, targets), n)] if loss_fn is not None else []
                 values += [_batch_sum(name, fn(outputs, targets), n) for name, fn in metrics.items()]
             if values:
                 sums += torch.stack(values).to(torch.float64)
