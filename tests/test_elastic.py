@@ -228,3 +228,46 @@ def test_elastic_other_epoch_options(shards, options):
             n += 1
         batches.append(n)
     assert seen == full and len(set(batches)) == 1
+
+
+def test_elastic_on_the_cached_fast_path(tmp_path):
+    """Epochs served from the preprocessing cache (no worker processes) resize exactly once too."""
+    import numpy as np
+
+    from fastdata.cli._synth import jpeg_bytes, synth_image
+    from fastdata.shards.writer import ShardWriter
+    from fastdata.transforms import ResizeCenterCrop
+
+    rng = np.random.default_rng(0)
+    with ShardWriter(tmp_path / "ds", max_samples=7) as w:
+        for i in range(40):
+            w.write({"__key__": f"k{i:03d}", "jpg": jpeg_bytes(synth_image(rng, 32, 32), 90), "cls": str(i).encode()})
+
+    def loader(rank, world):
+        ds = ShardedDataset(tmp_path / "ds", shuffle=True, seed=1, rank=rank, world_size=world,
+                            preprocess=ResizeCenterCrop(16), cache=tmp_path / "cache")
+        return DataLoader(ds, batch_size=4, num_workers=2)
+
+    loader(0, 2).dataset.build_cache()
+    full = Counter(int(c) for r in range(2) for b in loader(r, 2) for c in b["cls"])
+    seen: Counter = Counter()
+    states = []
+    for r in range(2):
+        old = loader(r, 2)
+        it = iter(old)
+        for _ in range(2):
+            seen.update(int(c) for c in next(it)["cls"])
+        assert old.last_path == "cached"
+        states.append(old.state_dict())
+        del it
+    batches = []
+    for r in range(3):
+        new = loader(r, 3)
+        new.load_state_dict(states)
+        n = 0
+        for b in new:
+            seen.update(int(c) for c in b["cls"])
+            n += 1
+        assert new.last_path == "cached"
+        batches.append(n)
+    assert seen == full and len(set(batches)) == 1
