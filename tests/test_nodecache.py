@@ -249,3 +249,15 @@ def test_hdf5_shards_through_the_node_cache(tmp_path):
 
 def _shard_gets_any(srv: LoopbackServer) -> dict[str, int]:
     return {p: c for p, c in srv.counts.items() if not p.endswith("manifest.json")}
+
+
+def test_forked_workers_after_in_process_reading_take_their_own_locks(served, tmp_path):
+    with LoopbackServer(served, ranges=False, max_requests=500, lifetime=60) as srv:
+        ds = ShardedDataset(RemoteShards(srv.url + "/ds", cache_dir=tmp_path, prefetch=0), decode=False)
+        it = iter(ds)
+        next(it)  # this process now holds an open reader (and its use lock) of the first shard
+        loader = DataLoader(ds, batch_size=8, num_workers=2, collate_fn=lambda xs: [s["cls"] for s in xs],
+                            multiprocessing_context="fork")
+        got = sorted(int(c) for b in loader for c in b)
+        assert got == list(range(48))
+        del it

@@ -192,10 +192,14 @@ class _CachedShard:
         self._cache, self._i, self._fmt = cache, i, fmt
         self.path = cache.url(i)
         self._inner: Any = None
+        self._pid: int | None = None
 
     def _open(self) -> Any:
+        if self._inner is not None and self._pid != os.getpid():
+            self._inner = None  # inherited through fork: the parent's reader and use lock stay the parent's
         if self._inner is None:
             local = self._cache.acquire(self._i)
+            self._pid = os.getpid()
             try:
                 if self._fmt == "tar":
                     from fastdata.shards.tar import TarShardReader
@@ -225,7 +229,7 @@ class _CachedShard:
 
     def close(self) -> None:
         inner, self._inner = self._inner, None
-        if inner is not None:
+        if inner is not None and self._pid == os.getpid():
             try:
                 inner.close()
             finally:
@@ -238,7 +242,8 @@ class _CachedShard:
         self.close()
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"_cache": self._cache, "_i": self._i, "_fmt": self._fmt, "path": self.path, "_inner": None}
+        return {"_cache": self._cache, "_i": self._i, "_fmt": self._fmt, "path": self.path, "_inner": None,
+                "_pid": None}
 
 
 class _NodeCacheOpener:
