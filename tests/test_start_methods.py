@@ -36,8 +36,13 @@ def folder(tmp_path_factory):
     dest = tmp_path_factory.mktemp("sm") / "d"
     with ShardWriter(dest, max_samples=16) as w:
         for i in range(64):
-            w.write({"__key__": f"s{i:03d}", "cls": i % 10, "png": png(i) if i % 21 != 20 else b"corrupt"})
+            w.write({"__key__": f"s{i:03d}", "cls": i % 10, "png": b"corrupt" if i in BAD else png(i)})
     return dest
+
+
+# each of 2 workers reads 32 samples in order: its last two are corrupt, so with batches of 5 they are
+# skipped after its last batch (the case that went unreported), plus one in the middle
+BAD = {20, 30, 31, 62, 63}
 
 
 def keys(batches) -> list[str]:
@@ -46,9 +51,9 @@ def keys(batches) -> list[str]:
 
 @pytest.mark.parametrize("method", PARAMS)
 def test_epoch_resume_and_skips(folder, method):
-    ds = ShardedDataset(folder, shuffle=True, seed=3, on_error="skip")
+    ds = ShardedDataset(folder, on_error="skip")
     want = keys(DataLoader(ds, batch_size=5, num_workers=0))
-    bad = {"s020", "s041", "s062"}
+    bad = {f"s{i:03d}" for i in BAD}
     assert set(want) == {f"s{i:03d}" for i in range(64)} - bad
     ds.skipped.clear()
     loader = DataLoader(ds, batch_size=5, num_workers=2, multiprocessing_context=method)
@@ -56,7 +61,7 @@ def test_epoch_resume_and_skips(folder, method):
     head = keys([next(it) for _ in range(3)])
     state = loader.state_dict()
     del it
-    ds2 = ShardedDataset(folder, shuffle=True, seed=3, on_error="skip")
+    ds2 = ShardedDataset(folder, on_error="skip")
     loader2 = DataLoader(ds2, batch_size=5, num_workers=2, multiprocessing_context=method)
     loader2.load_state_dict(state)
     tail = keys(loader2)
@@ -82,7 +87,7 @@ def test_early_stops_do_not_abort_workers(folder, method, capfd):
     pf.close()  # early stop behind a prefetcher
     del pit
     # the next loop is whole and no worker died of a signal
-    assert sum(len(b["__key__"]) for b in loader) == 61
+    assert sum(len(b["__key__"]) for b in loader) == 64 - len(BAD)
     err = capfd.readouterr().err
     assert "terminate called" not in err and "Aborted" not in err and "killed by signal" not in err
 
@@ -116,7 +121,7 @@ def test_no_fork_while_a_prefetch_thread_is_alive(folder):
         pf = fastdata.CUDAPrefetcher(DataLoader(ds, batch_size=8, num_workers=2, multiprocessing_context="fork"),
                                      device="cpu")
         for _ in range(3):
-            assert sum(len(b["__key__"]) for b in pf) == 61
+            assert sum(len(b["__key__"]) for b in pf) == 64 - len(BAD)
         pf.close()
     finally:
         recorded, _FORKS = _FORKS, None
