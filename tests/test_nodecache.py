@@ -261,3 +261,16 @@ def test_forked_workers_after_in_process_reading_take_their_own_locks(served, tm
         got = sorted(int(c) for b in loader for c in b)
         assert got == list(range(48))
         del it
+
+
+def _cls_batch(samples):
+    return [int(s["cls"]) for s in samples]
+
+
+@pytest.mark.slow
+def test_spawned_workers_share_the_node_cache(served, tmp_path):
+    with LoopbackServer(served, ranges=False, max_requests=500, lifetime=90) as srv:
+        ds = ShardedDataset(RemoteShards(srv.url + "/ds", cache_dir=tmp_path), shuffle=True, decode=False)
+        loader = DataLoader(ds, batch_size=8, num_workers=2, collate_fn=_cls_batch, multiprocessing_context="spawn")
+        assert sorted(c for b in loader for c in b) == list(range(48))
+        assert set(_shard_gets(srv).values()) == {1} and len(_shard_gets(srv)) == 12
