@@ -69,6 +69,10 @@ def test_readme_python_blocks_run_as_written(readme_folder, monkeypatch, capsys)
     monkeypatch.chdir(readme_folder)
     monkeypatch.setenv("HOME", str(readme_folder))
     monkeypatch.setenv("XDG_CACHE_HOME", str(readme_folder / ".cache"))
+    import torch
+
+    # the headline's TrainStep(tf32=True) changes process-wide flags on a GPU: restore them afterwards
+    matmul, cudnn = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
     headline: dict = {"__name__": "__readme__"}
     namespaces = []
     try:
@@ -89,6 +93,8 @@ def test_readme_python_blocks_run_as_written(readme_folder, monkeypatch, capsys)
                     value.close()
             namespace.clear()
         gc.collect()
+        torch.set_float32_matmul_precision(matmul)
+        torch.backends.cudnn.allow_tf32 = cudnn
     out = capsys.readouterr().out
     assert "epoch 1 step 0 loss" in out  # the headline loop trained two epochs
     assert (readme_folder / "checkpoint.pt").is_file()

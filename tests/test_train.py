@@ -215,7 +215,7 @@ def test_real_ddp_gloo_skips_allreduce_until_the_last_micro_step(tmp_path):
 
 
 # ----- tf32, random stream, evaluate ---------------------------------------------------------------------
-def test_tf32_is_a_cuda_setting_and_leaves_the_cpu_alone():
+def test_tf32_is_a_cuda_setting_and_leaves_the_cpu_alone(restore_tf32):
     from fastdata.train._precision import enable_tf32
 
     before = torch.get_float32_matmul_precision()
@@ -318,9 +318,18 @@ def test_evaluate_rejects_bad_metrics():
 
 
 # ----- CUDA ------------------------------------------------------------------------------------------------
+@pytest.fixture
+def restore_tf32():
+    """tf32=True changes process-wide flags: put them back for the tests that follow."""
+    matmul, cudnn = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
+    yield
+    torch.set_float32_matmul_precision(matmul)
+    torch.backends.cudnn.allow_tf32 = cudnn
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("precision", ["bf16", "fp32"])
-def test_train_step_makes_no_host_sync(precision):
+def test_train_step_makes_no_host_sync(precision, restore_tf32):
     from fastdata.gpu import Normalize
 
     model = _conv_model().cuda().to(memory_format=torch.channels_last)
@@ -344,9 +353,11 @@ def test_train_step_makes_no_host_sync(precision):
 
 
 @pytest.mark.cuda
-def test_evaluate_on_cuda_matches_cpu():
+def test_evaluate_on_cuda_matches_cpu(restore_tf32):
     from fastdata.train import evaluate
 
+    torch.set_float32_matmul_precision("highest")  # plain fp32 on the GPU too (no TF32 rounding)
+    torch.backends.cudnn.allow_tf32 = False
     model = _conv_model()
     g = torch.Generator().manual_seed(2)
     batches = [(torch.rand(4, 3, 8, 8, generator=g), torch.randint(0, 4, (4,), generator=g)) for _ in range(3)]
