@@ -186,7 +186,7 @@ class ShardedDataset(IterableDataset):
             raise ValueError("max_skips as a fraction needs the epoch's size: a streaming source needs "
                              "samples_per_epoch= (or pass a count)")
         if fields is not None and self.source.fields is not None:
-            unknown = sorted(set(fields) - set(self.source.fields))
+            unknown = sorted(f for f in set(fields) - set(self.source.fields) if not f.startswith("__"))
             if unknown:
                 raise ValueError(f"fields={list(fields)!r}: {unknown} not in this dataset; available fields: "
                                  f"{list(self.source.fields)}")
