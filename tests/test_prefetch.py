@@ -854,7 +854,7 @@ def test_seamless_epochs_keep_wait_p99_small(seamless: bool) -> None:
         got = []
         for b in pf:
             got.append(int(b[0]))
-            time.sleep(0.03)  # compute: 2 batches ahead = 60 ms of slack > 40 ms start-up
+            time.sleep(0.04)  # compute: 2 batches ahead = 80 ms of slack > 40 ms start-up
         assert got == list(range(8))
         if epoch == 0:
             pf.reset_stats()  # the first epoch's start-up cannot be hidden
@@ -867,7 +867,8 @@ def test_seamless_epochs_keep_wait_p99_small(seamless: bool) -> None:
     else:
         assert s["wait_p99_s"] > 0.03, s  # each epoch start waits for the start-up
         assert s["lookahead_epochs"] == 0
-    assert loader.iters == (5 if seamless else 4)  # seamless: the fifth epoch was started ahead
+    # seamless: the fifth epoch is started ahead, unless close() came first
+    assert loader.iters in ((4, 5) if seamless else (4,))
 
 
 class _EpochLoader:
