@@ -889,13 +889,20 @@ class _EpochLoader:
         return iter([(e, i) for i in range(self.n)])
 
 
+def _wait_for(cond, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.005)
+
+
 def test_set_epoch_drives_the_lookahead() -> None:
     loader = _EpochLoader()
     pf = CUDAPrefetcher(loader, device="cpu", depth=2)
     for epoch in range(4):
         pf.set_epoch(epoch)
         assert list(pf) == [(epoch, i) for i in range(5)]
-    time.sleep(0.1)
+    _wait_for(lambda: len(loader.calls) == 5)
     assert pf.stats()["lookahead_epochs"] >= 3 and pf.stats()["lookahead_discarded"] == 0
     assert loader.calls == [0, 1, 2, 3, 4]  # each epoch set once; 4 = the one started ahead
     pf.set_epoch(9)  # not the one started ahead: discarded, restarted with 9
@@ -913,7 +920,7 @@ def test_loader_set_epoch_behind_the_prefetcher_discards_the_lookahead() -> None
     loader = _EpochLoader()
     pf = CUDAPrefetcher(loader, device="cpu", depth=2)
     assert list(pf) == [(0, i) for i in range(5)]
-    time.sleep(0.05)  # epoch 0 again was started ahead (no set_epoch: the same epoch)
+    _wait_for(lambda: pf.stats()["lookahead_epochs"] == 1)  # epoch 0 again started ahead (no set_epoch)
     loader.set_epoch(1)
     with pytest.warns(RuntimeWarning, match=r"call CUDAPrefetcher.set_epoch\(\)|Call CUDAPrefetcher.set_epoch"):
         assert list(pf) == [(1, i) for i in range(5)]
@@ -1043,7 +1050,7 @@ def test_driven_epochs_then_loader_set_epoch_directly() -> None:
     pf = CUDAPrefetcher(loader, device="cpu")
     pf.set_epoch(0)
     assert list(pf) == [(0, i) for i in range(3)]
-    time.sleep(0.05)  # epoch 1 started ahead
+    _wait_for(lambda: pf.stats()["lookahead_epochs"] == 1)  # epoch 1 started ahead
     loader.set_epoch(5)  # behind the prefetcher's back
     with pytest.warns(RuntimeWarning, match="discarded and restarted"):
         assert list(pf) == [(5, i) for i in range(3)]
