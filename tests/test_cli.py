@@ -187,3 +187,20 @@ def test_plot_draws_throughput_and_stall_timeline(tmp_path):
     bad.write_text('{"benchmark": "other"}')
     with pytest.raises(SystemExit, match="not a known benchmark JSON"):
         plot.main(["--out", str(tmp_path / "png"), str(bad)])
+
+
+def test_demo_model_without_a_working_torchvision_says_why(capsys, monkeypatch):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_torchvision(name, *args, **kwargs):
+        if name.startswith("torchvision"):
+            raise ImportError("No module named 'torchvision'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_torchvision)
+    assert main(["demo", "--images", "16", "--batch-size", "16", "--workers", "0", "--model", "resnet18"]) == 1
+    out = capsys.readouterr()
+    assert "--model resnet18: torchvision is not installed" in out.err
+    assert "generating" not in out.out  # refused before any work

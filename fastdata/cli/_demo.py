@@ -130,11 +130,14 @@ def _small_model() -> torch.nn.Module:
     )
 
 
-def _torchvision_model(name: str) -> torch.nn.Module | None:
+def _torchvision_model(name: str) -> torch.nn.Module | str:
+    """The torchvision model, or why torchvision cannot give it here."""
     try:
         import torchvision.models
-    except Exception:  # noqa: BLE001  missing or mismatched with torch (import raises RuntimeError then)
-        return None
+    except ImportError:
+        return "torchvision is not installed (pip install torchvision)"
+    except Exception as e:  # noqa: BLE001  installed but built for another torch: the import raises RuntimeError
+        return f"torchvision does not import here ({type(e).__name__}: {e})"
     return getattr(torchvision.models, name)(num_classes=NUM_CLASSES)
 
 
@@ -146,12 +149,12 @@ def build_model(name: str, device: torch.device) -> tuple[str, torch.nn.Module]:
         raise ValueError(f"model must be one of {MODELS}, got {name!r}")
     if name == "auto":
         name = "resnet18" if device.type == "cuda" else "small"
-        if name == "resnet18" and _torchvision_model(name) is None:
+        if name == "resnet18" and isinstance(_torchvision_model(name), str):
             name = "small"
     torch.manual_seed(0)
     model = _small_model() if name == "small" else _torchvision_model(name)
-    if model is None:
-        raise ValueError(f"--model {name} needs torchvision (pip install torchvision)")
+    if isinstance(model, str):
+        raise ValueError(f"--model {name}: {model}")
     model = model.to(device)
     if device.type == "cuda":
         model = model.to(memory_format=torch.channels_last)
@@ -407,9 +410,9 @@ def run_demo(*, workdir: str | None, num_images: int, num_workers: int | None, e
     if num_images < batch_size:
         raise ValueError(f"--images ({num_images}) must be at least --batch-size ({batch_size})")
     t_all = time.perf_counter()
+    model_name, m = build_model(model, device)  # before any work: a model that cannot be built fails now
     with _workdir(workdir) as root:
         shards, _ = _make_shards(root, num_images, workers, show_paths=workdir is not None)
-        model_name, m = build_model(model, device)
         precision = "bf16 autocast" if device.type == "cuda" and torch.cuda.is_bf16_supported() else (
             "fp16 autocast" if device.type == "cuda" else "fp32")
         params = sum(p.numel() for p in m.parameters())
