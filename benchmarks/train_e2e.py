@@ -321,6 +321,8 @@ def main(argv: list[str] | None = None) -> int:
                     r["share_of_resident"] = r["images_per_s"] / base
                 report["results"].append(r)
                 print(_row(r), flush=True)
+                if args.json:  # after every run: a time limit that stops the script keeps what was measured
+                    args.json.write_text(json.dumps(report, indent=1))
                 gc.collect()  # the variant's loader and its workers go before the next one starts
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
