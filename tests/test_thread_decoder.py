@@ -239,6 +239,9 @@ def _worker_error_batch(bad_shards: Path) -> int:
 
 def test_errors_reach_the_consumer_at_the_same_batch_with_traceback(bad_shards):
     expected = _worker_error_batch(bad_shards)
+    # the failed worker-path iterator is cyclic garbage whose __del__ joins worker processes for
+    # seconds; collected now, not by a garbage collection that happens to run in a decode thread
+    gc.collect()
     count = 0
     with pytest.raises(DecodeError, match=r"s0005.*'jpg'") as info:
         for _ in DataLoader(_make(bad_shards, shuffle=False), batch_size=4, num_workers=2, decode_threads=2):
