@@ -1,7 +1,7 @@
 """``fastdata demo``: the before and after, on the same generated data and the same model.
 
 1. photo-like JPEGs in an ImageFolder layout (``_synth``, in worker processes, with progress);
-2. tar shards of them (``tools/shard.py``'s engine), checksums verified;
+2. tar shards of them (``fastdata shard``'s engine), checksums verified;
 3. the same model trained by the same :class:`fastdata.TrainStep` from three input pipelines:
 
    - **torch DataLoader, tuned**: the recipe the tuning guides end with: a map-style Dataset over

@@ -73,7 +73,7 @@ class RemoteShards:
 def _expand(pattern: str) -> list[str]:
     if "{" not in pattern:
         return [pattern]
-    from braceexpand import braceexpand  # installed with webdataset
+    from braceexpand import braceexpand  # a dependency of fastdata (brace patterns)
 
     return list(braceexpand(pattern))
 
@@ -302,7 +302,7 @@ def _from_local_tars(paths: list[str]) -> Source:
             raise FileNotFoundError(f"shard {p}: {e.strerror or e}") from e
         if not local.endswith(".tar"):
             raise ValueError(f"shard {p}: only uncompressed .tar shards can be read without a manifest "
-                             "(use a URL for streaming, or convert with tools/shard.py)")
+                             "(use a URL for streaming, or convert with `fastdata shard`)")
         readers.append(TarShardReader(local))
         ident.append([os.path.abspath(local), st.st_size, st.st_mtime_ns])
     sizes = [len(r) for r in readers]  # sidecar index or header scan
@@ -361,7 +361,7 @@ def resolve_source(source: str | os.PathLike[str] | RemoteShards | Sequence[str 
             if p.is_dir():
                 if not (p / MANIFEST_NAME).is_file():
                     raise FileNotFoundError(f"{p}: no {MANIFEST_NAME} in this folder; pass the folder written by "
-                                            "tools/shard.py or ShardWriter, or a list/brace pattern of tar files")
+                                            "`fastdata shard` or ShardWriter, or a list/brace pattern of tar files")
                 return _from_manifest(p)
             if p.name == MANIFEST_NAME:
                 return _from_manifest(p)
