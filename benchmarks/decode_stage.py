@@ -17,7 +17,8 @@ horizontal flip with probability 1/2, normalise with the ImageNet mean/std), shu
 - ``gpu``: the same shards with images kept encoded (``image_decode="device"``; min(N, 4) workers
   read bytes), decoded, cropped, flipped and normalised on the GPU inside ``CUDAPrefetcher``
   (``fastdata.gpu.Compose(DecodeImages, RandomResizedCrop, RandomHorizontalFlip, Normalize)``);
-  skipped without CUDA or when that API is not in this checkout;
+  skipped without CUDA or when that API is not in this checkout; ``gpu-threads``: the same, with
+  the bytes read by min(N, 4) threads (``decode_threads``) instead of worker processes;
 - ``torchvision``: the usual recipe, ``torchvision.datasets.ImageFolder`` with
   ``RandomResizedCrop(224)``, ``RandomHorizontalFlip()``, ``ToTensor()``, ``Normalize(...)`` in
   ``torch.utils.data.DataLoader(num_workers=N, shuffle=True)`` (normalised in the workers). Where
@@ -52,7 +53,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROWS = ("workers", "threads", "gpu", "torchvision")
+ROWS = ("workers", "threads", "gpu", "gpu-threads", "torchvision")
 SIZE = 224
 SCALE = (0.08, 1.0)
 RATIO = (3 / 4, 4 / 3)
@@ -171,8 +172,8 @@ def _loader(row: str, cfg: dict[str, Any]) -> tuple[Any, Any]:
             return len(x)
 
         return loader, consume
-    if row == "gpu":
-        return _gpu_loader(cfg)
+    if row in ("gpu", "gpu-threads"):
+        return _gpu_loader(cfg, threads=row == "gpu-threads")
     raise ValueError(f"unknown row {row!r}")
 
 
@@ -222,9 +223,10 @@ def _imagefolder(root: str) -> Any:
     return ds
 
 
-def _gpu_loader(cfg: dict[str, Any]) -> tuple[Any, Any]:
-    """decode-gpu's pipeline: encoded JPEGs from min(N, 4) workers, decoded and augmented on the GPU
-    inside ``CUDAPrefetcher``; raises _Skip with the reason when it cannot run here."""
+def _gpu_loader(cfg: dict[str, Any], *, threads: bool = False) -> tuple[Any, Any]:
+    """decode-gpu's pipeline: encoded JPEGs read by min(N, 4) workers (``threads``: by as many
+    threads of this process, ``decode_threads``), decoded and augmented on the GPU inside
+    ``CUDAPrefetcher``; raises _Skip with the reason when it cannot run here."""
     import torch
 
     if cfg["device"] != "cuda":
@@ -240,7 +242,9 @@ def _gpu_loader(cfg: dict[str, Any]) -> tuple[Any, Any]:
         ds = ShardedDataset(cfg["shards"], shuffle=True, fields=["jpg", "cls"], image_decode="device")
     except (ImportError, AttributeError, TypeError, ValueError) as e:
         raise _Skip(f"the GPU decode API of this checkout does not fit: {type(e).__name__}: {e}") from e
-    loader = DataLoader(ds, batch_size=cfg["batch_size"], num_workers=min(cfg["workers"], 4), pin_memory=True)
+    readers = min(cfg["workers"], 4)
+    loader = DataLoader(ds, batch_size=cfg["batch_size"], num_workers=readers, pin_memory=True,
+                        decode_threads=readers if threads else 0)
     prefetcher = CUDAPrefetcher(loader, device="cuda", transform=stage)
 
     def consume(b: Any) -> int:
