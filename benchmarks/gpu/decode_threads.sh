@@ -5,7 +5,8 @@
 #
 # 1. benchmarks/decode_stage.py at 4, 8 and 15 cores (rows pinned to that many cores): worker
 #    processes with Pillow, the thread decoder, GPU decode (decode-gpu's fastdata.gpu stage in
-#    CUDAPrefetcher, min(N, 4) workers reading bytes) and torchvision's usual CPU recipe; images/s
+#    CUDAPrefetcher, min(N, 4) workers reading bytes; gpu-threads: the same bytes read by min(N, 4)
+#    decode_threads instead) and torchvision's usual CPU recipe; images/s
 #    and CPU ms per image, medians of interleaved epochs -> DIR/decode_stage.json. First, one
 #    thread's time per sample and the share of it spent holding the GIL (upper bound; its inverse
 #    bounds the thread decoder's speed-up over one core) -> "gil" in the same JSON.
