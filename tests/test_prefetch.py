@@ -848,6 +848,26 @@ class _SlowStartLoader:
 def test_seamless_epochs_keep_wait_p99_small(seamless: bool) -> None:
     """The loader outpaces compute, but every epoch starts 40 ms late: with seamless epochs the next
     epoch is started while the consumer still works on the last batches, so no wait remains."""
+    _check_seamless_wait(seamless)
+
+
+def test_epochs_started_by_the_consumer_stay_seamless(monkeypatch) -> None:
+    """A loader whose iter() forks (but draws no global RNG): the thread ends after each epoch and the
+    consumer starts the next one at its next next(), while it still has staged batches to take."""
+    from fastdata.prefetch import _prefetcher
+
+    monkeypatch.setattr(_prefetcher, "_iter_hazards", lambda it: (True, False))
+    _check_seamless_wait(True)
+
+
+def test_epochs_of_a_global_rng_loader_start_where_a_plain_loop_starts_them(monkeypatch) -> None:
+    from fastdata.prefetch import _prefetcher
+
+    monkeypatch.setattr(_prefetcher, "_iter_hazards", lambda it: (False, True))
+    _check_seamless_wait(False)
+
+
+def _check_seamless_wait(seamless: bool) -> None:
     loader = _SlowStartLoader(8, startup_s=0.04)
     pf = CUDAPrefetcher(loader, device="cpu", depth=2, seamless=seamless)
     for epoch in range(4):
@@ -869,6 +889,88 @@ def test_seamless_epochs_keep_wait_p99_small(seamless: bool) -> None:
         assert s["lookahead_epochs"] == 0
     # seamless: the fifth epoch is started ahead, unless close() came first
     assert loader.iters in ((4, 5) if seamless else (4,))
+
+
+class _Steps(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 12
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.full((2,), i)
+
+
+def _rng_stream(batches, epochs: int = 3) -> list[float]:
+    """A training loop's use of the global torch RNG (dropout), one draw per batch; slow enough
+    that the prefetcher reaches the end of each epoch while batches are still staged."""
+    out = []
+    for _ in range(epochs):
+        for b in batches:
+            out.append(float(torch.rand(()) + b[0, 0]))
+            time.sleep(0.005)
+    return out
+
+
+@pytest.mark.parametrize("own_generator", [False, True])
+def test_training_rng_stream_is_that_of_a_plain_loop(own_generator: bool) -> None:
+    """torch's DataLoader draws its workers' base seed from the global RNG at iter() unless it has a
+    generator: that draw must happen where a plain loop makes it, not in the thread at a time that
+    depends on thread timing (identical runs would then train differently)."""
+    def loader():
+        return torch.utils.data.DataLoader(
+            _Steps(), batch_size=2, generator=torch.Generator().manual_seed(1) if own_generator else None)
+
+    torch.manual_seed(0)
+    want = _rng_stream(loader())
+    torch.manual_seed(0)
+    pf = CUDAPrefetcher(loader(), device="cpu", depth=2)
+    got = _rng_stream(pf)
+    s = pf.stats()
+    pf.close()
+    assert got == want
+    # with its own generator the loader's iter() touches no global state: epochs still start ahead
+    assert s["lookahead_epochs"] == (0 if not own_generator else s["lookahead_epochs"])
+    if own_generator:
+        assert s["lookahead_epochs"] >= 2
+
+
+class _RecordingLoader(torch.utils.data.DataLoader):
+    """Records, at each iter(), the calling thread and fastdata's other threads alive."""
+
+    calls: list[list[str]]
+
+    def __iter__(self):
+        me = threading.current_thread()
+        self.calls.append([me.name] + sorted(t.name for t in threading.enumerate()
+                                             if t is not me and t.name.startswith("fastdata")))
+        return super().__iter__()
+
+
+@pytest.mark.skipif("fork" not in __import__("multiprocessing").get_all_start_methods(), reason="no fork")
+def test_forking_loader_starts_its_epochs_in_the_consumer_thread_alone() -> None:
+    loader = _RecordingLoader(_Steps(), batch_size=2, num_workers=1, multiprocessing_context="fork",
+                              generator=torch.Generator().manual_seed(1))
+    loader.calls = []
+    want = [b.tolist() for b in torch.utils.data.DataLoader(_Steps(), batch_size=2)]
+    pf = CUDAPrefetcher(loader, device="cpu", depth=2)
+    for _ in range(3):
+        got = []
+        for b in pf:
+            got.append(b.tolist())
+            time.sleep(0.01)
+        assert got == want
+    pf.close()
+    assert len(loader.calls) >= 3
+    assert all(c == ["MainThread"] for c in loader.calls), loader.calls
+    # persistent workers alive with a generator: later epochs fork nothing, the thread starts them
+    loader = _RecordingLoader(_Steps(), batch_size=2, num_workers=1, multiprocessing_context="fork",
+                              persistent_workers=True, generator=torch.Generator().manual_seed(1))
+    loader.calls = []
+    pf = CUDAPrefetcher(loader, device="cpu", depth=2)
+    for _ in range(3):
+        assert [b.tolist() for b in pf] == want
+    _wait_for(lambda: len(loader.calls) == 4)
+    pf.close()
+    assert loader.calls[0] == ["MainThread"] and all(c[0].startswith("fastdata-prefetch") for c in loader.calls[1:])
 
 
 class _EpochLoader:

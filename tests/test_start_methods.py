@@ -102,9 +102,6 @@ def _before_fork() -> None:
             if t is not threading.current_thread() and t.name.startswith(("fastdata", "MainThread"))))
 
 
-@pytest.mark.xfail(strict=True, reason="CUDAPrefetcher(seamless=True) starts the next epoch (iter() of the loader, "
-                                       "which forks non-persistent workers) in its producer thread: needs a change "
-                                       "in fastdata/prefetch (see /work/notes/integrity.md)")
 def test_no_fork_while_a_prefetch_thread_is_alive(folder):
     """Non-persistent fork workers behind a CUDAPrefetcher: no other thread may run when a worker
     forks (Python 3.12 warns "This process is multi-threaded, use of fork() may lead to deadlocks

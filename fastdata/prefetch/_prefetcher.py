@@ -10,6 +10,7 @@ finishes the current one. See ``_stage.py`` for the memory bound and the memory-
 """
 from __future__ import annotations
 
+import multiprocessing
 import os
 import threading
 import types
@@ -102,6 +103,54 @@ def _local_rank() -> int:
         raise ValueError(f"LOCAL_RANK must be an integer, got {value!r}") from None
 
 
+def _iter_hazards(iterable: Any) -> tuple[bool, bool]:
+    """(forks, draws_global_rng): what ``iter(iterable)`` would do if called now.
+
+    Only a ``torch.utils.data.DataLoader`` (fastdata's included) is inspected; any other iterable is
+    taken to neither fork nor draw from torch's global RNG in its ``iter()``. A DataLoader forks when
+    it has ``num_workers > 0`` worker processes to start (not persistent ones already alive, not
+    fastdata's ``decode_threads``) under the ``fork`` start method (its ``multiprocessing_context``,
+    else the default one). It draws from the global RNG without ``generator=`` (its workers' base
+    seed; persistent workers already alive skip that draw), and through a sampler that is not known
+    to use its own generator (``RandomSampler``/``SubsetRandomSampler``/``WeightedRandomSampler``
+    without ``generator=``, or any sampler class other than those and ``SequentialSampler``,
+    ``DistributedSampler``). A DataPipe dataset counts as both (torch's iterator may run collectives).
+    """
+    data = torch.utils.data
+    if not isinstance(iterable, data.DataLoader):
+        return False, False
+    if isinstance(iterable.dataset, data.IterDataPipe):
+        return True, True
+    workers = iterable.num_workers > 0 and not getattr(iterable, "decode_threads", 0)
+    alive = workers and iterable.persistent_workers and getattr(iterable, "_iterator", None) is not None
+    forks = workers and not alive and _start_method(iterable) == "fork"
+    rng = iterable.generator is None and not alive
+    samplers = [iterable.sampler, getattr(iterable.batch_sampler, "sampler", None)]
+    return forks, rng or any(_sampler_draws(s) for s in samplers if s is not None)
+
+
+_SEEDED_SAMPLERS = ("RandomSampler", "SubsetRandomSampler", "WeightedRandomSampler")
+
+
+def _sampler_draws(sampler: Any) -> bool:
+    data = torch.utils.data
+    if type(sampler) in (data.SequentialSampler, data.DistributedSampler):
+        return False
+    if type(sampler).__name__ == "_InfiniteConstantSampler":  # an IterableDataset's: draws nothing
+        return False
+    if type(sampler) in tuple(getattr(data, n) for n in _SEEDED_SAMPLERS):
+        return getattr(sampler, "generator", None) is None
+    return True  # unknown sampler: may draw from the global RNG
+
+
+def _start_method(loader: Any) -> str:
+    ctx = loader.multiprocessing_context
+    if ctx is not None:
+        return str(ctx.get_start_method())
+    # the default context's method without fixing it (the first of get_all_start_methods is the default)
+    return multiprocessing.get_start_method(allow_none=True) or multiprocessing.get_all_start_methods()[0]
+
+
 def _epoch_api(iterable: Any) -> tuple[Callable[[], Any], Callable[[int], None]] | None:
     """(get, set) of the wrapped loader's epoch: its own ``set_epoch`` (fastdata.DataLoader), else its
     sampler's (DistributedSampler) or its dataset's (an IterableDataset with ``set_epoch``)."""
@@ -171,6 +220,9 @@ class _Run:
         self.begun = -1  # the latest epoch the consumer has begun
         self.finished = -1  # the latest epoch the consumer has taken to its end
         self.ahead: tuple[int, Any] | None = None  # (number, epoch value) of the latest look-ahead epoch
+        # set by a thread that ended after its epoch instead of looking ahead: (the next epoch's number,
+        # may the consumer start it before taking the current epoch's last batches?)
+        self.handoff: tuple[int, bool] | None = None
 
     def alive(self) -> bool:
         return self.thread is not None and self.thread.is_alive()
@@ -281,6 +333,8 @@ class CUDAPrefetcher:
             number = run.finished + 1
             run.claimed = number
             run.request(number)
+            if run.handoff is not None and run.handoff[0] == number:  # the thread left it to us
+                self._begin_next(run)
         else:
             self._stop_run()
             run, number = self._start_run(), 0
@@ -289,7 +343,7 @@ class CUDAPrefetcher:
     def _continues(self, run: _Run) -> bool:
         """The consumer took the run's latest epoch to its end and the thread goes on (or left a word)."""
         return (self.options.seamless and run.finished == run.claimed and not run.pipe.stop.is_set()
-                and (run.alive() or not run.pipe.items.empty()))
+                and (run.alive() or not run.pipe.items.empty() or run.handoff is not None))
 
     def _start_run(self) -> _Run:
         credits = [None] * (self.options.depth - len(self._recent)) + list(self._recent)
@@ -311,6 +365,9 @@ class CUDAPrefetcher:
         try:
             t0 = perf_counter()
             while True:
+                handoff = run.handoff
+                if handoff is not None and (handoff[0] == number or (handoff[1] and handoff[0] == number + 1)):
+                    self._begin_next(run)
                 item = run.pipe.get(run.alive)
                 if isinstance(item, EpochStart):
                     if item.number != number:
@@ -348,6 +405,40 @@ class CUDAPrefetcher:
             if not finished and self._run is run:
                 self._stop_run()
 
+    def _begin_next(self, run: _Run) -> None:
+        """Start the epoch the thread left to the consumer (``run.handoff``), in this thread, once the
+        thread has ended (so no other thread of ours runs while the loader may fork its workers),
+        and a new thread that stages it into the same pipe and credits."""
+        assert run.handoff is not None
+        number, early = run.handoff
+        run.handoff = None
+        thread = run.thread
+        if thread is not None:
+            thread.join(JOIN_TIMEOUT_S)  # it has staged its last batch: only END and its exit are left
+            if thread.is_alive():
+                run.pipe.items.put(Failure(RuntimeError(f"{thread.name} did not end after its epoch")))
+                return
+
+        def started(value: Any) -> None:
+            run.ahead = (number, value)
+
+        try:
+            source, state, value = self._epochs.begin(started)
+        except Exception as e:  # noqa: BLE001  surfaces at that epoch, like a look-ahead's error
+            _note(e, f"raised while starting epoch {number} (iter() of the wrapped iterable)")
+            run.pipe.items.put(Failure(e))
+            return
+        if early:
+            self._stats.add(lookahead_epochs=1)
+        run.pipe.items.put(EpochStart(number, state, value))
+        run.thread = threading.Thread(
+            target=_produce,
+            args=(run, source, self._epochs, self._stager, self._stats, self.device, self.options.seamless, number),
+            name=f"fastdata-prefetch-{next(_thread_ids)}",
+            daemon=True,
+        )
+        run.thread.start()
+
     def _ahead_still_valid(self, start: EpochStart) -> bool:
         """A look-ahead epoch is kept unless the loader's epoch was changed behind the prefetcher."""
         if start.epoch_value is None or self._epochs.current() == start.epoch_value:
@@ -380,7 +471,8 @@ class CUDAPrefetcher:
             if ahead is not None and ahead[1] == epoch:
                 ep.next_value = None
                 return
-            busy = run is not None and ahead is None and run.begun > run.finished and run.alive()
+            busy = (run is not None and ahead is None and run.begun > run.finished
+                    and (run.alive() or run.handoff is not None))
             if busy:  # mid-epoch: the look-ahead of the next epoch will use it
                 ep.next_value = epoch
                 return
@@ -509,10 +601,12 @@ def _produce(
     stats: Stats,
     device: torch.device,
     seamless: bool,
+    number: int = 0,
 ) -> None:
-    """Thread body. Holds no reference to the prefetcher, so dropping it stops the thread."""
+    """Thread body, from epoch ``number`` of the run on. Holds no reference to the prefetcher, so
+    dropping it stops the thread. Starts the next epoch itself only where ``_iter_hazards`` allows;
+    otherwise it leaves ``run.handoff`` and ends, and the consumer starts that epoch in its thread."""
     pipe = run.pipe
-    number = 0
     where = [f"raised while setting up the thread for {device}"]
     try:
         if device.type == "cuda":
@@ -520,6 +614,13 @@ def _produce(
         stager.begin_thread()
         while True:
             _pump(pipe, source, stager, stats, epochs, number, device, where)
+            if seamless:
+                where[0] = "raised while inspecting the wrapped iterable before the next epoch"
+                forks, draws = _iter_hazards(epochs.iterable)
+                if forks or draws:  # set before END: the consumer sees it once it has taken END
+                    # forking: as soon as the consumer notices; global RNG: where a plain loop draws
+                    run.handoff = (number + 1, not draws)
+                    seamless = False
             pipe.items.put(END)
             _close_generator(source)
             if not seamless:
