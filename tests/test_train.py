@@ -1,4 +1,5 @@
 import copy
+import time
 
 import pytest
 import torch
@@ -296,6 +297,24 @@ def test_evaluate_through_a_prefetcher_with_a_normalize_transform():
     with fastdata.CUDAPrefetcher(batches, device="cpu", transform=norm) as pf:
         via = evaluate(model, pf, input_key="jpg", target_key="cls")
     assert direct == via and direct["samples"] == 12
+
+
+def test_evaluate_starts_one_epoch_of_the_loader():
+    from fastdata.train import evaluate
+
+    class Loader:
+        iters = 0
+
+        def __iter__(self):
+            Loader.iters += 1
+            return iter([{"x": torch.randn(4, 5), "y": torch.zeros(4, dtype=torch.long)} for _ in range(3)])
+
+    def slow(o, t):
+        time.sleep(0.02)  # the prefetch thread reaches the end of the loader long before the last batch
+        return (o.argmax(-1) == t).float()
+
+    evaluate(torch.nn.Linear(5, 3), Loader(), metrics={"acc": slow}, input_key="x", target_key="y")
+    assert Loader.iters == 1
 
 
 def test_evaluate_rejects_bad_metrics():

@@ -118,7 +118,8 @@ def evaluate(
     mode = resolve_precision(precision, device)
     dtype = input_dtype(mode, param_dtype)
     owned = not isinstance(batches, CUDAPrefetcher)
-    source = CUDAPrefetcher(batches, device=device, transform=transform) if owned else batches
+    # seamless=False: one pass, so no second epoch of the loader is started behind the last batches
+    source = CUDAPrefetcher(batches, device=device, transform=transform, seamless=False) if owned else batches
     sums = torch.zeros(len(names), dtype=torch.float64, device=device)
     samples = 0
     was_training = model.training
