@@ -3,10 +3,11 @@
 A background thread pulls batches from the wrapped iterable, packs their tensors into a reused pinned
 staging ring, copies them to the GPU on a persistent side stream and runs optional device transforms
 there; the training thread only takes finished batches. Without CUDA (``device="cpu"`` or none
-available) the same thread and pipe give a CPU prefetcher with identical semantics. The thread is
-persistent: when an epoch's iterator is exhausted it starts the next epoch's iterator at once
-(``seamless=True``), so the next epoch's first batches are loaded and copied while the consumer
-finishes the current one. See ``_stage.py`` for the memory bound and the memory-safety design.
+available) the same thread and pipe give a CPU prefetcher with identical semantics. With
+``seamless=True`` the next epoch is started while the consumer finishes the current one: by the
+thread itself when the wrapped iterable's ``iter()`` neither forks nor draws from torch's global RNG
+(``_iter_hazards``), else by the consumer's thread (see ``CUDAPrefetcher``). See ``_stage.py`` for
+the memory bound and the memory-safety design.
 """
 from __future__ import annotations
 
@@ -257,8 +258,8 @@ class CUDAPrefetcher:
         transform: ``batch -> batch`` applied after the move, on the side stream (CUDA) or in the
             background thread (CPU); e.g. ``fastdata.gpu.Normalize(...)``.
         keep_on_host: keys (dict keys, field names or indices) whose values stay where they are.
-        seamless: keep the thread across epochs and start the next epoch's iterator as soon as the
-            current one is exhausted (before the consumer has taken its last batches). With
+        seamless: start the next epoch's iterator as soon as the current one is exhausted (before
+            the consumer has taken its last batches) where that is safe and exact; see below. With
             ``set_epoch`` called on the prefetcher, each look-ahead epoch gets the next epoch number.
         pack_threads: threads that pack pageable batches into pinned memory (default: a quarter of
             the usable cores, at most 4).
@@ -266,11 +267,29 @@ class CUDAPrefetcher:
     Use it on one stream: the consumer's current stream at each ``next()`` waits for the batch.
     Iterating again starts the next epoch (an unfinished one is stopped first). Errors raised by the
     iterable or the transform are re-raised at the batch where they happened, with their traceback.
-    With ``seamless=True`` the next epoch's ``iter()`` runs in the background thread, while the
-    training loop still works on the current epoch: a loader that draws its seed from the global
-    torch RNG at ``iter()`` (torch's DataLoader without ``generator=``) then draws it at a
-    time that depends on thread timing; give it a ``generator=`` (or ``seamless=False``) for
-    bit-reproducible runs.
+
+    Where the next epoch's ``iter()`` runs (``seamless=True``), decided at the end of each epoch:
+
+    * In the background thread, right after the current epoch's last batch was pulled, when that
+      ``iter()`` neither forks nor draws from the global torch RNG: any iterable that is not a
+      ``torch.utils.data.DataLoader`` (its ``iter()`` is taken to do neither), or a DataLoader (torch's
+      or fastdata's) with ``generator=`` and a sampler that uses it (the default one, a
+      ``DistributedSampler``, or a ``(Subset|Weighted)RandomSampler`` with its own generator) whose
+      ``iter()`` starts no worker process: ``num_workers=0``, fastdata's ``decode_threads=``,
+      persistent workers already alive, or a ``spawn``/``forkserver`` ``multiprocessing_context``.
+    * In the consumer's thread, at its first ``next()`` after the background thread has ended (it ends
+      after the epoch's last batch instead; the consumer then starts a new one that stages into the
+      same memory bound), when ``iter()`` forks worker processes (``num_workers > 0`` under the
+      ``fork`` start method, not persistent or not yet started) but draws nothing from the global
+      RNG: no thread of the prefetcher runs while the workers fork.
+    * In the consumer's thread when it iterates the prefetcher again, exactly where a plain loop calls
+      ``iter(loader)``, when ``iter()`` draws from the global RNG (a DataLoader without ``generator=``
+      draws its workers' base seed; a ``RandomSampler`` without one, or an unknown sampler class, may
+      draw): the training loop's random stream is then that of a plain loop, but that epoch's start-up
+      is not hidden. Give the loader a ``generator=`` to keep epochs seamless.
+
+    Random draws the loader makes later, in its ``next()`` (a map-style dataset with
+    ``num_workers=0`` drawing in ``__getitem__``), happen in the background thread in any case.
     """
 
     def __init__(
