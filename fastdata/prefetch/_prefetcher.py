@@ -114,19 +114,23 @@ def _iter_hazards(iterable: Any) -> tuple[bool, bool]:
     else the default one). It draws from the global RNG without ``generator=`` (its workers' base
     seed; persistent workers already alive skip that draw), and through a sampler that is not known
     to use its own generator (``RandomSampler``/``SubsetRandomSampler``/``WeightedRandomSampler``
-    without ``generator=``, or any sampler class other than those and ``SequentialSampler``,
-    ``DistributedSampler``). A DataPipe dataset counts as both (torch's iterator may run collectives).
+    without ``generator=``, or any sampler or batch sampler class other than those and
+    ``SequentialSampler``, ``DistributedSampler``, ``BatchSampler``). A DataPipe dataset counts as both (torch's iterator may run collectives).
     """
     data = torch.utils.data
     if not isinstance(iterable, data.DataLoader):
         return False, False
-    if isinstance(iterable.dataset, data.IterDataPipe):
+    pipe = getattr(data, "IterDataPipe", None)
+    if pipe is not None and isinstance(iterable.dataset, pipe):
         return True, True
     workers = iterable.num_workers > 0 and not getattr(iterable, "decode_threads", 0)
     alive = workers and iterable.persistent_workers and getattr(iterable, "_iterator", None) is not None
     forks = workers and not alive and _start_method(iterable) == "fork"
     rng = iterable.generator is None and not alive
-    samplers = [iterable.sampler, getattr(iterable.batch_sampler, "sampler", None)]
+    batches = iterable.batch_sampler
+    if batches is not None and type(batches) is not data.BatchSampler:
+        return forks, True  # a batch sampler of the user's: may draw from the global RNG
+    samplers = [iterable.sampler, getattr(batches, "sampler", None)]
     return forks, rng or any(_sampler_draws(s) for s in samplers if s is not None)
 
 
