@@ -680,13 +680,22 @@ def _in_use(live: list, gpu: _FakeGpu) -> int:
     return sum(1 for k, r in enumerate(live) if r() is not None or gpu.done <= k)
 
 
+_HAZARDS = {"thread": (False, False), "consumer": (True, False), "at_iter": (False, True)}
+
+
 @pytest.mark.parametrize("depth", [1, 2, 3])
 @pytest.mark.parametrize("regime", ["gpu_bound", "host_bound"])
-def test_device_memory_bound_across_epochs_on_fake_gpu(fake_gpu, depth: int, regime: str) -> None:
+@pytest.mark.parametrize("start", list(_HAZARDS))
+def test_device_memory_bound_across_epochs_on_fake_gpu(fake_gpu, monkeypatch, depth: int, regime: str,
+                                                       start: str) -> None:
     """The documented bound: device memory for at most depth + 1 batches besides the one the consumer
     still holds (`b` of the previous step while next() runs), counting batches the GPU still works on;
     batch j is staged only once the GPU has finished the consumer's work on batch j - depth - 1. At
-    epoch boundaries too (the thread and its credits carry on into the next epoch)."""
+    epoch boundaries too (the credits carry on into the next epoch), wherever the next epoch starts:
+    in the thread, in the consumer's thread behind a new thread, or at the next iter()."""
+    from fastdata.prefetch import _prefetcher
+
+    monkeypatch.setattr(_prefetcher, "_iter_hazards", lambda it: _HAZARDS[start])
     gpu, live, allocs = fake_gpu
     if regime == "host_bound":
         gpu.step_s = 0.0002

@@ -586,8 +586,8 @@ class CUDAPrefetcher:
     def stats(self) -> dict[str, Any]:
         """Counters since construction or ``reset_stats()``.
 
-        ``batches``, ``epochs`` (begun by the consumer), ``lookahead_epochs`` (started ahead by the
-        thread), ``lookahead_discarded`` (started ahead, then discarded because the epoch changed);
+        ``batches``, ``epochs`` (begun by the consumer), ``lookahead_epochs`` (started before the
+        consumer took the previous epoch's last batch, by the thread or by the consumer), ``lookahead_discarded`` (started ahead, then discarded because the epoch changed);
         ``wait_s`` (total time the consumer waited in ``next()``), ``wait_p50_s``, ``wait_p99_s``,
         ``wait_max_s`` (per batch, last 100k batches); ``load_s`` (thread time in the iterable's
         ``next()``), ``stage_s`` (thread time packing and issuing copies), ``pack_s`` and ``pack_gbps``
