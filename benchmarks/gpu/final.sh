@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# The lead's one-shot GPU validation inside a few minutes of device time (issues 9, 10, 11):
+#
+#   bash benchmarks/gpu/final.sh --out DIR          (from the repository root; budget ~300 s)
+#
+# 1. every @pytest.mark.cuda test in tests/                                   (limit 100 s)
+# 2. h2d_overlap.py: 38.5 MB pageable batches, compute 4.9 / 1.1 / 0.5 ms, without and with 8 ms loader
+#    spikes; sync, one_ahead, one_ahead_pin (apex) and the prefetcher          (limit 45 s)
+# 3. train_e2e.py: resnet18, bf16, channels_last, batch 128, 2,048 generated JPEGs, 3 timed epochs:
+#    resident / tuned torch DataLoader / fastdata uncached / fastdata cached   (limit 100 s)
+# 4. decode_stage.py at 8 and 15 cores: worker processes, thread decoder, GPU decode, torchvision recipe
+#                                                                             (limit 45 s)
+# 5. fastdata doctor on the e2e shards with --model resnet18                  (the rest)
+# Writes few files (the device returns at most 8): summary.txt, pytest_cuda.txt, h2d.json, e2e.json,
+# decode_stage.json, doctor.txt; each part's log tail goes into summary.txt.
+set -u
+OUT=""
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --out) OUT="$2"; shift 2 ;;
+    *) echo "usage: bash benchmarks/gpu/final.sh --out DIR" >&2; exit 2 ;;
+  esac
+done
+[ -n "$OUT" ] || { echo "usage: bash benchmarks/gpu/final.sh --out DIR" >&2; exit 2; }
+mkdir -p "$OUT"
+OUT="$(cd "$OUT" && pwd)"
+WORK="$(mktemp -d /tmp/fastdata-gpu-final.XXXXXX)"
+trap 'rm -rf "$WORK"' EXIT
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+BUDGET=${BUDGET:-300}
+START=$SECONDS
+SUM="$OUT/summary.txt"
+{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  python3 -c "import torch, sys, os; print(torch.__version__, torch.version.cuda, sys.version.split()[0], len(os.sched_getaffinity(0)), 'cpus')"
+} > "$SUM" 2>&1
+
+part() {  # part NAME LIMIT LOG COMMAND...
+  local name="$1" limit="$2" log="$3"; shift 3
+  local left=$((BUDGET - 5 - (SECONDS - START)))
+  [ "$limit" -gt "$left" ] && limit=$left
+  if [ "$limit" -le 5 ]; then echo "== $name: skipped (budget)" >> "$SUM"; return; fi
+  local t0=$SECONDS
+  timeout --kill-after=5 "$limit" "$@" > "$log" 2>&1
+  local rc=$?
+  { echo "== $name: rc=$rc, $((SECONDS - t0)) s (limit $limit s; 124 = timeout)"; tail -n 25 "$log"; } >> "$SUM"
+}
+
+part pytest_cuda 100 "$OUT/pytest_cuda.txt" \
+  python3 -m pytest -m cuda tests/ -q -rfE -p no:cacheprovider
+part h2d 45 "$WORK/h2d.txt" \
+  python3 benchmarks/h2d_overlap.py --batch-mb 38.5 --warmup 8 --reps 2 --compute-ms 4.9 1.1 0.5 --jitter 0 0.2 \
+  --spike-ms 8 --steps 60 --json "$OUT/h2d.json"
+part train_e2e 100 "$WORK/e2e.txt" \
+  python3 benchmarks/train_e2e.py --models resnet18 --images 2048 --batch-size 128 --epochs 3 --dir "$WORK/e2e" \
+  --json "$OUT/e2e.json"
+part decode_stage 45 "$WORK/decode_stage.txt" \
+  python3 benchmarks/decode_stage.py --workers 8 15 --images 1024 --reps 2 --budget 35 --data "$WORK/ds" \
+  --json "$OUT/decode_stage.json"
+SH=$(ls -d "$WORK"/e2e/shards-* 2>/dev/null | head -n 1)
+if [ -n "$SH" ]; then
+  part doctor 60 "$OUT/doctor.txt" python3 -m fastdata doctor "$SH" --model resnet18 --workers 8 --batch-size 128 \
+    --samples 512 --steps 15
+fi
+echo "== total $((SECONDS - START)) s" >> "$SUM"
+cat "$SUM"
