@@ -175,6 +175,20 @@ def test_second_epoch_served_locally(served, tmp_path):
         assert sorted(int(s["cls"]) for s in again) == first and _shard_gets(srv) == {}
 
 
+def test_idle_prefetch_threads_exit(served, tmp_path):
+    """Prefetch threads do not outlive the downloads they serve (a forked worker must not inherit them)."""
+    with LoopbackServer(served, ranges=False, max_requests=2000, lifetime=90) as srv:
+        ds = ShardedDataset(RemoteShards(srv.url + "/ds", cache_dir=tmp_path, prefetch=2), decode=False)
+        assert len(list(ds)) == 48
+        names = lambda: [t.name for t in threading.enumerate() if t.name.startswith("fastdata-nodecache")]  # noqa: E731
+        assert names(), "the epoch should have started prefetch threads"
+        deadline = time.monotonic() + 10
+        while names() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert names() == []
+        assert len(list(ds)) == 48  # a later epoch starts new ones as needed
+
+
 def _later_epoch_downloads(url: str, cache_dir: Path, eviction: str, limit: int, epochs: int) -> int:
     """Downloads in epochs 1.. (epoch 0 downloads every shard whatever the policy)."""
     ds = ShardedDataset(RemoteShards(url, cache_dir=cache_dir, max_bytes=limit, prefetch=0, eviction=eviction),

@@ -415,7 +415,8 @@ def _ddp_worker(rank: int, world: int, store: str, out: str) -> None:
 def test_two_process_ddp_no_sync_and_evaluate_allreduce(tmp_path):
     import multiprocessing as mp
 
-    ctx = mp.get_context("fork")
+    # not fork: the test process has threads of earlier tests (a forked child can inherit a held lock)
+    ctx = mp.get_context("forkserver")
     procs = [ctx.Process(target=_ddp_worker, args=(r, 2, str(tmp_path / "store"), str(tmp_path / f"r{r}.pt")))
              for r in range(2)]
     for p in procs:

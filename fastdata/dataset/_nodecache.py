@@ -50,6 +50,7 @@ __all__ = ["EVICTION_POLICIES", "ShardCache", "default_cache_dir"]
 
 EVICTION_POLICIES = ("future", "lru")
 _CHUNK = 4 << 20
+_PREFETCH_IDLE_S = 1.0  # an idle prefetch thread exits after this (no thread lingers, e.g. across a fork)
 _log = logging.getLogger(__name__)
 
 
@@ -238,7 +239,18 @@ class ShardCache:
                     self._queue.put(s)
 
     def _prefetch_loop(self, requests: queue.Queue[int | None]) -> None:
-        while (i := requests.get()) is not None:
+        while True:
+            try:
+                i = requests.get(timeout=_PREFETCH_IDLE_S)
+            except queue.Empty:
+                with self._lock:  # idle: retire this queue's threads; the next prefetch starts new ones
+                    if self._queue is requests and requests.empty():
+                        self._queue = None
+                    if self._queue is not requests:
+                        return
+                continue
+            if i is None:
+                return
             with self._lock:
                 if i not in self._pending:
                     continue  # fetched on demand meanwhile, or the cache was closed
