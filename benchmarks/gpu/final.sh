@@ -46,7 +46,7 @@ part() {  # part NAME LIMIT LOG COMMAND...
 }
 
 part pytest_cuda 100 "$OUT/pytest_cuda.txt" \
-  python3 -m pytest -m cuda tests/ -q -rfE -p no:cacheprovider
+  python3 -m pytest -m cuda tests/ -q -rfE -p no:cacheprovider --continue-on-collection-errors
 part h2d 45 "$WORK/h2d.txt" \
   python3 benchmarks/h2d_overlap.py --batch-mb 38.5 --warmup 8 --reps 2 --compute-ms 4.9 1.1 0.5 --jitter 0 0.2 \
   --spike-ms 8 --steps 60 --json "$OUT/h2d.json"
