@@ -23,10 +23,13 @@ class Check:
 
 
 def _version(module: str) -> str | None:
+    """The module's version, None when it is not installed, or why it is installed but does not load."""
     try:
         mod = importlib.import_module(module)
     except ImportError:
         return None
+    except Exception as e:  # noqa: BLE001 - e.g. torchvision built for another torch: report, don't crash
+        return f"installed but does not load ({type(e).__name__}: {e})"
     return str(getattr(mod, "__version__", "installed"))
 
 
@@ -39,11 +42,16 @@ def _cpu_count() -> int:
 
 def check_packages() -> list[Check]:
     out = []
-    for mod, need in (("torch", True), ("numpy", True), ("PIL", True), ("h5py", True),
-                      ("webdataset", True), ("fsspec", False), ("pynvml", False)):
+    # fastdata's own dependencies are required; the rest serve optional features (GPU decode,
+    # remote shards, NVML utilisation)
+    for mod, need in (("torch", True), ("numpy", True), ("PIL", True), ("h5py", True), ("braceexpand", True),
+                      ("tqdm", True), ("torchvision", False), ("fsspec", False), ("pynvml", False)):
         v = _version(mod)
-        out.append(Check(f"package {mod}", v is not None or not need, v or ("missing" if need else "not installed (optional)"),
-                         "" if v or not need else f"pip install {mod}"))
+        broken = v is not None and v.startswith("installed but does not load")
+        out.append(Check(f"package {mod}", v is not None and not (broken and need) or (v is None and not need),
+                         v or ("missing" if need else "not installed (optional)"),
+                         f"reinstall {mod} to match torch {_version('torch')}" if broken
+                         else "" if v or not need else f"pip install {mod}"))
     return out
 
 
