@@ -5,10 +5,11 @@ This module sits below every stage (it imports nothing from fastdata), so any st
 from __future__ import annotations
 
 import math
+import os
 import re
 from typing import Any
 
-__all__ = ["IMAGE_SUFFIXES", "check_int", "parse_size", "quantile"]
+__all__ = ["IMAGE_SUFFIXES", "check_int", "parse_size", "quantile", "usable_cores"]
 
 # Lower-case field suffixes / file extensions treated as images, everywhere in fastdata.
 IMAGE_SUFFIXES = frozenset(
@@ -54,3 +55,11 @@ def quantile(sorted_values: list[float], q: float) -> float:
         return 0.0
     rank = min(len(sorted_values) - 1, max(0, math.ceil(q * len(sorted_values)) - 1))
     return sorted_values[rank]
+
+
+def usable_cores() -> int:
+    """The CPU cores this process may run on (its affinity mask; the CPU count where there is none)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not on Linux
+        return os.cpu_count() or 1

@@ -51,11 +51,9 @@ MODELS = ("auto", "small", "resnet18", "resnet50")
 
 def default_workers() -> int:
     """One DataLoader worker per available core, at most 8 (the demo's default)."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        cores = os.cpu_count() or 1
-    return max(1, min(8, cores))
+    from fastdata._util import usable_cores
+
+    return max(1, min(8, usable_cores()))
 
 
 @contextmanager

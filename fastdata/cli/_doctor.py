@@ -13,6 +13,8 @@ import shutil
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from fastdata._util import usable_cores as _cpu_count
+
 
 @dataclass(frozen=True)
 class Check:
@@ -31,13 +33,6 @@ def _version(module: str) -> str | None:
     except Exception as e:  # noqa: BLE001 - e.g. torchvision built for another torch: report, don't crash
         return f"installed but does not load ({type(e).__name__}: {e})"
     return str(getattr(mod, "__version__", "installed"))
-
-
-def _cpu_count() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - not Linux
-        return os.cpu_count() or 1
 
 
 def check_packages() -> list[Check]:

@@ -26,19 +26,14 @@ from typing import Any
 import numpy as np
 import torch
 
+from fastdata._util import usable_cores as _usable_cores
+
 __all__ = ["BufferRing", "GatherPool", "check_gather_threads", "default_gather_threads"]
 
 # Batches smaller than this are gathered by the calling thread alone (a hand-off costs ~20-50 us).
 PARALLEL_GATHER_BYTES = 2 << 20
 # Free buffers kept per shape (more are dropped: a consumer that kept many batches gave them back).
 KEEP_FREE = 8
-
-
-def _usable_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
 
 
 def default_gather_threads() -> int:

@@ -20,18 +20,11 @@ from typing import Any
 import torch
 
 from fastdata._util import quantile
+from fastdata._util import usable_cores as cores  # noqa: F401 - the name other modules use
 from fastdata.decode import ImageDecoder, is_image_field, suffix
 from fastdata.errors import FastdataError
 
 _LABEL_SUFFIXES = ("cls", "cls2", "index", "inx")
-
-
-def cores() -> int:
-    """CPU cores this process may run on."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - not Linux
-        return os.cpu_count() or 1
 
 
 @dataclass(frozen=True)

@@ -11,13 +11,13 @@ give per-stage times per batch (loader, staging, throttling, device copy). With
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from fastdata._util import quantile
+from fastdata._util import usable_cores as _cores
 from fastdata.monitor._nvml import GPUSampler
 from fastdata.monitor._periodic import PeriodicStalls, find_periodic_stalls
 
@@ -210,13 +210,6 @@ def _prefetch_stats(loader: Any) -> dict[str, Any] | None:
     if type(loader).__name__ != "CUDAPrefetcher" or not callable(stats):
         return None
     return stats()
-
-
-def _cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - not Linux
-        return os.cpu_count() or 1
 
 
 def advise(report: StallReport, loader: Any) -> list[str]:

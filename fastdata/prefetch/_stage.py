@@ -47,6 +47,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from fastdata._util import usable_cores
 from fastdata.prefetch._queue import Stats, perf_counter
 from fastdata.prefetch.tree import Path, map_tensors, tensor_leaves
 
@@ -75,13 +76,6 @@ def side_stream(device: torch.device) -> torch.cuda.Stream:
         if stream is None:
             stream = _STREAMS[index] = torch.cuda.Stream(device=index)
         return stream
-
-
-def usable_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
 
 
 def default_pack_threads() -> int:

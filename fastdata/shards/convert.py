@@ -41,10 +41,10 @@ from typing import Any
 import numpy as np
 
 from fastdata._util import parse_size
+from fastdata._util import usable_cores as default_workers
 from fastdata.errors import ConversionError, FastdataError, RemoteError
 from fastdata.manifest import MANIFEST_NAME, FieldInfo, Manifest, sha256_file
 from fastdata.shards import _progress
-from fastdata.shards._remote import RetryPolicy, download, is_url, read_bytes, remote_size, upload, url_join
 from fastdata.shards._fields import missing_fields, required_fields
 from fastdata.shards._images import (
     BadImage,
@@ -62,6 +62,15 @@ from fastdata.shards._plan import (
     ShardResult,
 )
 from fastdata.shards._progress import PROGRESS_DIR
+from fastdata.shards._remote import (
+    RetryPolicy,
+    download,
+    is_url,
+    read_bytes,
+    remote_size,
+    upload,
+    url_join,
+)
 from fastdata.shards._sources import (
     Listing,
     SampleUnreadable,
@@ -80,14 +89,6 @@ log = logging.getLogger("fastdata.convert")
 _PLAN_VERSION = 1
 _TAR_END = 2 * 512  # end-of-archive blocks (record padding comes on top, < 10 KiB)
 _TICK_S = 0.1  # how often workers report progress counts
-
-
-def default_workers() -> int:
-    """The CPUs this process may use."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
 
 
 def plan_conversion(src: str | os.PathLike[str], options: ConvertOptions | None = None) -> Plan:
