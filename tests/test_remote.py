@@ -242,6 +242,7 @@ def test_verify_over_http_and_http_dest_refused(served, tmp_path):
 
 
 def test_convert_from_url_sources(served, tmp_path):
+    pytest.importorskip("aiohttp")  # URL sources are staged through fsspec's HTTP filesystem
     from fastdata.shards.convert import ConvertOptions, convert
 
     opts = ConvertOptions(samples_per_shard=9, workers=1, staging=str(tmp_path / "staging"))
