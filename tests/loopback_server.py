@@ -227,5 +227,18 @@ def main() -> None:
     srv._thread.join()
 
 
+
+def make_shard_set(dest: Path, n: int, per_shard: int, *, payload: int, seed: int) -> Path:
+    """A tar shard set to serve: ``n`` samples (``k00000``...) of ``payload`` random bytes, ``per_shard`` per shard."""
+    import numpy as np
+
+    from fastdata.shards.writer import ShardWriter
+
+    rng = np.random.default_rng(seed)
+    with ShardWriter(dest, max_samples=per_shard) as w:
+        for i in range(n):
+            w.write({"__key__": f"k{i:05d}", "cls": str(i).encode(), "bin": rng.bytes(payload)})
+    return dest
+
 if __name__ == "__main__":
     main()

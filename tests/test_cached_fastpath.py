@@ -17,6 +17,7 @@ from fastdata.errors import CacheError
 from fastdata.loader import DataLoader
 from fastdata.shards.writer import ShardWriter
 from fastdata.transforms import ResizeCenterCrop
+from batch_checks import assert_same, batch_keys, epoch_on_path  # noqa: E402 - tests/ is on sys.path
 
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
 
@@ -49,29 +50,6 @@ def _make(shards: Path, cache: Path, **kw: Any) -> ShardedDataset:
     return ShardedDataset(shards, preprocess=ResizeCenterCrop(16), cache=cache, **kw)
 
 
-def _epoch(loader: DataLoader, path: str) -> list[Any]:
-    out = list(loader)
-    assert loader.last_path == path, loader.fallback_reason
-    return out
-
-
-def assert_same(a: list[Any], b: list[Any]) -> None:
-    """Bit for bit: batch count, keys and their order, dtypes, shapes, values."""
-    assert len(a) == len(b)
-    for j, (x, y) in enumerate(zip(a, b)):
-        assert list(x) == list(y), f"batch {j}"
-        for k in x:
-            if isinstance(x[k], torch.Tensor):
-                assert x[k].dtype == y[k].dtype and x[k].shape == y[k].shape, f"batch {j} field {k}"
-                assert torch.equal(x[k], y[k]), f"batch {j} field {k}"
-            else:
-                assert x[k] == y[k], f"batch {j} field {k}"
-
-
-def _keys(batches: list[Any]) -> list[str]:
-    return [k for b in batches for k in b["__key__"]]
-
-
 @pytest.mark.parametrize("num_workers", [0, 2])
 @pytest.mark.parametrize(("drop_last", "batch_size"), [(False, 4), (True, 4), (False, 64)])
 def test_fast_path_equals_worker_path(data, num_workers, drop_last, batch_size):
@@ -81,12 +59,12 @@ def test_fast_path_equals_worker_path(data, num_workers, drop_last, batch_size):
         ds_fast, ds_work = _make(shards, cache), _make(shards, cache)
         ds_fast.set_epoch(epoch), ds_work.set_epoch(epoch)
         fast = DataLoader(ds_fast, **kw)
-        got = _epoch(fast, "cached")
-        assert_same(got, _epoch(DataLoader(ds_work, cached_fast_path=False, **kw), "workers"))
+        got = epoch_on_path(fast, "cached")
+        assert_same(got, epoch_on_path(DataLoader(ds_work, cached_fast_path=False, **kw), "workers"))
         assert len(got) == len(fast)
         assert list(got[0]) == ["__key__", "cls", "txt", "jpg"] and got[0]["jpg"].shape[1:] == (3, 16, 16)
     if not drop_last and batch_size == 4:
-        assert len(set(_keys(got))) == N
+        assert len(set(batch_keys(got))) == N
 
 
 def test_fast_path_batches_are_owned(data):
@@ -105,8 +83,8 @@ def test_fast_path_equals_worker_path_ranks_padding_and_samples_per_epoch(data, 
     for extra in ({"even": "pad"}, {"samples_per_epoch": 60}):
         make = lambda: _make(shards, cache, rank=rank, world_size=4, **extra)  # noqa: E731
         kw = dict(batch_size=3, num_workers=3)
-        assert_same(_epoch(DataLoader(make(), **kw), "cached"),
-                    _epoch(DataLoader(make(), cached_fast_path=False, **kw), "workers"))
+        assert_same(epoch_on_path(DataLoader(make(), **kw), "cached"),
+                    epoch_on_path(DataLoader(make(), cached_fast_path=False, **kw), "workers"))
 
 
 def _strict_cls(data: bytes) -> int:
@@ -121,8 +99,8 @@ def test_skipped_samples_shift_batches_like_workers(data):
     make = lambda: _make(shards, cache, on_error="skip", decode={"cls": _strict_cls})  # noqa: E731
     ds_fast, ds_work = make(), make()
     kw = dict(batch_size=4, num_workers=2)
-    fast = _epoch(DataLoader(ds_fast, **kw), "cached")
-    assert_same(fast, _epoch(DataLoader(ds_work, cached_fast_path=False, **kw), "workers"))
+    fast = epoch_on_path(DataLoader(ds_fast, **kw), "cached")
+    assert_same(fast, epoch_on_path(DataLoader(ds_work, cached_fast_path=False, **kw), "workers"))
     assert sum(len(b["cls"]) for b in fast) == N - len(BAD)
     assert sorted(s["key"] for s in ds_fast.skipped) == sorted(s["key"] for s in ds_work.skipped) == ["s0005", "s0030"]
 
@@ -142,16 +120,16 @@ def test_a_few_missing_samples_are_computed_in_process(tmp_path, monkeypatch):
         f.write(b"\0")
     kw = dict(batch_size=4, num_workers=2)
     dl = DataLoader(make(), **kw)
-    _epoch(dl, "workers")
+    epoch_on_path(dl, "workers")
     assert "has 43 of 45 samples filled; rank 0 reads 45 in epoch 0 (at most 0 may be missing)" in dl.fallback_reason
     with open(info.path / "valid.bin", "r+b") as f:
         f.seek(12)
         f.write(b"\0")
     monkeypatch.setattr("fastdata.loader._cached.MISSING_FRACTION", 0.05)  # 2 of 45 may be missing
     ds_fast, ds_work = make(), make()
-    fast = _epoch(DataLoader(ds_fast, **kw), "cached")
+    fast = epoch_on_path(DataLoader(ds_fast, **kw), "cached")
     assert Cache(tmp_path / "c").info(info.key).num_valid == N - 1  # sample 12 was filled on the way
-    assert_same(fast, _epoch(DataLoader(ds_work, cached_fast_path=False, **kw), "workers"))
+    assert_same(fast, epoch_on_path(DataLoader(ds_work, cached_fast_path=False, **kw), "workers"))
     assert [s["key"] for s in ds_fast.skipped] == [s["key"] for s in ds_work.skipped] == ["s0030"]
 
 
@@ -166,7 +144,7 @@ def test_resume_across_paths(data, before, after, num_workers):
         ds.set_epoch(2)
         return DataLoader(ds, batch_size=4, num_workers=nw, cached_fast_path=mode[path])
 
-    full = _epoch(loader("workers"), "workers")
+    full = epoch_on_path(loader("workers"), "workers")
     for k in (1, 5, len(full) - 1, len(full)):
         dl = loader(before)
         it = iter(dl)
@@ -177,24 +155,24 @@ def test_resume_across_paths(data, before, after, num_workers):
         dl2 = loader(after)
         dl2.load_state_dict(state)
         dl2.set_epoch(2)
-        rest = _epoch(dl2, after)
+        rest = epoch_on_path(dl2, after)
         assert_same(first + rest, full)
         dl2.set_epoch(3)  # the next epoch starts from scratch
-        assert sum(len(b["cls"]) for b in _epoch(dl2, after)) == N
+        assert sum(len(b["cls"]) for b in epoch_on_path(dl2, after)) == N
 
 
 def test_resume_with_other_worker_count_across_paths(data):
     shards, cache = data
     make = lambda: _make(shards, cache)  # noqa: E731
-    full = _keys(DataLoader(make(), batch_size=4, num_workers=2, cached_fast_path=False))
+    full = batch_keys(DataLoader(make(), batch_size=4, num_workers=2, cached_fast_path=False))
     dl = DataLoader(make(), batch_size=4, num_workers=2, cached_fast_path=False)
     it = iter(dl)
-    first = _keys([next(it) for _ in range(3)])
+    first = batch_keys([next(it) for _ in range(3)])
     state = dl.state_dict()
     del it
     dl2 = DataLoader(make(), batch_size=4, num_workers=3)
     dl2.load_state_dict(state)
-    rest = _keys(_epoch(dl2, "cached"))
+    rest = batch_keys(epoch_on_path(dl2, "cached"))
     assert sorted(first + rest) == sorted(full) and len(first + rest) == N
 
 
@@ -206,9 +184,9 @@ def test_auto_falls_back_and_says_why(data, tmp_path):
     [next(it) for _ in range(3)]
     del it
     dl = DataLoader(_make(shards, tmp_path / "c2"), batch_size=4, num_workers=2)
-    first = _epoch(dl, "workers")  # fills the rest
+    first = epoch_on_path(dl, "workers")  # fills the rest
     assert "lacks" in dl.fallback_reason or "filled" in dl.fallback_reason
-    assert_same(_epoch(dl, "cached"), first)  # complete now: the next epoch takes the fast path
+    assert_same(epoch_on_path(dl, "cached"), first)  # complete now: the next epoch takes the fast path
     cases = [
         (dict(transform=lambda x: x.flip(-1)), {}, "transform= runs per sample"),
         (dict(sample_transform=lambda s: s), {}, "sample_transform="),
@@ -229,10 +207,10 @@ def test_auto_falls_back_and_says_why(data, tmp_path):
 def test_rank_needs_only_its_own_samples(data, tmp_path):
     shards, _ = data
     make = lambda rank: _make(shards, tmp_path / "c", rank=rank, world_size=2)  # noqa: E731
-    _epoch(DataLoader(make(0), batch_size=4, num_workers=2), "workers")  # fills rank 0's half of epoch 0
-    _epoch(DataLoader(make(0), batch_size=4, num_workers=2), "cached")
+    epoch_on_path(DataLoader(make(0), batch_size=4, num_workers=2), "workers")  # fills rank 0's half of epoch 0
+    epoch_on_path(DataLoader(make(0), batch_size=4, num_workers=2), "cached")
     dl = DataLoader(make(1), batch_size=4, num_workers=2)
-    _epoch(dl, "workers")
+    epoch_on_path(dl, "workers")
     assert "samples rank 1 reads in epoch 0" in dl.fallback_reason
 
 
@@ -252,13 +230,13 @@ def test_forced_mode(data, tmp_path):
     collate = lambda b: [(s["__key__"], s["cls"], s["jpg"].sum().item()) for s in b]  # noqa: E731
     kw = dict(batch_size=5, num_workers=2, collate_fn=collate)
     forced = DataLoader(_make(shards, cache), cached_fast_path=True, **kw)
-    assert _epoch(forced, "cached") == _epoch(DataLoader(_make(shards, cache), **kw), "workers")
+    assert epoch_on_path(forced, "cached") == epoch_on_path(DataLoader(_make(shards, cache), **kw), "workers")
 
 
 def test_no_workers_started_and_store_held_open(data):
     shards, cache = data
     dl = DataLoader(_make(shards, cache), batch_size=8, num_workers=2, persistent_workers=True)
-    _epoch(dl, "cached")
+    epoch_on_path(dl, "cached")
     assert dl._iterator is None  # persistent workers were never started
     (info,) = Cache(cache).list()
     assert info.in_use  # the main process holds the store: safe from eviction between epochs
@@ -276,7 +254,7 @@ def test_global_rng_and_pin_memory_match_worker_path(data, num_workers):
             warnings.simplefilter("always")
             dl = DataLoader(_make(shards, cache), batch_size=8, num_workers=num_workers, pin_memory=True,
                             cached_fast_path=mode)
-            batches.append(_epoch(dl, "cached" if mode else "workers"))
+            batches.append(epoch_on_path(dl, "cached" if mode else "workers"))
         if not torch.accelerator.is_available():
             assert any("no accelerator is found" in str(w.message) for w in caught)
         draws.append(torch.rand(3))
@@ -296,7 +274,7 @@ def test_prefetcher_over_the_fast_path_keeps_exact_resume(data):
     from fastdata.prefetch import CUDAPrefetcher
 
     shards, cache = data
-    full = _epoch(DataLoader(_make(shards, cache), batch_size=4, num_workers=2, cached_fast_path=False), "workers")
+    full = epoch_on_path(DataLoader(_make(shards, cache), batch_size=4, num_workers=2, cached_fast_path=False), "workers")
     dl = DataLoader(_make(shards, cache), batch_size=4, num_workers=2)
     with CUDAPrefetcher(dl, device="cpu") as pf:  # reads ahead in its own thread
         it = iter(pf)
@@ -305,7 +283,7 @@ def test_prefetcher_over_the_fast_path_keeps_exact_resume(data):
     assert dl.last_path == "cached" and state["batches"] == 3
     dl2 = DataLoader(_make(shards, cache), batch_size=4, num_workers=2)
     dl2.load_state_dict(state)
-    assert_same(first + _epoch(dl2, "cached"), full)
+    assert_same(first + epoch_on_path(dl2, "cached"), full)
 
 
 def test_virtual_workers_keep_their_shards_open(data):
@@ -314,5 +292,5 @@ def test_virtual_workers_keep_their_shards_open(data):
     opened = []
     real = ds.source._opener
     ds.source._opener = lambda i: opened.append(i) or real(i)
-    _epoch(DataLoader(ds, batch_size=2, num_workers=3), "cached")
+    epoch_on_path(DataLoader(ds, batch_size=2, num_workers=3), "cached")
     assert sorted(opened) == list(range(7))  # each shard opened once, not once per switch between workers

@@ -191,39 +191,22 @@ def import_graph() -> dict[str, set[str]]:
     return graph
 
 
+@functools.lru_cache(maxsize=1)
+def _layout_stats():
+    """benchmarks/layout_stats.py, loaded once: its SCC search and private-member heuristic are shared."""
+    spec = importlib.util.spec_from_file_location("layout_stats", ROOT / "benchmarks" / "layout_stats.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        del sys.modules[spec.name]
+    return module
+
+
 def circles(graph: dict[str, set[str]]) -> list[list[str]]:
-    """Strongly connected components with more than one module (Tarjan), each as a closed path."""
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    stack: list[str] = []
-    on_stack: set[str] = set()
-    found: list[list[str]] = []
-
-    def visit(v: str) -> None:
-        index[v] = low[v] = len(index)
-        stack.append(v)
-        on_stack.add(v)
-        for w in sorted(graph[v]):
-            if w not in index:
-                visit(w)
-                low[v] = min(low[v], low[w])
-            elif w in on_stack:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            component = []
-            while True:
-                w = stack.pop()
-                on_stack.discard(w)
-                component.append(w)
-                if w == v:
-                    break
-            if len(component) > 1:
-                found.append(_cycle_path(graph, set(component)))
-
-    for v in sorted(graph):
-        if v not in index:
-            visit(v)
-    return found
+    """Strongly connected components with more than one module, each as a closed path."""
+    return [_cycle_path(graph, set(component)) for component in _layout_stats()._circles(graph)]
 
 
 def _cycle_path(graph: dict[str, set[str]], component: set[str]) -> list[str]:
@@ -293,18 +276,11 @@ def test_no_import_circles():
 
 def test_no_private_member_reads_across_stages():
     """``obj._name`` where only other stages define ``_name`` (benchmarks/layout_stats.py's heuristic)."""
-    spec = importlib.util.spec_from_file_location("layout_stats", ROOT / "benchmarks" / "layout_stats.py")
-    layout_stats = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = layout_stats  # dataclasses look their module up
-    try:
-        spec.loader.exec_module(layout_stats)
-        found = layout_stats.stats(ROOT)
-    finally:
-        del sys.modules[spec.name]
+    found = _layout_stats().stats(ROOT)
     assert not found.private_attribute_reads, (
         "reads another stage's private members (add a method to its package-internal API instead):\n  "
         + "\n  ".join(found.private_attribute_reads))
-    assert found.circles == []  # the same graph, built independently
+    assert found.circles == []  # the same search over a graph built independently
 
 
 def test_public_names_resolve():

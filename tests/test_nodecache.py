@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
-from loopback_server import LoopbackServer  # noqa: E402
+from loopback_server import LoopbackServer, make_shard_set  # noqa: E402
 
 from fastdata.dataset import RemoteShards, ShardedDataset, ShuffleOptions  # noqa: E402
 from fastdata.errors import RemoteError  # noqa: E402
@@ -31,11 +31,7 @@ FAST = RetryPolicy(attempts=3, base_delay=0.01, max_delay=0.02)
 
 
 def make_set(dest: Path, n: int, per_shard: int, payload: int = 2000) -> Path:
-    rng = np.random.default_rng(1)
-    with ShardWriter(dest, max_samples=per_shard) as w:
-        for i in range(n):
-            w.write({"__key__": f"k{i:05d}", "cls": str(i).encode(), "bin": rng.bytes(payload)})
-    return dest
+    return make_shard_set(dest, n, per_shard, payload=payload, seed=1)
 
 
 @pytest.fixture(scope="module")

@@ -10,17 +10,15 @@ import os
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
-from loopback_server import LoopbackServer  # noqa: E402
+from loopback_server import LoopbackServer, make_shard_set  # noqa: E402
 
 from fastdata.dataset import RemoteShards, ShardedDataset  # noqa: E402
 from fastdata.errors import RemoteError  # noqa: E402
 from fastdata.loader import DataLoader  # noqa: E402
 from fastdata.shards import RemoteStream, RetryPolicy, read_bytes  # noqa: E402
-from fastdata.shards.writer import ShardWriter  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning",
                                         "ignore:Unclosed:ResourceWarning")
@@ -28,11 +26,7 @@ FAST = RetryPolicy(attempts=4, base_delay=0.01, max_delay=0.05)
 
 
 def make_set(dest: Path, n: int, per_shard: int, payload: int = 200) -> Path:
-    rng = np.random.default_rng(0)
-    with ShardWriter(dest, max_samples=per_shard) as w:
-        for i in range(n):
-            w.write({"__key__": f"k{i:05d}", "cls": str(i).encode(), "bin": rng.bytes(payload)})
-    return dest
+    return make_shard_set(dest, n, per_shard, payload=payload, seed=0)
 
 
 @pytest.fixture(scope="module")

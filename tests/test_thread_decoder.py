@@ -21,6 +21,7 @@ from fastdata.errors import DecodeError
 from fastdata.loader import DataLoader, _threads
 from fastdata.shards.writer import ShardWriter
 from fastdata.transforms import ResizeCenterCrop
+from batch_checks import assert_same, batch_keys, epoch_on_path  # noqa: E402 - tests/ is on sys.path
 
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
 
@@ -55,29 +56,6 @@ def _make(shards: Path, **kw: Any) -> ShardedDataset:
     return ShardedDataset(shards, **kw)
 
 
-def _epoch(loader: DataLoader, path: str) -> list[Any]:
-    out = list(loader)
-    assert loader.last_path == path, loader.fallback_reason
-    return out
-
-
-def assert_same(a: list[Any], b: list[Any]) -> None:
-    """Bit for bit: batch count, keys and their order, dtypes, shapes, values."""
-    assert len(a) == len(b)
-    for j, (x, y) in enumerate(zip(a, b)):
-        assert list(x) == list(y), f"batch {j}"
-        for k in x:
-            if isinstance(x[k], torch.Tensor):
-                assert x[k].dtype == y[k].dtype and x[k].shape == y[k].shape, f"batch {j} field {k}"
-                assert torch.equal(x[k], y[k]), f"batch {j} field {k}"
-            else:
-                assert x[k] == y[k], f"batch {j} field {k}"
-
-
-def _keys(batches: list[Any]) -> list[str]:
-    return [k for b in batches for k in b["__key__"]]
-
-
 def _decode_threads_alive() -> list[str]:
     return [t.name for t in threading.enumerate() if t.name.startswith("fastdata-decode")]
 
@@ -90,12 +68,12 @@ def test_threads_equal_worker_path(shards, num_workers, drop_last, batch_size):
         ds_t, ds_w = _make(shards), _make(shards)
         ds_t.set_epoch(epoch), ds_w.set_epoch(epoch)
         dl = DataLoader(ds_t, decode_threads=threads, **kw)
-        got = _epoch(dl, "threads")
-        assert_same(got, _epoch(DataLoader(ds_w, **kw), "workers"))
+        got = epoch_on_path(dl, "threads")
+        assert_same(got, epoch_on_path(DataLoader(ds_w, **kw), "workers"))
         assert len(got) == len(dl)
         assert set(got[0]) == {"__key__", "jpg", "cls", "txt"} and got[0]["jpg"].shape[1:] == (3, SIZE, SIZE)
     if not drop_last and batch_size == 4:
-        assert sorted(_keys(got)) == [f"s{i:04d}" for i in range(N)]
+        assert sorted(batch_keys(got)) == [f"s{i:04d}" for i in range(N)]
     assert _decode_threads_alive() == []
 
 
@@ -104,8 +82,8 @@ def test_threads_equal_worker_path_ranks_padding_and_samples_per_epoch(shards, r
     for extra in ({"even": "pad"}, {"samples_per_epoch": 60}):
         make = lambda extra=extra: _make(shards, rank=rank, world_size=4, **extra)  # noqa: E731
         kw = dict(batch_size=3, num_workers=3)
-        assert_same(_epoch(DataLoader(make(), decode_threads=2, **kw), "threads"),
-                    _epoch(DataLoader(make(), **kw), "workers"))
+        assert_same(epoch_on_path(DataLoader(make(), decode_threads=2, **kw), "threads"),
+                    epoch_on_path(DataLoader(make(), **kw), "workers"))
 
 
 def test_samples_are_written_in_place_and_buffers_are_reused(shards):
@@ -164,7 +142,7 @@ def test_resume_mid_epoch_across_paths(shards, before, after, num_workers):
         ds.set_epoch(2)
         return DataLoader(ds, batch_size=4, num_workers=num_workers, decode_threads=threads[path])
 
-    full = _epoch(loader("workers"), "workers")
+    full = epoch_on_path(loader("workers"), "workers")
     for k in (1, 5, len(full) - 1, len(full)):
         dl = loader(before)
         it = iter(dl)
@@ -174,22 +152,22 @@ def test_resume_mid_epoch_across_paths(shards, before, after, num_workers):
         dl2 = loader(after)
         dl2.load_state_dict(state)
         dl2.set_epoch(2)
-        rest = _epoch(dl2, after)
+        rest = epoch_on_path(dl2, after)
         assert_same(first + rest, full)
         dl2.set_epoch(3)  # the next epoch starts from scratch
-        assert sum(len(b["cls"]) for b in _epoch(dl2, after)) == N
+        assert sum(len(b["cls"]) for b in epoch_on_path(dl2, after)) == N
     assert _decode_threads_alive() == []
 
 
 def test_resume_with_another_worker_count(shards):
     dl = DataLoader(_make(shards), batch_size=4, num_workers=2, decode_threads=2)
     it = iter(dl)
-    first = _keys([next(it) for _ in range(3)])
+    first = batch_keys([next(it) for _ in range(3)])
     state = dl.state_dict()
     del it
     dl2 = DataLoader(_make(shards), batch_size=4, num_workers=3, decode_threads=2)
     dl2.load_state_dict(state)
-    rest = _keys(_epoch(dl2, "threads"))
+    rest = batch_keys(epoch_on_path(dl2, "threads"))
     assert sorted(first + rest) == [f"s{i:04d}" for i in range(N)]
 
 
@@ -208,15 +186,15 @@ def test_dataset_state_follows_with_one_virtual_worker(shards):
 def test_skipped_samples_shift_batches_like_workers(bad_shards, num_workers, batch_size):
     ds_t, ds_w = _make(bad_shards, on_error="skip"), _make(bad_shards, on_error="skip")
     kw = dict(batch_size=batch_size, num_workers=num_workers)
-    got = _epoch(DataLoader(ds_t, decode_threads=2, **kw), "threads")
-    assert_same(got, _epoch(DataLoader(ds_w, **kw), "workers"))
+    got = epoch_on_path(DataLoader(ds_t, decode_threads=2, **kw), "threads")
+    assert_same(got, epoch_on_path(DataLoader(ds_w, **kw), "workers"))
     assert sum(len(b["cls"]) for b in got) == N - len(BAD)
     assert sorted(s["key"] for s in ds_t.skipped) == sorted(s["key"] for s in ds_w.skipped) == ["s0005", "s0030"]
 
 
 def test_skips_and_resume(bad_shards):
     make = lambda: _make(bad_shards, on_error="skip")  # noqa: E731
-    full = _epoch(DataLoader(make(), batch_size=3, num_workers=2), "workers")
+    full = epoch_on_path(DataLoader(make(), batch_size=3, num_workers=2), "workers")
     for k in (2, 6, 9):
         dl = DataLoader(make(), batch_size=3, num_workers=2, decode_threads=3)
         it = iter(dl)
@@ -225,7 +203,7 @@ def test_skips_and_resume(bad_shards):
         del it
         dl2 = DataLoader(make(), batch_size=3, num_workers=2, decode_threads=1)
         dl2.load_state_dict(state)
-        assert_same(first + _epoch(dl2, "threads"), full)
+        assert_same(first + epoch_on_path(dl2, "threads"), full)
 
 
 def _worker_error_batch(bad_shards: Path) -> int:
@@ -317,7 +295,7 @@ def test_global_rng_matches_worker_path(shards):
     draws = []
     for threads in (2, 0):
         torch.manual_seed(0)
-        _epoch(DataLoader(_make(shards), batch_size=8, num_workers=2, decode_threads=threads),
+        epoch_on_path(DataLoader(_make(shards), batch_size=8, num_workers=2, decode_threads=threads),
                "threads" if threads else "workers")
         draws.append(torch.rand(3))
     assert torch.equal(draws[0], draws[1])
@@ -326,7 +304,7 @@ def test_global_rng_matches_worker_path(shards):
 def test_pin_memory_without_accelerator_warns_like_torch(shards):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        got = _epoch(DataLoader(_make(shards), batch_size=8, num_workers=2, pin_memory=True, decode_threads=2),
+        got = epoch_on_path(DataLoader(_make(shards), batch_size=8, num_workers=2, pin_memory=True, decode_threads=2),
                      "threads")
     if not torch.accelerator.is_available():
         assert any("no accelerator is found" in str(w.message) for w in caught)
@@ -336,16 +314,16 @@ def test_pin_memory_without_accelerator_warns_like_torch(shards):
 def test_custom_collate_runs_in_process(shards):
     collate = lambda b: [(s["__key__"], s["cls"], int(s["jpg"].sum())) for s in b]  # noqa: E731
     kw = dict(batch_size=5, num_workers=2, collate_fn=collate)
-    assert _epoch(DataLoader(_make(shards), decode_threads=2, **kw), "threads") == \
-        _epoch(DataLoader(_make(shards), **kw), "workers")
+    assert epoch_on_path(DataLoader(_make(shards), decode_threads=2, **kw), "threads") == \
+        epoch_on_path(DataLoader(_make(shards), **kw), "workers")
 
 
 @pytest.mark.parametrize("kind", [tuple, list])
 def test_tuple_and_list_samples_in_place(shards, kind):
     kw = dict(batch_size=4, num_workers=2)
     make = lambda: _make(shards, sample_transform=lambda s: kind((s["jpg"], s["cls"], s["__key__"])))  # noqa: E731
-    got = _epoch(DataLoader(make(), decode_threads=2, **kw), "threads")
-    ref = _epoch(DataLoader(make(), **kw), "workers")
+    got = epoch_on_path(DataLoader(make(), decode_threads=2, **kw), "threads")
+    ref = epoch_on_path(DataLoader(make(), **kw), "workers")
     assert len(got) == len(ref)
     for x, y in zip(got, ref):
         assert type(x) is type(y) is list and len(x) == 3
@@ -364,7 +342,7 @@ def test_pool_threads_use_one_torch_thread_like_workers(shards):
         return img
 
     before = torch.get_num_threads()
-    _epoch(DataLoader(_make(shards, transform=probe), batch_size=8, num_workers=2, decode_threads=2), "threads")
+    epoch_on_path(DataLoader(_make(shards, transform=probe), batch_size=8, num_workers=2, decode_threads=2), "threads")
     assert seen == {(True, 1)}
     assert torch.get_num_threads() == before  # the caller's setting is untouched
 
@@ -372,11 +350,11 @@ def test_pool_threads_use_one_torch_thread_like_workers(shards):
 def test_cache_is_filled_from_threads_then_served_by_the_fast_path(shards, tmp_path):
     make = lambda: _make(shards, cache=tmp_path / "c")  # noqa: E731
     kw = dict(batch_size=4, num_workers=2)
-    ref = _epoch(DataLoader(_make(shards), **kw), "workers")
+    ref = epoch_on_path(DataLoader(_make(shards), **kw), "workers")
     dl = DataLoader(make(), decode_threads=2, **kw)
-    first = _epoch(dl, "threads")  # fills the store from two threads
+    first = epoch_on_path(dl, "threads")  # fills the store from two threads
     assert list(first[0]) == ["__key__", "cls", "txt", "jpg"]  # cache order of keys
-    again = _epoch(dl, "cached")
+    again = epoch_on_path(dl, "cached")
     assert_same(again, first)
     for a, b in zip(first, ref):
         assert a["__key__"] == b["__key__"] and torch.equal(a["jpg"], b["jpg"])
@@ -442,10 +420,10 @@ def test_next_epoch_starts_in_place_with_the_same_buffers(shards):
 def test_a_stale_layout_is_replaced(shards):
     ds = _make(shards)
     kw = dict(batch_size=4, num_workers=2, decode_threads=2)
-    _epoch(DataLoader(ds, **kw), "threads")  # layout: 3 x 24 x 24
+    epoch_on_path(DataLoader(ds, **kw), "threads")  # layout: 3 x 24 x 24
     ds.transform = lambda img: img[:, :12]  # now 3 x 12 x 24
-    got = _epoch(DataLoader(ds, **kw), "threads")
-    ref = _epoch(DataLoader(_make(shards, transform=lambda img: img[:, :12]), batch_size=4, num_workers=2), "workers")
+    got = epoch_on_path(DataLoader(ds, **kw), "threads")
+    ref = epoch_on_path(DataLoader(_make(shards, transform=lambda img: img[:, :12]), batch_size=4, num_workers=2), "workers")
     assert_same(got, ref)
     it = _threads.thread_batches(ds, ds.epoch_start(2), threads=2, batch_size=4, drop_last=False,
                                  collate_fn=torch.utils.data.default_collate, pin=None)
@@ -460,9 +438,9 @@ def test_shard_readers_are_not_closed_under_a_reading_thread(tmp_path):
             w.write({"__key__": f"s{i:05d}", "bin": np.full(2000, i % 251, np.uint8).tobytes(), "cls": str(i).encode()})
     make = lambda: ShardedDataset(tmp_path / "ds", shuffle=ShuffleOptions(open_shards=1, buffer_size=500),  # noqa: E731
                                   seed=3)
-    ref = _keys(DataLoader(make(), batch_size=16, num_workers=1))
+    ref = batch_keys(DataLoader(make(), batch_size=16, num_workers=1))
     for _ in range(5):
-        assert _keys(DataLoader(make(), batch_size=16, num_workers=1, decode_threads=4)) == ref
+        assert batch_keys(DataLoader(make(), batch_size=16, num_workers=1, decode_threads=4)) == ref
 
 
 def test_hdf5_shards(tmp_path):
@@ -472,8 +450,8 @@ def test_hdf5_shards(tmp_path):
             w.write({"__key__": f"s{i:04d}", "jpg": jpeg_bytes(img, 90), "cls": i})
     make = lambda: _make(tmp_path / "h5")  # noqa: E731
     kw = dict(batch_size=4, num_workers=2)
-    assert_same(_epoch(DataLoader(make(), decode_threads=3, **kw), "threads"),
-                _epoch(DataLoader(make(), **kw), "workers"))
+    assert_same(epoch_on_path(DataLoader(make(), decode_threads=3, **kw), "threads"),
+                epoch_on_path(DataLoader(make(), **kw), "workers"))
 
 
 def test_timeout_like_torch(shards):
@@ -494,6 +472,6 @@ def test_dtypes_numpy_lacks_are_written_by_torch(shards):
 
     make = lambda: _make(shards, sample_transform=to_bf16)  # noqa: E731
     kw = dict(batch_size=4, num_workers=2)
-    got = _epoch(DataLoader(make(), decode_threads=2, **kw), "threads")
+    got = epoch_on_path(DataLoader(make(), decode_threads=2, **kw), "threads")
     assert got[0]["x"].dtype == torch.bfloat16
-    assert_same(got, _epoch(DataLoader(make(), **kw), "workers"))
+    assert_same(got, epoch_on_path(DataLoader(make(), **kw), "workers"))
