@@ -294,3 +294,86 @@ def test_virtual_workers_keep_their_shards_open(data):
     ds.source._opener = lambda i: opened.append(i) or real(i)
     epoch_on_path(DataLoader(ds, batch_size=2, num_workers=3), "cached")
     assert sorted(opened) == list(range(7))  # each shard opened once, not once per switch between workers
+
+
+def _float_cls(data: bytes) -> float:
+    return float(bytes(data)) / 4
+
+
+@pytest.mark.parametrize("num_workers", [0, 3])
+@pytest.mark.parametrize(("drop_last", "batch_size"), [(False, 4), (True, 4), (False, 64)])
+@pytest.mark.parametrize("decode", [None, {"cls": _strict_cls}, {"cls": _float_cls}])
+def test_later_epochs_collate_from_the_memo_columns(data, monkeypatch, num_workers, drop_last, batch_size, decode):
+    """One loader over three epochs: from the second on, the uncached fields of whole batches come
+    from MetaMemo's columns (no per-sample dicts), bit for bit what the workers give; with skipped
+    samples (on_error="skip") the batches around them take the per-sample path."""
+    from fastdata.loader._cached import MetaMemo
+
+    shards, cache = data
+    kw = dict(batch_size=batch_size, num_workers=num_workers, drop_last=drop_last)
+    extra: dict[str, Any] = {} if decode is None else {"decode": decode, "on_error": "skip"}
+    skips = decode is not None and decode["cls"] is _strict_cls
+    loader = DataLoader(_make(shards, cache, **extra), **kw)
+    for epoch in range(3):
+        if epoch == 2 and not skips:  # every sample memoized: no per-sample lookup at all
+            def per_sample(self: Any, g: int) -> Any:
+                raise AssertionError(f"sample {g} looked up one by one")
+            monkeypatch.setattr(MetaMemo, "get", per_sample)
+        loader.dataset.set_epoch(epoch)
+        got = epoch_on_path(loader, "cached")
+        ref_ds = _make(shards, cache, **extra)
+        ref_ds.set_epoch(epoch)
+        assert_same(got, epoch_on_path(DataLoader(ref_ds, cached_fast_path=False, **kw), "workers"))
+    memo = loader._gather.metas
+    assert memo.regular and len(memo) == N - (len(BAD) if skips else 0)
+
+
+def test_meta_memo_collates_like_default_collate():
+    from torch.utils.data import default_collate
+
+    from fastdata.loader._cached import MetaMemo
+
+    memo = MetaMemo()
+    metas = {g: {"__key__": f"k{g}", "cls": g - 7, "w": g / 3, "ok": g % 2 == 0, "raw": bytes([g % 256])}
+             for g in range(0, 3000, 3)}
+    for g, m in metas.items():
+        memo.put(g, m)
+    rows = np.array([2997, 0, 3, 1500, 3], dtype=np.int64)
+    assert memo.regular and memo.has_all(rows) and not memo.has_all(np.array([1, 3]))
+    got, want = memo.collate(rows), default_collate([metas[g] for g in rows.tolist()])
+    assert list(got) == list(want)
+    for k in want:
+        if isinstance(want[k], torch.Tensor):
+            assert got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]), k
+        else:
+            assert got[k] == want[k], k
+    assert memo.get(1500) == metas[1500] and memo.get(1) is None
+    d = memo.get(3)
+    d["cls"] = 99  # a new dict each time: a collate_fn may change it
+    assert memo.get(3)["cls"] == -4
+
+
+@pytest.mark.parametrize("odd", [{"__key__": "x", "cls": 1 << 70}, {"__key__": "x", "cls": None},
+                                 {"__key__": "x", "cls": True}, {"cls": 1, "__key__": "x"},
+                                 {"__key__": "x"}, {"__key__": "x", "cls": "1"}])
+def test_meta_memo_turns_irregular_and_keeps_every_sample(odd):
+    from fastdata.loader._cached import MetaMemo
+
+    memo = MetaMemo()
+    memo.put(0, {"__key__": "a", "cls": 1})
+    memo.put(5, odd)
+    assert not memo.regular and not memo.has_all(np.array([0]))
+    assert memo.get(0) == {"__key__": "a", "cls": 1} and memo.get(5) == odd and len(memo) == 2
+    memo.put(7, {"__key__": "b", "cls": 2})
+    assert memo.get(7) == {"__key__": "b", "cls": 2}
+
+
+def test_meta_memo_limit_and_unmemoizable_values():
+    from fastdata.loader._cached import MetaMemo
+
+    memo = MetaMemo(limit=2)
+    memo.put(0, {"__key__": "x" * 300})  # too long to keep
+    memo.put(1, {"__key__": "a"})
+    memo.put(2, {"__key__": "b"})
+    memo.put(3, {"__key__": "c"})  # over the limit
+    assert [memo.get(g) for g in range(4)] == [None, {"__key__": "a"}, {"__key__": "b"}, None] and len(memo) == 2

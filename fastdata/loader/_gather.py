@@ -140,7 +140,7 @@ class FastGather:
         self.pool = GatherPool(threads)
         self.ring = BufferRing()
         self.batch_size = batch_size
-        self.metas: dict[int, dict[str, Any]] = {}  # global index -> small uncached fields (see _cached.py)
+        self.metas: Any = None  # the cached path's MetaMemo (small uncached fields by global index), set there
         self._finalizer = weakref.finalize(self, GatherPool.close, self.pool)
 
     @property
