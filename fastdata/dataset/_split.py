@@ -29,6 +29,7 @@ machine and numpy version.
 """
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -111,46 +112,120 @@ class ShuffleOptions:
 
 
 def _interleave(pieces: list[np.ndarray], open_count: int, key: int) -> np.ndarray:
+    """Interleave ``pieces``: ``open_count`` of them are open at a time; each step takes the next
+    sample of an open piece drawn at random (``random_floats(key)``); an exhausted piece is replaced
+    by the next unopened one in the same slot, and once none is left, by the last open one.
+
+    Vectorised form of that sequential process (the order is part of the resume contract; a
+    reference loop in tests/test_split_vector.py checks it sample for sample): while ``k`` pieces
+    are open the slot of every step is known up front, so only the piece hand-outs (one per piece)
+    are simulated, in the order the slots run dry; the tail after the first slot closes (at most
+    ``open_count`` pieces) runs as the loop. ~5x faster than the loop; at epoch start it held the
+    GIL ~0.5 us per sample.
+    """
     total = sum(len(p) for p in pieces)
     if len(pieces) <= 1 or open_count <= 1:
         return np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int64)
-    rand = random_floats(key, total).tolist()
-    lists = [p.tolist() for p in pieces]
-    nxt = min(open_count, len(lists))
-    live = [[lst, 0] for lst in lists[:nxt]]
-    out = [0] * total
-    for t in range(total):
-        j = int(rand[t] * len(live))
-        cur = live[j]
-        lst, pos = cur
-        out[t] = lst[pos]
-        pos += 1
-        if pos < len(lst):
-            cur[1] = pos
-        elif nxt < len(lists):
-            live[j] = [lists[nxt], 0]
+    rand = random_floats(key, total)
+    k = min(open_count, len(pieces))
+    lens = [len(p) for p in pieces]
+    js = (rand * k).astype(np.int64)  # the slot of each step while k pieces are open
+    # pick times of each slot, in time order
+    order = np.argsort(js, kind="stable")
+    counts = np.bincount(js, minlength=k)
+    starts = np.concatenate([[0], np.cumsum(counts)])
+    times = [order[starts[s]:starts[s + 1]] for s in range(k)]
+    # simulate piece hand-outs: slot s exhausts its piece at its (used + len)-th pick
+    used = [0] * k
+    assigned = [[s] for s in range(k)]
+    nxt = k
+    heap = []
+    for s in range(k):
+        c = lens[s]
+        if c <= len(times[s]):
+            heapq.heappush(heap, (int(times[s][c - 1]), s))
+        used[s] = c
+    t_end = total  # first step at which a slot is dropped (k changes); total: never in phase 1
+    drop_slot = -1
+    while heap:
+        t, s = heapq.heappop(heap)
+        if nxt < len(pieces):
+            assigned[s].append(nxt)
+            c = used[s] + lens[nxt]
+            used[s] = c
             nxt += 1
+            if c <= len(times[s]):
+                heapq.heappush(heap, (int(times[s][c - 1]), s))
+        else:
+            t_end, drop_slot = t, s
+            break
+    # phase 1 output: steps < t_end, plus step t_end itself (chosen with k slots)
+    out = np.empty(total, dtype=np.int64)
+    pos = [0] * k  # position inside the current piece of each slot after phase 1
+    cur = [0] * k
+    for s in range(k):
+        n_s = int(np.searchsorted(times[s], t_end, side="right"))  # picks at times <= t_end
+        cat = np.concatenate([pieces[i] for i in assigned[s]])
+        out[times[s][:n_s]] = cat[:n_s]
+        # state after n_s picks
+        acc = 0
+        for i in assigned[s]:
+            if n_s < acc + lens[i] or i == assigned[s][-1]:
+                cur[s], pos[s] = i, n_s - acc
+                break
+            acc += lens[i]
+    if t_end >= total:
+        return out
+    # phase 2: sequential, with the reference loop's state after step t_end
+    live = [[pieces[cur[s]].tolist(), pos[s]] for s in range(k)]
+    # step t_end exhausted drop_slot's piece with no piece left: the reference swaps in the last and pops
+    live[drop_slot] = live[-1]
+    live.pop()
+    r = rand.tolist()
+    for t in range(t_end + 1, total):
+        j = int(r[t] * len(live))
+        c = live[j]
+        lst, p = c
+        out[t] = lst[p]
+        p += 1
+        if p < len(lst):
+            c[1] = p
         else:
             live[j] = live[-1]
             live.pop()
-    return np.asarray(out, dtype=np.int64)
+    return out
 
 
 def _buffer_shuffle(seq: np.ndarray, size: int, key: int) -> np.ndarray:
+    """A simulated shuffle buffer of ``size`` over ``seq``: each later sample replaces the sample
+    drawn from a random slot (``random_floats(key)``), the buffer's rest comes last in a seeded
+    permutation. Vectorised: the sample drawn at step ``t`` is the one put into that slot at its
+    previous draw (or the slot's initial one), so one sort by (slot, time) gives every draw.
+    """
     n = len(seq)
     if size <= 1 or n <= 1:
         return seq
-    rand = random_floats(key, n).tolist()
-    items = seq.tolist()
-    buf = items[: min(size, n)]
-    out: list[int] = []
-    for t in range(len(buf), n):
-        j = int(rand[t] * len(buf))
-        out.append(buf[j])
-        buf[j] = items[t]
-    tail = [buf[i] for i in permutation(key ^ 0x5DEECE66D, len(buf)).tolist()]
-    out.extend(tail)
-    return np.asarray(out, dtype=np.int64)
+    items = np.asarray(seq, dtype=np.int64)
+    b = min(size, n)
+    rand = random_floats(key, n)
+    ts = np.arange(b, n, dtype=np.int64)
+    js = (rand[b:] * b).astype(np.int64)  # int(rand[t] * len(buf)): truncation of the same double product
+    order = np.lexsort((ts, js))  # by slot, then time
+    js_s, ts_s = js[order], ts[order]
+    first = np.ones(len(order), dtype=bool)
+    first[1:] = js_s[1:] != js_s[:-1]
+    # what slot j holds when picked at time t: the item put there at its previous pick, else items[j]
+    src = np.where(first, js_s, np.concatenate([[0], ts_s[:-1]]))
+    out = np.empty(n, dtype=np.int64)
+    picked = np.empty(len(order), dtype=np.int64)
+    picked[order] = items[src]
+    out[: n - b] = picked
+    final = items[:b].copy()
+    last = np.ones(len(order), dtype=bool)
+    last[:-1] = js_s[1:] != js_s[:-1]
+    final[js_s[last]] = items[ts_s[last]]
+    out[n - b:] = final[permutation(key ^ 0x5DEECE66D, b)]
+    return out
 
 
 def mix_segments(
