@@ -377,3 +377,13 @@ def test_meta_memo_limit_and_unmemoizable_values():
     memo.put(2, {"__key__": "b"})
     memo.put(3, {"__key__": "c"})  # over the limit
     assert [memo.get(g) for g in range(4)] == [None, {"__key__": "a"}, {"__key__": "b"}, None] and len(memo) == 2
+
+
+def test_meta_memo_skips_a_long_value_and_stays_regular():
+    from fastdata.loader._cached import MetaMemo
+
+    memo = MetaMemo()
+    memo.put(0, {"__key__": "a", "cls": 1})
+    memo.put(1, {"__key__": "b" * 300, "cls": 2})  # not kept; the others stay in columns
+    memo.put(2, {"__key__": "c", "cls": 3})
+    assert memo.regular and memo.get(1) is None and memo.has_all(np.array([0, 2])) and len(memo) == 2

@@ -179,35 +179,48 @@ class MetaMemo:
 
     def put(self, g: int, meta: dict[str, Any]) -> None:
         """Keep ``meta`` (when small and immutable and the memo is not full)."""
-        if self.count >= self.limit or not _memoizable(meta) or self.get(g) is not None:
+        if self.count >= self.limit:
             return
-        if self.regular and not self._fits(meta):
-            self._to_dicts()
+        values = tuple(meta.values())
+        types = tuple(map(type, values))
+        if self.regular:
+            if g < len(self._have) and self._have[g]:
+                return
+            if types != self._types or tuple(meta) != self._fields:  # the first sample, or an odd one
+                if not _memoizable(meta):
+                    return
+                if self._fields is not None or not self._fits(types, values):
+                    self._to_dicts()
+            elif str in types or bytes in types or int in types:
+                if not _memoizable(meta):  # a long string: this sample is not kept
+                    return
+                if not self._fits(types, values):  # an int beyond int64
+                    self._to_dicts()
         if not self.regular:
-            self._dicts[g] = dict(meta)
-            self.count += 1
+            if g not in self._dicts and _memoizable(meta):
+                self._dicts[g] = dict(meta)
+                self.count += 1
             return
         if self._fields is None:
-            self._fields = tuple(meta)
-            self._types = tuple(type(v) for v in meta.values())
-            self._cols = [np.empty(0, dtype=_KINDS[t]) for t in self._types]
+            self._fields, self._types = tuple(meta), types
+            self._cols = [np.empty(0, dtype=_KINDS[t]) for t in types]
         if g >= len(self._have):
             size = max(g + 1, 2 * len(self._have), 1024)
             self._have = np.concatenate([self._have, np.zeros(size - len(self._have), dtype=bool)])
             self._cols = [np.concatenate([c, np.zeros(size - len(c), dtype=c.dtype)]) if c.dtype != object
                           else np.concatenate([c, np.full(size - len(c), None, dtype=object)]) for c in self._cols]
-        for col, v in zip(self._cols, meta.values()):
+        for col, v in zip(self._cols, values):
             col[g] = v
         self._have[g] = True
         self.count += 1
 
-    def _fits(self, meta: dict[str, Any]) -> bool:
-        types = tuple(type(v) for v in meta.values())
-        if any(t not in _KINDS for t in types):
-            return False
-        if any(t is int and not _INT64[0] <= v <= _INT64[1] for t, v in zip(types, meta.values())):
-            return False
-        return self._fields is None or (tuple(meta) == self._fields and types == self._types)
+    @staticmethod
+    def _fits(types: tuple[type, ...], values: tuple[Any, ...]) -> bool:
+        """Whether values of these exact types can live in columns (ints within int64)."""
+        for t, v in zip(types, values):
+            if t not in _KINDS or (t is int and not _INT64[0] <= v <= _INT64[1]):
+                return False
+        return True
 
     def _to_dicts(self) -> None:
         if self._fields is not None:
