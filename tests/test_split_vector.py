@@ -80,3 +80,49 @@ def test_buffer_shuffle_equals_the_sequential_loop(seed):
         assert np.array_equal(got, want), (len(seq), size, key)
     seq = np.arange(20_000, dtype=np.int64)
     assert np.array_equal(_buffer_shuffle(seq, 1000, 5), ref_buffer_shuffle(seq, 1000, 5))
+
+
+def ref_mix_segments(segments, offsets, options, key):
+    from fastdata.dataset._split import rng_key
+
+    pieces = []
+    for j, (shard, start, stop) in enumerate(segments):
+        idx = np.arange(start, stop, dtype=np.int64) + int(offsets[shard])
+        if options is not None and options.within_shard and len(idx) > 1:
+            idx = idx[permutation(rng_key(key, 1, j), len(idx))]
+        pieces.append(idx)
+    if options is None:
+        return np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int64)
+    seq = ref_interleave(pieces, options.open_shards, rng_key(key, 2))
+    return ref_buffer_shuffle(seq, options.buffer_size, rng_key(key, 3))
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_mix_segments_equals_the_per_piece_loop(seed):
+    from fastdata.dataset._split import ShuffleOptions, mix_segments
+
+    rng = np.random.default_rng(200 + seed)
+    for _ in range(150):
+        sizes = rng.integers(0, 50, int(rng.integers(1, 20)))
+        offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+        segments = []
+        for _ in range(int(rng.integers(0, 15))):
+            shard = int(rng.integers(0, len(sizes)))
+            if sizes[shard] == 0:
+                continue
+            a = int(rng.integers(0, sizes[shard]))
+            b = int(rng.integers(a + 1, sizes[shard] + 1))
+            segments.append((shard, a, b))  # one-sample pieces included (splits never make empty ones)
+        key = int(rng.integers(0, 2**63))
+        options = [None, ShuffleOptions(open_shards=int(rng.integers(1, 6)), buffer_size=int(rng.integers(0, 40))),
+                   ShuffleOptions(open_shards=3, buffer_size=0, within_shard=False)][int(rng.integers(0, 3))]
+        want, got = ref_mix_segments(segments, offsets, options, key), mix_segments(segments, offsets, options, key)
+        assert got.dtype == np.int64 and np.array_equal(got, want), (segments, options, key)
+
+
+def test_vectorised_keys_equal_rng_key():
+    from fastdata.dataset._split import _keys_u64, rng_key
+
+    for key in (0, 1, 2**63 - 1, 2**64 - 1, 123456789):
+        js = np.array([0, 1, 2, 7, 10**6, 2**40], dtype=np.int64)
+        assert _keys_u64(key, 1, js).tolist() == [rng_key(key, 1, int(j)) for j in js]

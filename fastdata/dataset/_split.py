@@ -111,6 +111,13 @@ class ShuffleOptions:
 # Mixing inside one worker
 
 
+def _stable_order(slots: np.ndarray, bound: int) -> np.ndarray:
+    """Stable argsort of small non-negative ints below ``bound`` (a radix sort for 16-bit keys)."""
+    if bound <= 1 << 16:
+        slots = slots.astype(np.uint16)
+    return np.argsort(slots, kind="stable")
+
+
 def _interleave(pieces: list[np.ndarray], open_count: int, key: int) -> np.ndarray:
     """Interleave ``pieces``: ``open_count`` of them are open at a time; each step takes the next
     sample of an open piece drawn at random (``random_floats(key)``); an exhausted piece is replaced
@@ -131,7 +138,7 @@ def _interleave(pieces: list[np.ndarray], open_count: int, key: int) -> np.ndarr
     lens = [len(p) for p in pieces]
     js = (rand * k).astype(np.int64)  # the slot of each step while k pieces are open
     # pick times of each slot, in time order
-    order = np.argsort(js, kind="stable")
+    order = _stable_order(js, k)
     counts = np.bincount(js, minlength=k)
     starts = np.concatenate([[0], np.cumsum(counts)])
     times = [order[starts[s]:starts[s + 1]] for s in range(k)]
@@ -210,7 +217,7 @@ def _buffer_shuffle(seq: np.ndarray, size: int, key: int) -> np.ndarray:
     rand = random_floats(key, n)
     ts = np.arange(b, n, dtype=np.int64)
     js = (rand[b:] * b).astype(np.int64)  # int(rand[t] * len(buf)): truncation of the same double product
-    order = np.lexsort((ts, js))  # by slot, then time
+    order = _stable_order(js, b)  # by slot, then time
     js_s, ts_s = js[order], ts[order]
     first = np.ones(len(order), dtype=bool)
     first[1:] = js_s[1:] != js_s[:-1]
@@ -228,18 +235,59 @@ def _buffer_shuffle(seq: np.ndarray, size: int, key: int) -> np.ndarray:
     return out
 
 
+def _keys_u64(key: int, prefix: int, idx: np.ndarray) -> np.ndarray:
+    """``rng_key(key, prefix, j)`` for every ``j`` of ``idx`` (uint64), vectorised."""
+    head = rng_key(key, prefix)  # the fold over the common words; the last word varies
+
+    def mix(x: np.ndarray) -> np.ndarray:
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return x ^ (x >> np.uint64(31))
+
+    words = idx.astype(np.uint64) + np.uint64(_GOLDEN)  # (j + golden) mod 2^64
+    return mix(np.uint64(head) ^ mix(words))
+
+
+def _piece_permutations(lengths: np.ndarray, keys: np.ndarray) -> np.ndarray:
+    """``concatenate([permutation(keys[j], lengths[j]) for j])``, vectorised: one counter-based
+    stream per piece, then one row-wise stable argsort per distinct piece length (shard pieces
+    mostly share a length), the same order as the stable per-piece argsort."""
+    total = int(lengths.sum())
+    piece = np.repeat(np.arange(len(lengths), dtype=np.int64), lengths)
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+    counter = np.arange(total, dtype=np.int64) - starts[piece] + 1  # 1..n inside each piece
+    x = counter.astype(np.uint64) * np.uint64(_GOLDEN) + keys[piece]
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    x = x ^ (x >> np.uint64(31))
+    out = np.empty(total, dtype=np.int64)
+    for n in np.unique(lengths).tolist():
+        if n == 0:
+            continue
+        rows = starts[lengths == n][:, None] + np.arange(n, dtype=np.int64)  # (pieces of length n, n)
+        out[rows] = np.argsort(x[rows], axis=1, kind="stable")
+    return out
+
+
 def mix_segments(
     segments: Sequence[Segment], offsets: np.ndarray, options: ShuffleOptions | None, key: int
 ) -> np.ndarray:
     """Global sample indices of ``segments``, mixed by ``options`` (None: in order)."""
-    pieces = []
-    for j, (shard, start, stop) in enumerate(segments):
-        idx = np.arange(start, stop, dtype=np.int64) + int(offsets[shard])
-        if options is not None and options.within_shard and len(idx) > 1:
-            idx = idx[permutation(rng_key(key, 1, j), len(idx))]
-        pieces.append(idx)
+    if not len(segments):
+        return np.zeros(0, dtype=np.int64)
+    seg = np.asarray(segments, dtype=np.int64).reshape(-1, 3)
+    lengths = np.maximum(seg[:, 2] - seg[:, 1], 0)
+    first = np.asarray(offsets, dtype=np.int64)[seg[:, 0]] + seg[:, 1]  # global index of each piece's start
+    piece = np.repeat(np.arange(len(seg), dtype=np.int64), lengths)
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+    if options is not None and options.within_shard:  # each piece in its own seeded order
+        local = _piece_permutations(lengths, _keys_u64(key, 1, np.arange(len(seg), dtype=np.int64)))
+    else:
+        local = np.arange(int(lengths.sum()), dtype=np.int64) - starts[piece]
+    flat = first[piece] + local
     if options is None:
-        return np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int64)
+        return flat
+    pieces = np.split(flat, starts[1:]) if len(seg) > 1 else [flat]
     seq = _interleave(pieces, options.open_shards, rng_key(key, 2))
     return _buffer_shuffle(seq, options.buffer_size, rng_key(key, 3))
 
