@@ -81,6 +81,244 @@ def _in_worker() -> bool:
     return get_worker_info() is not None
 
 
+MAX_OPEN_READERS = 1024  # shard readers one process keeps open at most (also <= a quarter of RLIMIT_NOFILE)
+
+
+def _open_budget() -> int:
+    """Shard readers one process may keep open: each holds a file descriptor (a tar shard's
+    memory map keeps a duplicate of its descriptor; an HDF5 file its own)."""
+    try:
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    except (ImportError, OSError, ValueError):  # pragma: no cover - not POSIX
+        soft = -1
+    if soft < 0:  # RLIM_INFINITY or unknown
+        return max(1, MAX_OPEN_READERS)
+    return max(1, min(MAX_OPEN_READERS, max(16, soft // 4)))
+
+
+class _Walk:
+    """What one walk (a cursor) still reads from each shard, for the reader cache's eviction.
+
+    ``left``: samples still to load per shard (one per load, so threads loading out of order
+    count exactly), ``total``: as many when the walk was registered, ``first``: the position in the
+    walk's sequence of its first sample of the shard, ``width``: the most shards whose samples
+    interleave at any point of the walk (the readers it needs open at once never to reopen one).
+    """
+
+    __slots__ = ("first", "left", "pending", "remaining", "total", "width")
+
+    def __init__(self) -> None:
+        self.left: dict[int, int] = {}
+        self.total: dict[int, int] = {}
+        self.first: dict[int, int] = {}
+        self.width = 0
+        self.remaining = 0
+        self.pending: list[int] | None = []  # loads seen while the walk was being measured
+
+    @classmethod
+    def of(cls, shards: np.ndarray, start: int, num_shards: int) -> _Walk:
+        """The walk reading ``shards`` (shard of each sample, in order) from position ``start`` on."""
+        walk = cls()
+        walk.pending = None
+        n = len(shards)
+        if n == 0:
+            return walk
+        pos = np.arange(n, dtype=np.int64)
+        first = np.full(num_shards, n, dtype=np.int64)
+        last = np.full(num_shards, -1, dtype=np.int64)
+        np.minimum.at(first, shards, pos)
+        np.maximum.at(last, shards, pos)
+        count = np.bincount(shards, minlength=num_shards)
+        used = np.flatnonzero(count)
+        events = np.zeros(n + 1, dtype=np.int64)
+        events[first[used]] += 1  # positions hold one sample each: no repeated index
+        events[last[used] + 1] -= 1
+        walk.width = int(np.cumsum(events).max())
+        keys, counts = used.tolist(), count[used].tolist()
+        walk.left = dict(zip(keys, counts))
+        walk.total = dict(walk.left)
+        walk.first = dict(zip(keys, (first[used] + start).tolist()))
+        walk.remaining = n
+        return walk
+
+    def loaded(self, shard: int) -> None:
+        left = self.left.get(shard)
+        if left is not None and left > 0:
+            self.left[shard] = left - 1
+            self.remaining -= 1
+
+
+class _Lease:
+    __slots__ = ("evicted", "reader", "shard", "users")
+
+    def __init__(self, shard: int, reader: Any):
+        self.shard, self.reader, self.users, self.evicted = shard, reader, 0, False
+
+
+class _ReaderCache:
+    """The shard readers open in one process, shared by every walk of the dataset; thread-safe.
+
+    Readers are used under a lease (:meth:`acquire`, :meth:`release`). Evicting a reader that is
+    in use only takes it out of the cache: its last user closes it, so no thread ever reads a
+    closed reader (and a reader that is acquired again before that is taken back, not reopened).
+
+    Size: at least :meth:`ShardedDataset._reader_floor`; when the walks live in this process are
+    known, the sum of their widths (:class:`_Walk`) plus 2, so that a walk reopens a shard only
+    when :func:`_open_budget` forbids more open readers. Eviction takes the reader needed last:
+    one no live walk reads again, else the one whose first use by a walk lies furthest ahead,
+    else (every cached reader is in the middle of some walk's reads) the least recently used.
+    """
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        self._cv = threading.Condition(threading.Lock())
+        self._entries: OrderedDict[int, _Lease] = OrderedDict()
+        self._evicted: dict[int, _Lease] = {}  # out of the cache, still in use: the last user closes it
+        self._opening: set[int] = set()
+        self._walks: weakref.WeakKeyDictionary[Cursor, _Walk] = weakref.WeakKeyDictionary()
+        self._budget = _open_budget()
+        self.opened = 0  # readers opened (for tests and benchmarks)
+
+    def acquire(self, shard: int, cursor: Cursor | None, ds: ShardedDataset) -> _Lease:
+        """A lease on the reader of ``shard``, opened if needed (``cursor``: the walk this read is part of)."""
+        with self._cv:
+            start = self._count_load(shard, cursor, ds) if cursor is not None else None
+            if start is None:
+                lease, victims = self._lookup(shard, ds)
+        if start is not None:  # a new walk: measured once, outside the lock
+            self._measure(cursor, start, ds)  # type: ignore[arg-type]
+            with self._cv:
+                lease, victims = self._lookup(shard, ds)
+        for old in victims:
+            old.reader.close()
+        if lease is not None:
+            return lease
+        try:
+            reader = ds.source.reader(shard)
+            _ = reader.keys  # index / file opened here, by one thread (readers open lazily, unsynchronised)
+        except BaseException:
+            with self._cv:
+                self._opening.discard(shard)
+                self._cv.notify_all()
+            raise
+        lease = _Lease(shard, reader)
+        lease.users = 1
+        with self._cv:
+            self._opening.discard(shard)
+            self._entries[shard] = lease
+            self.opened += 1
+            victims = self._evict(ds, keep=shard)  # other threads may have opened readers meanwhile
+            self._cv.notify_all()
+        for old in victims:
+            old.reader.close()
+        return lease
+
+    def _count_load(self, shard: int, cursor: Cursor, ds: ShardedDataset) -> int | None:
+        """Count a load of ``cursor``'s walk (under the lock); a walk seen for the first time returns
+        its position, to be measured (:meth:`_measure`), when the dataset has more shards than the floor."""
+        walk = self._walks.get(cursor)
+        start = None
+        if walk is None:
+            walk = self._walks[cursor] = _Walk()
+            if len(ds.source.names) > ds._reader_floor():
+                start = cursor.pos  # nothing of the walk was loaded before its first load
+            else:
+                walk.pending = None  # every shard fits the floor: nothing to measure
+        if walk.pending is not None:
+            walk.pending.append(shard)
+        else:
+            walk.loaded(shard)
+        return start
+
+    def _lookup(self, shard: int, ds: ShardedDataset) -> tuple[_Lease | None, list[_Lease]]:
+        """(The cached reader of ``shard`` leased, readers to close) under the lock; (None, ...):
+        this thread opens it (room was made)."""
+        while True:
+            lease = self._entries.get(shard)
+            if lease is None and shard in self._evicted:  # evicted but still in use: take it back
+                lease = self._entries[shard] = self._evicted.pop(shard)
+                lease.evicted = False
+                lease.users += 1
+                return lease, self._evict(ds, keep=shard)
+            if lease is not None:
+                self._entries.move_to_end(shard)
+                lease.users += 1
+                return lease, []
+            if shard not in self._opening:
+                self._opening.add(shard)
+                return None, self._evict(ds)  # room for the reader about to open
+            self._cv.wait()  # another thread opens it
+
+    def release(self, lease: _Lease) -> None:
+        with self._cv:
+            lease.users -= 1
+            close = lease.evicted and lease.users == 0
+            if close:
+                del self._evicted[lease.shard]
+        if close:
+            lease.reader.close()
+
+    def _measure(self, cursor: Cursor, start: int, ds: ShardedDataset) -> None:
+        """Measure ``cursor``'s walk from position ``start`` on (outside the lock; the loads counted
+        meanwhile wait in ``pending``)."""
+        try:
+            measured = ds._walk_shards(cursor, start)
+        except Exception:  # noqa: BLE001 - eviction falls back to LRU for this walk; the read reports errors
+            measured = None
+        with self._cv:
+            walk = self._walks.get(cursor)
+            if walk is None:
+                return
+            if measured is None:
+                walk.pending = None
+                return
+            for shard in walk.pending or ():
+                measured.loaded(shard)
+            self._walks[cursor] = measured
+
+    def _evict(self, ds: ShardedDataset, keep: int | None = None) -> list[_Lease]:
+        """Take readers out of the cache (under the lock) until it and the readers being opened fit
+        its size, never ``keep``; returns those to close now (the others are in use)."""
+        floor = ds._reader_floor()
+        if len(self._entries) + len(self._opening) <= min(self._budget, floor):
+            return []  # fits whatever the walks need
+        walks = [(c.pos, w) for c, w in self._walks.items() if w.pending is None and w.remaining > 0]
+        cap = min(self._budget, max(floor, sum(w.width for _, w in walks) + 2))
+        victims = []
+        while len(self._entries) + len(self._opening) > cap and len(self._entries) > (keep is not None):
+            best, best_key = None, -2.0
+            for shard, lease in self._entries.items():  # least recently used first: it wins ties
+                if shard != keep:
+                    key = _need_key(shard, walks)
+                    if key > best_key:
+                        best, best_key = lease, key
+            if best is None:
+                break
+            del self._entries[best.shard]
+            if best.users:
+                best.evicted = True
+                self._evicted[best.shard] = best
+            else:
+                victims.append(best)
+        return victims
+
+
+def _need_key(shard: int, walks: list[tuple[int, _Walk]]) -> float:
+    """How gladly a reader is evicted: inf (no walk reads it again), the distance to its first
+    use by a walk that has not started it yet, -1 (a walk is in the middle of it)."""
+    key = math.inf
+    for pos, walk in walks:
+        left = walk.left.get(shard, 0)
+        if left <= 0:
+            continue
+        if left < walk.total[shard]:
+            return -1
+        key = min(key, max(0, walk.first[shard] - pos))
+    return key
+
+
 class ShardedDataset(IterableDataset):
     """Samples of a sharded dataset, split exactly between ranks and DataLoader workers.
 
@@ -235,8 +473,8 @@ class ShardedDataset(IterableDataset):
 
     # ----- configuration ------------------------------------------------------------------
     def _reset_process_state(self) -> None:
-        self._readers: OrderedDict[int, Any] = OrderedDict()
         self._cursors: weakref.WeakSet[Cursor] = weakref.WeakSet()  # live walks reading through _readers
+        self._readers = _ReaderCache()
         self._store: Any = None
         self._store_pid: int | None = None
         self._live: Cursor | None = None
@@ -560,20 +798,30 @@ class ShardedDataset(IterableDataset):
                 yield sample
         yield from self._end_of_walk(cursor)
 
-    def _reader(self, shard: int) -> Any:
-        reader = self._readers.get(shard)
-        if reader is None:
-            reader = self.source.reader(shard)
-            self._readers[shard] = reader
-            # the shard pieces one walk interleaves, times the walks live in this process (e.g. the
-            # virtual workers of an in-process loader), plus slack at piece ends
-            keep = (self.shuffle.open_shards if self.shuffle else 1) * max(1, len(self._cursors)) + 2
-            while len(self._readers) > keep:
-                _, old = self._readers.popitem(last=False)
-                old.close()
-        else:
-            self._readers.move_to_end(shard)
-        return reader
+    def _reader_cache(self) -> _ReaderCache:
+        """This process's shard readers (a forked child starts with none: the parent's stay the parent's)."""
+        cache = self._readers
+        if cache.pid != os.getpid():
+            cache = self._readers = _ReaderCache()
+        return cache
+
+    def _reader_floor(self) -> int:
+        """Readers kept open at least: the shard pieces one walk interleaves, times the walks live
+        in this process (e.g. the virtual workers of an in-process loader), plus slack at piece ends."""
+        return (self.shuffle.open_shards if self.shuffle else 1) * max(1, len(self._cursors)) + 2
+
+    def _read(self, shard: int, i: int, fields: Any, cursor: Cursor | None) -> dict[str, Any]:
+        """Sample ``i`` of ``shard`` read raw under a lease on its reader (``cursor``: the walk it is part of)."""
+        cache = self._reader_cache()
+        lease = cache.acquire(shard, cursor, self)
+        try:
+            return lease.reader.read(i, fields=fields)
+        finally:
+            cache.release(lease)
+
+    def _walk_shards(self, cursor: Cursor, start: int) -> _Walk:
+        """What ``cursor`` reads from each shard from position ``start`` on (for the reader cache)."""
+        return _Walk.of(self.locate(cursor.seq[start:])[0], start, len(self.source.names))
 
     def cache_store(self) -> Store | None:
         """The cache store this dataset reads and fills (None without ``cache=``).
@@ -614,7 +862,7 @@ class ShardedDataset(IterableDataset):
                     return None  # lacks a required field: skipped under on_missing="skip"
                 sample.update(hit)
             else:
-                raw = self._reader(shard).read(i, fields=self.fields)
+                raw = self._read(shard, i, self.fields, cursor)
                 if self._required and self._lacks(raw, self._required, shard, i, g, cursor):
                     return None
                 sample = self._decode_fields(raw, shard, g, cursor.epoch)
@@ -655,7 +903,7 @@ class ShardedDataset(IterableDataset):
     def _read_uncached(self, shard: int, i: int, g: int, cursor: Cursor) -> dict[str, Any] | None:
         """``__key__`` and the decoded fields of sample ``i`` of ``shard`` that the cache does not hold
         (None: it lacks a required one and ``on_missing="skip"`` skipped it)."""
-        raw = self._reader(shard).read(i, fields=self._uncached_fields())
+        raw = self._read(shard, i, self._uncached_fields(), cursor)
         if self._required and self._lacks(raw, self._required_uncached(), shard, i, g, cursor):
             return None
         return self._decoder({k: v for k, v in raw.items() if not is_image_field(k)}, shard=self.source.names[shard])
@@ -692,7 +940,12 @@ class ShardedDataset(IterableDataset):
     def _key(self, shard: int, i: int) -> str:
         """Key of sample ``i`` of ``shard`` for error reports (``#i`` when the shard's index is unreadable)."""
         try:
-            return str(self._reader(shard).keys[i])
+            cache = self._reader_cache()
+            lease = cache.acquire(shard, None, self)
+            try:
+                return str(lease.reader.keys[i])
+            finally:
+                cache.release(lease)
         except Exception:  # noqa: BLE001 - the key is best effort for the report
             return f"#{i}"
 

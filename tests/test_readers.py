@@ -1,0 +1,249 @@
+"""ShardedDataset's shard-reader cache: thread-safe leases, walk-aware size, opens per epoch."""
+from __future__ import annotations
+
+import multiprocessing
+import os
+import sys
+import threading
+import traceback
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from fastdata.dataset import ShardedDataset, ShuffleOptions, _dataset
+from fastdata.loader import DataLoader
+from fastdata.shards.writer import ShardWriter
+from batch_checks import batch_keys  # noqa: E402 - tests/ is on sys.path
+
+pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
+
+
+def _write(dest: Path, n: int, per_shard: int, fmt: str = "tar") -> Path:
+    with ShardWriter(dest, format=fmt, max_samples=per_shard) as w:
+        for i in range(n):
+            w.write({"__key__": f"s{i:05d}", "bin": np.full(2000, i % 251, np.uint8).tobytes(),
+                     "cls": str(i).encode()})
+    return dest
+
+
+class _Counting:
+    """Wraps a dataset's shard opener: readers opened, closed, open at most at once."""
+
+    def __init__(self, ds: ShardedDataset):
+        self.inner = ds.source._opener
+        self.opened = self.closed = self.peak = 0
+        self.lock = threading.Lock()
+        object.__setattr__(ds.source, "_opener", self)
+
+    def __call__(self, i: int) -> Any:
+        reader = self.inner(i)
+        counter = self
+        close = reader.close
+
+        def counted_close() -> None:
+            with counter.lock:
+                counter.closed += 1
+            close()
+
+        reader.close = counted_close
+        with self.lock:
+            self.opened += 1
+            self.peak = max(self.peak, self.opened - self.closed)
+        return reader
+
+
+def _sample_id(sample: dict[str, Any]) -> tuple[str, int, int]:
+    data = sample["bin"]
+    data = data.tobytes() if isinstance(data, np.ndarray) else bytes(data)
+    return str(sample["__key__"]), int(sample["cls"]), data[0] if len(set(data)) == 1 else -1
+
+
+@pytest.mark.parametrize("fmt", ["tar", "hdf5"])
+@pytest.mark.parametrize("budget", [None, 2])
+def test_threads_load_samples_through_a_small_reader_cache(tmp_path, monkeypatch, fmt, budget):
+    """Several threads walk the dataset at once through a reader cache far smaller than the
+    shards they read: an eviction never closes a reader another thread is reading (it did:
+    TypeError/ValueError in the tar reader, invalid ids in h5py), and every sample is right."""
+    if budget is not None:
+        monkeypatch.setattr(_dataset, "MAX_OPEN_READERS", budget, raising=False)
+    if fmt == "hdf5":
+        pytest.importorskip("h5py")
+    root = _write(tmp_path / fmt, 240, 3, fmt)  # 80 shards
+    ds = ShardedDataset(root, shuffle=ShuffleOptions(open_shards=1, buffer_size=0), seed=5, decode=False)
+    expect = {}
+    for s in ShardedDataset(root, decode=False):
+        key, cls, byte = _sample_id(s)
+        expect[key] = (int(cls), byte)
+    threads, errors, results = 6, [], {}
+    start = ds.epoch_start(0)
+    cursors = [ds.cursor(start, 0) for _ in range(threads)]
+    seq = cursors[0].seq
+    shards, local = ds.locate(seq)
+    work = list(zip(shards.tolist(), local.tolist(), seq.tolist()))
+    old_interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)  # switch threads often: inside reads, between lease and close
+
+    def run(k: int) -> None:
+        try:
+            rot = work[k * len(work) // threads:] + work[: k * len(work) // threads]
+            got = []
+            for _ in range(2):
+                for shard, i, g in rot:
+                    got.append(_sample_id(cursors[k].load(shard, i, g)))
+            results[k] = got
+        except BaseException:  # noqa: BLE001 - reported below
+            errors.append(traceback.format_exc())
+
+    try:
+        pool = [threading.Thread(target=run, args=(k,)) for k in range(threads)]
+        for t in pool:
+            t.start()
+        for t in pool:
+            t.join(120)
+    finally:
+        sys.setswitchinterval(old_interval)
+    assert not errors, errors[0]
+    assert len(results) == threads
+    for got in results.values():
+        assert len(got) == 2 * len(work)
+        for key, cls, byte in got:
+            assert (cls, byte) == expect[key]
+
+
+@pytest.mark.parametrize("fmt", ["tar", "hdf5"])
+def test_thread_decoder_with_readers_evicted_under_it(tmp_path, monkeypatch, fmt):
+    """decode_threads=4 through a cache of 2 readers (the thread decoder keeps no readers alive of
+    its own any more): the same batches as worker processes."""
+    if fmt == "hdf5":
+        pytest.importorskip("h5py")
+    monkeypatch.setattr(_dataset, "MAX_OPEN_READERS", 2, raising=False)
+    root = _write(tmp_path / fmt, 300, 3, fmt)
+    make = lambda: ShardedDataset(root, shuffle=ShuffleOptions(open_shards=2, buffer_size=50), seed=3)  # noqa: E731
+    ref = batch_keys(DataLoader(make(), batch_size=16, num_workers=2))
+    for _ in range(2):
+        ds = make()
+        count = _Counting(ds)
+        assert batch_keys(DataLoader(ds, batch_size=16, num_workers=2, decode_threads=4)) == ref
+        assert count.peak <= 2 + 4 and count.opened > 100  # evicted readers stay open while a thread reads them
+
+
+class _FakeReader:
+    def __init__(self, shard: int):
+        self.shard, self.closed, self.reads = shard, 0, 0
+        self.keys = ("a", "b")
+
+    def __len__(self) -> int:
+        return 2
+
+    def read(self, i: int, fields: Any = None) -> dict[str, Any]:
+        assert not self.closed, "read from a closed reader"
+        self.reads += 1
+        return {"__key__": self.keys[i]}
+
+    def close(self) -> None:
+        self.closed += 1
+
+
+def test_a_reader_in_use_is_closed_by_its_last_user_and_taken_back_before(tmp_path, monkeypatch):
+    monkeypatch.setattr(_dataset, "MAX_OPEN_READERS", 1, raising=False)
+    ds = ShardedDataset(_write(tmp_path / "ds", 12, 3), decode=False)  # 4 shards
+    made: list[_FakeReader] = []
+
+    def opener(i: int) -> _FakeReader:
+        made.append(_FakeReader(i))
+        return made[-1]
+
+    object.__setattr__(ds.source, "_opener", opener)
+    cache = ds._reader_cache()
+    a = cache.acquire(0, None, ds)
+    a2 = cache.acquire(0, None, ds)
+    assert a is a2 and len(made) == 1
+    b = cache.acquire(1, None, ds)  # budget 1: shard 0 leaves the cache, still in use
+    assert made[0].closed == 0
+    cache.release(b)
+    again = cache.acquire(0, None, ds)  # taken back, not reopened; shard 1 (idle) is closed now
+    assert again is a and len(made) == 2 and made[1].closed == 1
+    for lease in (a, a2, again):
+        cache.release(lease)
+    assert made[0].closed == 0  # in the cache again
+    cache.release(cache.acquire(2, None, ds))
+    assert made[0].closed == 1 and len(made) == 3
+
+
+def test_a_failing_open_is_not_cached_and_wakes_waiters(tmp_path):
+    ds = ShardedDataset(_write(tmp_path / "ds", 12, 3), decode=False)
+    calls = []
+
+    def opener(i: int) -> Any:
+        calls.append(i)
+        raise OSError(f"cannot open shard {i}")
+
+    object.__setattr__(ds.source, "_opener", opener)
+    cache = ds._reader_cache()
+    for _ in range(2):
+        with pytest.raises(OSError, match="cannot open shard 3"):
+            cache.acquire(3, None, ds)
+    assert calls == [3, 3] and not cache._opening and not cache._entries
+
+
+@pytest.mark.parametrize(("shards", "per_shard"), [(16, 32), (64, 32), (40, 50)])
+def test_a_shuffled_epoch_opens_each_shard_once(tmp_path, shards, per_shard):
+    """Default shuffle (buffer 1000 > what open_shards pieces hold): the walk interleaves every
+    shard, more than open_shards + 2 readers; before, an epoch of 16 x 32 reopened readers ~190 times."""
+    root = _write(tmp_path / "ds", shards * per_shard, per_shard)
+    ds = ShardedDataset(root, shuffle=True, seed=1, decode=False)
+    count = _Counting(ds)
+    ref = [s["__key__"] for s in ShardedDataset(root, shuffle=True, seed=1, decode=False)]
+    for epoch in range(2):
+        ds.set_epoch(epoch)
+        before = count.opened
+        keys = [s["__key__"] for s in ds]
+        assert count.opened - before <= shards, f"epoch {epoch}: {count.opened - before} opens for {shards} shards"
+        if epoch == 0:
+            assert keys == ref  # the order is the plan's, whatever the cache does
+    assert sorted(keys) == sorted(ref)
+
+
+@pytest.mark.parametrize("kw", [dict(num_workers=0), dict(num_workers=3, decode_threads=2)], ids=["in-process", "threads"])
+def test_in_process_loader_and_threads_open_each_shard_once(tmp_path, kw):
+    root = _write(tmp_path / "ds", 64 * 16, 16)
+    ds = ShardedDataset(root, shuffle=True, seed=2, decode=False)
+    count = _Counting(ds)
+    assert len(batch_keys(list(DataLoader(ds, batch_size=8, **kw)))) == 64 * 16
+    assert count.opened <= 64, count.opened
+
+
+def test_the_open_budget_bounds_open_readers(tmp_path, monkeypatch):
+    monkeypatch.setattr(_dataset, "MAX_OPEN_READERS", 5, raising=False)
+    root = _write(tmp_path / "ds", 30 * 8, 8)
+    ds = ShardedDataset(root, shuffle=True, seed=3, decode=False)
+    count = _Counting(ds)
+    ref = [s["__key__"] for s in ShardedDataset(root, shuffle=True, seed=3, decode=False)]
+    assert [s["__key__"] for s in ds] == ref
+    assert count.peak <= 5 and count.opened > 30  # the walk interleaves 30 shards: reopens are a must
+
+
+def test_readers_needed_soon_stay_open_across_epochs(tmp_path):
+    """At an epoch's start the cache still holds the last epoch's readers; the new walk's readers
+    evict those it needs last, never the ones it is reading."""
+    root = _write(tmp_path / "ds", 200 * 10, 10)
+    ds = ShardedDataset(root, shuffle=ShuffleOptions(open_shards=4, buffer_size=100), seed=4, decode=False)
+    count = _Counting(ds)
+    for epoch in range(3):
+        ds.set_epoch(epoch)
+        before = count.opened
+        n = sum(1 for _ in ds)
+        assert n == 2000 and count.opened - before <= 200, (epoch, count.opened - before)
+    assert count.peak < 200  # sized by the walk's interleaving, not by every shard
+
+
+@pytest.mark.skipif("fork" not in multiprocessing.get_all_start_methods(), reason="no fork here")
+def test_forked_children_start_with_their_own_readers(tmp_path):
+    root = _write(tmp_path / "ds", 10 * 4, 4)
+    ds = ShardedDataset(root, shuffle=True, seed=6, decode=False)
+    first = [s["__key__"] for s in ds]  # readers open in this process
+    got = batch_keys(DataLoader(ds, batch_size=4, num_workers=2, multiprocessing_context="fork"))
+    assert sorted(got) == sorted(first)
+    assert ds._reader_cache().pid == os.getpid() and ds._reader_cache()._entries
