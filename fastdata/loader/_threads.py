@@ -118,33 +118,14 @@ def thread_batches(ds: ShardedDataset, start: EpochStart, *, threads: int, batch
         ds.cache_store()  # opened here once, not raced by the pool's first loads
     seqs = ds.sequences_at(start)
     n = len(seqs)
-    # one live cursor per virtual worker: the dataset keeps every one's open shards open;
+    # one live cursor per virtual worker: the dataset's reader cache keeps the shards each walk
+    # reads open (thread-safe: a reader is never closed under a reading thread);
     # with one worker ds.state_dict() follows, as with num_workers=0 on the worker path
     cursors = [ds.cursor(start, w, seq=seq, live=n == 1) for w, seq in enumerate(seqs)]
     batches = ThreadBatches(cursors, first=start.first, threads=threads, batch_size=batch_size, drop_last=drop_last,
                             collate_fn=collate_fn, pin=pin, pin_rows=pin_rows, carry=_CARRY.setdefault(ds, {}),
                             timeout=timeout)
-    batches.hold(_reader_holders(ds, start, seqs))
     return batches
-
-
-def _reader_holders(ds: ShardedDataset, start: EpochStart, seqs: list[np.ndarray]) -> list[Any]:
-    """Idle cursors that make the dataset's shard-reader cache hold every shard of the epoch.
-
-    That cache is an LRU sized by the cursors live in the process (``open_shards`` readers per
-    cursor, plus 2), and evicting a reader closes it, also while another pool thread is reading
-    from it (a closed ``TarShardReader`` fails that read). With at least one more slot than the
-    epoch has shards, the reader a thread is using can never be the least recently used one, so
-    nothing in use is closed. (Stress-tested in tests/test_thread_decoder.py; a lock in the
-    dataset's reader cache would make this unnecessary.)
-    """
-    rest = [s[c:] for s, c in zip(seqs, start.consumed) if len(s) > c]
-    if not rest:
-        return []
-    touched = len(np.unique(ds.locate(np.concatenate(rest))[0]))
-    per = ds.shuffle.open_shards if ds.shuffle is not None else 1
-    spare = max(0, -(-(touched + 1) // per) - len(seqs))
-    return [ds.cursor(start, 0) for _ in range(spare)]
 
 
 # What one epoch leaves to the next of the same dataset: the sample layout (so the first batches
@@ -481,7 +462,6 @@ class ThreadBatches:
         self._buffers = self._carry.setdefault(("buffers", pin_rows), _Buffers(pin_rows, LOOKAHEAD + 1))
         self._batches = 0
         self._in_place = self._copied = 0
-        self._held: list[Any] = []
         self._timeout = timeout  # DataLoader(timeout=): seconds one wait for the pool may take (0: none)
         self._pool: _Pool | None = _Pool(threads)
         self._finalizer = weakref.finalize(self, self._pool.close)
@@ -519,15 +499,10 @@ class ThreadBatches:
         if self._pool is not None:
             self._finalizer()
             self._pool = None
-            self._held = []
             for walk in self._walks:
                 self._discard(walk)
                 walk.pending.clear()
                 walk.results.clear()
-
-    def hold(self, objects: list[Any]) -> None:
-        """Keep ``objects`` alive until the epoch ends or :meth:`close`."""
-        self._held = objects
 
     @property
     def threads_alive(self) -> int:
