@@ -70,12 +70,52 @@ def is_image_field(field: str) -> bool:
     return suffix(field) in IMAGE_SUFFIXES
 
 
+# Modes whose pixels Pillow stores as 8-bit bands in 1 or 4 bytes and packs by plain copies
+# (libImaging/Pack.c: copy1, copy4, ImagingPackRGB; not LAB, whose a/b are re-signed): mode ->
+# (mapped mode of the same pixel size, bytes per pixel, bands np.asarray(img) returns: the first ones).
+_PLAIN_MODES = {
+    "L": ("L", 1, 1), "P": ("L", 1, 1),
+    "RGB": ("RGBX", 4, 3), "YCbCr": ("RGBX", 4, 3), "HSV": ("RGBX", 4, 3),
+    "RGBA": ("RGBX", 4, 4), "RGBa": ("RGBX", 4, 4), "RGBX": ("RGBX", 4, 4), "CMYK": ("RGBX", 4, 4),
+}
+
+
+def _map_array(arr: np.ndarray, mode: str) -> Any:
+    """A Pillow core image whose pixel memory is ``arr`` (C-contiguous uint8, rows of ``arr.shape[1]``
+    pixels of the mode's size): what ``Image.frombuffer(mode, ...)`` maps, without its Python overhead."""
+    size = (arr.shape[1], arr.shape[0])
+    try:
+        return Image.core.map_buffer(arr, size, "raw", 0, (mode, 0, 1))
+    except (AttributeError, TypeError):  # a Pillow without the primitive: the public, slower route
+        return Image.frombuffer(mode, size, arr, "raw", mode, 0, 1).im
+
+
 def image_to_tensor(img: Image.Image) -> torch.Tensor:
-    """A PIL image as a contiguous uint8 tensor (C, H, W)."""
-    arr = np.asarray(img, dtype=np.uint8)
-    if arr.ndim == 2:
-        return torch.from_numpy(np.array(arr[None], copy=True))
-    return torch.from_numpy(np.ascontiguousarray(arr.transpose(2, 0, 1)))
+    """A PIL image as a contiguous uint8 tensor (C, H, W); the same values as ``np.asarray(img)``.
+
+    For 8-bit modes (L, P, RGB, RGBA, CMYK, ...) the pixels are copied without holding the GIL:
+    Pillow pastes them into a NumPy array that an image maps (``paste`` releases the GIL), and
+    NumPy reorders the bands into planes (plain-dtype copies release it too). ``np.asarray``
+    (Pillow's ``tobytes``) holds the GIL throughout, which bounds a thread decoder.
+    Other modes (1, I, F, I;16, LA, LAB, ...) go through ``np.asarray``.
+    """
+    img.load()
+    w, h = img.size
+    plain = _PLAIN_MODES.get(img.mode)
+    if plain is None or w == 0 or h == 0:
+        arr = np.asarray(img, dtype=np.uint8)
+        arr = arr[None] if arr.ndim == 2 else arr.transpose(2, 0, 1)
+        return torch.from_numpy(np.array(arr, order="C", copy=True))  # a copy: tobytes' buffer is read-only
+    mapped, pixel, bands = plain
+    if pixel == 1:  # one band: paste straight into the result
+        out = np.empty((1, h, w), dtype=np.uint8)
+        _map_array(out[0], mapped).paste(img.im, (0, 0, w, h))
+        return torch.from_numpy(out)
+    staged = np.empty((h, w, 4), dtype=np.uint8)
+    _map_array(staged, mapped).paste(img.im, (0, 0, w, h))
+    out = np.empty((bands, h, w), dtype=np.uint8)
+    np.copyto(out, staged.transpose(2, 0, 1)[:bands])
+    return torch.from_numpy(out)
 
 
 class ImageDecoder:
