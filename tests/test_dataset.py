@@ -9,6 +9,7 @@ import tarfile
 import warnings
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -179,6 +180,45 @@ def test_transforms_and_draft(tmp_path):
     assert x.shape == (3, 64, 64) and x.dtype == torch.uint8 and y == 0 and flips
     xb, yb = next(iter(DataLoader(ds, batch_size=3, num_workers=0)))
     assert xb.shape == (3, 3, 64, 64) and yb.tolist() == [0, 1, 2]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["indexed", "streaming"])
+def test_transform_that_accepts_pil_gets_pil_without_preprocess(tmp_path, stream):
+    """The first image transform gets PIL images when it declares accepts_pil: without
+    preprocess= that is transform= (it got a tensor converted from the PIL image before)."""
+    from PIL import Image
+
+    with ShardWriter(tmp_path / "img", max_samples=2) as w:
+        for i in range(4):
+            w.write({"__key__": f"i{i}", "jpg": jpeg_bytes(synth_image(np.random.default_rng(i), 80, 60), 90), "cls": i})
+    source: Any = tmp_path / "img"
+    if stream:
+        fsspec = pytest.importorskip("fsspec")
+        fs = fsspec.filesystem("memory")
+        source = []
+        for p in sorted((tmp_path / "img").glob("*.tar")):
+            fs.pipe(f"/fastdata-pil/{p.name}", p.read_bytes())
+            source.append(f"memory://fastdata-pil/{p.name}")
+    seen: list[type] = []
+
+    def record(img: Any) -> Any:
+        seen.append(type(img))
+        return img
+
+    def images(**kw: Any) -> list[torch.Tensor]:
+        seen.clear()
+        out = [s["jpg"] for s in ShardedDataset(source, **kw)]
+        assert all(isinstance(x, torch.Tensor) and x.dtype == torch.uint8 and x.shape[0] == 3 for x in out)
+        return out
+
+    images(transform=Deterministic(record, version="1", accepts_pil=True))  # a PIL result becomes a tensor
+    assert seen and all(issubclass(t, Image.Image) for t in seen)
+    images(transform=record)
+    assert seen and all(t is torch.Tensor for t in seen)
+    images(preprocess=ResizeCenterCrop(32), transform=Deterministic(record, version="1", accepts_pil=True))
+    assert seen and all(t is torch.Tensor for t in seen)  # transform= gets preprocess='s output
+    assert all(torch.equal(a, b) for a, b in zip(images(transform=ResizeCenterCrop(32)),
+                                                  images(preprocess=ResizeCenterCrop(32)), strict=True))
 
 
 def test_cache_hook(tmp_path):

@@ -332,6 +332,9 @@ class ShardedDataset(IterableDataset):
         preprocess: deterministic transform of each image field (e.g. ``ResizeCenterCrop(224)``);
             its output is what ``cache`` stores.
         transform: random transform of each image field, applied after ``preprocess`` every time.
+            The first of the two gets a PIL image if it declares ``accepts_pil = True``, else a
+            uint8 (C, H, W) tensor (so ``transform`` gets ``preprocess``'s output when both are
+            given); a PIL image either returns becomes such a tensor.
         sample_transform: function of the whole sample dict, applied last (e.g. to a tuple).
         fields: read only these fields (default: all).
         cache: a directory or :class:`fastdata.cache.Cache` for ``preprocess`` outputs. With a
@@ -449,6 +452,9 @@ class ShardedDataset(IterableDataset):
         # groups of field names a sample needs one of each (image formats are alternatives)
         self._required = required_fields(known) if known is not None and on_missing != "allow" else ()
         first = preprocess if preprocess is not None else transform
+        # the first image transform declares accepts_pil: without preprocess= that is transform=,
+        # which then gets the decoder's PIL images as they are (no tensor conversion before it)
+        self._pil_to_transform = preprocess is None and bool(getattr(transform, "accepts_pil", False))
         self._decoder = SampleDecoder(
             decode, allow_pickle=allow_pickle, draft_size=getattr(first, "target_size", None),
             images_as_pil=bool(getattr(first, "accepts_pil", False)), max_pixels=max_pixels,
@@ -866,7 +872,8 @@ class ShardedDataset(IterableDataset):
                 if self._required and self._lacks(raw, self._required, shard, i, g, cursor):
                     return None
                 sample = self._decode_fields(raw, shard, g, cursor.epoch)
-                sample = self._apply(self.preprocess, sample)
+                if not self._pil_to_transform:
+                    sample = self._apply(self.preprocess, sample)
                 if store is not None:
                     # the order a hit gives: uncached fields as read, then cached ones in store order
                     outputs = {k: sample.pop(k) for k in sorted(k for k in sample if is_image_field(k))}
@@ -965,6 +972,7 @@ class ShardedDataset(IterableDataset):
 
     @staticmethod
     def _apply(fn: Callable[[Any], Any] | None, sample: dict[str, Any]) -> dict[str, Any]:
+        """``fn`` on each image field; images still PIL after it become uint8 (C, H, W) tensors."""
         for k, v in sample.items():
             if is_image_field(k):
                 if fn is not None:
@@ -1076,7 +1084,9 @@ class ShardedDataset(IterableDataset):
             try:
                 if isinstance(item, FastdataError):
                     raise item
-                sample = self._apply(self.preprocess, self._decode_fields(item, shard, -1, cursor.epoch))
+                sample = self._decode_fields(item, shard, -1, cursor.epoch)
+                if not self._pil_to_transform:
+                    sample = self._apply(self.preprocess, sample)
             except FastdataError as e:
                 key = "?" if isinstance(item, FastdataError) else str(item.get("__key__", "?"))
                 self._handle_error(e, e, shard, -1, -1, cursor, key=key)
