@@ -206,7 +206,7 @@ def test_a_shuffled_epoch_opens_each_shard_once(tmp_path, shards, per_shard):
     assert sorted(keys) == sorted(ref)
 
 
-@pytest.mark.parametrize("kw", [dict(num_workers=0), dict(num_workers=3, decode_threads=2)], ids=["in-process", "threads"])
+@pytest.mark.parametrize("kw", [{"num_workers": 0}, {"num_workers": 3, "decode_threads": 2}], ids=["in-process", "threads"])
 def test_in_process_loader_and_threads_open_each_shard_once(tmp_path, kw):
     root = _write(tmp_path / "ds", 64 * 16, 16)
     ds = ShardedDataset(root, shuffle=True, seed=2, decode=False)
