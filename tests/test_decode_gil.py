@@ -163,3 +163,100 @@ def test_large_conversion_lets_another_thread_take_the_gil():
     if not ratios:
         pytest.skip("the observer could not see the GIL held by tobytes on this machine now")
     assert sorted(ratios)[(len(ratios) - 1) // 2] < 0.3, ratios
+
+
+def _jpeg_variants(rng: np.random.Generator) -> dict[str, bytes]:
+    """JPEGs of odd and even sizes: baseline, progressive, 4:4:4 / 4:2:0, restart markers, grey, CMYK."""
+    out = {}
+    for w, h in [(1, 1), (7, 3), (16, 16), (33, 17), (224, 224), (301, 399), (640, 481)]:
+        img = synth_image(rng, w, h)
+        for name, im, kw in [
+            ("rgb", img, {"quality": 90}),
+            ("prog", img, {"quality": 80, "progressive": True}),
+            ("444", img, {"quality": 95, "subsampling": 0}),
+            ("rst", img, {"quality": 85, "restart_marker_blocks": 2}),
+            ("grey", img.convert("L"), {"quality": 90}),
+            ("cmyk", img.convert("CMYK"), {"quality": 90}),
+        ]:
+            buf = io.BytesIO()
+            im.save(buf, format="JPEG", **kw)
+            out[f"{name}-{w}x{h}"] = buf.getvalue()
+    return out
+
+
+def _pillow_reference(data: bytes, mode: str | None, draft: int | None) -> np.ndarray:
+    """What ImageDecoder returned before: Pillow's own load, then np.asarray."""
+    img = Image.open(io.BytesIO(data))
+    if draft and min(img.size) >= 2 * draft:
+        scale = draft / min(img.size)
+        img.draft(mode or img.mode, (int(img.size[0] * scale) + 1, int(img.size[1] * scale) + 1))
+    img.load()
+    if mode is not None and img.mode != mode:
+        img = img.convert(mode)
+    return _reference(img)
+
+
+def test_jpeg_decoded_into_numpy_is_bit_identical(tmp_path):
+    """ImageDecoder decodes JPEGs into NumPy-owned memory: tensors and PIL images equal Pillow's own."""
+    files = _jpeg_variants(np.random.default_rng(11))
+    for name, data in files.items():
+        (tmp_path / f"{name}.jpg").write_bytes(data)
+    for name in files:
+        data = (tmp_path / f"{name}.jpg").read_bytes()
+        for mode in ("RGB", "L", None):
+            for draft in (None, 100, 7):
+                ref = _pillow_reference(data, mode, draft)
+                dec = ImageDecoder(mode, draft_size=draft)
+                t = dec(data)
+                assert t.dtype == torch.uint8 and t.is_contiguous() and t.numpy().flags.writeable
+                assert np.array_equal(t.numpy(), ref), (name, mode, draft)
+                img = dec.pil(data)
+                assert np.array_equal(_reference(img), ref), (name, mode, draft)
+                # the image is an ordinary PIL image: further operations see the same pixels
+                flipped = img.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+                assert np.array_equal(_reference(flipped), ref[:, :, ::-1]), (name, mode, draft)
+
+
+def test_jpeg_decoded_into_numpy_after_other_images_left_garbage():
+    """Uninitialised NumPy memory: every pixel must be written by the decoder, whatever was there."""
+    rng = np.random.default_rng(5)
+    data = jpeg_bytes(synth_image(rng, 300, 200), 90)
+    ref = _pillow_reference(data, "RGB", None)
+    dec = ImageDecoder()
+    for _ in range(20):
+        junk = [np.full((200, 300, 4), 255, dtype=np.uint8) for _ in range(4)]
+        del junk
+        assert np.array_equal(dec(data).numpy(), ref)
+
+
+def test_truncated_jpeg_still_raises_and_load_truncated_images_matches_pillow(monkeypatch):
+    from PIL import ImageFile
+
+    data = jpeg_bytes(synth_image(np.random.default_rng(2), 320, 240), 90)
+    cut = data[: len(data) // 2]
+    with pytest.raises(OSError):
+        ImageDecoder()(cut)
+    with pytest.raises(Exception, match="truncated|broken|cannot"):
+        SampleDecoder()({"__key__": "k", "jpg": cut}, shard="s.tar")
+    monkeypatch.setattr(ImageFile, "LOAD_TRUNCATED_IMAGES", True)
+    assert np.array_equal(ImageDecoder()(cut).numpy(), _pillow_reference(cut, "RGB", None))
+
+
+def test_sample_decoder_error_names_field_for_corrupt_jpeg():
+    from fastdata.errors import DecodeError
+
+    data = jpeg_bytes(synth_image(np.random.default_rng(4), 64, 48), 90)
+    bad = data[:200] + bytes(len(data) - 200)
+    with pytest.raises(DecodeError, match=r"s\.tar.*'k'.*'jpg'"):
+        SampleDecoder()({"__key__": "k", "jpg": bad}, shard="s.tar")
+
+
+def test_max_pixels_and_bomb_limit_still_checked_before_decoding():
+    from fastdata.errors import DecodeError
+
+    data = jpeg_bytes(synth_image(np.random.default_rng(6), 100, 80), 90)
+    with pytest.raises(ValueError, match="max_pixels=7999"):
+        ImageDecoder(max_pixels=7999)(data)
+    with pytest.raises(DecodeError, match="'jpg'.*max_pixels"):
+        SampleDecoder(max_pixels=100)({"__key__": "k", "jpg": data}, shard="s.tar")
+    assert ImageDecoder(max_pixels=8000)(data).shape == (3, 80, 100)
