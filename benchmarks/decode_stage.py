@@ -331,50 +331,97 @@ def child(cfg: dict[str, Any]) -> list[dict[str, Any]]:
 
 def gil_share(shards: Path, count: int = 256) -> dict[str, float]:
     """One thread loads ``count`` samples of the fastdata rows (``cursor.load``: read, decode, crop,
-    flip, to tensor): microseconds per sample in all, and outside Pillow's decode/resize/transpose
-    (which release the GIL). The latter bounds the GIL-held time per sample from above, so
-    ``1 / held_share`` bounds how many threads' worth of decoding one process can do."""
+    flip, to tensor): CPU microseconds per sample in all, and outside the calls that release the GIL
+    (Pillow's JPEG ``decode`` calls, ``Image.resize``, ``Image.transpose``, ``numpy.copyto``), plus
+    those calls' own fixed cost measured on 1-pixel inputs (their Python and argument handling,
+    GIL held). That bounds the GIL-held time per sample from above (it also counts GIL-free work
+    this does not wrap, e.g. ``paste``), so ``1 / held_share`` bounds how many threads' worth of
+    decoding one process can do. CPU time of the thread (``time.thread_time``), not wall time, so
+    other processes' load does not inflate it; best of 3 passes."""
+    import collections
+
+    import numpy as np
     import torch
-    from PIL import Image, ImageFile
+    from PIL import Image
 
     from fastdata.dataset import ShardedDataset
 
     torch.set_num_threads(1)
     spent = [0.0]
+    calls: collections.Counter[str] = collections.Counter()
 
-    def timed(fn: Any) -> Any:
+    def timed(name: str, fn: Any) -> Any:
         def wrapper(*a: Any, **k: Any) -> Any:
-            t = time.perf_counter()
+            t = time.thread_time()
             try:
                 return fn(*a, **k)
             finally:
-                spent[0] += time.perf_counter() - t
+                spent[0] += time.thread_time() - t
+                calls[name] += 1
         return wrapper
 
-    saved = ImageFile.ImageFile.load, Image.Image.resize, Image.Image.transpose
-    ImageFile.ImageFile.load = timed(saved[0])  # type: ignore[method-assign]
-    Image.Image.resize = timed(saved[1])  # type: ignore[method-assign]
-    Image.Image.transpose = timed(saved[2])  # type: ignore[method-assign]
+    class TimedDecoder:  # Pillow's decoder object, its decode() timed (the GIL-free libjpeg work)
+        def __init__(self, decoder: Any):
+            self._decoder = decoder
+            self.decode = timed("decode", decoder.decode)
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self._decoder, name)
+
+    def fixed_cost(fn: Any) -> float:
+        """CPU seconds per call of ``fn`` (a GIL-releasing call on a 1-pixel input: its overhead)."""
+        best = float("inf")
+        for _ in range(5):
+            t = time.thread_time()
+            for _ in range(2000):
+                fn()
+            best = min(best, (time.thread_time() - t) / 2000)
+        return best
+
+    tiny = Image.new("RGB", (2, 2))
+    a, b = np.zeros((3, 1, 1), np.uint8), np.zeros((3, 1, 1), np.uint8)
+    overhead = {
+        "resize": fixed_cost(lambda: tiny.resize((1, 1), Image.Resampling.BILINEAR, box=(0, 0, 1, 1))),
+        "transpose": fixed_cost(lambda: tiny.transpose(Image.Transpose.FLIP_LEFT_RIGHT)),
+        "copyto": fixed_cost(lambda: np.copyto(a, b)),
+        "decode": 0.0,  # argument parsing only; libjpeg's set-up runs without the GIL
+    }
+    getdecoder = Image._getdecoder
+    saved = Image.Image.resize, Image.Image.transpose, np.copyto
+    ds = ShardedDataset(shards, shuffle=True, decode={"jpg": DecodeRandomResizedCropFlip()},
+                        sample_transform=_to_tuple)
+    cursor = ds.cursor(ds.epoch_start(1), 0)
+    count = min(count, len(cursor.seq))
+    sh, loc = cursor.locate(0, count)
+    items = list(zip(cursor.seq[:count].tolist(), sh.tolist(), loc.tolist()))
+    plain = float("inf")
+    for _ in range(3):
+        t = time.thread_time()
+        for g, s, i in items:
+            cursor.load(s, i, g)
+        plain = min(plain, time.thread_time() - t)
+    Image._getdecoder = lambda *a, **k: TimedDecoder(getdecoder(*a, **k))  # type: ignore[assignment]
+    Image.Image.resize = timed("resize", saved[0])  # type: ignore[method-assign]
+    Image.Image.transpose = timed("transpose", saved[1])  # type: ignore[method-assign]
+    np.copyto = timed("copyto", saved[2])
     try:
-        ds = ShardedDataset(shards, shuffle=True, decode={"jpg": DecodeRandomResizedCropFlip()},
-                            sample_transform=_to_tuple)
-        cursor = ds.cursor(ds.epoch_start(1), 0)
-        count = min(count, len(cursor.seq))
-        sh, loc = cursor.locate(0, count)
-        items = list(zip(cursor.seq[:count].tolist(), sh.tolist(), loc.tolist()))
         best = (float("inf"), 0.0)
         for _ in range(3):
             spent[0] = 0.0
-            t = time.perf_counter()
+            calls.clear()
+            t = time.thread_time()
             for g, s, i in items:
                 cursor.load(s, i, g)
-            total = time.perf_counter() - t
-            best = min(best, (total, total - spent[0]))
+            total = time.thread_time() - t
+            back = sum(n * overhead[name] for name, n in calls.items())
+            best = min(best, (total, total - spent[0] + back))
     finally:
-        ImageFile.ImageFile.load, Image.Image.resize, Image.Image.transpose = saved  # type: ignore[method-assign]
+        Image._getdecoder = getdecoder  # type: ignore[assignment]
+        Image.Image.resize, Image.Image.transpose, np.copyto = saved  # type: ignore[method-assign]
     total_us, held_us = best[0] / count * 1e6, best[1] / count * 1e6
-    return {"us_per_sample": round(total_us), "held_us_upper": round(held_us),
-            "held_share_upper": round(held_us / total_us, 3), "thread_ceiling": round(total_us / held_us, 1)}
+    return {"us_per_sample": round(plain / count * 1e6), "us_per_sample_instrumented": round(total_us),
+            "held_us_upper": round(held_us), "held_share_upper": round(held_us / total_us, 3),
+            "thread_ceiling": round(total_us / held_us, 1), "fixed_costs_us": {k: round(v * 1e6, 2) for k, v in overhead.items()}}
 
 
 def buffer_cost(reps: int = 40) -> dict[str, dict[str, float]]:
@@ -442,6 +489,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--quick", action="store_true", help="small corpus, one repetition")
     ap.add_argument("--json", type=Path, default=None, help="write results here")
     ap.add_argument("--gil", action="store_true", help="also measure the GIL-held share of one sample's work")
+    ap.add_argument("--gil-only", action="store_true", help="only measure the GIL-held share (--gil), no rows")
     ap.add_argument("--buffers", action="store_true", help="only measure fresh vs reused batch buffers")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -466,12 +514,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     results: list[dict[str, Any]] = []
     gil = None
-    if args.gil:
+    if args.gil or args.gil_only:
         gil = gil_share(shards)
-        print(f"one thread: {gil['us_per_sample']} us per sample, at most {gil['held_us_upper']} us of it with the "
-              f"GIL held ({gil['held_share_upper']:.0%}): threads of one process top out near "
+        print(f"one thread: {gil['us_per_sample']} CPU us per sample, at most {gil['held_us_upper']} us of it with "
+              f"the GIL held ({gil['held_share_upper']:.1%}): threads of one process top out near "
               f"{gil['thread_ceiling']}x one core", file=sys.stderr)
-    for k, workers in enumerate(args.workers):
+    for k, workers in enumerate([] if args.gil_only else args.workers):
         cores = None if available is None else available[:workers]
         if cores is not None and len(cores) < workers:
             print(f"N={workers}: only {len(cores)} cores available; rows share them", file=sys.stderr)
