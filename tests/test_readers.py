@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import multiprocessing
-import os
 import sys
 import threading
 import traceback
@@ -246,4 +245,4 @@ def test_forked_children_start_with_their_own_readers(tmp_path):
     first = [s["__key__"] for s in ds]  # readers open in this process
     got = batch_keys(DataLoader(ds, batch_size=4, num_workers=2, multiprocessing_context="fork"))
     assert sorted(got) == sorted(first)
-    assert ds._reader_cache().pid == os.getpid() and ds._reader_cache()._entries
+    assert ds._reader_cache().forks == _dataset._FORKS and ds._reader_cache()._entries

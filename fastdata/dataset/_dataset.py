@@ -44,6 +44,7 @@ from fastdata.dataset._split import (
     worker_sequence,
 )
 from fastdata.dataset._packed import EncodedImage, key_index
+from fastdata.dataset._preload import NextEpoch
 from fastdata.decode import Decoder, SampleDecoder, check_max_pixels, image_to_tensor, is_image_field, suffix
 from fastdata.errors import CacheError, FastdataError, MissingFieldError, ShardError, SkipBudgetError
 from fastdata.shards import missing_fields, required_fields
@@ -157,12 +158,25 @@ class _Lease:
         self.shard, self.reader, self.users, self.evicted = shard, reader, 0, False
 
 
+_FORKS = 0  # forks this process descends from: a reader cache made before a fork is the parent's
+
+
+def _after_fork_in_child() -> None:
+    global _FORKS
+    _FORKS += 1
+
+
+if hasattr(os, "register_at_fork"):  # pragma: no branch
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 class _ReaderCache:
     """The shard readers open in one process, shared by every walk of the dataset; thread-safe.
 
     Readers are used under a lease (:meth:`acquire`, :meth:`release`). Evicting a reader that is
     in use only takes it out of the cache: its last user closes it, so no thread ever reads a
     closed reader (and a reader that is acquired again before that is taken back, not reopened).
+    A shard is opened by one thread at a time; the others wait for it.
 
     Size: at least :meth:`ShardedDataset._reader_floor`; when the walks live in this process are
     known, the sum of their widths (:class:`_Walk`) plus 2, so that a walk reopens a shard only
@@ -172,24 +186,47 @@ class _ReaderCache:
     """
 
     def __init__(self) -> None:
-        self.pid = os.getpid()
-        self._cv = threading.Condition(threading.Lock())
+        self.forks = _FORKS
+        self._lock = threading.Lock()
+        self._cv = threading.Condition(self._lock)  # a shard being opened by another thread
         self._entries: OrderedDict[int, _Lease] = OrderedDict()
         self._evicted: dict[int, _Lease] = {}  # out of the cache, still in use: the last user closes it
         self._opening: set[int] = set()
-        self._walks: weakref.WeakKeyDictionary[Cursor, _Walk] = weakref.WeakKeyDictionary()
+        # id(cursor) -> (weak reference to it, its walk); an entry whose reference is dead is stale
+        self._walks: dict[int, tuple[weakref.ref[Cursor], _Walk]] = {}
         self._budget = _open_budget()
         self.opened = 0  # readers opened (for tests and benchmarks)
 
     def acquire(self, shard: int, cursor: Cursor | None, ds: ShardedDataset) -> _Lease:
         """A lease on the reader of ``shard``, opened if needed (``cursor``: the walk this read is part of)."""
-        with self._cv:
-            start = self._count_load(shard, cursor, ds) if cursor is not None else None
+        start = None
+        self._lock.acquire()  # (not ``with``: this is once per sample, and ``with`` costs twice as much)
+        try:
+            if cursor is not None:  # count the load in its walk
+                entry = self._walks.get(id(cursor))
+                if entry is None or entry[0]() is not cursor:
+                    start = self._register(shard, cursor, ds)
+                else:
+                    walk = entry[1]
+                    if walk.pending is None:
+                        left = walk.left.get(shard)
+                        if left:
+                            walk.left[shard] = left - 1
+                            walk.remaining -= 1
+                    else:
+                        walk.pending.append(shard)
             if start is None:
+                lease = self._entries.get(shard)
+                if lease is not None:  # the common case
+                    self._entries.move_to_end(shard)
+                    lease.users += 1
+                    return lease
                 lease, victims = self._lookup(shard, ds)
+        finally:
+            self._lock.release()
         if start is not None:  # a new walk: measured once, outside the lock
             self._measure(cursor, start, ds)  # type: ignore[arg-type]
-            with self._cv:
+            with self._lock:
                 lease, victims = self._lookup(shard, ds)
         for old in victims:
             old.reader.close()
@@ -199,13 +236,13 @@ class _ReaderCache:
             reader = ds.source.reader(shard)
             _ = reader.keys  # index / file opened here, by one thread (readers open lazily, unsynchronised)
         except BaseException:
-            with self._cv:
+            with self._lock:
                 self._opening.discard(shard)
                 self._cv.notify_all()
             raise
         lease = _Lease(shard, reader)
         lease.users = 1
-        with self._cv:
+        with self._lock:
             self._opening.discard(shard)
             self._entries[shard] = lease
             self.opened += 1
@@ -215,22 +252,31 @@ class _ReaderCache:
             old.reader.close()
         return lease
 
-    def _count_load(self, shard: int, cursor: Cursor, ds: ShardedDataset) -> int | None:
-        """Count a load of ``cursor``'s walk (under the lock); a walk seen for the first time returns
-        its position, to be measured (:meth:`_measure`), when the dataset has more shards than the floor."""
-        walk = self._walks.get(cursor)
-        start = None
-        if walk is None:
-            walk = self._walks[cursor] = _Walk()
-            if len(ds.source.names) > ds._reader_floor():
-                start = cursor.pos  # nothing of the walk was loaded before its first load
-            else:
-                walk.pending = None  # every shard fits the floor: nothing to measure
-        if walk.pending is not None:
-            walk.pending.append(shard)
-        else:
-            walk.loaded(shard)
-        return start
+    def release(self, lease: _Lease) -> None:
+        self._lock.acquire()
+        try:
+            lease.users -= 1
+            close = lease.evicted and lease.users == 0
+            if close:
+                del self._evicted[lease.shard]
+        finally:
+            self._lock.release()
+        if close:
+            lease.reader.close()
+
+    def _register(self, shard: int, cursor: Cursor, ds: ShardedDataset) -> int | None:
+        """A walk's first load (under the lock): returns its position, to be measured
+        (:meth:`_measure`), when the dataset has more shards than the floor keeps open."""
+        for key, (ref, _) in list(self._walks.items()):
+            if ref() is None:
+                del self._walks[key]
+        walk = _Walk()
+        self._walks[id(cursor)] = (weakref.ref(cursor), walk)
+        if len(ds.source.names) > ds._reader_floor():
+            walk.pending.append(shard)  # type: ignore[union-attr]
+            return cursor.pos  # nothing of the walk was loaded before its first load
+        walk.pending = None  # every shard fits the floor: nothing to measure
+        return None
 
     def _lookup(self, shard: int, ds: ShardedDataset) -> tuple[_Lease | None, list[_Lease]]:
         """(The cached reader of ``shard`` leased, readers to close) under the lock; (None, ...):
@@ -251,15 +297,6 @@ class _ReaderCache:
                 return None, self._evict(ds)  # room for the reader about to open
             self._cv.wait()  # another thread opens it
 
-    def release(self, lease: _Lease) -> None:
-        with self._cv:
-            lease.users -= 1
-            close = lease.evicted and lease.users == 0
-            if close:
-                del self._evicted[lease.shard]
-        if close:
-            lease.reader.close()
-
     def _measure(self, cursor: Cursor, start: int, ds: ShardedDataset) -> None:
         """Measure ``cursor``'s walk from position ``start`` on (outside the lock; the loads counted
         meanwhile wait in ``pending``)."""
@@ -267,16 +304,17 @@ class _ReaderCache:
             measured = ds._walk_shards(cursor, start)
         except Exception:  # noqa: BLE001 - eviction falls back to LRU for this walk; the read reports errors
             measured = None
-        with self._cv:
-            walk = self._walks.get(cursor)
-            if walk is None:
+        with self._lock:
+            entry = self._walks.get(id(cursor))
+            if entry is None or entry[0]() is not cursor:
                 return
+            walk = entry[1]
             if measured is None:
                 walk.pending = None
                 return
             for shard in walk.pending or ():
                 measured.loaded(shard)
-            self._walks[cursor] = measured
+            self._walks[id(cursor)] = (entry[0], measured)
 
     def _evict(self, ds: ShardedDataset, keep: int | None = None) -> list[_Lease]:
         """Take readers out of the cache (under the lock) until it and the readers being opened fit
@@ -284,7 +322,11 @@ class _ReaderCache:
         floor = ds._reader_floor()
         if len(self._entries) + len(self._opening) <= min(self._budget, floor):
             return []  # fits whatever the walks need
-        walks = [(c.pos, w) for c, w in self._walks.items() if w.pending is None and w.remaining > 0]
+        walks = []
+        for ref, w in self._walks.values():
+            c = ref()
+            if c is not None and w.pending is None and w.remaining > 0:
+                walks.append((c.pos, w))
         cap = min(self._budget, max(floor, sum(w.width for _, w in walks) + 2))
         victims = []
         while len(self._entries) + len(self._opening) > cap and len(self._entries) > (keep is not None):
@@ -473,6 +515,7 @@ class ShardedDataset(IterableDataset):
         # tar members that give no data (found while indexing), then every skipped sample
         self.skipped: list[dict[str, Any]] = [{**r, "epoch": None} for r in self.source.skipped]
         self._inline_skips: tuple[int, bool] | None = None  # see report_skips_inline
+        self._preload_samples = 0  # see preload_next_epoch
         self._reset_process_state()
         if not self.source.streaming:
             self._plan()  # validate now (empty dataset, drop leaving nothing)
@@ -489,11 +532,12 @@ class ShardedDataset(IterableDataset):
         self._skip_lock = threading.Lock()
         self._skip_count = 0  # skips counted against max_skips since begin_skip_budget() (this process)
         self._skip_first = len(self.skipped)  # where this pass's records start in ``skipped``
+        self._next_epoch: NextEpoch | None = None  # a persistent worker's next-epoch preload
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         for name in ("_readers", "_cursors", "_store", "_store_pid", "_live", "_plans", "_uncached", "_skip_lock",
-                     "_skip_count", "_skip_first"):
+                     "_skip_count", "_skip_first", "_next_epoch"):
             state.pop(name)
         return state
 
@@ -778,6 +822,10 @@ class ShardedDataset(IterableDataset):
         self.consume_resume()  # a resume state is applied once per copy of the dataset
         if info is None:
             self.begin_skip_budget()
+        elif self._preload_samples > 0 and not self.source.streaming:
+            if self._next_epoch is None:
+                self._next_epoch = NextEpoch(self._preload_samples)
+            return self._next_epoch.walk(self, start, worker, info.id)
         return iter(self.cursor(start, worker, live=info is None))
 
     def iterate(self, cursor: Cursor) -> Iterator[Any]:
@@ -807,7 +855,7 @@ class ShardedDataset(IterableDataset):
     def _reader_cache(self) -> _ReaderCache:
         """This process's shard readers (a forked child starts with none: the parent's stay the parent's)."""
         cache = self._readers
-        if cache.pid != os.getpid():
+        if cache.forks != _FORKS:
             cache = self._readers = _ReaderCache()
         return cache
 
@@ -818,7 +866,9 @@ class ShardedDataset(IterableDataset):
 
     def _read(self, shard: int, i: int, fields: Any, cursor: Cursor | None) -> dict[str, Any]:
         """Sample ``i`` of ``shard`` read raw under a lease on its reader (``cursor``: the walk it is part of)."""
-        cache = self._reader_cache()
+        cache = self._readers
+        if cache.forks != _FORKS:
+            cache = self._reader_cache()
         lease = cache.acquire(shard, cursor, self)
         try:
             return lease.reader.read(i, fields=fields)
@@ -1043,6 +1093,12 @@ class ShardedDataset(IterableDataset):
         process through the ordinary result queue. One marker, or ``batch_size`` of them with
         ``drop_last`` so that one fills a batch torch does not drop."""
         self._inline_skips = (batch_size or 1, bool(drop_last))
+
+    def preload_next_epoch(self, samples: int) -> None:
+        """Set by ``fastdata.DataLoader`` while it starts persistent workers (0 after): their copies
+        load the first ``samples`` positions of their walk of the next epoch while they wait for it
+        (see :mod:`fastdata.dataset._preload`). Package-internal."""
+        self._preload_samples = max(0, int(samples))
 
     def stop_skip_reports(self) -> None:
         """Plain torch loaders over this dataset get samples only (see :meth:`report_skips_inline`)."""
