@@ -172,6 +172,11 @@ class DataLoader(torch.utils.data.DataLoader):
             ``batch_size`` and no ``worker_init_fn``; ``transform=``/``sample_transform=`` and a
             custom ``collate_fn`` must be thread-safe (the collate runs in the calling thread).
             An epoch the cached fast path can serve takes that path instead.
+        preload_next_epoch: with ``persistent_workers=True`` (default True): a worker done with its part
+            of an epoch loads the first ``prefetch_factor`` batches' samples of its part of the next
+            epoch while it waits, so that epoch does not start cold (the epoch is predicted: the one
+            ``set_epoch`` selected, else the last step between epochs; a wrong guess is discarded).
+            Batches, order and resume state are unchanged. False: torch's behaviour.
         gather_threads: threads of this process that copy the cached fast path's rows into batch
             buffers (numpy row copies, never torch's intra-op pool). Default (None): a quarter of the
             usable cores, at most 4, leaving the rest to the training loop.
@@ -184,8 +189,11 @@ class DataLoader(torch.utils.data.DataLoader):
     """
 
     def __init__(self, dataset: Any, *args: Any, cached_fast_path: bool | str = "auto", decode_threads: int = 0,
-                 gather_threads: int | None = None, **kwargs: Any):
+                 gather_threads: int | None = None, preload_next_epoch: bool = True, **kwargs: Any):
         mode = _cache_loader.check_mode(cached_fast_path)
+        if not isinstance(preload_next_epoch, bool):
+            raise ValueError(f"preload_next_epoch must be True or False, got {preload_next_epoch!r}")
+        self.preload_next_epoch = preload_next_epoch
         self.gather_threads = check_gather_threads(gather_threads)
         self.fast_path_pinned = False
         self._gather: FastGather | None = None
@@ -261,10 +269,13 @@ class DataLoader(torch.utils.data.DataLoader):
         self.last_path = "workers"
         if self.num_workers > 0:  # workers report skips after their last batch (see ShardedDataset.report_skips_inline)
             ds.report_skips_inline(self.batch_size, self.drop_last)
+            if self.persistent_workers and self.preload_next_epoch:
+                ds.preload_next_epoch((self.batch_size or 1) * (self.prefetch_factor or 2))
         try:
             inner = super().__iter__()  # workers now hold a copy of the dataset with the resume state
         finally:
             ds.stop_skip_reports()
+            ds.preload_next_epoch(0)
         ds.consume_resume()
         self._run = _Run(start, list(start.consumed))
         return _LoaderIter(self, inner, self._run)

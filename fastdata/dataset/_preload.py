@@ -1,0 +1,169 @@
+"""Next-epoch preload in persistent DataLoader workers: no cold start at every epoch.
+
+With ``persistent_workers=True`` torch keeps the worker processes between epochs, but each one
+starts its part of the next epoch only when the main process calls ``iter()`` again; the first
+batch then takes one worker a whole batch time (hundreds of milliseconds for a batch of JPEGs),
+far more than a prefetcher's few batches hide, and every worker starts at once, so they also
+finish their batches together. The workers sit idle meanwhile: each one is done with its part of
+the epoch while the main process still consumes the batches the others had queued.
+
+:class:`NextEpoch` uses that idle time. When a worker's walk of an epoch ends, a daemon thread of
+that worker loads (reads, decodes, preprocesses) the first ``samples`` positions of the worker's
+walk of the *predicted* next epoch: the epoch ``set_epoch`` already selected, else the current
+one plus the last step seen between this worker's epochs (1 at first). When torch resumes the
+worker, ``ShardedDataset.__iter__`` asks :meth:`NextEpoch.take` for them: the thread is stopped
+(after the sample it is loading), and if the epoch start it predicted is exactly the real one
+(epoch, resume stages, first worker), the walk yields the preloaded samples first and goes on
+from there; otherwise they are discarded (cache fills they made stay valid). Either way the
+samples, their order, the positions the loader's collate records for exact resume, and the skip
+records each batch reports are those of a walk without preload: every loaded position keeps its
+sample (or skip) and the number of skip records made up to it, and the walk replays them in order.
+An error raised while preloading is raised by the walk at the position where it happened.
+
+Only indexed (not streaming) sources are preloaded. The thread touches the dataset only while the
+worker's own thread waits for torch's next message, and it is always stopped and joined before the
+worker's thread uses the dataset again. It never outlives its process: a daemon thread, stopped
+by an ``atexit`` hook where the interpreter shuts down normally (spawn/forkserver workers).
+"""
+from __future__ import annotations
+
+import atexit
+import threading
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+from fastdata.dataset._cursor import Cursor, EpochStart
+
+__all__ = ["NextEpoch"]
+
+# The preload threads of this process, stopped at interpreter exit.
+_LIVE: weakref.WeakSet[NextEpoch] = weakref.WeakSet()
+_HOOKED = False
+
+
+def _stop_all() -> None:
+    for pre in list(_LIVE):
+        pre.stop()
+
+
+class _Loaded:
+    """What the thread loaded: per position (position after it, sample or None, skip records so far)."""
+
+    __slots__ = ("start", "worker", "cursor", "rows", "error")
+
+    def __init__(self, start: EpochStart, worker: int, cursor: Cursor) -> None:
+        self.start, self.worker, self.cursor = start, worker, cursor
+        self.rows: list[tuple[int, Any, int]] = []
+        self.error: BaseException | None = None
+
+
+class NextEpoch:
+    """One worker process's next-epoch preload (see the module docstring)."""
+
+    def __init__(self, samples: int) -> None:
+        self.samples = samples
+        self._thread: threading.Thread | None = None
+        self._halt = threading.Event()
+        self._loaded: _Loaded | None = None
+        self._last_epoch: int | None = None
+        self._step = 1
+        self.preloaded = 0  # epochs whose start came from a preload (statistics, tests)
+        self.discarded = 0  # preloads thrown away: another epoch start came
+
+    # ----- the worker's thread ------------------------------------------------------------------
+    def walk(self, ds: Any, start: EpochStart, worker: int, physical: int) -> Iterator[Any]:
+        """The samples of ``worker``'s walk of ``start`` (preloaded ones first), then a preload of
+        the predicted next epoch (``physical``: this process's torch worker id)."""
+        loaded = self.take(start, worker)
+        if self._last_epoch is not None and start.epoch != self._last_epoch:
+            self._step = start.epoch - self._last_epoch
+        self._last_epoch = start.epoch
+        if loaded is None:
+            cursor = ds.cursor(start, worker)
+            yield from iter(cursor)
+        else:
+            cursor = loaded.cursor
+            yield from _replay(loaded)
+            yield from iter(cursor)  # from the position reached, to the end of the walk
+        self._begin(ds, start, physical)
+
+    def take(self, start: EpochStart, worker: int) -> _Loaded | None:
+        """Stop the thread; its samples if they are those of ``(start, worker)``, else None."""
+        self.stop()
+        loaded, self._loaded = self._loaded, None
+        if loaded is None:
+            return None
+        if loaded.start == start and loaded.worker == worker:
+            self.preloaded += 1
+            return loaded
+        self.discarded += 1
+        return None
+
+    def stop(self) -> None:
+        """Stop the thread after the sample it is loading, and join it."""
+        thread = self._thread
+        if thread is not None:
+            self._halt.set()
+            thread.join()
+            self._thread = None
+
+    def _begin(self, ds: Any, done: EpochStart, physical: int) -> None:
+        global _HOOKED
+        if self.samples <= 0 or ds.source.streaming:
+            return
+        shared = ds.epoch  # set_epoch of the main process reaches workers through shared memory
+        epoch = shared if shared != done.epoch else done.epoch + self._step
+        if epoch < 0:
+            return
+        nw = done.num_workers
+        start = ds.epoch_start(nw, epoch)
+        worker = (physical + start.first) % nw  # the mapping of ShardedDataset.__iter__
+        cursor = ds.cursor(start, worker)
+        self._loaded = _Loaded(start, worker, cursor)
+        self._halt = threading.Event()
+        if not _HOOKED:
+            atexit.register(_stop_all)
+            _HOOKED = True
+        _LIVE.add(self)
+        self._thread = threading.Thread(target=_preload, args=(self._loaded, self.samples, self._halt),
+                                        name="fastdata-next-epoch", daemon=True)
+        self._thread.start()
+
+
+def _preload(loaded: _Loaded, samples: int, halt: threading.Event) -> None:
+    """Thread body: load up to ``samples`` positions of the walk, recording each one."""
+    cursor = loaded.cursor
+    try:
+        seq = cursor.seq
+        end = min(len(seq), cursor.pos + samples)
+        pos = cursor.pos
+        if pos >= end:
+            return
+        shards, local = cursor.locate(pos, end)
+        for j, (shard, i, g) in enumerate(zip(shards.tolist(), local.tolist(), seq[pos:end].tolist())):
+            if halt.is_set():
+                return
+            sample = cursor.load(shard, i, g)  # skips go to cursor.skips, as in the walk
+            cursor.pos = pos + j + 1
+            loaded.rows.append((cursor.pos, sample, len(cursor.skips)))
+    except BaseException as e:  # noqa: BLE001  raised by the walk at this position, in the worker's thread
+        loaded.error = e
+
+
+def _replay(loaded: _Loaded) -> Iterator[Any]:
+    """The preloaded positions as the walk would have yielded them; leaves the cursor after them."""
+    cursor = loaded.cursor
+    records, cursor.skips = cursor.skips, []
+    done = 0
+    for pos, sample, made in loaded.rows:
+        cursor.skips.extend(records[done:made])  # the skips made while reaching this position
+        done = made
+        cursor.pos = pos
+        if sample is None:
+            continue
+        cursor.mark_current()
+        yield sample
+    cursor.skips.extend(records[done:])  # made while loading a position that then raised
+    if loaded.error is not None:
+        raise loaded.error
