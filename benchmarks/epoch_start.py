@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import sys
@@ -43,7 +44,8 @@ from fastdata.cli._synth import make_image_folder  # noqa: E402
 def make_shards(work: Path, images: int, side: int) -> Path:
     from fastdata.shards.writer import ShardWriter
 
-    corpus = make_image_folder(work / f"jpeg-{images}-{side}", images, min_side=side, max_side=side + side // 2)
+    corpus = make_image_folder(work / f"jpeg-{images}-{side}", images, min_side=side, max_side=side + side // 2,
+                               workers=min(8, os.cpu_count() or 1))
     shards = work / f"shards-{images}-{side}"
     if not (shards / "manifest.json").exists():
         with ShardWriter(shards, max_samples=max(1, images // 8), overwrite=True) as w:
@@ -107,11 +109,11 @@ def run(shards: Path, args: argparse.Namespace, preload: bool, device: str) -> d
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--images", type=int, default=768)
+    ap.add_argument("--images", type=int, default=2048)
     ap.add_argument("--side", type=int, default=160, help="shorter side of the generated JPEGs")
     ap.add_argument("--size", type=int, default=64, help="ResizeCenterCrop size")
-    ap.add_argument("--batch-size", type=int, default=32)
-    ap.add_argument("--workers", type=int, default=6)
+    ap.add_argument("--batch-size", type=int, default=64)
+    ap.add_argument("--workers", type=int, default=8)
     ap.add_argument("--prefetch-factor", type=int, default=2)
     ap.add_argument("--depth", type=int, default=2)
     ap.add_argument("--step-ms", type=float, default=None,
