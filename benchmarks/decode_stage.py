@@ -335,8 +335,9 @@ def gil_share(shards: Path, count: int = 256) -> dict[str, float]:
     (Pillow's JPEG ``decode`` calls, ``Image.resize``, ``Image.transpose``, ``numpy.copyto``), plus
     those calls' own fixed cost measured on 1-pixel inputs (their Python and argument handling,
     GIL held). That bounds the GIL-held time per sample from above (it also counts GIL-free work
-    this does not wrap, e.g. ``paste``), so ``1 / held_share`` bounds how many threads' worth of
-    decoding one process can do. CPU time of the thread (``time.thread_time``), not wall time, so
+    this does not wrap, e.g. ``paste``), except for what those calls do with the GIL held beyond
+    their 1-pixel cost (resize's filter coefficients, a few microseconds), so ``1 / held_share``
+    bounds how many threads' worth of decoding one process can do. CPU time of the thread (``time.thread_time``), not wall time, so
     other processes' load does not inflate it; best of 3 passes."""
     import collections
 
