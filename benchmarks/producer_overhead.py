@@ -89,6 +89,9 @@ def per_batch(loader: Any, epoch: int, clock: GatherClock) -> tuple[float, float
     for _ in loader:
         n += 1
     wall = time.perf_counter() - t0
+    if n == 0:
+        raise SystemExit(f"no full batch: each of the {loader.num_workers} workers has fewer than {loader.batch_size} "
+                         "samples (drop_last); raise --images")
     if loader.last_path != "cached":
         raise RuntimeError(f"expected the cached path, got {loader.last_path}: {loader.fallback_reason}")
     return wall / n * 1e6, (wall - clock.total) / n * 1e6

@@ -1,18 +1,22 @@
 #!/usr/bin/env bash
-# The lead's one-shot GPU validation inside a few minutes of device time (issues 9, 10, 11):
+# The one-shot GPU validation inside one device call (issues 9, 10, 11):
 #
-#   bash benchmarks/gpu/final.sh --out DIR          (from the repository root; budget ~300 s)
+#   bash benchmarks/gpu/final.sh --out DIR          (from the repository root; budget ~560 s, BUDGET=... to change)
 #
 # 1. every @pytest.mark.cuda test in tests/                                   (limit 100 s)
 # 2. h2d_overlap.py: 38.5 MB pageable batches, compute 4.9 / 1.1 / 0.5 ms, without and with 8 ms loader
 #    spikes; sync, one_ahead, one_ahead_pin (apex) and the prefetcher          (limit 45 s)
-# 3. train_e2e.py: resnet18, bf16, channels_last, batch 128, 2,048 generated JPEGs, 3 timed epochs:
-#    resident / tuned torch DataLoader / fastdata uncached / fastdata cached   (limit 100 s)
+# 3. train_e2e.py: resnet18 and resnet50, bf16, channels_last, batch 128, 2,048 generated JPEGs, 2 warm-up
+#    epochs (the cached pipeline's fill and memo epochs) and 3 timed ones:
+#    resident / tuned torch DataLoader / fastdata uncached / fastdata cached   (limit 200 s)
 # 4. decode_stage.py at 8 and 15 cores: worker processes, thread decoder, GPU decode, torchvision recipe
 #                                                                             (limit 45 s)
-# 5. fastdata doctor on the e2e shards with --model resnet18                  (the rest)
+# 5. epoch_start.py: 15 persistent workers, batch 128, 224 px from 400 px JPEGs, CUDAPrefetcher: epoch-start
+#    waits with and without the next-epoch preload                            (limit 90 s)
+# 6. producer_overhead.py: GIL-held Python per batch on the cached path, epoch plan (CPU only) (limit 40 s)
+# 7. fastdata doctor on the e2e shards with --model resnet18                  (the rest)
 # Writes few files (the device returns at most 8): summary.txt, pytest_cuda.txt, h2d.json, e2e.json,
-# decode_stage.json, doctor.txt; each part's log tail goes into summary.txt.
+# decode_stage.json, epoch_start.json, producer.json, doctor.txt; each part's log tail goes into summary.txt.
 set -u
 OUT=""
 while [ $# -gt 0 ]; do
@@ -27,7 +31,7 @@ OUT="$(cd "$OUT" && pwd)"
 WORK="$(mktemp -d /tmp/fastdata-gpu-final.XXXXXX)"
 trap 'rm -rf "$WORK"' EXIT
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-BUDGET=${BUDGET:-300}
+BUDGET=${BUDGET:-560}
 START=$SECONDS
 SUM="$OUT/summary.txt"
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
@@ -50,12 +54,17 @@ part pytest_cuda 100 "$OUT/pytest_cuda.txt" \
 part h2d 45 "$WORK/h2d.txt" \
   python3 benchmarks/h2d_overlap.py --batch-mb 38.5 --warmup 8 --reps 2 --compute-ms 4.9 1.1 0.5 --jitter 0 0.2 \
   --spike-ms 8 --steps 60 --json "$OUT/h2d.json"
-part train_e2e 100 "$WORK/e2e.txt" \
-  python3 benchmarks/train_e2e.py --models resnet18 --images 2048 --batch-size 128 --epochs 3 --dir "$WORK/e2e" \
-  --json "$OUT/e2e.json"
+part train_e2e 200 "$WORK/e2e.txt" \
+  python3 benchmarks/train_e2e.py --models resnet18 resnet50 --images 2048 --batch-size 128 --warmup 2 --epochs 3 \
+  --dir "$WORK/e2e" --json "$OUT/e2e.json"
 part decode_stage 45 "$WORK/decode_stage.txt" \
   python3 benchmarks/decode_stage.py --workers 8 15 --images 1024 --reps 2 --budget 35 --data "$WORK/ds" \
   --json "$OUT/decode_stage.json"
+part epoch_start 90 "$WORK/epoch_start.txt" \
+  python3 benchmarks/epoch_start.py --workers 15 --batch-size 128 --images 4096 --side 400 --size 224 --reps 1 \
+  --epochs 3 --dir "$WORK/es" --json "$OUT/epoch_start.json"
+part producer 40 "$WORK/producer.txt" \
+  python3 benchmarks/producer_overhead.py --size 224 --images 8192 --workers 15 --reps 2 --dir "$WORK/po" --json "$OUT/producer.json"
 SH=$(ls -d "$WORK"/e2e/shards-* 2>/dev/null | head -n 1)
 if [ -n "$SH" ]; then
   part doctor 60 "$OUT/doctor.txt" python3 -m fastdata doctor "$SH" --model resnet18 --workers 8 --batch-size 128 \
