@@ -246,3 +246,20 @@ def test_forked_children_start_with_their_own_readers(tmp_path):
     got = batch_keys(DataLoader(ds, batch_size=4, num_workers=2, multiprocessing_context="fork"))
     assert sorted(got) == sorted(first)
     assert ds._reader_cache().forks == _dataset._FORKS and ds._reader_cache()._entries
+
+
+def test_a_resumed_epoch_opens_each_remaining_shard_once(tmp_path):
+    root = _write(tmp_path / "ds", 40 * 20, 20)
+    ds = ShardedDataset(root, shuffle=True, seed=7, decode=False)
+    full = [s["__key__"] for s in ds]
+    it = iter(ds)
+    head = [next(it)["__key__"] for _ in range(333)]
+    state = ds.state_dict()
+    del it
+    again = ShardedDataset(root, shuffle=True, seed=7, decode=False)
+    again.load_state_dict(state)
+    count = _Counting(again)
+    rest = [s["__key__"] for s in again]
+    assert head + rest == full
+    touched = {int(k[1:]) // 20 for k in rest}  # the shards the rest reads (20 samples per shard, in key order)
+    assert count.opened == len(touched)

@@ -368,7 +368,11 @@ class ShardedDataset(IterableDataset):
         source: a folder with ``manifest.json`` (tar or HDF5 shards); or local ``.tar`` paths /
             brace patterns without a manifest (indexed by sidecar or header scan); or URLs
             (fsspec; streaming, whole shards per worker).
-        shuffle: False (manifest order), True, or :class:`ShuffleOptions`.
+        shuffle: False (manifest order), True, or :class:`ShuffleOptions`. A shard's reader stays
+            open while a walk of this process still reads from it (the shuffle buffer makes a walk
+            interleave more shards than ``open_shards``), so each shard is opened once per walk, up
+            to ``min(1024, RLIMIT_NOFILE // 4)`` readers per process (each holds a file descriptor;
+            an HDF5 one also its chunk cache).
         seed: the order is a function of (seed, epoch, rank, worker) only.
         decode: True, False (raw bytes) or a mapping field/suffix -> decoder (see fastdata.decode).
         preprocess: deterministic transform of each image field (e.g. ``ResizeCenterCrop(224)``);
