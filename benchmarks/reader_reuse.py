@@ -78,8 +78,7 @@ def child(tree: str, data: str, kind: str, workers: int, shuffle: bool) -> None:
     opens = mp.get_context("fork").Value("q", 0)
     ds = ShardedDataset(data, shuffle=shuffle, seed=0)
     object.__setattr__(ds.source, "_opener", _Counter(ds.source._opener, opens))
-    epoch = 0
-    for _line in sys.stdin:
+    for epoch, _line in enumerate(sys.stdin):
         ds.set_epoch(epoch)
         before = opens.value
         t0 = time.perf_counter()
@@ -90,7 +89,13 @@ def child(tree: str, data: str, kind: str, workers: int, shuffle: bool) -> None:
             n = sum(len(b["cls"]) for b in loader)
         dt = time.perf_counter() - t0
         print(json.dumps({"epoch": epoch, "samples": n, "seconds": dt, "opens": opens.value - before}), flush=True)
-        epoch += 1
+
+
+def _loadavg() -> list[str]:
+    try:
+        return Path("/proc/loadavg").read_text().split()[:3]
+    except OSError:
+        return []
 
 
 def main() -> None:
@@ -112,13 +117,14 @@ def main() -> None:
         return
     trees = [t.split("=", 1) for t in (args.tree or [f"current={HERE.parents[1]}"])]
     results: list[dict[str, Any]] = []
-    print(f"load average at start: {open('/proc/loadavg').read().split()[:3]}", flush=True)
+    print(f"load average at start: {_loadavg()}", flush=True)
     for shards in args.shards:
         data = make_data(Path(args.data), shards, args.per_shard, args.bytes)
         for kind in args.rows:
-            procs = {name: subprocess.Popen([sys.executable, str(HERE), "--child", path, str(data), kind,
-                                             str(args.workers), "0" if args.no_shuffle else "1"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                            text=True) for name, path in trees}
+            cmd = [sys.executable, str(HERE), "--child", "", str(data), kind, str(args.workers),
+                   "0" if args.no_shuffle else "1"]
+            procs = {name: subprocess.Popen([*cmd[:3], path, *cmd[4:]], stdin=subprocess.PIPE,
+                                            stdout=subprocess.PIPE, text=True) for name, path in trees}
             runs: dict[str, list[dict[str, Any]]] = {name: [] for name, _ in trees}
             try:
                 for _ in range(args.reps + 1):  # alternate the trees epoch by epoch
@@ -146,7 +152,7 @@ def main() -> None:
                 print(f"{kind:6} {shards:3d} shards x {args.per_shard:4d}  {name:8} opens: first epoch "
                       f"{runs[name][0]['opens']:6d}, then median {row['opens_per_epoch']:6.0f}/epoch  "
                       f"{rate:9.0f} samples/s", flush=True)
-    print(f"load average at end: {open('/proc/loadavg').read().split()[:3]}", flush=True)
+    print(f"load average at end: {_loadavg()}", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
 
