@@ -178,6 +178,8 @@ class ImageDecoder:
         if want and img.format == "JPEG" and min(img.size) >= 2 * want:
             scale = want / min(img.size)
             img.draft(self.mode or img.mode, (int(img.size[0] * scale) + 1, int(img.size[1] * scale) + 1))
+        if img.format == "JPEG":  # the whole file in one read (no chunk copies) and one decode call
+            img.decodermaxblock = max(ImageFile.MAXBLOCK, data.nbytes if isinstance(data, memoryview) else len(data))
         arr = _decode_into_array(img)
         if self.mode is not None and img.mode != self.mode:
             img = img.convert(self.mode)

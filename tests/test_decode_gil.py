@@ -260,3 +260,23 @@ def test_max_pixels_and_bomb_limit_still_checked_before_decoding():
     with pytest.raises(DecodeError, match="'jpg'.*max_pixels"):
         SampleDecoder(max_pixels=100)({"__key__": "k", "jpg": data}, shard="s.tar")
     assert ImageDecoder(max_pixels=8000)(data).shape == (3, 80, 100)
+
+
+def test_large_jpeg_in_one_read_bytes_and_memoryview():
+    """A JPEG far above Pillow's 64 kB read block is read and decoded in one call: same pixels,
+    from bytes and from a memoryview (what tar shards hand over), and truncation still raises."""
+    from PIL import ImageFile
+
+    img = synth_image(np.random.default_rng(9), 1600, 1203)
+    data = jpeg_bytes(img, 95)
+    assert len(data) > 4 * ImageFile.MAXBLOCK
+    ref = _pillow_reference(data, "RGB", None)
+    for src in (data, memoryview(data), memoryview(bytearray(data))):
+        assert np.array_equal(ImageDecoder()(src).numpy(), ref)
+        out = SampleDecoder()({"__key__": "k", "jpg": src}, shard="s.tar")["jpg"]
+        assert np.array_equal(out.numpy(), ref)
+    cut = data[: len(data) - 3 * ImageFile.MAXBLOCK]
+    with pytest.raises(OSError, match="truncated"):
+        ImageDecoder()(cut)
+    with pytest.raises(OSError, match="truncated"):
+        ImageDecoder()(memoryview(cut))
