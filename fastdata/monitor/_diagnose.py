@@ -137,7 +137,10 @@ def no_step(batch: Any) -> None:
 def _loader(ds: Any, batch_size: int, workers: int) -> Any:
     from fastdata.loader import DataLoader
 
-    return DataLoader(ds, batch_size=batch_size, num_workers=workers, persistent_workers=workers > 0)
+    # no next-epoch preload: a measurement's workers must not keep loading after it (they would load
+    # while the next measurement runs)
+    return DataLoader(ds, batch_size=batch_size, num_workers=workers, persistent_workers=workers > 0,
+                      preload_next_epoch=False)
 
 
 def _close(loader: Any) -> None:
