@@ -3,16 +3,18 @@
 A reader open is an index parse (sidecar load + identity check: three tar header reads) and a
 memory map. The dataset keeps a cache of open readers; this measures how often an epoch opens
 one and what that costs, for the default shuffle (``ShuffleOptions()``: 8 open shard pieces, a
-1000-sample buffer; ``--no-shuffle``: manifest order, no churn, i.e. the cache's own cost) over tar shards of ``--per-shard`` samples (``--bytes`` random bytes plus a
-``cls`` label, decoded: cls -> int, the bytes stay bytes).
+1000-sample buffer; ``--no-shuffle``: manifest order, no churn, i.e. the cache's own cost) over
+tar shards of ``--per-shard`` samples (``--bytes`` random bytes plus a ``cls`` label, decoded:
+cls -> int, the bytes stay bytes).
 
 Rows per shard count and tree: ``list``: ``list(ds)`` in this process; ``loader``:
 ``fastdata.DataLoader(ds, batch_size=32, num_workers=--workers)`` (fresh worker processes every
-epoch, fork). Opens are counted by wrapping the source's shard opener (a shared counter reaches
-the worker processes). Each tree runs in its own child process (``--tree NAME=PATH``: the
-fastdata source tree to import, e.g. a ``git worktree`` of the commit before), the trees'
-children alternate epoch by epoch, and figures are medians over ``--reps`` epochs (the first
-epoch of each is a warm-up and not counted).
+epoch, fork); ``threads``: the same with ``decode_threads=--workers`` (no worker processes).
+Opens are counted by wrapping the source's shard opener (a shared counter reaches the worker
+processes). Each tree runs in its own child process (``--tree NAME=PATH``: the fastdata source
+tree to import, e.g. a ``git worktree`` of the commit before), the trees' children alternate
+epoch by epoch, and figures are medians over ``--reps`` epochs (the first epoch of each is a
+warm-up and not counted).
 
     flock /tmp/bench.lock python benchmarks/reader_reuse.py --tree before=/tmp/readers-before \\
         --tree after=. --shards 16 64 --reps 7 --json /tmp/reader_reuse.json
@@ -84,8 +86,11 @@ def child(tree: str, data: str, kind: str, workers: int, shuffle: bool) -> None:
         t0 = time.perf_counter()
         if kind == "list":
             n = len(list(ds))
-        else:
+        elif kind == "loader":
             loader = fastdata.DataLoader(ds, batch_size=32, num_workers=workers, multiprocessing_context="fork")
+            n = sum(len(b["cls"]) for b in loader)
+        else:  # threads: the thread decoder, num_workers virtual workers in this process
+            loader = fastdata.DataLoader(ds, batch_size=32, num_workers=workers, decode_threads=workers)
             n = sum(len(b["cls"]) for b in loader)
         dt = time.perf_counter() - t0
         print(json.dumps({"epoch": epoch, "samples": n, "seconds": dt, "opens": opens.value - before}), flush=True)
@@ -106,7 +111,7 @@ def main() -> None:
     ap.add_argument("--bytes", type=int, default=4096)
     ap.add_argument("--reps", type=int, default=7, help="timed epochs per row (after one warm-up epoch)")
     ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--rows", nargs="+", default=["list", "loader"], choices=["list", "loader"])
+    ap.add_argument("--rows", nargs="+", default=["list", "loader"], choices=["list", "loader", "threads"])
     ap.add_argument("--data", default="/tmp/fastdata-bench-readers")
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--no-shuffle", action="store_true", help="manifest order (no reader churn: the cost of the cache itself)")
