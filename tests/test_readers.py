@@ -263,3 +263,12 @@ def test_a_resumed_epoch_opens_each_remaining_shard_once(tmp_path):
     assert head + rest == full
     touched = {int(k[1:]) // 20 for k in rest}  # the shards the rest reads (20 samples per shard, in key order)
     assert count.opened == len(touched)
+
+
+def test_open_budget_follows_the_file_descriptor_limit(monkeypatch):
+    resource = pytest.importorskip("resource")
+    for soft, want in [(100, 25), (40, 16), (1 << 20, 1024), (resource.RLIM_INFINITY, 1024)]:
+        monkeypatch.setattr(resource, "getrlimit", lambda _which, soft=soft: (soft, soft))
+        assert _dataset._open_budget() == want
+    monkeypatch.setattr(_dataset, "MAX_OPEN_READERS", 7)
+    assert _dataset._open_budget() == 7
