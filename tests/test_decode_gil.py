@@ -280,3 +280,15 @@ def test_large_jpeg_in_one_read_bytes_and_memoryview():
         ImageDecoder()(cut)
     with pytest.raises(OSError, match="truncated"):
         ImageDecoder()(memoryview(cut))
+
+
+def test_large_truncated_jpeg_with_load_truncated_images_matches_pillow(monkeypatch):
+    from PIL import ImageFile
+
+    data = jpeg_bytes(synth_image(np.random.default_rng(10), 1200, 900), 95)
+    cut = data[: len(data) * 2 // 3]
+    assert len(cut) > 2 * ImageFile.MAXBLOCK
+    monkeypatch.setattr(ImageFile, "LOAD_TRUNCATED_IMAGES", True)
+    ref = _pillow_reference(cut, "RGB", None)
+    assert np.array_equal(ImageDecoder()(cut).numpy(), ref)
+    assert np.array_equal(ImageDecoder()(memoryview(cut)).numpy(), ref)
