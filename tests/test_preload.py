@@ -164,3 +164,29 @@ def test_spawned_workers_and_clean_shutdown(shards):
 def test_preload_option_is_validated(shards):
     with pytest.raises(ValueError, match="preload_next_epoch"):
         DataLoader(_make(shards), batch_size=4, preload_next_epoch="yes")  # type: ignore[arg-type]
+
+
+def test_next_epoch_preloaded_during_an_elastic_resume_is_the_plain_split(shards):
+    """After an elastic resume (world size 2 -> 1) the workers' plan for the resumed epoch is elastic
+    while they preload the next one: that epoch must still be the plain split."""
+    def loader(rank: int, world: int, preload: bool) -> DataLoader:
+        return _loader(_make(shards, rank=rank, world_size=world), preload, num_workers=2)
+
+    states = []
+    for r in range(2):
+        dl = DataLoader(_make(shards, rank=r, world_size=2), batch_size=4, num_workers=2)
+        it = iter(dl)
+        for _ in range(2):
+            next(it)
+        states.append(dl.state_dict())
+        del it
+    dl = loader(0, 1, True)
+    dl.load_state_dict(states)
+    rest = [k for b in dl for k in b["__key__"]]
+    time.sleep(0.3)  # the workers' preload (if any) runs while the resumed epoch's plan is in force
+    dl.set_epoch(1)
+    got = [b["__key__"] for b in dl]
+    ref = loader(0, 1, False)
+    ref.set_epoch(1)
+    assert got == [b["__key__"] for b in ref]
+    assert len(rest) == N - 2 * 2 * 4
