@@ -292,3 +292,21 @@ def test_large_truncated_jpeg_with_load_truncated_images_matches_pillow(monkeypa
     ref = _pillow_reference(cut, "RGB", None)
     assert np.array_equal(ImageDecoder()(cut).numpy(), ref)
     assert np.array_equal(ImageDecoder()(memoryview(cut)).numpy(), ref)
+
+
+def test_threads_decode_and_convert_the_same_as_one_thread():
+    """Decoders and conversions running in several threads at once (as the thread decoder runs
+    them) give the one-thread results: no memory is shared between calls."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    rng = np.random.default_rng(12)
+    datas = [jpeg_bytes(synth_image(rng, int(rng.integers(40, 200)), int(rng.integers(40, 200))), 90)
+             for _ in range(24)]
+    dec = ImageDecoder()
+    tf = ResizeCenterCrop(32)
+    ref = [(dec(d), tf(dec.pil(d))) for d in datas]
+    with ThreadPoolExecutor(4) as pool:
+        for _ in range(3):
+            got = list(pool.map(lambda d: (dec(d), tf(dec.pil(d))), datas))
+            for (a, b), (x, y) in zip(ref, got):
+                assert torch.equal(a, x) and torch.equal(b, y)
