@@ -59,14 +59,16 @@ def _sample_id(sample: dict[str, Any]) -> tuple[str, int, int]:
     return str(sample["__key__"]), int(sample["cls"]), data[0] if len(set(data)) == 1 else -1
 
 
-@pytest.mark.parametrize("fmt", ["tar", "hdf5"])
-@pytest.mark.parametrize("budget", [None, 2])
-def test_threads_load_samples_through_a_small_reader_cache(tmp_path, monkeypatch, fmt, budget):
+@pytest.mark.parametrize(("fmt", "budget", "lock_free"), [
+    ("tar", None, True), ("hdf5", None, True), ("tar", 2, True), ("hdf5", 2, True), ("tar", 2, False)])
+def test_threads_load_samples_through_a_small_reader_cache(tmp_path, monkeypatch, fmt, budget, lock_free):
     """Several threads walk the dataset at once through a reader cache far smaller than the
     shards they read: an eviction never closes a reader another thread is reading (it did:
-    TypeError/ValueError in the tar reader, invalid ids in h5py), and every sample is right."""
+    TypeError/ValueError in the tar reader, invalid ids in h5py), and every sample is right.
+    ``lock_free=False``: the path a free-threaded Python takes (the lock on every lease)."""
     if budget is not None:
         monkeypatch.setattr(_dataset, "MAX_OPEN_READERS", budget, raising=False)
+    monkeypatch.setattr(_dataset, "_LOCK_FREE", lock_free, raising=False)
     if fmt == "hdf5":
         pytest.importorskip("h5py")
     root = _write(tmp_path / fmt, 240, 3, fmt)  # 80 shards
