@@ -71,7 +71,8 @@ def test_threads_load_samples_through_a_small_reader_cache(tmp_path, monkeypatch
     monkeypatch.setattr(_dataset, "_LOCK_FREE", lock_free, raising=False)
     if fmt == "hdf5":
         pytest.importorskip("h5py")
-    root = _write(tmp_path / fmt, 240, 3, fmt)  # 80 shards
+    root = _write(tmp_path / fmt, 240 if fmt == "tar" else 90, 3, fmt)  # 80 / 30 shards (HDF5 opens are slow)
+    passes = 2 if fmt == "tar" else 1
     ds = ShardedDataset(root, shuffle=ShuffleOptions(open_shards=1, buffer_size=0), seed=5, decode=False)
     expect = {}
     for s in ShardedDataset(root, decode=False):
@@ -90,7 +91,7 @@ def test_threads_load_samples_through_a_small_reader_cache(tmp_path, monkeypatch
         try:
             rot = work[k * len(work) // threads:] + work[: k * len(work) // threads]
             got = []
-            for _ in range(2):
+            for _ in range(passes):
                 for shard, i, g in rot:
                     got.append(_sample_id(cursors[k].load(shard, i, g)))
             results[k] = got
@@ -108,7 +109,7 @@ def test_threads_load_samples_through_a_small_reader_cache(tmp_path, monkeypatch
     assert not errors, errors[0]
     assert len(results) == threads
     for got in results.values():
-        assert len(got) == 2 * len(work)
+        assert len(got) == passes * len(work)
         for key, cls, byte in got:
             assert (cls, byte) == expect[key]
 
@@ -120,14 +121,14 @@ def test_thread_decoder_with_readers_evicted_under_it(tmp_path, monkeypatch, fmt
     if fmt == "hdf5":
         pytest.importorskip("h5py")
     monkeypatch.setattr(_dataset, "MAX_OPEN_READERS", 2, raising=False)
-    root = _write(tmp_path / fmt, 300, 3, fmt)
+    root = _write(tmp_path / fmt, 300 if fmt == "tar" else 150, 3, fmt)
     make = lambda: ShardedDataset(root, shuffle=ShuffleOptions(open_shards=2, buffer_size=50), seed=3)  # noqa: E731
     ref = batch_keys(DataLoader(make(), batch_size=16, num_workers=2))
     for _ in range(2):
         ds = make()
         count = _Counting(ds)
         assert batch_keys(DataLoader(ds, batch_size=16, num_workers=2, decode_threads=4)) == ref
-        assert count.peak <= 2 + 4 and count.opened > 100  # evicted readers stay open while a thread reads them
+        assert count.peak <= 2 + 4 and count.opened > 40  # evicted readers stay open while a thread reads them
 
 
 class _FakeReader:
