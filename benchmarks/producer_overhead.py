@@ -110,7 +110,7 @@ def cached_rows(shards: Path, cache: Any, args: argparse.Namespace) -> dict[str,
     info = dataset().build_cache(num_workers=2)
     clock = GatherClock()
     first, steady, old = [], [], []
-    orig_has_all = _cached.MetaMemo.has_all
+    memo_cls = getattr(_cached, "MetaMemo", None)  # absent before the columns (a worktree of an older commit)
     try:
         for rep in range(args.reps):
             loader = DataLoader(dataset(), batch_size=args.batch_size, num_workers=args.workers, drop_last=True,
@@ -118,11 +118,14 @@ def cached_rows(shards: Path, cache: Any, args: argparse.Namespace) -> dict[str,
             first.append(per_batch(loader, 0, clock))
             for e in range(1, 4):  # new columns vs the per-sample loop, alternating
                 steady.append(per_batch(loader, e, clock))
-                _cached.MetaMemo.has_all = lambda self, rows: False  # type: ignore[method-assign]
+                if memo_cls is None:
+                    continue
+                orig_has_all = memo_cls.has_all
+                memo_cls.has_all = lambda self, rows: False  # type: ignore[method-assign]
                 try:
                     old.append(per_batch(loader, e, clock))
                 finally:
-                    _cached.MetaMemo.has_all = orig_has_all  # type: ignore[method-assign]
+                    memo_cls.has_all = orig_has_all  # type: ignore[method-assign]
             del loader
             gc.collect()
     finally:
@@ -132,8 +135,10 @@ def cached_rows(shards: Path, cache: Any, args: argparse.Namespace) -> dict[str,
         return {"us_per_batch": statistics.median(x[0] for x in xs),
                 "python_us_per_batch": statistics.median(x[1] for x in xs)}
 
-    return {"cache_fill_ratio": info.fill_ratio, "cached_first": med(first), "cached_steady": med(steady),
-            "cached_per_sample": med(old)}
+    out = {"cache_fill_ratio": info.fill_ratio, "cached_first": med(first), "cached_steady": med(steady)}
+    if old:
+        out["cached_per_sample"] = med(old)
+    return out
 
 
 def handoff(args: argparse.Namespace) -> dict[str, float]:
@@ -253,6 +258,8 @@ def main(argv: list[str] | None = None) -> int:
     b = args.batch_size
     print(f"{'row':22s} {'us/batch':>9s} {'GIL-held Python us/batch':>25s}")
     for k in ("cached_first", "cached_steady", "cached_per_sample"):
+        if k not in report:
+            continue
         print(f"{k:22s} {report[k]['us_per_batch']:9.0f} {report[k]['python_us_per_batch']:25.0f}")
     print(f"{'prefetch_handoff':22s} {report['prefetch_handoff']['us_per_batch']:9.1f}")
     p = report["epoch_plan"]

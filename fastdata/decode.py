@@ -21,6 +21,7 @@ scalars of ``cls``-like fields become ``int``.
 """
 from __future__ import annotations
 
+import functools
 import io
 import json
 import pickle
@@ -60,13 +61,17 @@ def check_max_pixels(max_pixels: int | None) -> int | None:
     return max_pixels
 
 
+@functools.lru_cache(maxsize=4096)
 def suffix(field: str) -> str:
-    """Last dot-separated part of a field name, lower case (``"seg.PNG"`` -> ``"png"``)."""
+    """Last dot-separated part of a field name, lower case (``"seg.PNG"`` -> ``"png"``).
+
+    Memoised: called for every field of every sample, on a handful of distinct names."""
     return field.rsplit(".", 1)[-1].lower()
 
 
+@functools.lru_cache(maxsize=4096)
 def is_image_field(field: str) -> bool:
-    """True when the field's last suffix names an image format."""
+    """True when the field's last suffix names an image format (memoised, as :func:`suffix`)."""
     return suffix(field) in IMAGE_SUFFIXES
 
 

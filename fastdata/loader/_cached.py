@@ -181,29 +181,41 @@ class MetaMemo:
         """Keep ``meta`` (when small and immutable and the memo is not full)."""
         if self.count >= self.limit:
             return
-        values = tuple(meta.values())
-        types = tuple(map(type, values))
-        if self.regular:
+        if self.regular and self._fields is not None:
             if g < len(self._have) and self._have[g]:
                 return
-            if types != self._types or tuple(meta) != self._fields:  # the first sample, or an odd one
-                if not _memoizable(meta):
-                    return
-                if self._fields is not None or not self._fits(types, values):
-                    self._to_dicts()
-            elif str in types or bytes in types or int in types:
-                if not _memoizable(meta):  # a long string: this sample is not kept
-                    return
-                if not self._fits(types, values):  # an int beyond int64
-                    self._to_dicts()
-        if not self.regular:
-            if g not in self._dicts and _memoizable(meta):
-                self._dicts[g] = dict(meta)
-                self.count += 1
+            values = tuple(meta.values())
+            fits = len(values) == len(self._types) and tuple(meta) == self._fields
+            if fits:  # one pass: exact types, string lengths, int range
+                for t, v in zip(self._types, values):
+                    if type(v) is not t:
+                        fits = False
+                        break
+                    if t is str or t is bytes:
+                        if len(v) > 256:
+                            return  # too long to keep: this sample is read each epoch
+                    elif t is int and not _INT64[0] <= v <= _INT64[1]:
+                        fits = False
+                        break
+            if fits:
+                self._store(g, values)
+                return
+        if not _memoizable(meta):
             return
-        if self._fields is None:
+        values = tuple(meta.values())
+        types = tuple(map(type, values))
+        if self.regular and self._fields is None and self._fits(types, values):
             self._fields, self._types = tuple(meta), types
             self._cols = [np.empty(0, dtype=_KINDS[t]) for t in types]
+            self._store(g, values)
+            return
+        if self.regular:
+            self._to_dicts()  # a sample with other fields or types: plain dicts from now on
+        if g not in self._dicts:
+            self._dicts[g] = dict(meta)
+            self.count += 1
+
+    def _store(self, g: int, values: tuple[Any, ...]) -> None:
         if g >= len(self._have):
             size = max(g + 1, 2 * len(self._have), 1024)
             self._have = np.concatenate([self._have, np.zeros(size - len(self._have), dtype=bool)])
