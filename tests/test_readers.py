@@ -275,3 +275,22 @@ def test_open_budget_follows_the_file_descriptor_limit(monkeypatch):
         assert _dataset._open_budget() == want
     monkeypatch.setattr(_dataset, "MAX_OPEN_READERS", 7)
     assert _dataset._open_budget() == 7
+
+
+def test_a_node_cache_with_a_byte_limit_keeps_the_floor(tmp_path):
+    """Each open reader of a remote manifest pins its shard in the node cache, whose max_bytes is
+    documented to need room for open_shards x walks + 2 readers: a wide walk keeps to that."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from loopback_server import LoopbackServer, make_shard_set
+
+    from fastdata.dataset import RemoteShards
+    from fastdata.manifest import Manifest
+
+    make_shard_set(tmp_path / "www" / "ds", 48, 4, payload=2000, seed=1)  # 12 shards
+    limit = 6 * max(s.bytes for s in Manifest.load(tmp_path / "www" / "ds").shards)  # floor 2 x 1 + 2 = 4 fits
+    with LoopbackServer(tmp_path / "www", ranges=False, max_requests=2000, lifetime=60) as srv:
+        ds = ShardedDataset(RemoteShards(srv.url + "/ds", cache_dir=tmp_path / "nc", max_bytes=limit, prefetch=0),
+                            shuffle=ShuffleOptions(open_shards=2, buffer_size=1000), seed=1, decode=False)
+        count = _Counting(ds)
+        assert sorted(int(s["cls"]) for s in ds) == list(range(48))  # the walk interleaves all 12 shards
+        assert count.peak <= 4

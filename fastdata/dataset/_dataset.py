@@ -211,7 +211,8 @@ class _ReaderCache:
 
     Size: at least :meth:`ShardedDataset._reader_floor`; when the walks live in this process are
     known, the sum of their widths (:class:`_Walk`) plus 2, so that a walk reopens a shard only
-    when :func:`_open_budget` forbids more open readers. Eviction takes the reader needed last:
+    when :func:`_open_budget` forbids more open readers (or, for a remote manifest whose node
+    cache has ``max_bytes``, the floor: each open reader pins its shard there). Eviction takes the reader needed last:
     one no live walk reads again, else the one whose first use by a walk lies furthest ahead,
     else (every cached reader is in the middle of some walk's reads) the least recently used.
     """
@@ -364,6 +365,10 @@ class _ReaderCache:
                 if w.remaining > 0:
                     walks.append((c.pos, w))
         cap = min(self._budget, max(floor, sum(w.width for _, w in walks) + 2))
+        if getattr(ds.source.node_cache, "max_bytes", None) is not None:
+            # an open reader of a remote manifest's shard pins it in the node cache, whose max_bytes
+            # is sized for the floor (see RemoteShards): keep to that
+            cap = min(cap, floor)
         victims = []
         while len(self._entries) + len(self._opening) > cap and len(self._entries) > (keep is not None):
             best, best_key = None, (-2.0, 0)
