@@ -1018,8 +1018,12 @@ class ShardedDataset(IterableDataset):
             return None
 
     def _required_uncached(self) -> tuple[frozenset[str], ...]:
-        """The required field groups without image fields (a cache hit holds those)."""
-        return tuple(group for group in self._required if not any(is_image_field(f) for f in group))
+        """The required field groups without image fields (a cache hit holds those); computed once."""
+        cached = self.__dict__.get("_required_uncached_groups")
+        if cached is None:
+            cached = tuple(group for group in self._required if not any(is_image_field(f) for f in group))
+            self._required_uncached_groups = cached
+        return cached
 
     def _lacks(self, raw: Mapping[str, Any], required: Sequence[frozenset[str]], shard: int, i: int, g: int,
                cursor: Cursor) -> bool:
