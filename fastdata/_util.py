@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import traceback
 from typing import Any
 
 __all__ = ["IMAGE_SUFFIXES", "check_int", "parse_size", "quantile", "usable_cores"]
@@ -63,3 +64,19 @@ def usable_cores() -> int:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # not on Linux
         return os.cpu_count() or 1
+
+
+def release_frames(error: BaseException) -> None:
+    """Drop the locals of the frames ``error`` was raised through below the frame that caught it.
+
+    torch re-raises a DataLoader worker's exception from a frame whose local holds that exception
+    (``ExceptionWrapper.reraise``), and its traceback holds the iterator's frames: a cycle, so the
+    iterator outlives the ``except`` that caught the error until a garbage collection. There the
+    multiprocessing queues are closed (weakref callbacks) before the iterator's ``__del__`` asks its
+    workers to stop, so each worker is joined only after a 5 s timeout: 10 s with 2 workers, 75 s
+    with 15, at some later allocation. With the locals dropped, the iterator goes as soon as it is
+    no longer used and stops its workers at once. The traceback's text (files, lines) is unchanged.
+    """
+    tb = error.__traceback__
+    if tb is not None and tb.tb_next is not None:
+        traceback.clear_frames(tb.tb_next)

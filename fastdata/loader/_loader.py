@@ -31,6 +31,7 @@ from typing import Any
 import torch.utils.data
 from torch.utils.data._utils.pin_memory import pin_memory as _pin_memory
 
+from fastdata._util import release_frames
 from fastdata.dataset import EpochStart, ShardedDataset, SkipReport, current_cursor
 from fastdata.dataset import collate as collate_encoded
 from fastdata.errors import CacheError, FastdataError
@@ -120,7 +121,13 @@ class _LoaderIter:
 
     def __next__(self) -> Any:
         while True:
-            item = next(self._inner)
+            try:
+                item = next(self._inner)
+            except StopIteration:
+                raise
+            except BaseException as e:
+                release_frames(e)  # no reference cycle keeps torch's workers alive (see there)
+                raise
             if isinstance(item, _cache_loader.FastBatch):  # skips are recorded in this process already
                 self._run.pos[item.worker] = item.pos
                 self._run.last = item.worker

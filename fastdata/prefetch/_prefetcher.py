@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from fastdata._util import release_frames
 from fastdata.prefetch._queue import CLOSED, END, EpochStart, Failure, Pipe, Stats, Stopped, perf_counter, POLL_S
 from fastdata.prefetch._stage import CpuStager, CudaStager, default_pack_threads
 from fastdata.prefetch.tree import keys_matcher
@@ -407,7 +408,11 @@ class CUDAPrefetcher:
                     self._stats.add(epochs=1)
                     continue
                 if isinstance(item, Failure):
-                    raise item.error
+                    error, item = item.error, None
+                    try:
+                        raise error
+                    finally:  # no cycle frame -> error -> traceback -> frame (see _util.release_frames)
+                        del error
                 if item is END:
                     run.finished = number
                     finished = True
@@ -661,6 +666,7 @@ def _produce(
     except Stopped:
         return
     except BaseException as e:  # noqa: BLE001  travels to the consumer, traceback included
+        release_frames(e)  # a torch DataLoader's error must not keep its workers alive in a cycle
         _note(e, f"{where[0]} (thread {threading.current_thread().name})")
         pipe.items.put(Failure(e))
     finally:
