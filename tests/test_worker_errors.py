@@ -71,3 +71,29 @@ def test_a_plain_torch_loader_error_through_the_prefetcher_stops_its_workers_at_
     del pf, dl
     gc.collect()
     assert time.monotonic() - t0 < 4.0
+
+
+def test_skip_budget_error_ends_the_pass_and_stops_its_workers(tmp_path: Path):
+    from fastdata.errors import SkipBudgetError
+
+    with ShardWriter(tmp_path / "ds", max_samples=8) as w:
+        for i in range(32):
+            w.write({"__key__": f"s{i:03d}", "cls": (b"x" if i % 3 == 0 else str(i).encode())})
+    ds = ShardedDataset(tmp_path / "ds", shuffle=False, decode={"cls": lambda b: int(bytes(b))},
+                        on_error="skip", max_skips=2)
+    dl = DataLoader(ds, batch_size=4, num_workers=2)
+    it = iter(dl)
+    with pytest.raises(SkipBudgetError) as info:  # the held ExceptionInfo makes a frame cycle, as user code may
+        for _ in it:
+            pass
+    workers = list(it._inner._workers)
+    assert not any(w.is_alive() for w in workers)  # stopped at once, not by a later garbage collection
+    with pytest.raises(StopIteration):
+        next(it)
+    assert len(info.value.skipped) >= 3
+    t0 = time.monotonic()
+    del info, it
+    gc.collect()
+    assert time.monotonic() - t0 < 4.0
+    again = ShardedDataset(tmp_path / "ds", shuffle=False, on_error="skip")
+    assert sum(len(b["__key__"]) for b in DataLoader(again, batch_size=4, num_workers=2)) == 32 - 11

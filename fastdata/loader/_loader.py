@@ -34,7 +34,7 @@ from torch.utils.data._utils.pin_memory import pin_memory as _pin_memory
 from fastdata._util import release_frames
 from fastdata.dataset import EpochStart, ShardedDataset, SkipReport, current_cursor
 from fastdata.dataset import collate as collate_encoded
-from fastdata.errors import CacheError, FastdataError
+from fastdata.errors import CacheError, FastdataError, SkipBudgetError
 from fastdata.loader import _cached as _cache_loader
 from fastdata.loader import _threads as _thread_loader
 from fastdata.loader._gather import FastGather, check_gather_threads, default_gather_threads
@@ -106,6 +106,7 @@ class _Run:
 class _LoaderIter:
     def __init__(self, loader: DataLoader, inner: Any, run: _Run, length: int | None = None):
         self._loader, self._inner, self._run, self._length = loader, inner, run, length
+        self._ended = False
 
     def __iter__(self) -> _LoaderIter:
         return self
@@ -119,7 +120,18 @@ class _LoaderIter:
         if isinstance(self._inner, _thread_loader.ThreadBatches) and close is not None:
             close()
 
+    def _end_pass(self) -> None:
+        """The pass is over (``SkipBudgetError``): stop its worker processes now, while torch's queues
+        still work (left to a garbage collection, each worker is joined after a 5 s timeout; see
+        ``_util.release_frames``); persistent workers stay with the loader. Later ``next()``: StopIteration."""
+        self._ended = True
+        inner = self._inner
+        if not getattr(inner, "_persistent_workers", True) and callable(getattr(inner, "_shutdown_workers", None)):
+            inner._shutdown_workers()
+
     def __next__(self) -> Any:
+        if self._ended:
+            raise StopIteration
         while True:
             try:
                 item = next(self._inner)
@@ -141,7 +153,11 @@ class _LoaderIter:
                     if not report_only:
                         self._run.last = worker
                     if skips and self._loader.num_workers > 0:  # in-process skips are already recorded
-                        self._loader.dataset.record_skips(skips)  # SkipBudgetError past max_skips
+                        try:
+                            self._loader.dataset.record_skips(skips)  # SkipBudgetError past max_skips
+                        except SkipBudgetError:
+                            self._end_pass()
+                            raise
                 if report_only:
                     continue  # a worker's skips after its last batch: recorded, nothing to yield
                 item = item.batch
