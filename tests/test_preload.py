@@ -124,6 +124,8 @@ def test_an_error_in_a_preloaded_sample_is_raised_at_its_batch(shards):
             for _ in loader:
                 n += 1
         where = [(str(e.value).splitlines()[0], str(e.value).splitlines()[-1]) for e in (e0, e1)]
+        del e0, e1  # their tracebacks hold this frame: a cycle would keep the persistent workers for a GC
+        loader._iterator._shutdown_workers()
         return n, where  # the worker that raised, and the sample
 
     assert batches_until_error(True) == batches_until_error(False)
