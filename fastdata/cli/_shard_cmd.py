@@ -252,8 +252,6 @@ def _convert(src: str, dest: str, args: argparse.Namespace) -> int:
 
 
 def _verify(dest: str, workers: int | None, quiet: bool, prog: str) -> int:
-    from fastdata.manifest import Manifest
-
     problems = verify_folder(dest, workers=workers, progress=False if quiet else None)
     for problem in problems:
         print(f"{prog}: error: {dest}: {problem}", file=sys.stderr)

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fastdata.shards import RemoteStream, RetryPolicy, is_transient, remote_error, url_join
+from fastdata.shards import RemoteStream, RetryPolicy, remote_error, url_join
 from fastdata.errors import RemoteError
 from fastdata.manifest import Manifest, ShardInfo
 
