@@ -192,3 +192,11 @@ def test_next_epoch_preloaded_during_an_elastic_resume_is_the_plain_split(shards
     ref.set_epoch(1)
     assert got == [b["__key__"] for b in ref]
     assert len(rest) == N - 2 * 2 * 4
+
+
+def test_epochs_as_windows_of_a_stream_samples_per_epoch(shards):
+    """samples_per_epoch: epoch e is a window of an endless stream of passes; preloaded the same."""
+    def run(preload: bool) -> list:
+        return _run(_loader(_make(shards, samples_per_epoch=30), preload), [0, 1, 2, 3])
+
+    assert run(True) == run(False)
