@@ -23,7 +23,8 @@ An error raised while preloading is raised by the walk at the position where it 
 Only indexed (not streaming) sources are preloaded. The thread touches the dataset only while the
 worker's own thread waits for torch's next message, and it is always stopped and joined before the
 worker's thread uses the dataset again. It never outlives its process: a daemon thread, stopped
-by an ``atexit`` hook where the interpreter shuts down normally (spawn/forkserver workers).
+by an ``atexit`` hook where the interpreter shuts down normally (spawn workers; fork and forkserver
+workers leave with ``os._exit``, which ends the thread with the process).
 """
 from __future__ import annotations
 
