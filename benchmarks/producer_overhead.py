@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import platform
 import statistics
 import sys
@@ -51,7 +52,8 @@ def make_data(work: Path, images: int, size: int) -> tuple[Path, Any]:
     from fastdata.cache import Cache
     from fastdata.shards.writer import ShardWriter
 
-    corpus = make_image_folder(work / f"jpeg-{images}", images, min_side=max(size, 120), max_side=max(size, 120) + 80)
+    corpus = make_image_folder(work / f"jpeg-{images}", images, min_side=max(size, 120), max_side=max(size, 120) + 80,
+                               workers=min(8, os.cpu_count() or 1))
     shards = work / f"shards-{images}"
     if not (shards / "manifest.json").exists():
         with ShardWriter(shards, max_bytes=16 << 20, overwrite=True) as w:
@@ -107,7 +109,7 @@ def cached_rows(shards: Path, cache: Any, args: argparse.Namespace) -> dict[str,
         return ShardedDataset(shards, shuffle=True, seed=0, fields=["jpg", "cls"], preprocess=ResizeCenterCrop(args.size),
                               cache=cache, rank=0, world_size=1)
 
-    info = dataset().build_cache(num_workers=2)
+    info = dataset().build_cache(num_workers=min(8, os.cpu_count() or 1))
     clock = GatherClock()
     first, steady, old = [], [], []
     memo_cls = getattr(_cached, "MetaMemo", None)  # absent before the columns (a worktree of an older commit)
