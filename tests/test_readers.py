@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from fastdata.dataset import ShardedDataset, ShuffleOptions, _dataset
+from fastdata.dataset import ShardedDataset, ShuffleOptions, _readers
 from fastdata.loader import DataLoader
 from fastdata.shards.writer import ShardWriter
 from batch_checks import batch_keys  # noqa: E402 - tests/ is on sys.path
@@ -67,8 +67,8 @@ def test_threads_load_samples_through_a_small_reader_cache(tmp_path, monkeypatch
     TypeError/ValueError in the tar reader, invalid ids in h5py), and every sample is right.
     ``lock_free=False``: the path a free-threaded Python takes (the lock on every lease)."""
     if budget is not None:
-        monkeypatch.setattr(_dataset, "MAX_OPEN_READERS", budget, raising=False)
-    monkeypatch.setattr(_dataset, "_LOCK_FREE", lock_free, raising=False)
+        monkeypatch.setattr(_readers, "MAX_OPEN_READERS", budget)
+    monkeypatch.setattr(_readers, "_LOCK_FREE", lock_free)
     if fmt == "hdf5":
         pytest.importorskip("h5py")
     root = _write(tmp_path / fmt, 240 if fmt == "tar" else 90, 3, fmt)  # 80 / 30 shards (HDF5 opens are slow)
@@ -120,7 +120,7 @@ def test_thread_decoder_with_readers_evicted_under_it(tmp_path, monkeypatch, fmt
     its own any more): the same batches as worker processes."""
     if fmt == "hdf5":
         pytest.importorskip("h5py")
-    monkeypatch.setattr(_dataset, "MAX_OPEN_READERS", 2, raising=False)
+    monkeypatch.setattr(_readers, "MAX_OPEN_READERS", 2)
     root = _write(tmp_path / fmt, 300 if fmt == "tar" else 150, 3, fmt)
     make = lambda: ShardedDataset(root, shuffle=ShuffleOptions(open_shards=2, buffer_size=50), seed=3)  # noqa: E731
     ref = batch_keys(DataLoader(make(), batch_size=16, num_workers=2))
@@ -149,7 +149,7 @@ class _FakeReader:
 
 
 def test_a_reader_in_use_is_closed_by_its_last_user_and_taken_back_before(tmp_path, monkeypatch):
-    monkeypatch.setattr(_dataset, "MAX_OPEN_READERS", 1, raising=False)
+    monkeypatch.setattr(_readers, "MAX_OPEN_READERS", 1)
     ds = ShardedDataset(_write(tmp_path / "ds", 12, 3), decode=False)  # 4 shards
     made: list[_FakeReader] = []
 
@@ -218,7 +218,7 @@ def test_in_process_loader_and_threads_open_each_shard_once(tmp_path, kw):
 
 
 def test_the_open_budget_bounds_open_readers(tmp_path, monkeypatch):
-    monkeypatch.setattr(_dataset, "MAX_OPEN_READERS", 5, raising=False)
+    monkeypatch.setattr(_readers, "MAX_OPEN_READERS", 5)
     root = _write(tmp_path / "ds", 30 * 8, 8)
     ds = ShardedDataset(root, shuffle=True, seed=3, decode=False)
     count = _Counting(ds)
@@ -248,7 +248,7 @@ def test_forked_children_start_with_their_own_readers(tmp_path):
     first = [s["__key__"] for s in ds]  # readers open in this process
     got = batch_keys(DataLoader(ds, batch_size=4, num_workers=2, multiprocessing_context="fork"))
     assert sorted(got) == sorted(first)
-    assert ds._reader_cache().forks == _dataset._FORKS and ds._reader_cache()._entries
+    assert ds._reader_cache().forks == _readers._FORKS and ds._reader_cache()._entries
 
 
 def test_a_resumed_epoch_opens_each_remaining_shard_once(tmp_path):
@@ -272,9 +272,9 @@ def test_open_budget_follows_the_file_descriptor_limit(monkeypatch):
     resource = pytest.importorskip("resource")
     for soft, want in [(100, 25), (40, 16), (1 << 20, 1024), (resource.RLIM_INFINITY, 1024)]:
         monkeypatch.setattr(resource, "getrlimit", lambda _which, soft=soft: (soft, soft))
-        assert _dataset._open_budget() == want
-    monkeypatch.setattr(_dataset, "MAX_OPEN_READERS", 7)
-    assert _dataset._open_budget() == 7
+        assert _readers._open_budget() == want
+    monkeypatch.setattr(_readers, "MAX_OPEN_READERS", 7)
+    assert _readers._open_budget() == 7
 
 
 def test_a_node_cache_with_a_byte_limit_keeps_the_floor(tmp_path):
