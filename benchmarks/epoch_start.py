@@ -62,10 +62,9 @@ def run(shards: Path, args: argparse.Namespace, preload: bool, device: str) -> d
 
     ds = ShardedDataset(shards, shuffle=True, seed=0, fields=["jpg", "cls"], preprocess=ResizeCenterCrop(args.size),
                         rank=0, world_size=1)
-    kw: dict[str, Any] = {"preload_next_epoch": preload} if args.preload_arg else {}
     loader = DataLoader(ds, batch_size=args.batch_size, num_workers=args.workers, persistent_workers=True,
                         prefetch_factor=args.prefetch_factor, drop_last=True,
-                        multiprocessing_context=args.start_method, **kw)
+                        multiprocessing_context=args.start_method, preload_next_epoch=preload)
     waits: list[float] = []
     heads: list[float] = []
     epoch_s: list[float] = []
@@ -128,10 +127,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path)
     ap.add_argument("--variants", nargs="+", default=["no_preload", "preload"], choices=["no_preload", "preload"])
     args = ap.parse_args(argv)
-    args.variants = [v == "preload" for v in args.variants]
-    from fastdata.loader import DataLoader as _DL
-    import inspect
-    args.preload_arg = "preload_next_epoch" in inspect.signature(_DL.__init__).parameters
     args.head = args.head or args.workers
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     report: dict[str, Any] = {"benchmark": "epoch_start", "device": device, "python": platform.python_version(),
@@ -147,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
             ds = ShardedDataset(shards, shuffle=True, seed=0, fields=["jpg", "cls"],
                                 preprocess=ResizeCenterCrop(args.size), rank=0, world_size=1)
             dl = DataLoader(ds, batch_size=args.batch_size, num_workers=args.workers, persistent_workers=True,
-                            drop_last=True, multiprocessing_context=args.start_method)
+                            drop_last=True, multiprocessing_context=args.start_method, preload_next_epoch=False)
             for e in range(2):
                 ds.set_epoch(e)
                 t0, n = time.perf_counter(), 0
@@ -157,10 +152,10 @@ def main(argv: list[str] | None = None) -> int:
             del dl
             args.step_ms = 1.3 * interval * 1e3
         report["args"] = {k: str(v) for k, v in vars(args).items()}
-        rows: dict[str, list[dict[str, Any]]] = {("preload" if v else "no_preload"): [] for v in args.variants}
+        rows: dict[str, list[dict[str, Any]]] = {v: [] for v in args.variants}
         for _ in range(args.reps):
-            for preload in args.variants:
-                r = run(shards, args, preload, device)
+            for variant in args.variants:
+                r = run(shards, args, variant == "preload", device)
                 rows[r["variant"]].append(r)
                 print(f"  {r['variant']:10s} {r['images_per_s']:7.0f} img/s  wait p50/p99/max "
                       f"{r['wait_p50_ms']:.2f}/{r['wait_p99_ms']:.1f}/{r['wait_max_ms']:.1f} ms  epoch-start waits "

@@ -13,20 +13,7 @@
 # The CUDA test to run besides (needs pytest): python3 -m pytest -q -m cuda tests/test_monitor.py
 # Each part has its own time limit; a failing part is reported and the next one runs.
 # Prints a short table at the end; everything is under DIR (doctor.txt/json, tune.txt/json, nvml.json).
-set -u
-OUT=""
-while [ $# -gt 0 ]; do
-  case "$1" in
-    --out) OUT="$2"; shift 2 ;;
-    *) echo "usage: bash benchmarks/gpu/doctor.sh --out DIR" >&2; exit 2 ;;
-  esac
-done
-[ -n "$OUT" ] || { echo "usage: bash benchmarks/gpu/doctor.sh --out DIR" >&2; exit 2; }
-mkdir -p "$OUT"
-OUT="$(cd "$OUT" && pwd)"
-WORK="$(mktemp -d /tmp/fastdata-gpu-doctor.XXXXXX)"
-trap 'rm -rf "$WORK"' EXIT
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+. "$(dirname "$0")/_setup.sh" "$@"  # --out DIR -> OUT; WORK (removed on exit); PYTHONPATH
 # DRY=1: a plumbing check on a CPU machine (synthetic 5 ms step instead of resnet18, fewer images)
 STEP="--model resnet18"; N=1024; SLOW=1
 if [ "${DRY:-0}" = 1 ]; then STEP="--step-ms 5"; N=256; SLOW=4; fi  # DRY: a busy 2-core box needs more time

@@ -17,20 +17,7 @@
 # 7. fastdata doctor on the e2e shards with --model resnet18                  (the rest)
 # Writes few files (the device returns at most 8): summary.txt, pytest_cuda.txt, h2d.json, e2e.json,
 # decode_stage.json, epoch_start.json, producer.json, doctor.txt; each part's log tail goes into summary.txt.
-set -u
-OUT=""
-while [ $# -gt 0 ]; do
-  case "$1" in
-    --out) OUT="$2"; shift 2 ;;
-    *) echo "usage: bash benchmarks/gpu/final.sh --out DIR" >&2; exit 2 ;;
-  esac
-done
-[ -n "$OUT" ] || { echo "usage: bash benchmarks/gpu/final.sh --out DIR" >&2; exit 2; }
-mkdir -p "$OUT"
-OUT="$(cd "$OUT" && pwd)"
-WORK="$(mktemp -d /tmp/fastdata-gpu-final.XXXXXX)"
-trap 'rm -rf "$WORK"' EXIT
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+. "$(dirname "$0")/_setup.sh" "$@"  # --out DIR -> OUT; WORK (removed on exit); PYTHONPATH
 BUDGET=${BUDGET:-590}
 START=$SECONDS
 SUM="$OUT/summary.txt"

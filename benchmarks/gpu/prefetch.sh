@@ -18,20 +18,7 @@
 # Each part has its own time limit; a failing part is reported and the next one runs.
 # Everything lands under DIR (pytest_*.txt/xml, h2d_*.json/txt, train_e2e.json/txt, cache.json/txt);
 # a short table is printed at the end (and written to DIR/summary.txt).
-set -u
-OUT=""
-while [ $# -gt 0 ]; do
-  case "$1" in
-    --out) OUT="$2"; shift 2 ;;
-    *) echo "usage: bash benchmarks/gpu/prefetch.sh --out DIR" >&2; exit 2 ;;
-  esac
-done
-[ -n "$OUT" ] || { echo "usage: bash benchmarks/gpu/prefetch.sh --out DIR" >&2; exit 2; }
-mkdir -p "$OUT"
-OUT="$(cd "$OUT" && pwd)"
-WORK="$(mktemp -d /tmp/fastdata-gpu-prefetch.XXXXXX)"
-trap 'rm -rf "$WORK"' EXIT
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+. "$(dirname "$0")/_setup.sh" "$@"  # --out DIR -> OUT; WORK (removed on exit); PYTHONPATH
 BUDGET=${BUDGET:-300}
 # DRY=1: plumbing check on a CPU machine (tiny model, few images, 2 workers; CUDA tests skip)
 E2E="--images 4096 --batch-size 128"; CW=15; CI=2048

@@ -16,19 +16,7 @@
 # short table at the end; everything is under DIR (tests.txt, demo.txt/json, demo_cpu2.txt/json,
 # demo_4096.txt/json, plots/).
 # DRY=1: a plumbing check on a CPU machine (small demo, CUDA tests skip).
-set -u
-OUT=""
-while [ $# -gt 0 ]; do
-  case "$1" in
-    --out) OUT="$2"; shift 2 ;;
-    *) echo "usage: bash benchmarks/gpu/train_demo.sh --out DIR" >&2; exit 2 ;;
-  esac
-done
-[ -n "$OUT" ] || { echo "usage: bash benchmarks/gpu/train_demo.sh --out DIR" >&2; exit 2; }
-mkdir -p "$OUT"
-OUT="$(cd "$OUT" && pwd)"
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-export PYTHONUNBUFFERED=1
+. "$(dirname "$0")/_setup.sh" "$@"  # --out DIR -> OUT; WORK (removed on exit); PYTHONPATH
 PY="${PYTHON:-python3}"
 SMALL=(--images 1024 --batch-size 64)
 BIG=(--images 4096 --batch-size 128)

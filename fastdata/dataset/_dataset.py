@@ -218,6 +218,8 @@ class ShardedDataset(IterableDataset):
         known = self.fields if self.fields is not None else self.source.fields
         # groups of field names a sample needs one of each (image formats are alternatives)
         self._required = required_fields(known) if known is not None and on_missing != "allow" else ()
+        # the groups without image fields: what a read of the uncached fields must find (a cache hit holds the rest)
+        self._required_uncached = tuple(g for g in self._required if not any(is_image_field(f) for f in g))
         first = preprocess if preprocess is not None else transform
         # the first image transform declares accepts_pil: without preprocess= that is transform=,
         # which then gets the decoder's PIL images as they are (no tensor conversion before it)
@@ -682,7 +684,7 @@ class ShardedDataset(IterableDataset):
         """``__key__`` and the decoded fields of sample ``i`` of ``shard`` that the cache does not hold
         (None: it lacks a required one and ``on_missing="skip"`` skipped it)."""
         raw = self._read(shard, i, self._uncached_fields(), cursor)
-        if self._required and self._lacks(raw, self._required_uncached(), shard, i, g, cursor):
+        if self._required and self._lacks(raw, self._required_uncached, shard, i, g, cursor):
             return None
         return self._decoder({k: v for k, v in raw.items() if not is_image_field(k)}, shard=self.source.names[shard])
 
@@ -695,14 +697,6 @@ class ShardedDataset(IterableDataset):
         except (FastdataError, OSError, IndexError) as e:
             self._handle_error(self._wrap_error(e, shard, i), e, shard, i, g, cursor)
             return None
-
-    def _required_uncached(self) -> tuple[frozenset[str], ...]:
-        """The required field groups without image fields (a cache hit holds those); computed once."""
-        cached = self.__dict__.get("_required_uncached_groups")
-        if cached is None:
-            cached = tuple(group for group in self._required if not any(is_image_field(f) for f in group))
-            self._required_uncached_groups = cached
-        return cached
 
     def _lacks(self, raw: Mapping[str, Any], required: Sequence[frozenset[str]], shard: int, i: int, g: int,
                cursor: Cursor) -> bool:

@@ -62,12 +62,16 @@ def rng_key(*words: int) -> int:
     return key
 
 
-def random_u64(key: int, n: int) -> np.ndarray:
-    """``n`` pseudo-random uint64 values of the stream ``key`` (splitmix64 of a counter)."""
-    x = np.arange(1, n + 1, dtype=np.uint64) * np.uint64(_GOLDEN) + np.uint64(key)
+def _mix_u64(x: np.ndarray) -> np.ndarray:
+    """:func:`_mix64` of every element of a uint64 array (wrapping arithmetic)."""
     x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
     x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
     return x ^ (x >> np.uint64(31))
+
+
+def random_u64(key: int, n: int) -> np.ndarray:
+    """``n`` pseudo-random uint64 values of the stream ``key`` (splitmix64 of a counter)."""
+    return _mix_u64(np.arange(1, n + 1, dtype=np.uint64) * np.uint64(_GOLDEN) + np.uint64(key))
 
 
 def random_floats(key: int, n: int) -> np.ndarray:
@@ -224,9 +228,7 @@ def _buffer_shuffle(seq: np.ndarray, size: int, key: int) -> np.ndarray:
     # what slot j holds when picked at time t: the item put there at its previous pick, else items[j]
     src = np.where(first, js_s, np.concatenate([[0], ts_s[:-1]]))
     out = np.empty(n, dtype=np.int64)
-    picked = np.empty(len(order), dtype=np.int64)
-    picked[order] = items[src]
-    out[: n - b] = picked
+    out[: n - b][order] = items[src]
     final = items[:b].copy()
     last = np.ones(len(order), dtype=bool)
     last[:-1] = js_s[1:] != js_s[:-1]
@@ -238,29 +240,18 @@ def _buffer_shuffle(seq: np.ndarray, size: int, key: int) -> np.ndarray:
 def _keys_u64(key: int, prefix: int, idx: np.ndarray) -> np.ndarray:
     """``rng_key(key, prefix, j)`` for every ``j`` of ``idx`` (uint64), vectorised."""
     head = rng_key(key, prefix)  # the fold over the common words; the last word varies
-
-    def mix(x: np.ndarray) -> np.ndarray:
-        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        return x ^ (x >> np.uint64(31))
-
     words = idx.astype(np.uint64) + np.uint64(_GOLDEN)  # (j + golden) mod 2^64
-    return mix(np.uint64(head) ^ mix(words))
+    return _mix_u64(np.uint64(head) ^ _mix_u64(words))
 
 
-def _piece_permutations(lengths: np.ndarray, keys: np.ndarray) -> np.ndarray:
-    """``concatenate([permutation(keys[j], lengths[j]) for j])``, vectorised: one counter-based
-    stream per piece, then one row-wise stable argsort per distinct piece length (shard pieces
-    mostly share a length), the same order as the stable per-piece argsort."""
-    total = int(lengths.sum())
-    piece = np.repeat(np.arange(len(lengths), dtype=np.int64), lengths)
-    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
-    counter = np.arange(total, dtype=np.int64) - starts[piece] + 1  # 1..n inside each piece
-    x = counter.astype(np.uint64) * np.uint64(_GOLDEN) + keys[piece]
-    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    x = x ^ (x >> np.uint64(31))
-    out = np.empty(total, dtype=np.int64)
+def _piece_permutations(lengths: np.ndarray, starts: np.ndarray, piece: np.ndarray, rank: np.ndarray,
+                        keys: np.ndarray) -> np.ndarray:
+    """``concatenate([permutation(keys[j], lengths[j]) for j])``, vectorised (``piece``/``rank``: the
+    piece of every position and its place in it; ``starts``: where each piece begins): one
+    counter-based stream per piece, then one row-wise stable argsort per distinct piece length
+    (shard pieces mostly share a length), the same order as the stable per-piece argsort."""
+    x = _mix_u64((rank + 1).astype(np.uint64) * np.uint64(_GOLDEN) + keys[piece])  # counters 1..n per piece
+    out = np.empty(len(rank), dtype=np.int64)
     for n in np.unique(lengths).tolist():
         if n == 0:
             continue
@@ -280,11 +271,11 @@ def mix_segments(
     first = np.asarray(offsets, dtype=np.int64)[seg[:, 0]] + seg[:, 1]  # global index of each piece's start
     piece = np.repeat(np.arange(len(seg), dtype=np.int64), lengths)
     starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+    rank = np.arange(len(piece), dtype=np.int64) - starts[piece]  # place inside its piece
     if options is not None and options.within_shard:  # each piece in its own seeded order
-        local = _piece_permutations(lengths, _keys_u64(key, 1, np.arange(len(seg), dtype=np.int64)))
-    else:
-        local = np.arange(int(lengths.sum()), dtype=np.int64) - starts[piece]
-    flat = first[piece] + local
+        keys = _keys_u64(key, 1, np.arange(len(seg), dtype=np.int64))
+        rank = _piece_permutations(lengths, starts, piece, rank, keys)
+    flat = first[piece] + rank
     if options is None:
         return flat
     pieces = np.split(flat, starts[1:]) if len(seg) > 1 else [flat]
