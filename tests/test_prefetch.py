@@ -490,7 +490,7 @@ class _FakeStream:
 
 @pytest.fixture
 def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> dict:
-    counts = {"pinned": 0, "device": 0}
+    counts = {"pinned": 0, "device": 0, "high_priority_streams": 0}
 
     def pinned(n: int) -> torch.Tensor:
         counts["pinned"] += 1
@@ -507,7 +507,11 @@ def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> dict:
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "set_device", lambda d: None)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(stage, "side_stream", lambda d: _FakeStream())
+    def side_stream(d, high_priority: bool = False) -> _FakeStream:
+        counts["high_priority_streams"] += high_priority
+        return _FakeStream()
+
+    monkeypatch.setattr(stage, "side_stream", side_stream)
     monkeypatch.setattr(stage, "_pinned_empty", pinned)
     monkeypatch.setattr(stage, "_device_empty", device_empty)
     monkeypatch.setattr(stage, "_to_device", lambda t, d: t.clone())
@@ -1175,3 +1179,19 @@ def test_gc_after_a_finished_epoch_stops_the_persistent_thread() -> None:
     del pf
     gc.collect()
     assert not _wait_no_threads()
+
+
+def test_stream_priority_selects_the_side_stream(fake_cuda: dict) -> None:
+    batches = [{"x": torch.full((4,), i)} for i in range(5)]
+    assert [int(b["x"][0]) for b in CUDAPrefetcher(batches, device="cuda")] == list(range(5))
+    assert fake_cuda["high_priority_streams"] == 0
+    pf = CUDAPrefetcher(batches, device="cuda", stream_priority="high")
+    assert [int(b["x"][0]) for b in pf] == list(range(5))
+    assert fake_cuda["high_priority_streams"] == 1
+    pf.close()
+    with pytest.raises(ValueError, match="stream_priority must be one of"):
+        CUDAPrefetcher(batches, device="cuda", stream_priority="urgent")
+    # no effect on the CPU, but still validated
+    assert len(list(CUDAPrefetcher(batches, device="cpu", stream_priority="high"))) == 5
+    with pytest.raises(ValueError, match="stream_priority"):
+        CUDAPrefetcher(batches, device="cpu", stream_priority=1)  # type: ignore[arg-type]

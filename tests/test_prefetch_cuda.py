@@ -388,3 +388,14 @@ def test_cached_fast_path_gathers_pinned_and_reuses_buffers(tmp_path) -> None:
         s = pf.stats()
     assert s["pinned_allocs"] <= 3  # only the small 'cls' field is packed; images come pinned
     assert loader._gather.ring.allocated <= 8  # reused across batches and epochs
+
+
+def test_high_priority_side_stream() -> None:
+    lo, hi = torch.cuda.Stream.priority_range()  # (lowest priority, highest priority): hi <= lo
+    batches = [{"x": torch.full((1 << 16,), i, dtype=torch.int32)} for i in range(6)]
+    pf = CUDAPrefetcher(batches, device=DEV, stream_priority="high")
+    got = [int(b["x"][-1]) for b in pf]
+    assert got == list(range(6))
+    assert pf._stager.stream.priority == hi and stage.side_stream(DEV).priority == 0
+    assert stage.side_stream(DEV, True) is pf._stager.stream  # one per device and priority
+    pf.close()

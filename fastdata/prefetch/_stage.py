@@ -64,17 +64,22 @@ PARALLEL_PACK_BYTES = 4 << 20
 # No pack thread gets less than this.
 MIN_PACK_CHUNK = 1 << 20
 
-_STREAMS: dict[int, torch.cuda.Stream] = {}
+_STREAMS: dict[tuple[int, bool], torch.cuda.Stream] = {}
 _STREAMS_LOCK = threading.Lock()
+# CUDAPrefetcher(stream_priority=...)
+STREAM_PRIORITIES = ("normal", "high")
 
 
-def side_stream(device: torch.device) -> torch.cuda.Stream:
-    """The process-wide copy stream of a CUDA device (created once, reused by every prefetcher)."""
+def side_stream(device: torch.device, high_priority: bool = False) -> torch.cuda.Stream:
+    """The process-wide copy stream of a CUDA device (created once per priority, reused by every
+    prefetcher). ``high_priority``: the device's highest stream priority (torch clamps the value
+    to the device's range), so its kernels are scheduled ahead of normal-priority work queued."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     with _STREAMS_LOCK:
-        stream = _STREAMS.get(index)
+        stream = _STREAMS.get((index, high_priority))
         if stream is None:
-            stream = _STREAMS[index] = torch.cuda.Stream(device=index)
+            priority = -(1 << 10) if high_priority else 0
+            stream = _STREAMS[(index, high_priority)] = torch.cuda.Stream(device=index, priority=priority)
         return stream
 
 
@@ -273,9 +278,10 @@ class CudaStager:
         skip: Callable[[Path], bool] | None,
         stats: Stats,
         pack_threads: int,
+        high_priority: bool = False,
     ) -> None:
         self.device = device
-        self.stream = side_stream(device)
+        self.stream = side_stream(device, high_priority)
         self._slots = [_Slot() for _ in range(slots)]
         self._next = 0
         self._transform = transform
