@@ -15,12 +15,27 @@ for every model:
 - ``fastdata_cached``: the same with ``cache=``; the warm-up epoch fills the cache, the timed epochs
   take the cached fast path.
 
+With ``--augment random`` the pipelines train with the ImageNet recipe's random augmentation
+(RandomResizedCrop to ``--size``, scale 8-100%, aspect 3/4-4/3, and a horizontal flip), which no
+cache can serve:
+
+- ``torch_recipe_rrc``: torchvision's usual recipe (``ImageFolder`` with ``RandomResizedCrop``,
+  ``RandomHorizontalFlip``, ``ToTensor``, ``Normalize`` in the workers; the same recipe written out
+  with PIL where torchvision cannot be imported), tuned as ``torch_loader``;
+- ``fastdata_workers_rrc``: Pillow decode + crop + flip in ``fastdata.DataLoader`` workers
+  (``decode_stage.py``'s ``DecodeRandomResizedCropFlip``) -> ``CUDAPrefetcher(Normalize)``;
+- ``fastdata_threads_rrc``: the same in ``decode_threads`` threads of this process, no workers;
+- ``fastdata_gpu_rrc``: ``image_decode="device"``: min(workers, 4) workers read JPEG bytes, the
+  prefetcher decodes (nvJPEG), crops, flips and normalises on the GPU (``DecodeImages.ahead``), on
+  the CPU without CUDA; ``fastdata_gpu_rrc_hiprio``: the same with ``stream_priority="high"``.
+
 Reported per run: images/s over the timed epochs (epoch starts included), its share of
 ``resident``, mean GPU utilisation (NVML, the device looked up by UUID/PCI bus id, sampled over the
 timed window), and the training thread's wait for its next batch (p50/p99/max). JSON with
 ``--json``. Without CUDA it runs on the CPU (fp32; utilisation n/a), small, as a smoke test.
 
     python benchmarks/train_e2e.py --json /tmp/e2e.json                     # CUDA machine
+    python benchmarks/train_e2e.py --augment random --models resnet18        # random augmentation
     python benchmarks/train_e2e.py --quick                                    # smoke test
 """
 from __future__ import annotations
@@ -249,12 +264,113 @@ def fastdata_run(model_name: str, args: argparse.Namespace, device: torch.device
         pf.close()
 
 
+AUGMENT_VARIANTS = {
+    "center": ["resident", "torch_loader", "fastdata_uncached", "fastdata_cached"],
+    "random": ["resident", "torch_recipe_rrc", "fastdata_workers_rrc", "fastdata_threads_rrc", "fastdata_gpu_rrc",
+               "fastdata_gpu_rrc_hiprio"],
+}
+
+
+def _decode_stage() -> Any:
+    """benchmarks/decode_stage.py as a module: the random-augmentation recipes are defined there
+    (imported by name from this folder, so spawned workers find its classes too)."""
+    here = str(Path(__file__).resolve().parent)
+    if here not in sys.path:
+        sys.path.insert(0, here)
+    import decode_stage
+
+    return decode_stage
+
+
+def torch_recipe_rrc(model_name: str, args: argparse.Namespace, device: torch.device, corpus: Path) -> dict:
+    """torchvision's usual random-augmentation recipe, float32 normalised in the workers, tuned loader."""
+    ds_mod = _decode_stage()
+    ds_mod.SIZE = args.size
+    model = make_model(model_name, device, args.classes)
+    step = make_step(model, device)
+    dataset = ds_mod._imagefolder(str(corpus))
+    loader = torch.utils.data.DataLoader(
+        dataset, batch_size=args.batch_size, shuffle=True, num_workers=args.workers,
+        pin_memory=device.type == "cuda", persistent_workers=args.workers > 0, drop_last=True,
+        prefetch_factor=4 if args.workers > 0 else None, generator=torch.Generator().manual_seed(0))
+    fmt = torch.channels_last if device.type == "cuda" else torch.contiguous_format
+
+    def epoch_iter(_e: int) -> Any:
+        it = iter(loader)
+        while True:
+            t0 = time.perf_counter()
+            try:
+                img, cls = next(it)
+            except StopIteration:
+                return
+            img = img.to(device, non_blocking=True).contiguous(memory_format=fmt)
+            cls = cls.to(device, non_blocking=True)
+            wait = time.perf_counter() - t0
+            yield {"jpg": img, "cls": cls}, wait
+
+    out = run_epochs(step, epoch_iter, args.epochs, device, warmup=args.warmup)
+    out["impl"] = getattr(dataset, "impl", None)
+    return out
+
+
+def fastdata_rrc(model_name: str, args: argparse.Namespace, device: torch.device, shards: Path, where: str,
+                 priority: str = "normal") -> dict:
+    """Random augmentation in fastdata: ``where`` = "workers", "threads" (Pillow on the CPU) or "gpu"."""
+    from fastdata import gpu
+    from fastdata.dataset import ShardedDataset
+    from fastdata.loader import DataLoader
+    from fastdata.prefetch import CUDAPrefetcher
+
+    model = make_model(model_name, device, args.classes)
+    step = make_step(model, device)
+    norm = gpu.Normalize(keys=["jpg"], dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
+                         channels_last=device.type == "cuda")
+    if where == "gpu":
+        ds = ShardedDataset(shards, shuffle=True, seed=0, fields=["jpg", "cls"], image_decode="device",
+                            rank=0, world_size=1)
+        readers = min(args.workers, 4)
+        loader = DataLoader(ds, batch_size=args.batch_size, num_workers=readers, drop_last=True,
+                            pin_memory=device.type == "cuda", persistent_workers=readers > 0)
+        decode = gpu.DecodeImages(keys=["jpg"], device=device)
+        transform = gpu.Compose(decode, gpu.RandomResizedCrop(args.size), gpu.RandomHorizontalFlip(), norm)
+        source: Any = decode.ahead(loader)  # batch i + 1 decodes while batch i is resampled
+    else:
+        ds_mod = _decode_stage()
+        ds_mod.SIZE = args.size
+        ds = ShardedDataset(shards, shuffle=True, seed=0, fields=["jpg", "cls"], rank=0, world_size=1,
+                            decode={"jpg": ds_mod.DecodeRandomResizedCropFlip()})
+        loader = DataLoader(ds, batch_size=args.batch_size, num_workers=args.workers, drop_last=True,
+                            persistent_workers=args.workers > 0,
+                            decode_threads=args.workers if where == "threads" else 0)
+        transform, source = norm, loader
+    pf = CUDAPrefetcher(source, device=device, depth=args.depth, transform=transform, stream_priority=priority)
+
+    def epoch_iter(e: int) -> Any:
+        pf.set_epoch(e)
+        yield from pf
+
+    try:
+        out = run_epochs(step, epoch_iter, args.epochs, device, after_warmup=pf.reset_stats, warmup=args.warmup)
+        st = pf.stats()
+        out.update(wait_p50_ms=st["wait_p50_s"] * 1e3, wait_p99_ms=st["wait_p99_s"] * 1e3,
+                   wait_max_ms=st["wait_max_s"] * 1e3, stream_priority=priority,
+                   prefetcher={k: st[k] for k in ("batches", "epochs", "load_s", "pack_s", "copy_gbps")})
+        if where == "gpu":
+            out["host_decoded"] = decode.host_decoded
+        return out
+    finally:
+        pf.close()
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", nargs="+", default=["resnet18", "resnet50"],
                     help="torchvision model names ('tiny': a 2-layer net for smoke tests)")
-    ap.add_argument("--variants", nargs="+",
-                    default=["resident", "torch_loader", "fastdata_uncached", "fastdata_cached"])
+    ap.add_argument("--augment", choices=sorted(AUGMENT_VARIANTS), default="center",
+                    help="center: 224 px centre crops (cacheable); random: RandomResizedCrop + flip (see above)")
+    ap.add_argument("--variants", nargs="+", default=None,
+                    help="default: every variant of --augment (" + "; ".join(
+                        f"{k}: {' '.join(v)}" for k, v in AUGMENT_VARIANTS.items()) + ")")
     ap.add_argument("--images", type=int, default=None, help="corpus size (default 4096; CPU/--quick 128)")
     ap.add_argument("--batch-size", type=int, default=None, help="default 128 (CPU/--quick 16)")
     ap.add_argument("--size", type=int, default=224)
@@ -270,6 +386,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
+    args.variants = args.variants or AUGMENT_VARIANTS[args.augment]
     device = torch.device("cuda" if (args.device == "auto" and torch.cuda.is_available()) else
                           ("cpu" if args.device == "auto" else args.device))
     if device.type == "cuda" and device.index is None:
@@ -323,6 +440,12 @@ def main(argv: list[str] | None = None) -> int:
                     elif variant == "fastdata_cached":
                         cache = work / f"cache-{model_name}"
                         r = fastdata_run(model_name, args, device, shards, cache)
+                    elif variant == "torch_recipe_rrc":
+                        r = torch_recipe_rrc(model_name, args, device, corpus)
+                    elif variant in ("fastdata_workers_rrc", "fastdata_threads_rrc", "fastdata_gpu_rrc"):
+                        r = fastdata_rrc(model_name, args, device, shards, variant.split("_")[1])
+                    elif variant == "fastdata_gpu_rrc_hiprio":
+                        r = fastdata_rrc(model_name, args, device, shards, "gpu", priority="high")
                     else:
                         raise ValueError(f"unknown variant {variant!r}")
                 except Exception as e:  # noqa: BLE001  one failing part never ends the run
@@ -348,10 +471,10 @@ def main(argv: list[str] | None = None) -> int:
 
 def _row(r: dict) -> str:
     if "error" in r:
-        return f"{r['model']:<9} {r['variant']:<18} ERROR {r['error']}"
+        return f"{r['model']:<9} {r['variant']:<23} ERROR {r['error']}"
     util = f"{r['gpu_util_pct']:.0f}%" if r.get("gpu_util_pct") is not None else "n/a"
     share = f"{r['share_of_resident']:.0%}" if "share_of_resident" in r else "-"
-    return (f"{r['model']:<9} {r['variant']:<18} {r['images_per_s']:9.0f} img/s  {share:>5} of resident  "
+    return (f"{r['model']:<9} {r['variant']:<23} {r['images_per_s']:9.0f} img/s  {share:>5} of resident  "
             f"GPU {util:>4}  wait p50/p99/max {r['wait_p50_ms']:.2f}/{r['wait_p99_ms']:.2f}/{r['wait_max_ms']:.1f} ms")
 
 
