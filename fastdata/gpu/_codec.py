@@ -1,8 +1,8 @@
-"""The one module that calls image codec libraries for packed batches (torchvision, Pillow).
+"""The one module that calls image codec libraries for packed batches (torchvision, nvImageCodec, Pillow).
 
-Switching the device decoder (nvImageCodec, TorchCodec, DALI's) means changing this file only:
-:func:`device_decodable` says which images the device decoder takes, :func:`decode_device` decodes
-a list of them, :func:`decode_host` decodes one image on the CPU.
+Switching the device decoder means changing this file only: :func:`device_decodable` says which
+images the device decoder takes, :func:`device_backend` resolves the choice (``DEVICE_BACKENDS``),
+:func:`decode_device` decodes a list of them, :func:`decode_host` decodes one image on the CPU.
 
 It sits in the ``gpu`` stage, not lower: only the device decode stage (:mod:`fastdata.gpu._decode`)
 decodes packed batches, so DataLoader workers never import torchvision (they start faster and a
@@ -19,6 +19,27 @@ and the rest (progressive) one by one in the hybrid CPU+CUDA path, on a private 
 for that stream on the host (``cudaStreamSynchronize``, not a device-wide sync) and makes the
 caller's current stream wait for it with an event. An error fails the whole call.
 
+Device decoding with nvImageCodec (``device_decoder="nvimgcodec"``; optional, ``pip install
+nvidia-nvimgcodec-cu13 nvidia-nvjpeg``; imported here only, lazily, never in DataLoader workers):
+one ``nvimgcodec.Decoder`` per device and process with the backends ``HW_GPU_ONLY`` (the JPEG
+engines of A100/H100), ``GPU_ONLY``, ``HYBRID_CPU_GPU`` in that order of preference (per image),
+decoding on the caller's current stream (``cuda_stream=``), so the stage chooses the stream. The
+input is the same zero-copy views of the packed buffer (as NumPy arrays, which nvImageCodec's code
+streams reference without a copy). Output is planar RGB (``sample_format=P_RGB``: already
+``(3, H, W)``; 1-component JPEGs come out as RGB too), no EXIF rotation (as torchvision and the
+host path). nvImageCodec owns its output buffers and frees them when the ``Image`` dies, which no
+torch stream bookkeeping (``record_stream``) covers, so each image is copied into a torch tensor on
+the same stream, and the call waits on the host (an event, not a device sync) until decode and
+copies are done, like torchvision's call: then the input bytes are consumed and releasing the
+``Image`` is safe whatever stream its buffer is freed on. Images it cannot decode come back as
+``None`` at their positions (the stage decodes those on the host), not as an error for the call.
+On the CPU (``device="cpu"``, for testing this glue without a GPU) it uses nvImageCodec's CPU
+backend (libjpeg-turbo) and returns zero-copy tensors over the decoded host buffers (each tensor
+keeps its ``Image`` alive). ``device_decoder="auto"`` is torchvision unless the environment
+variable ``FASTDATA_DEVICE_DECODER`` names another: it stays torchvision until a GPU measurement
+shows nvImageCodec pays. Unmeasured on a GPU so far: its speed against torchvision's, alone and
+beside training, the cost of the copy and the host wait, and its allocator's behaviour.
+
 Host decoding: ``torchvision.io.decode_jpeg`` / ``decode_image`` (libjpeg-turbo) when torchvision
 works, else Pillow (also libjpeg-turbo for JPEG). Formats torchvision cannot read go to Pillow.
 """
@@ -26,6 +47,8 @@ from __future__ import annotations
 
 import functools
 import io
+import os
+import threading
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -35,13 +58,22 @@ import torch
 from PIL import Image
 
 from fastdata.dataset import FORMATS, ImageInfo
+from fastdata.errors import FastdataError
 
 __all__ = [
-    "HOST_BACKENDS", "decode_device", "decode_host", "default_max_pixels", "device_decodable", "device_decodable_codes",
-    "host_backend", "torchvision_status",
+    "DEVICE_BACKENDS", "DEVICE_DECODER_ENV", "HOST_BACKENDS", "DecoderUnavailableError", "decode_device", "decode_host",
+    "default_max_pixels", "device_backend", "device_decodable", "device_decodable_codes", "host_backend",
+    "nvimgcodec_status", "torchvision_status",
 ]
 
 HOST_BACKENDS = ("auto", "torchvision", "pillow")
+DEVICE_BACKENDS = ("auto", "torchvision", "nvimgcodec")
+DEVICE_DECODER_ENV = "FASTDATA_DEVICE_DECODER"  # what device_decoder="auto" resolves to (default: torchvision)
+NVIMGCODEC_INSTALL = "pip install nvidia-nvimgcodec-cu13 nvidia-nvjpeg"
+
+
+class DecoderUnavailableError(FastdataError, RuntimeError):
+    """A decoder was asked for by name but cannot be loaded here; says how to install it."""
 
 
 @functools.cache
@@ -72,6 +104,48 @@ def host_backend(name: str = "auto") -> str:
     return "torchvision"
 
 
+@functools.cache
+def nvimgcodec_status() -> tuple[Any, str]:
+    """``(nvidia.nvimgcodec module or None, reason)``: whether nvImageCodec imports here.
+
+    Sets ``PYNVIMGCODEC_VERBOSITY=0`` before the import unless it is set: the images nvImageCodec
+    cannot decode are decoded on the host, whose errors name shard and key, so its own log lines
+    (one per bad image) are noise; set the variable to 1 (errors) or 2 (warnings) to see them.
+    Four lines about missing nvJPEG2000/nvTIFF libraries are printed at import whatever the
+    setting (``pip install nvidia-nvjpeg2k-cu13 nvidia-nvtiff-cu13`` removes them; JPEG needs neither).
+    """
+    os.environ.setdefault("PYNVIMGCODEC_VERBOSITY", "0")
+    try:
+        from nvidia import nvimgcodec
+    except Exception as e:  # noqa: BLE001 - any import/load failure means "not usable here"
+        return None, f"nvImageCodec unavailable: {type(e).__name__}: {str(e)[:200]}"
+    return nvimgcodec, f"nvImageCodec {getattr(nvimgcodec, '__version__', '?')}"
+
+
+def device_backend(name: str = "auto") -> str:
+    """The device decoder that ``name`` ("auto", "torchvision", "nvimgcodec") resolves to.
+
+    "auto" is torchvision unless the environment variable ``FASTDATA_DEVICE_DECODER`` names
+    another. "nvimgcodec" raises :class:`DecoderUnavailableError` (saying how to install it) when
+    nvImageCodec does not import here; "torchvision" is checked when it decodes.
+    """
+    if name not in DEVICE_BACKENDS:
+        raise ValueError(f"device_decoder must be one of {DEVICE_BACKENDS}, got {name!r}")
+    if name == "auto":
+        env = os.environ.get(DEVICE_DECODER_ENV, "").strip()
+        if env in ("", "auto"):
+            return "torchvision"
+        if env not in DEVICE_BACKENDS:
+            raise ValueError(f"environment variable {DEVICE_DECODER_ENV}={env!r}: must be one of {DEVICE_BACKENDS}")
+        name = env
+    if name == "nvimgcodec":
+        nv, reason = nvimgcodec_status()
+        if nv is None:
+            raise DecoderUnavailableError(f"device decoder 'nvimgcodec' requested but {reason}; install it with "
+                                          f"`{NVIMGCODEC_INSTALL}` (CUDA 13 builds; -cu12 for CUDA 12)")
+    return name
+
+
 def device_decodable(info: ImageInfo) -> bool:
     """True when the device decoder handles this image (else it is decoded on the host).
 
@@ -98,16 +172,73 @@ def device_decodable_codes(codes: np.ndarray) -> np.ndarray:
             & ~((comps == 3) & (adobe == 0)))
 
 
-def decode_device(views: Sequence[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+def decode_device(views: Sequence[torch.Tensor], device: torch.device,
+                  backend: str = "auto") -> list[torch.Tensor | None]:
     """Decode host uint8 tensors (JPEG bytes) into RGB uint8 ``(3, H, W)`` tensors on ``device``.
 
-    Runs on the current CUDA stream's timeline (torchvision orders it after its own decode stream).
-    Raises ``RuntimeError`` for the whole list if any image fails.
+    ``backend``: a :data:`DEVICE_BACKENDS` name (see :func:`device_backend`). Runs on the current
+    CUDA stream's timeline. torchvision raises ``RuntimeError`` for the whole list if any image
+    fails; nvImageCodec returns ``None`` at the positions of the images it cannot decode. Both
+    return when the images are decoded (each waits on the host for its own work only).
     """
+    if device_backend(backend) == "nvimgcodec":
+        return _decode_nvimgcodec(views, device)
     tv, reason = torchvision_status()
     if tv is None:
         raise RuntimeError(f"device JPEG decoding needs torchvision: {reason}")
     return tv.decode_jpeg(list(views), mode=tv.ImageReadMode.RGB, device=device)
+
+
+class _NvDecoder:
+    """One nvImageCodec decoder (and its decode parameters) for a device; calls are serialised."""
+
+    def __init__(self, device: torch.device) -> None:
+        nv, _ = nvimgcodec_status()
+        kind = nv.BackendKind
+        if device.type == "cpu":  # nvImageCodec's libjpeg-turbo backend: tests the glue without a GPU
+            self.decoder = nv.Decoder(device_id=nv.NVIMGCODEC_DEVICE_CPU_ONLY, backends=[nv.Backend(kind.CPU_ONLY)])
+        else:
+            self.decoder = nv.Decoder(device_id=device.index if device.index is not None else
+                                      torch.cuda.current_device(),
+                                      backends=[nv.Backend(kind.HW_GPU_ONLY), nv.Backend(kind.GPU_ONLY),
+                                                nv.Backend(kind.HYBRID_CPU_GPU)])
+        self.params = nv.DecodeParams(color_spec=nv.ColorSpec.SRGB, sample_format=nv.SampleFormat.P_RGB,
+                                      allow_any_depth=False, apply_exif_orientation=False)
+        self.lock = threading.Lock()
+
+
+_NV_DECODERS: dict[tuple[int, str, int | None], _NvDecoder] = {}
+_NV_LOCK = threading.Lock()
+
+
+def _nv_decoder(device: torch.device) -> _NvDecoder:
+    key = (os.getpid(), device.type, device.index)  # a decoder's threads and CUDA state do not survive fork
+    with _NV_LOCK:
+        dec = _NV_DECODERS.get(key)
+        if dec is None:
+            dec = _NV_DECODERS[key] = _NvDecoder(device)
+        return dec
+
+
+def _decode_nvimgcodec(views: Sequence[torch.Tensor], device: torch.device) -> list[torch.Tensor | None]:
+    dec = _nv_decoder(device)
+    srcs = [v.numpy() for v in views]  # views of the (pinned) packed buffer; code streams reference them
+    if device.type == "cpu":
+        with dec.lock:
+            images = dec.decoder.decode(srcs, params=dec.params)
+        # planar RGB: already (3, H, W); the tensor is a view of the Image's host buffer and keeps it alive
+        return [None if im is None else torch.from_numpy(np.asarray(im)) for im in images]
+    stream = torch.cuda.current_stream(device)
+    with dec.lock:
+        images = dec.decoder.decode(srcs, params=dec.params, cuda_stream=stream.cuda_stream)
+    # nvImageCodec's buffers: copy on the decode stream into torch memory (see the module docstring)
+    out = [None if im is None else torch.as_tensor(im, device=device).clone(memory_format=torch.contiguous_format)
+           for im in images]
+    done = torch.cuda.Event()
+    done.record(stream)
+    done.synchronize()  # this thread waits for its decode and copies, as torchvision's call does
+    del images  # released after the copies ran
+    return out
 
 
 def decode_host(data: torch.Tensor, info: ImageInfo, backend: str) -> torch.Tensor:

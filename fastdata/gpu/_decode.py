@@ -2,8 +2,8 @@
 
 Meant as the first step of ``CUDAPrefetcher(transform=...)``, which runs it in its producer thread
 on its side stream after copying the batch's tensors; the prefetcher leaves ``PackedImages`` on
-the host (it is not a container it walks), which is where nvJPEG (through torchvision) reads its
-input. Per packed field and batch:
+the host (it is not a container it walks), which is where nvJPEG (through torchvision or
+nvImageCodec, ``device_decoder``) reads its input. Per packed field and batch:
 
 1. Route each image by the header facts sniffed in the worker: JPEGs the device decoder takes
    (:func:`fastdata.gpu._codec.device_decodable`) go to batched device decode calls, made by a
@@ -11,8 +11,9 @@ input. Per packed field and batch:
    arithmetic-coded, unknown) are decoded on the host meanwhile, pinned and copied with
    ``non_blocking`` (only those samples). Images whose header claims more than ``max_pixels`` are
    refused before any decode.
-2. If the batched call fails (a corrupt JPEG fails the whole call), each of its images is decoded
-   on the host instead, which finds the bad ones.
+2. If torchvision's batched call fails (a corrupt JPEG fails the whole call), each of its images
+   is decoded on the host instead, which finds the bad ones; nvImageCodec returns the images it
+   could not decode as ``None``, and only those are decoded on the host.
 3. A bad image raises :class:`~fastdata.errors.DecodeError` naming shard, key and field; with
    ``on_error="skip"``/``"warn"`` its sample is dropped from every per-sample entry of the batch
    (tensors and lists whose length is the batch size), so shapes stay consistent, and recorded in
@@ -20,9 +21,12 @@ input. Per packed field and batch:
 
 No host synchronisation happens in this stage's own code: sizes come from tensor metadata and the
 headers, parameters go to the device from pinned memory with ``non_blocking``. (torchvision's CUDA
-decode waits on the host for its private decode stream; that blocks this producer thread, not
-the training stream.) On the CPU (``device="cpu"``) every image is decoded on the host with the
-same routing and error handling, so every semantic is testable without a GPU.
+decode waits on the host for its private decode stream, the nvImageCodec path for an event after
+its work on the stage's decode stream; that blocks the background decode thread, not the training
+stream.) On the CPU (``device="cpu"``) every image is decoded on the host with the same routing
+and error handling, so every semantic is testable without a GPU; with
+``device_decoder="nvimgcodec"`` the device-decodable images go to nvImageCodec's CPU backend
+instead, in the background thread and chunks of the CUDA path, which tests that glue without a GPU.
 """
 from __future__ import annotations
 
@@ -41,10 +45,12 @@ from fastdata.decode import check_max_pixels
 from fastdata.errors import DecodeError
 from fastdata.gpu._augment import ImageBatch
 from fastdata.gpu._codec import (
+    DEVICE_BACKENDS,
     HOST_BACKENDS,
     decode_device,
     decode_host,
     default_max_pixels,
+    device_backend,
     device_decodable_codes,
     host_backend,
 )
@@ -64,6 +70,12 @@ class DecodeImages:
         on_error: ``"raise"`` (default), ``"skip"`` or ``"warn"`` for images that cannot be decoded.
         host_decoder: ``"auto"`` (torchvision when it works here, else Pillow), ``"torchvision"``
             or ``"pillow"``: the decoder for host-side images.
+        device_decoder: ``"auto"`` (torchvision, unless the environment variable
+            ``FASTDATA_DEVICE_DECODER`` names another), ``"torchvision"`` or ``"nvimgcodec"``
+            (nvImageCodec, optional: ``pip install nvidia-nvimgcodec-cu13 nvidia-nvjpeg``; its
+            hardware JPEG engines first, on this stage's decode stream): the decoder of
+            device-decodable JPEGs. Unmeasured on a GPU so far; "auto" stays torchvision until
+            nvImageCodec is measured to pay.
         chunk_size: images per batched device decode call; chunks are decoded in a background
             thread while this one resamples the previous chunk (see :meth:`fuse`). None (default):
             the whole batch when it was submitted ahead (:meth:`ahead`: decoding already overlaps
@@ -77,7 +89,8 @@ class DecodeImages:
 
     def __init__(self, keys: Sequence[str | int] | str | int | None = None, *,
                  device: str | torch.device | None = None, on_error: str = "raise",
-                 host_decoder: str = "auto", chunk_size: int | None = None, max_pixels: int | None = None) -> None:
+                 host_decoder: str = "auto", chunk_size: int | None = None, max_pixels: int | None = None,
+                 device_decoder: str = "auto") -> None:
         if isinstance(keys, (str, int)):
             keys = (keys,)
         self.keys = None if keys is None else frozenset(keys)
@@ -85,6 +98,9 @@ class DecodeImages:
             raise ValueError(f"DecodeImages: on_error must be one of {ON_ERROR}, got {on_error!r}")
         if host_decoder not in HOST_BACKENDS:
             raise ValueError(f"DecodeImages: host_decoder must be one of {HOST_BACKENDS}, got {host_decoder!r}")
+        if device_decoder not in DEVICE_BACKENDS:
+            raise ValueError(f"DecodeImages: device_decoder must be one of {DEVICE_BACKENDS}, got {device_decoder!r}")
+        device_backend(device_decoder)  # a missing nvImageCodec (or a bad FASTDATA_DEVICE_DECODER) fails here
         if device is not None:
             device = torch.device(device)
             if device.type not in ("cpu", "cuda"):
@@ -92,6 +108,7 @@ class DecodeImages:
         self.device = device
         self.on_error = on_error
         self.host_decoder = host_decoder
+        self.device_decoder = device_decoder
         self.skipped: list[dict[str, Any]] = []
         self.host_decoded = 0  # images decoded on the host on a CUDA device (fallbacks), for diagnostics
         if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int)
@@ -121,7 +138,7 @@ class DecodeImages:
 
         :class:`fastdata.gpu.Compose` calls this for ``DecodeImages`` followed by geometric transforms.
         On CUDA the device-decodable images are decoded in chunks (``chunk_size``) by a background
-        thread (torchvision's decode call blocks its thread until nvJPEG is done) while this thread
+        thread (the decode call blocks its thread until nvJPEG is done) while this thread
         decodes the host-routed images and resamples the chunks already decoded: decoding and
         resampling overlap. Random parameters depend on sample indices only, so the result is the
         same as for the whole batch at once. Fields whose images end in different sizes stay ImageBatches.
@@ -172,9 +189,17 @@ class DecodeImages:
             if not isinstance(images, list):  # a future of the background decode
                 try:
                     images = _take(images.result(), device)
-                except RuntimeError as e:  # one bad image fails the call: find it on the host
+                except RuntimeError as e:  # torchvision: one bad image fails the call: find it on the host
                     _log.debug("batched device decode failed (%s); decoding its %d images on the host", e, len(rows))
                     images = self._host(packed, rows, views, field, device, backend, bad)
+                else:
+                    missing = [k for k, im in enumerate(images) if im is None]
+                    if missing:  # nvImageCodec: the images it could not decode, on the host
+                        _log.debug("device decoder returned %d of %d images undecoded; decoding them on the host",
+                                   len(missing), len(rows))
+                        redo = self._host(packed, [rows[k] for k in missing], views, field, device, backend, bad)
+                        for k, im in zip(missing, redo):
+                            images[k] = im
             ok = [k for k, r in enumerate(rows) if r not in bad]
             rows = [rows[k] for k in ok]
             if not rows:
@@ -201,14 +226,16 @@ class DecodeImages:
                ahead: bool) -> tuple[torch.device, list[int], list[tuple[list[int], Any]]]:
         """Submit the device-decodable images of ``packed`` to the background decode thread, in chunks."""
         ok = device_decodable_codes(packed.codes()) & ~self._oversized(packed)
-        on_device = np.flatnonzero(ok).tolist() if device.type == "cuda" else []
+        decoder = device_backend(self.device_decoder)
+        # on the CPU only nvImageCodec (its CPU backend) takes device-routed images
+        on_device = np.flatnonzero(ok).tolist() if device.type == "cuda" or decoder == "nvimgcodec" else []
         size = self.chunk_size or (len(on_device) if ahead else -(-len(on_device) // 2))
         chunks = [on_device[k : k + size] for k in range(0, len(on_device), max(size, 1))]
         if not chunks:
             return device, on_device, []
-        stream = self._decode_stream(device)
+        stream = self._decode_stream(device) if device.type == "cuda" else None
         pool = self._pool()
-        return device, on_device, [(c, pool.submit(_decode_chunk, [views[i] for i in c], device, stream))
+        return device, on_device, [(c, pool.submit(_decode_chunk, [views[i] for i in c], device, stream, decoder))
                                    for c in chunks]
 
     def _limit(self) -> int | None:
@@ -303,27 +330,35 @@ class DecodeImages:
 
     def __repr__(self) -> str:
         keys = None if self.keys is None else sorted(self.keys, key=str)
-        return f"DecodeImages(keys={keys}, device={self.device}, on_error={self.on_error!r})"
+        return (f"DecodeImages(keys={keys}, device={self.device}, on_error={self.on_error!r}, "
+                f"device_decoder={self.device_decoder!r})")
 
 
-def _decode_chunk(views: list[torch.Tensor], device: torch.device,
-                  stream: torch.cuda.Stream) -> tuple[list[torch.Tensor], torch.cuda.Event]:
+def _decode_chunk(views: list[torch.Tensor], device: torch.device, stream: torch.cuda.Stream | None,
+                  decoder: str) -> tuple[list[torch.Tensor | None], torch.cuda.Event | None]:
     """Background thread: decode on the stage's decode stream (torchvision orders it after its own
-    decode stream); the event marks the images ready."""
+    decode stream); the event marks the images ready. On the CPU (nvImageCodec's CPU backend): no
+    stream, no event. ``None`` entries: images the decoder could not decode."""
+    if stream is None:
+        return decode_device(views, device, decoder), None
     with torch.cuda.stream(stream):
-        images = decode_device(views, device)
+        images = decode_device(views, device, decoder)
         ready = torch.cuda.Event()
         ready.record(stream)
     return images, ready
 
 
-def _take(result: tuple[list[torch.Tensor], torch.cuda.Event], device: torch.device) -> list[torch.Tensor]:
+def _take(result: tuple[list[torch.Tensor | None], torch.cuda.Event | None],
+          device: torch.device) -> list[torch.Tensor | None]:
     """Decoded images made usable on the current stream: it waits for them, the allocator knows it uses them."""
     images, ready = result
+    if ready is None:  # decoded on the CPU
+        return images
     stream = torch.cuda.current_stream(device)
     stream.wait_event(ready)
     for im in images:
-        im.record_stream(stream)
+        if im is not None:
+            im.record_stream(stream)
     return images
 
 
