@@ -18,7 +18,9 @@ horizontal flip with probability 1/2, normalise with the ImageNet mean/std), shu
   read bytes), decoded, cropped, flipped and normalised on the GPU inside ``CUDAPrefetcher``
   (``fastdata.gpu.Compose(DecodeImages, RandomResizedCrop, RandomHorizontalFlip, Normalize)``);
   skipped without CUDA or when that API is not in this checkout; ``gpu-threads``: the same, with
-  the bytes read by min(N, 4) threads (``decode_threads``) instead of worker processes;
+  the bytes read by min(N, 4) threads (``decode_threads``) instead of worker processes; the device
+  JPEG decoder is ``--device-decoder`` (``auto``: torchvision unless ``FASTDATA_DEVICE_DECODER``
+  names another; ``nvimgcodec``: nvImageCodec, when installed), recorded in the rows' ``decoder``;
 - ``torchvision``: the usual recipe, ``torchvision.datasets.ImageFolder`` with
   ``RandomResizedCrop(224)``, ``RandomHorizontalFlip()``, ``ToTensor()``, ``Normalize(...)`` in
   ``torch.utils.data.DataLoader(num_workers=N, shuffle=True)`` (normalised in the workers). Where
@@ -237,7 +239,9 @@ def _gpu_loader(cfg: dict[str, Any], *, threads: bool = False) -> tuple[Any, Any
         from fastdata.loader import DataLoader
         from fastdata.prefetch import CUDAPrefetcher
 
-        stage = gpu.Compose(gpu.DecodeImages(keys=["jpg"], device="cuda"), gpu.RandomResizedCrop(SIZE),
+        stage = gpu.Compose(gpu.DecodeImages(keys=["jpg"], device="cuda",
+                                             device_decoder=cfg.get("device_decoder", "auto")),
+                            gpu.RandomResizedCrop(SIZE),
                             gpu.RandomHorizontalFlip(), gpu.Normalize())
         ds = ShardedDataset(cfg["shards"], shuffle=True, fields=["jpg", "cls"], image_decode="device")
     except (ImportError, AttributeError, TypeError, ValueError) as e:
@@ -309,6 +313,10 @@ def child(cfg: dict[str, Any]) -> list[dict[str, Any]]:
         runs[row] = (loader, consume, [], [])
         res[row]["path"] = getattr(loader, "last_path", None)
         res[row]["impl"] = getattr(getattr(loader, "dataset", None), "impl", None)
+        if row in ("gpu", "gpu-threads"):  # what the stage's device_decoder resolved to here
+            from fastdata.gpu._codec import device_backend
+
+            res[row]["decoder"] = device_backend(cfg.get("device_decoder", "auto"))
     print(json.dumps(list(res.values())), flush=True)  # partial results survive a kill by the parent
     for rep in range(1, cfg["reps"] + 1):
         if time.perf_counter() > deadline and rep > 1:
@@ -489,6 +497,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--budget", type=float, default=None, help="seconds; configurations past it are skipped")
     ap.add_argument("--quick", action="store_true", help="small corpus, one repetition")
     ap.add_argument("--json", type=Path, default=None, help="write results here")
+    ap.add_argument("--device-decoder", default="auto", choices=("auto", "torchvision", "nvimgcodec"),
+                    help="JPEG decoder of the gpu rows (auto: torchvision unless FASTDATA_DEVICE_DECODER names another)")
     ap.add_argument("--gil", action="store_true", help="also measure the GIL-held share of one sample's work")
     ap.add_argument("--gil-only", action="store_true", help="only measure the GIL-held share (--gil), no rows")
     ap.add_argument("--buffers", action="store_true", help="only measure fresh vs reused batch buffers")
@@ -531,7 +541,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         # this N's share of what is left; its reps stop early past it (at least one is measured)
         share = 3600.0 if left is None else max(5.0, left / (len(args.workers) - k) - 5)
         cfg = {"rows": args.rows, "workers": workers, "cores": cores, "count": n, "batch_size": args.batch_size,
-               "reps": reps, "device": device, "shards": str(shards), "images_dir": str(images), "seconds": share}
+               "reps": reps, "device": device, "shards": str(shards), "images_dir": str(images), "seconds": share,
+               "device_decoder": args.device_decoder}
         for res in run_child(cfg, timeout=share + 20 if left is not None else 7200):
             results.append(res)
             msg = res.get("skipped") or res.get("error") or ("no epoch measured" if "runs" not in res else None) or (
@@ -547,7 +558,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     out = {
         "benchmark": "decode_stage",
         "config": {"images": n, "workers": args.workers, "batch_size": args.batch_size, "shards": args.shards,
-                   "reps": reps, "rows": args.rows, "device": device, "size": SIZE, "quick": args.quick},
+                   "reps": reps, "rows": args.rows, "device": device, "size": SIZE, "quick": args.quick,
+                   "device_decoder": args.device_decoder},
         "machine": {"cpus": os.cpu_count(), "affinity": len(available) if available else None,
                     "python": platform.python_version(), "torch": torch.__version__,
                     "gpu": torch.cuda.get_device_name() if device == "cuda" else None,

@@ -1,11 +1,12 @@
 """GPU decode + augment stage of fastdata (issue 9): throughput, correctness, sync freedom, memory, backend.
 
-    python3 benchmarks/gpu/decode_gpu.py --out DIR [--budget 120] [--images 1024]
+    python3 benchmarks/gpu/decode_gpu.py --out DIR [--budget 120] [--images 1024] [--device-decoder nvimgcodec]
 
 Runs from the repository root on a CUDA machine (no webdataset needed). Every part is guarded: a
 failing part is reported in the table and the JSON, and the rest still runs. Parts, in order:
 
-  decode       torchvision.io.decode_jpeg(list, device="cuda") alone (the codec call), batches 128/256
+  decode       the device decoder alone (fastdata.gpu._codec.decode_device; --device-decoder, default
+               torchvision.io.decode_jpeg(list, device="cuda"), or nvImageCodec), batches 128/256
   stage        DecodeImages + RandomResizedCrop(224) + RandomHorizontalFlip + Normalize(bf16, channels_last)
                from pinned PackedImages, batches 128/256 (the issue's target: > 15,900 images/s)
   augment      the same without decoding (pre-decoded ImageBatch): resampling cost alone
@@ -131,6 +132,8 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--budget", type=float, default=120.0, help="seconds for the whole run")
     ap.add_argument("--images", type=int, default=1024)
+    ap.add_argument("--device-decoder", default="auto", choices=("auto", "torchvision", "nvimgcodec"),
+                    help="device JPEG decoder of every part (auto: torchvision unless FASTDATA_DEVICE_DECODER names another)")
     args = ap.parse_args()
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -148,6 +151,10 @@ def main() -> None:
     RESULTS["env"] = {"torch": torch.__version__, "torchvision": torchvision.__version__, "cuda": torch.version.cuda,
                       "gpu": torch.cuda.get_device_name(0), "cpus": len(os.sched_getaffinity(0)),
                       "python": sys.version.split()[0], "codec": _codec.torchvision_status()[1]}
+    dd = _codec.device_backend(args.device_decoder)  # the device decoder of every part
+    RESULTS["env"]["device_decoder"] = dd
+    if dd == "nvimgcodec":
+        RESULTS["env"]["nvimgcodec"] = _codec.nvimgcodec_status()[1]
     t = time.perf_counter()
     datas = corpus(args.images, 0)
     RESULTS["corpus"] = {"images": len(datas), "mean_kB": round(float(np.mean([len(d) for d in datas])) / 1e3, 1),
@@ -158,15 +165,15 @@ def main() -> None:
     stream = torch.cuda.Stream()
 
     def stage_fn(chunk: int | None = None):
-        return gpu.Compose(gpu.DecodeImages(device=dev, chunk_size=chunk), gpu.RandomResizedCrop(224),
+        return gpu.Compose(gpu.DecodeImages(device=dev, chunk_size=chunk, device_decoder=dd), gpu.RandomResizedCrop(224),
                            gpu.RandomHorizontalFlip(), gpu.Normalize(dtype=torch.bfloat16, channels_last=True))
 
     @part("decode", budget, 10)
     def _decode():
         res = {}
         for bs, bl in batches.items():
-            res[f"bs{bs}"] = rate(lambda p: _codec.decode_device(p.views(), dev), bl)
-            row(f"decode bs{bs}", f"{res[f'bs{bs}']['images_per_s']:,} img/s (torchvision.io.decode_jpeg cuda)")
+            res[f"bs{bs}"] = rate(lambda p: _codec.decode_device(p.views(), dev, dd), bl)
+            row(f"decode bs{bs}", f"{res[f'bs{bs}']['images_per_s']:,} img/s ({dd} decode_device)")
         return res
 
     @part("stage", budget, 15)
@@ -213,7 +220,7 @@ def main() -> None:
         res = {}
         aug = gpu.Compose(gpu.RandomResizedCrop(224), gpu.RandomHorizontalFlip(),
                           gpu.Normalize(dtype=torch.bfloat16, channels_last=True))
-        dec = gpu.DecodeImages(device=dev)
+        dec = gpu.DecodeImages(device=dev, device_decoder=dd)
         for bs, bl in batches.items():
             decoded = [dec({"jpg": p}) for p in bl]
             res[f"bs{bs}"] = rate(aug, decoded, count=lambda b: len(b["jpg"]))
@@ -239,7 +246,7 @@ def main() -> None:
         std = torch.tensor([0.229, 0.224, 0.225], device=dev).view(1, 3, 1, 1) * 255
 
         def naive(p):
-            imgs = _codec.decode_device(p.views(), dev)
+            imgs = _codec.decode_device(p.views(), dev, dd)
             hs = np.array([im.shape[1] for im in imgs])
             ws = np.array([im.shape[2] for im in imgs])
             canvas = torch.zeros((len(imgs), 3, int(hs.max()), int(ws.max())), device=dev)
@@ -259,10 +266,13 @@ def main() -> None:
     @part("correctness", budget, 10)
     def _correct():
         bl = batches[128][:2]
-        worst, means = 0, []
+        worst, means, undecoded = 0, [], 0
         for p in bl:
-            g = _codec.decode_device(p.views(), dev)
+            g = _codec.decode_device(p.views(), dev, dd)
             for k, v in enumerate(p.views()):
+                if g[k] is None:  # nvImageCodec could not decode it (the stage would host-decode it)
+                    undecoded += 1
+                    continue
                 c = _codec.decode_host(v, p.info(k), _codec.host_backend("auto"))
                 d = (g[k].cpu().int() - c.int()).abs()
                 worst, means = max(worst, int(d.max())), means + [float(d.float().mean())]
@@ -274,7 +284,8 @@ def main() -> None:
         gpu_out = geo.render().cpu()
         dr = (cpu_out.int() - gpu_out.int()).abs()
         res = {"decode_gpu_vs_host_max_abs": worst, "decode_gpu_vs_host_mean_abs": round(float(np.mean(means)), 4),
-               "images_compared": sum(len(p) for p in bl), "host_decoder": _codec.host_backend("auto"),
+               "images_compared": sum(len(p) for p in bl) - undecoded, "device_undecoded": undecoded,
+               "host_decoder": _codec.host_backend("auto"),
                "render_gpu_fp16_vs_cpu_fp32_max_abs": int(dr.max()),
                "render_frac_pixels_differing": round(float((dr > 0).float().mean()), 5)}
         row("correctness", f"decode max|gpu-host| {worst}, mean {res['decode_gpu_vs_host_mean_abs']}; "
@@ -332,8 +343,8 @@ def main() -> None:
         prog = corpus(256, 1, progressive=True)
         base = datas[:256]
         pb, bb = packed(prog, 128), packed(base, 128)
-        res["baseline_bs128"] = rate(lambda p: _codec.decode_device(p.views(), dev), bb)
-        res["progressive_bs128"] = rate(lambda p: _codec.decode_device(p.views(), dev), pb, reps=1)
+        res["baseline_bs128"] = rate(lambda p: _codec.decode_device(p.views(), dev, dd), bb)
+        res["progressive_bs128"] = rate(lambda p: _codec.decode_device(p.views(), dev, dd), pb, reps=1)
         try:
             import pynvml
 
@@ -355,7 +366,7 @@ def main() -> None:
             t = time.perf_counter()
             while time.perf_counter() - t < 1.5:
                 for p in bb:
-                    _codec.decode_device(p.views(), dev)
+                    _codec.decode_device(p.views(), dev, dd)
             torch.cuda.synchronize()
             stop.set()
             th.join()

@@ -15,8 +15,20 @@
 #    waits with and without the next-epoch preload                            (limit 90 s)
 # 6. producer_overhead.py: GIL-held Python per batch on the cached path, epoch plan (CPU only) (limit 60 s)
 # 7. fastdata doctor on the e2e shards with --model resnet18                  (the rest)
+# Opt-in, only when the device call carries a wheels/ folder (gitignored; WHEELS=... to change) holding
+# nvImageCodec's wheels (nvidia-nvimgcodec-cu13, nvidia-nvjpeg; see benchmarks/gpu/nvimgcodec_probe.py):
+#    they are installed into WORK (pip --no-deps --no-index --target; its nvidia/ package then comes first
+#    on PYTHONPATH; libnvjpeg is found through the extension's RUNPATH, no preload) before part 1, so the
+#    nvImageCodec CUDA tests run in part 1 too, and after part 4 come
+# 4a. decode_stage.py, gpu row at 8 cores, --device-decoder nvimgcodec (same corpus as part 4)  (limit 35 s)
+# 4b. nvimgcodec_probe.py: torchvision vs nvImageCodec (raw, fastdata's glue; normal/high-priority stream),
+#     alone and beside resnet18 training                                     (limit 70 s)
+#    The parts after them then get 105 s less (the budget shortens or skips the last ones).
+#    Without the folder nothing changes. "auto" stays torchvision in every other part.
 # Writes few files (the device returns at most 8): summary.txt, pytest_cuda.txt, h2d.json, e2e.json,
 # decode_stage.json, epoch_start.json, producer.json, doctor.txt; each part's log tail goes into summary.txt.
+# With wheels/ also decode_stage_nvimgcodec.json and nvimgcodec_probe.json (10 files: the device returns 8,
+# so then look for epoch_start.json/producer.json in the summary's log tails).
 . "$(dirname "$0")/_setup.sh" "$@"  # --out DIR -> OUT; WORK (removed on exit); PYTHONPATH
 BUDGET=${BUDGET:-590}
 START=$SECONDS
@@ -36,6 +48,18 @@ part() {  # part NAME LIMIT LOG COMMAND...
   { echo "== $name: rc=$rc, $((SECONDS - t0)) s (limit $limit s; 124 = timeout)"; tail -n 25 "$log"; } >> "$SUM"
 }
 
+NV=""  # nvImageCodec installed from carried wheels: the opt-in parts 4a/4b run
+WHEELS=${WHEELS:-wheels}
+if ls "$WHEELS"/*.whl > /dev/null 2>&1; then
+  if PIP_ROOT_USER_ACTION=ignore python3 -m pip install -q --no-deps --no-index --target "$WORK/nvimgcodec" "$WHEELS"/*.whl >> "$SUM" 2>&1 &&
+     PYTHONPATH="$PYTHONPATH:$WORK/nvimgcodec" python3 -c "from nvidia import nvimgcodec as nv; print('nvImageCodec', nv.__version__)" >> "$SUM" 2>/dev/null; then
+    NV=1
+    export PYTHONPATH="$PYTHONPATH:$WORK/nvimgcodec"
+  else
+    echo "== nvimgcodec: wheels in $WHEELS did not install or import; parts 4a/4b skipped" >> "$SUM"
+  fi
+fi
+
 part pytest_cuda 100 "$OUT/pytest_cuda.txt" \
   python3 -m pytest -m cuda tests/ -q -rfE -p no:cacheprovider --continue-on-collection-errors
 part h2d 45 "$WORK/h2d.txt" \
@@ -47,6 +71,13 @@ part train_e2e 200 "$WORK/e2e.txt" \
 part decode_stage 45 "$WORK/decode_stage.txt" \
   python3 benchmarks/decode_stage.py --workers 8 15 --images 1024 --reps 2 --budget 35 --data "$WORK/ds" \
   --json "$OUT/decode_stage.json"
+if [ -n "$NV" ]; then
+  part decode_stage_nvimgcodec 35 "$WORK/decode_stage_nv.txt" \
+    python3 benchmarks/decode_stage.py --workers 8 --rows gpu --device-decoder nvimgcodec --images 1024 --reps 2 \
+    --budget 25 --data "$WORK/ds" --json "$OUT/decode_stage_nvimgcodec.json"
+  part nvimgcodec_probe 70 "$WORK/nvimgcodec_probe.txt" \
+    python3 benchmarks/gpu/nvimgcodec_probe.py --images 512 --seconds 3 --out "$OUT"
+fi
 part epoch_start 90 "$WORK/epoch_start.txt" \
   python3 benchmarks/epoch_start.py --workers 15 --batch-size 128 --images 4096 --side 400 --size 224 --reps 1 \
   --epochs 3 --dir "$WORK/es" --json "$OUT/epoch_start.json"

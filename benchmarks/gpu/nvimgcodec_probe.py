@@ -18,7 +18,13 @@ Measured, same JPEGs (photo-like, 300-640 px), batches of ``--batch``:
 
 Decoders: ``torchvision`` (``decode_jpeg(list, device="cuda")``: its own pool stream, host-synchronised);
 ``nvimgcodec_hw`` (``Backend(HW_GPU_ONLY)`` then ``GPU_ONLY``, results ready on a normal-priority torch
-stream passed as ``cuda_stream``); ``nvimgcodec_hw_hiprio`` (the same with a high-priority stream).
+stream passed as ``cuda_stream``); ``nvimgcodec_hw_hiprio`` (the same with a high-priority stream);
+``fastdata_nvimgcodec`` / ``fastdata_nvimgcodec_hiprio``: fastdata's own glue
+(``fastdata.gpu._codec.decode_device(..., backend="nvimgcodec")``, what ``DecodeImages(device_decoder=
+"nvimgcodec")`` calls: packed-buffer views in, each image copied into torch memory on the stream and
+a host wait on an event) on a normal / high-priority stream: the difference to the raw rows is the
+cost of that copy and wait. (The raw rows return views of nvImageCodec's buffers; ``record_stream``
+does not cover memory torch did not allocate, so they are for timing, not a pattern to copy.)
 ``mean_abs_diff`` compares each decoder's pixels with torchvision's GPU decode (grey levels).
 Without CUDA it says so and exits 0.
 """
@@ -104,6 +110,33 @@ def nvimgcodec_decoder(device: torch.device, priority: int) -> Callable[[list[by
     return decode
 
 
+def fastdata_decoder(device: torch.device, priority: int) -> Callable[[list[bytes]], list[torch.Tensor]]:
+    from fastdata.dataset import EncodedImage, PackedImages
+    from fastdata.gpu import _codec
+
+    _codec.device_backend("nvimgcodec")  # raises with the install line when it is missing
+    stream = torch.cuda.Stream(device=device, priority=priority)
+    packs: dict[tuple[int, ...], Any] = {}
+
+    def decode(batch: list[bytes]) -> list[torch.Tensor]:
+        key = tuple(map(id, batch))  # the corpus' bytes objects live for the whole run
+        p = packs.get(key)
+        if p is None:  # packed and pinned once per batch, as the loader delivers them
+            p = packs[key] = PackedImages.pack([EncodedImage(b, shard="probe", key=str(i), index=i, epoch=0)
+                                                      for i, b in enumerate(batch)]).pin_memory()
+        with torch.cuda.stream(stream):
+            out = _codec.decode_device(p.views(), device, backend="nvimgcodec")
+        if any(t is None for t in out):
+            raise RuntimeError("nvImageCodec could not decode an image of the batch")
+        cur = torch.cuda.current_stream(device)
+        cur.wait_stream(stream)
+        for t in out:
+            t.record_stream(cur)  # torch memory: the copies made by decode_device
+        return out
+
+    return decode
+
+
 def rate(decode: Callable[[list[bytes]], list[torch.Tensor]], batches: list[list[bytes]], seconds: float,
          stop: threading.Event | None = None) -> float:
     for b in batches[:2]:
@@ -172,6 +205,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         decoders["nvimgcodec_hw"] = nvimgcodec_decoder(device, 0)
         decoders["nvimgcodec_hw_hiprio"] = nvimgcodec_decoder(device, hi)
+        decoders["fastdata_nvimgcodec"] = fastdata_decoder(device, 0)
+        decoders["fastdata_nvimgcodec_hiprio"] = fastdata_decoder(device, hi)
     except Exception as e:  # noqa: BLE001  reported, the torchvision rows still run
         report["nvimgcodec_error"] = f"{type(e).__name__}: {e}"
     ref = [t.float() for t in decoders["torchvision"](batches[0][:16])]
