@@ -271,8 +271,10 @@ class DecodeImages:
 
     def _decode_stream(self, device: torch.device) -> torch.cuda.Stream:
         stream = self._streams.get(device)
-        if stream is None:  # one per device for the life of the stage (no stream per batch)
-            stream = self._streams[device] = torch.cuda.Stream(device)
+        if stream is None:  # one per device for the life of the stage (no stream per batch), with the priority
+            # of the stream it is first called on (CUDAPrefetcher(stream_priority="high") -> high)
+            priority = torch.cuda.current_stream(device).priority
+            stream = self._streams[device] = torch.cuda.Stream(device, priority=priority)
         return stream
 
     def _host(self, packed: PackedImages, rows: list[int], views: list[torch.Tensor], field: str, device: torch.device, backend: str, bad: dict[int, str]) -> list[torch.Tensor | None]:
