@@ -330,6 +330,20 @@ def test_cuda_decode_matches_host_decode():
 
 
 @pytest.mark.cuda
+def test_cuda_decode_stream_takes_the_callers_priority():
+    """Under CUDAPrefetcher(stream_priority="high") the stage runs on the high-priority side stream;
+    its own decode stream then has that priority too."""
+    _, high = torch.cuda.Stream.priority_range()
+    p = packed(_many_jpegs(4)).pin_memory()
+    stage = gpu.DecodeImages(device="cuda")
+    with torch.cuda.stream(torch.cuda.Stream(priority=high)):
+        ib = stage({"jpg": p})["jpg"]
+    torch.cuda.synchronize()
+    assert len(ib.images) == 4
+    assert [s.priority for s in stage._streams.values()] == [high]
+
+
+@pytest.mark.cuda
 def test_cuda_stage_does_not_sync_the_host():
     datas = _many_jpegs(40) + [jpeg(99, format="PNG")]
     p = packed(datas).pin_memory()
