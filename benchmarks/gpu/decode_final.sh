@@ -50,7 +50,7 @@ if ls "$WHEELS"/*.whl > /dev/null 2>&1; then
   # the probe installs the wheels into a temporary folder of its own; this run installs them once more here
   SITE="$WORK/nvimgcodec"
   if python3 -m pip install -q --no-deps --no-index --target "$SITE" "$WHEELS"/*.whl > "$WORK/pip.txt" 2>&1; then
-    part e2e_random_nvimgcodec 100 "$WORK/e2e_nv.txt" env PYTHONPATH="$SITE:$PYTHONPATH" \
+    part e2e_random_nvimgcodec 100 "$WORK/e2e_nv.txt" env PYTHONPATH="$PYTHONPATH:$SITE" \
       LD_LIBRARY_PATH="$SITE/nvidia/cu13/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" FASTDATA_DEVICE_DECODER=nvimgcodec "${E2E[@]}" --variants resident fastdata_gpu_rrc fastdata_gpu_rrc_hiprio \
       --json "$OUT/e2e_random_nvimgcodec.json"
   else
