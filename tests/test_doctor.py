@@ -65,7 +65,12 @@ def test_never_recommends_more_workers_than_cores(shards, monkeypatch):
     assert "num_workers=2" not in text
     d = diagnose(shards, _opts(step_ms=0.1, num_workers=2, job_steps=4))  # more workers than cores: the cores measured
     assert d.measurements["scaling"]["workers"] == [2, 1]
-    assert any(r.startswith(("num_workers=1:", "num_workers=2 exceeds the 1 cores")) for r in d.recommendations)
+    assert not any("num_workers=3" in r for r in d.recommendations)
+    if d.verdict == "compute-bound":  # a busy machine can slow the 4 job steps enough: then no input advice
+        assert len(d.recommendations) == 1 and d.recommendations[0].startswith("compute-bound"), d.recommendations
+    else:
+        assert any(r.startswith(("num_workers=1:", "num_workers=2 exceeds the 1 cores")) for r in d.recommendations), (
+            d.verdict, d.recommendations)
 
 
 def test_without_a_step_it_reports_input_capacity(shards):
