@@ -25,6 +25,7 @@
 #     alone and beside resnet18 training                                     (limit 70 s)
 #    The parts after them then get 105 s less (the budget shortens or skips the last ones).
 #    Without the folder nothing changes. "auto" stays torchvision in every other part.
+# A first look before the run, on a CPU machine: DRY=1 bash benchmarks/gpu/final.sh --out /tmp/x
 # Writes few files (the device returns at most 8): summary.txt, pytest_cuda.txt, h2d.json, e2e.json,
 # decode_stage.json, epoch_start.json, producer.json, doctor.txt; each part's log tail goes into summary.txt.
 # With wheels/ also decode_stage_nvimgcodec.json and nvimgcodec_probe.json (10 files: the device returns 8,
@@ -32,6 +33,17 @@
 . "$(dirname "$0")/_setup.sh" "$@"  # --out DIR -> OUT; WORK (removed on exit); PYTHONPATH
 BUDGET=${BUDGET:-590}
 START=$SECONDS
+# DRY=1: plumbing check on a CPU machine (tiny model, few images, 2 workers; CUDA tests skip)
+H2D=(--batch-mb 38.5 --warmup 8 --steps 60); E2E=(--models resnet18 resnet50 --images 2048 --batch-size 128)
+DS=(--workers 8 15 --images 1024 --reps 2 --budget 35); DSNV=(--workers 8 --images 1024); ES=(--workers 15 --batch-size 128
+--images 4096 --side 400 --size 224); PO=(--size 224 --images 8192 --workers 15 --reps 2)
+DOC=(--model resnet18 --workers 8 --batch-size 128 --samples 512 --steps 15)
+if [ "${DRY:-0}" = 1 ]; then
+  H2D=(--batch-mb 2 --warmup 2 --steps 10); E2E=(--models tiny --images 96 --batch-size 16 --size 64)
+  DS=(--workers 2 --images 64 --reps 1 --budget 60); DSNV=(--workers 2 --images 64); ES=(--workers 2 --batch-size 16
+  --images 256 --side 96 --size 64); PO=(--size 64 --images 512 --workers 2 --reps 1)
+  DOC=(--step-ms 1 --workers 2 --batch-size 16 --samples 64 --steps 4)
+fi
 SUM="$OUT/summary.txt"
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   python3 -c "import torch, sys, os; print(torch.__version__, torch.version.cuda, sys.version.split()[0], len(os.sched_getaffinity(0)), 'cpus')"
@@ -63,30 +75,29 @@ fi
 part pytest_cuda 100 "$OUT/pytest_cuda.txt" \
   python3 -m pytest -m cuda tests/ -q -rfE -p no:cacheprovider --continue-on-collection-errors
 part h2d 45 "$WORK/h2d.txt" \
-  python3 benchmarks/h2d_overlap.py --batch-mb 38.5 --warmup 8 --reps 2 --compute-ms 4.9 1.1 0.5 --jitter 0 0.2 \
-  --spike-ms 8 --steps 60 --json "$OUT/h2d.json"
+  python3 benchmarks/h2d_overlap.py "${H2D[@]}" --reps 2 --compute-ms 4.9 1.1 0.5 --jitter 0 0.2 \
+  --spike-ms 8 --json "$OUT/h2d.json"
 part train_e2e 200 "$WORK/e2e.txt" \
-  python3 benchmarks/train_e2e.py --models resnet18 resnet50 --images 2048 --batch-size 128 --warmup 2 --epochs 3 \
+  python3 benchmarks/train_e2e.py "${E2E[@]}" --warmup 2 --epochs 3 \
   --dir "$WORK/e2e" --json "$OUT/e2e.json"
 part decode_stage 45 "$WORK/decode_stage.txt" \
-  python3 benchmarks/decode_stage.py --workers 8 15 --images 1024 --reps 2 --budget 35 --data "$WORK/ds" \
+  python3 benchmarks/decode_stage.py "${DS[@]}" --data "$WORK/ds" \
   --json "$OUT/decode_stage.json"
 if [ -n "$NV" ]; then
   part decode_stage_nvimgcodec 35 "$WORK/decode_stage_nv.txt" \
-    python3 benchmarks/decode_stage.py --workers 8 --rows gpu --device-decoder nvimgcodec --images 1024 --reps 2 \
+    python3 benchmarks/decode_stage.py "${DSNV[@]}" --rows gpu --device-decoder nvimgcodec --reps 2 \
     --budget 25 --data "$WORK/ds" --json "$OUT/decode_stage_nvimgcodec.json"
   part nvimgcodec_probe 70 "$WORK/nvimgcodec_probe.txt" \
     python3 benchmarks/gpu/nvimgcodec_probe.py --images 512 --seconds 3 --out "$OUT"
 fi
 part epoch_start 90 "$WORK/epoch_start.txt" \
-  python3 benchmarks/epoch_start.py --workers 15 --batch-size 128 --images 4096 --side 400 --size 224 --reps 1 \
+  python3 benchmarks/epoch_start.py "${ES[@]}" --reps 1 \
   --epochs 3 --dir "$WORK/es" --json "$OUT/epoch_start.json"
 part producer 60 "$WORK/producer.txt" \
-  python3 benchmarks/producer_overhead.py --size 224 --images 8192 --workers 15 --reps 2 --dir "$WORK/po" --json "$OUT/producer.json"
+  python3 benchmarks/producer_overhead.py "${PO[@]}" --dir "$WORK/po" --json "$OUT/producer.json"
 SH=$(ls -d "$WORK"/e2e/shards-* 2>/dev/null | head -n 1)
 if [ -n "$SH" ]; then
-  part doctor 60 "$OUT/doctor.txt" python3 -m fastdata doctor "$SH" --model resnet18 --workers 8 --batch-size 128 \
-    --samples 512 --steps 15
+  part doctor 60 "$OUT/doctor.txt" python3 -m fastdata doctor "$SH" "${DOC[@]}"
 fi
 echo "== total $((SECONDS - START)) s" >> "$SUM"
 cat "$SUM"
