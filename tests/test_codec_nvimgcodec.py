@@ -7,7 +7,6 @@ everywhere; the tests that decode with nvImageCodec need ``nvidia.nvimgcodec`` (
 CPU backend, which tests the glue without a GPU. CUDA ones are marked."""
 from __future__ import annotations
 
-import io
 import sys
 
 import numpy as np
@@ -16,34 +15,14 @@ import torch
 from PIL import Image
 
 from fastdata import gpu
-from fastdata.cli._synth import jpeg_bytes, synth_image
-from fastdata.dataset import EncodedImage, PackedImages
 from fastdata.errors import DecodeError, FastdataError
 from fastdata.gpu import _codec, _decode
+
+from _images import jpeg, many_jpegs, packed, pillow_rgb, run_without_host_sync  # tests/_images.py
 
 ENV = _codec.DEVICE_DECODER_ENV
 CPU = torch.device("cpu")
 BAD = b"\xff\xd8\xff\xe0\x00\x10garbage-not-a-jpeg" + b"\x00" * 64
-
-
-def jpeg(i: int, w: int = 0, h: int = 0, **save) -> bytes:
-    rng = np.random.default_rng(i)
-    img = synth_image(rng, w or int(rng.integers(40, 97)), h or int(rng.integers(40, 97)), i % 10)
-    if not save:
-        return jpeg_bytes(img, 85)
-    buf = io.BytesIO()
-    img.convert(save.pop("mode", "RGB")).save(buf, format=save.pop("format", "JPEG"), quality=85, **save)
-    return buf.getvalue()
-
-
-def pillow_rgb(data: bytes) -> torch.Tensor:
-    arr = np.asarray(Image.open(io.BytesIO(data)).convert("RGB"))
-    return torch.from_numpy(arr.transpose(2, 0, 1).copy())
-
-
-def packed(datas: list[bytes]) -> PackedImages:
-    return PackedImages.pack([EncodedImage(d, shard="shard-0.tar", key=f"k{i}", index=100 + i, epoch=0)
-                              for i, d in enumerate(datas)])
 
 
 @pytest.fixture
@@ -225,23 +204,12 @@ def test_nvimgcodec_cpu_stage_equals_host_stage(monkeypatch):
 # ---- CUDA ------------------------------------------------------------------------------------------------
 
 
-def _many_jpegs(n: int) -> list[bytes]:
-    out = []
-    for i in range(n):
-        rng = np.random.default_rng(1000 + i)
-        w, h = int(rng.integers(64, 400)), int(rng.integers(64, 400))
-        kind = i % 10
-        out.append(jpeg(i, w, h, progressive=True) if kind == 8 else jpeg(i, w, h, mode="L") if kind == 9
-                   else jpeg(i, w, h))
-    return out
-
-
 @pytest.mark.cuda
 def test_cuda_nvimgcodec_matches_torchvision():
     pytest.importorskip("nvidia.nvimgcodec")
     if _codec.torchvision_status()[0] is None:
         pytest.skip("torchvision's image ops do not load here")
-    datas = _many_jpegs(120)
+    datas = many_jpegs(120)
     views = packed(datas).pin_memory().views()
     dev = torch.device("cuda", torch.cuda.current_device())
     nv = _codec.decode_device(views, dev, backend="nvimgcodec")
@@ -261,23 +229,13 @@ def test_cuda_nvimgcodec_matches_torchvision():
 @pytest.mark.cuda
 def test_cuda_nvimgcodec_stage_does_not_sync_the_host():
     pytest.importorskip("nvidia.nvimgcodec")
-    datas = _many_jpegs(40) + [jpeg(99, format="PNG"), BAD]
+    datas = many_jpegs(40) + [jpeg(99, format="PNG"), BAD]
     p = packed(datas).pin_memory()
     pipe = gpu.Compose(gpu.DecodeImages(device="cuda", chunk_size=16, device_decoder="nvimgcodec", on_error="skip"),
                        gpu.RandomResizedCrop(64), gpu.RandomHorizontalFlip(),
                        gpu.Normalize(dtype=torch.bfloat16, channels_last=True))
     labels = torch.arange(len(datas), device="cuda")
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        pipe({"jpg": p, "cls": labels})  # warm-up: first-use allocations, decoder creation
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        with torch.cuda.stream(stream):
-            out = pipe({"jpg": p, "cls": labels})
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
-    torch.cuda.synchronize()
+    out = run_without_host_sync(pipe, {"jpg": p, "cls": labels})
     assert out["jpg"].shape == (41, 3, 64, 64) and out["jpg"].is_cuda
     assert out["cls"].tolist() == list(range(41))
     # the same crops as torchvision's stage within nvJPEG's decoder differences

@@ -2,16 +2,13 @@
 fastdata.gpu.DecodeImages: packing, decoding, fallbacks, errors, reproducibility, resume; CUDA at the end."""
 from __future__ import annotations
 
-import io
 import pickle
 
 import numpy as np
 import pytest
 import torch
-from PIL import Image
 
 from fastdata import gpu
-from fastdata.cli._synth import jpeg_bytes, synth_image
 from fastdata.dataset import (
     EncodedImage,
     ImageInfo,
@@ -27,26 +24,11 @@ from fastdata.loader import DataLoader
 from fastdata.prefetch import CUDAPrefetcher
 from fastdata.shards.writer import ShardWriter
 
+from _images import jpeg, many_jpegs, packed, pillow_rgb, run_without_host_sync  # tests/_images.py
+
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
 
 HOST_DECODERS = ["pillow"] + (["torchvision"] if _codec.torchvision_status()[0] is not None else [])
-
-
-def jpeg(i: int, w: int | None = None, h: int | None = None, *, quality: int = 85, **save) -> bytes:
-    rng = np.random.default_rng(i)
-    w = w or int(rng.integers(40, 97))
-    h = h or int(rng.integers(40, 97))
-    img = synth_image(rng, w, h, i % 10)
-    if not save:
-        return jpeg_bytes(img, quality)
-    buf = io.BytesIO()
-    img.convert(save.pop("mode", "RGB")).save(buf, format=save.pop("format", "JPEG"), quality=quality, **save)
-    return buf.getvalue()
-
-
-def pillow_rgb(data: bytes) -> torch.Tensor:
-    arr = np.asarray(Image.open(io.BytesIO(data)).convert("RGB"))
-    return torch.from_numpy(arr.transpose(2, 0, 1).copy())
 
 
 def write(tmp_path, datas: list[bytes], per_shard: int = 8):
@@ -54,11 +36,6 @@ def write(tmp_path, datas: list[bytes], per_shard: int = 8):
         for i, d in enumerate(datas):
             w.write({"__key__": f"s{i:03d}", "jpg": d, "cls": i})
     return tmp_path / "ds"
-
-
-def packed(datas: list[bytes], epoch: int = 0) -> PackedImages:
-    return PackedImages.pack([EncodedImage(d, shard="shard-0.tar", key=f"k{i}", index=100 + i, epoch=epoch)
-                              for i, d in enumerate(datas)])
 
 
 def test_packed_collate_round_trips_byte_exactly():
@@ -297,20 +274,9 @@ def test_decode_images_validation_and_passthrough():
 # CUDA (skipped without a GPU; run by benchmarks/gpu/decode_gpu.py's machine)
 
 
-def _many_jpegs(n: int) -> list[bytes]:
-    out = []
-    for i in range(n):
-        rng = np.random.default_rng(1000 + i)
-        w, h, q = int(rng.integers(64, 400)), int(rng.integers(64, 400)), int(rng.integers(60, 96))
-        kind = i % 10
-        out.append(jpeg(i, w, h, quality=q, progressive=True) if kind == 8 else
-                   jpeg(i, w, h, quality=q, mode="L") if kind == 9 else jpeg(i, w, h, quality=q))
-    return out
-
-
 @pytest.mark.cuda
 def test_cuda_decode_matches_host_decode():
-    datas = _many_jpegs(200)
+    datas = many_jpegs(200)
     p = packed(datas).pin_memory()
     ib = gpu.DecodeImages(device="cuda")({"jpg": p})["jpg"]
     assert ib.images[0].is_cuda
@@ -334,7 +300,7 @@ def test_cuda_decode_stream_takes_the_callers_priority():
     """Under CUDAPrefetcher(stream_priority="high") the stage runs on the high-priority side stream;
     its own decode stream then has that priority too."""
     _, high = torch.cuda.Stream.priority_range()
-    p = packed(_many_jpegs(4)).pin_memory()
+    p = packed(many_jpegs(4)).pin_memory()
     stage = gpu.DecodeImages(device="cuda")
     with torch.cuda.stream(torch.cuda.Stream(priority=high)):
         ib = stage({"jpg": p})["jpg"]
@@ -345,28 +311,18 @@ def test_cuda_decode_stream_takes_the_callers_priority():
 
 @pytest.mark.cuda
 def test_cuda_stage_does_not_sync_the_host():
-    datas = _many_jpegs(40) + [jpeg(99, format="PNG")]
+    datas = many_jpegs(40) + [jpeg(99, format="PNG")]
     p = packed(datas).pin_memory()
     pipe = gpu.Compose(gpu.DecodeImages(device="cuda", chunk_size=16), gpu.RandomResizedCrop(64),
                        gpu.RandomHorizontalFlip(), gpu.Normalize(dtype=torch.bfloat16, channels_last=True))
     labels = torch.arange(len(datas), device="cuda")
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        pipe({"jpg": p, "cls": labels})  # warm-up: first-use allocations, nvJPEG handle
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        with torch.cuda.stream(stream):
-            out = pipe({"jpg": p, "cls": labels})
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
-    torch.cuda.synchronize()
+    out = run_without_host_sync(pipe, {"jpg": p, "cls": labels})
     assert out["jpg"].shape == (41, 3, 64, 64) and out["jpg"].is_cuda
 
 
 @pytest.mark.cuda
 def test_cuda_memory_is_flat_over_30_epochs():
-    datas = _many_jpegs(48)
+    datas = many_jpegs(48)
     batches = [packed(datas[k : k + 16]).pin_memory() for k in range(0, 48, 16)]
     pipe = gpu.Compose(gpu.DecodeImages(device="cuda"), gpu.RandomResizedCrop(64), gpu.RandomHorizontalFlip(),
                        gpu.Normalize(dtype=torch.bfloat16))
@@ -384,7 +340,7 @@ def test_cuda_memory_is_flat_over_30_epochs():
 @pytest.mark.cuda
 def test_cuda_resampling_matches_cpu_and_skips_corrupt_images():
     datas, bad = corrupt_batch()
-    datas = datas + _many_jpegs(20)
+    datas = datas + many_jpegs(20)
     p = packed(datas).pin_memory()
     with pytest.raises(DecodeError, match="sample 'k2'"):
         gpu.DecodeImages(device="cuda")({"jpg": p})
@@ -403,7 +359,7 @@ def test_cuda_resampling_matches_cpu_and_skips_corrupt_images():
 
 @pytest.mark.cuda
 def test_cuda_prefetcher_ahead_end_to_end(tmp_path):
-    root = write(tmp_path, _many_jpegs(40))
+    root = write(tmp_path, many_jpegs(40))
     loader = DataLoader(ShardedDataset(root, image_decode="device", shuffle=True), batch_size=8, num_workers=2,
                         pin_memory=True)
     pipe = gpu.Compose(gpu.DecodeImages(device="cuda"), gpu.RandomResizedCrop(32), gpu.RandomHorizontalFlip(),

@@ -1,0 +1,65 @@
+"""Image helpers shared by the GPU-decode tests (test_gpu_decode.py, test_codec_nvimgcodec.py)."""
+from __future__ import annotations
+
+import io
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image
+
+from fastdata.cli._synth import jpeg_bytes, synth_image
+from fastdata.dataset import EncodedImage, PackedImages
+
+
+def jpeg(i: int, w: int | None = None, h: int | None = None, *, quality: int = 85, **save) -> bytes:
+    """A photo-like image seeded by ``i`` (40-96 px sides unless given); JPEG unless ``format=``,
+    ``mode=`` and other Pillow save options given."""
+    rng = np.random.default_rng(i)
+    w = w or int(rng.integers(40, 97))
+    h = h or int(rng.integers(40, 97))
+    img = synth_image(rng, w, h, i % 10)
+    if not save:
+        return jpeg_bytes(img, quality)
+    buf = io.BytesIO()
+    img.convert(save.pop("mode", "RGB")).save(buf, format=save.pop("format", "JPEG"), quality=quality, **save)
+    return buf.getvalue()
+
+
+def many_jpegs(n: int) -> list[bytes]:
+    """``n`` JPEGs of 64-400 px, qualities 60-95; every tenth progressive, every tenth greyscale."""
+    out = []
+    for i in range(n):
+        rng = np.random.default_rng(1000 + i)
+        w, h, q = int(rng.integers(64, 400)), int(rng.integers(64, 400)), int(rng.integers(60, 96))
+        kind = i % 10
+        out.append(jpeg(i, w, h, quality=q, progressive=True) if kind == 8 else
+                   jpeg(i, w, h, quality=q, mode="L") if kind == 9 else jpeg(i, w, h, quality=q))
+    return out
+
+
+def pillow_rgb(data: bytes) -> torch.Tensor:
+    arr = np.asarray(Image.open(io.BytesIO(data)).convert("RGB"))
+    return torch.from_numpy(arr.transpose(2, 0, 1).copy())
+
+
+def packed(datas: list[bytes], epoch: int = 0) -> PackedImages:
+    return PackedImages.pack([EncodedImage(d, shard="shard-0.tar", key=f"k{i}", index=100 + i, epoch=epoch)
+                              for i, d in enumerate(datas)])
+
+
+def run_without_host_sync(pipe: Any, batch: Any) -> Any:
+    """``pipe(batch)`` on a side stream under ``torch.cuda.set_sync_debug_mode("error")`` (any host
+    synchronisation raises), after one warm-up call (first-use allocations, decoder handles)."""
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        pipe(batch)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with torch.cuda.stream(stream):
+            out = pipe(batch)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+    return out
