@@ -19,22 +19,7 @@
 # Writes: summary.txt, e2e_random.json, decode_gpu.json, nvimgcodec_probe.json, e2e_random_nvimgcodec.json.
 . "$(dirname "$0")/_setup.sh" "$@"  # --out DIR -> OUT; WORK (removed on exit); PYTHONPATH
 BUDGET=${BUDGET:-560}
-START=$SECONDS
-SUM="$OUT/summary.txt"
-{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-  python3 -c "import torch, sys, os; print(torch.__version__, torch.version.cuda, sys.version.split()[0], len(os.sched_getaffinity(0)), 'cpus')"
-} > "$SUM" 2>&1
-
-part() {  # part NAME LIMIT LOG COMMAND...
-  local name="$1" limit="$2" log="$3"; shift 3
-  local left=$((BUDGET - 5 - (SECONDS - START)))
-  [ "$limit" -gt "$left" ] && limit=$left
-  if [ "$limit" -le 5 ]; then echo "== $name: skipped (budget)" >> "$SUM"; return; fi
-  local t0=$SECONDS
-  timeout --kill-after=5 "$limit" "$@" > "$log" 2>&1
-  local rc=$?
-  { echo "== $name: rc=$rc, $((SECONDS - t0)) s (limit $limit s; 124 = timeout)"; tail -n 25 "$log"; } >> "$SUM"
-}
+. "$(dirname "$0")/_parts.sh"  # START, SUM (summary.txt), part NAME LIMIT LOG COMMAND...
 
 SIZES=(--models resnet18 --images 2048 --batch-size 128)
 # DRY=1: plumbing check on a CPU machine (tiny model, few images; the GPU-only parts say so and skip)
@@ -43,21 +28,14 @@ E2E=(python3 benchmarks/train_e2e.py --augment random "${SIZES[@]}" --warmup 2 -
 part e2e_random 190 "$WORK/e2e_random.txt" "${E2E[@]}" --json "$OUT/e2e_random.json"
 part decode_gpu 180 "$WORK/decode_gpu.txt" python3 benchmarks/gpu/decode_gpu.py --out "$OUT" --budget 170
 
-WHEELS="$PWD/wheels"
-if ls "$WHEELS"/*.whl > /dev/null 2>&1; then
-  part nvimgcodec_probe 90 "$WORK/probe.txt" python3 benchmarks/gpu/nvimgcodec_probe.py --wheels "$WHEELS" \
-    --out "$OUT" --seconds 3
-  # the probe installs the wheels into a temporary folder of its own; this run installs them once more here
-  SITE="$WORK/nvimgcodec"
-  if python3 -m pip install -q --no-deps --no-index --target "$SITE" "$WHEELS"/*.whl > "$WORK/pip.txt" 2>&1; then
-    part e2e_random_nvimgcodec 100 "$WORK/e2e_nv.txt" env PYTHONPATH="$PYTHONPATH:$SITE" \
-      LD_LIBRARY_PATH="$SITE/nvidia/cu13/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" FASTDATA_DEVICE_DECODER=nvimgcodec "${E2E[@]}" --variants resident fastdata_gpu_rrc fastdata_gpu_rrc_hiprio \
-      --json "$OUT/e2e_random_nvimgcodec.json"
-  else
-    { echo "== e2e_random_nvimgcodec: pip install of wheels/ failed"; tail -n 5 "$WORK/pip.txt"; } >> "$SUM"
-  fi
+if nvimgcodec_site "$PWD/wheels"; then
+  NVENV=(env PYTHONPATH="$PYTHONPATH:$NVIMGCODEC_SITE")
+  part nvimgcodec_probe 90 "$WORK/probe.txt" "${NVENV[@]}" python3 benchmarks/gpu/nvimgcodec_probe.py --out "$OUT" \
+    --seconds 3
+  part e2e_random_nvimgcodec 100 "$WORK/e2e_nv.txt" "${NVENV[@]}" FASTDATA_DEVICE_DECODER=nvimgcodec "${E2E[@]}" \
+    --variants resident fastdata_gpu_rrc fastdata_gpu_rrc_hiprio --json "$OUT/e2e_random_nvimgcodec.json"
 else
-  echo "== nvimgcodec parts: skipped (no wheels/*.whl carried)" >> "$SUM"
+  echo "== nvimgcodec parts: skipped (no usable wheels/*.whl carried)" >> "$SUM"
 fi
 echo "== total $((SECONDS - START)) s" >> "$SUM"
 cat "$SUM"

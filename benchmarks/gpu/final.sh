@@ -32,7 +32,6 @@
 # so then look for epoch_start.json/producer.json in the summary's log tails).
 . "$(dirname "$0")/_setup.sh" "$@"  # --out DIR -> OUT; WORK (removed on exit); PYTHONPATH
 BUDGET=${BUDGET:-590}
-START=$SECONDS
 # DRY=1: plumbing check on a CPU machine (tiny model, few images, 2 workers; CUDA tests skip)
 H2D=(--batch-mb 38.5 --warmup 8 --steps 60); E2E=(--models resnet18 resnet50 --images 2048 --batch-size 128)
 DS=(--workers 8 15 --images 1024 --reps 2 --budget 35); DSNV=(--workers 8 --images 1024); ES=(--workers 15 --batch-size 128
@@ -44,32 +43,12 @@ if [ "${DRY:-0}" = 1 ]; then
   --images 256 --side 96 --size 64); PO=(--size 64 --images 512 --workers 2 --reps 1)
   DOC=(--step-ms 1 --workers 2 --batch-size 16 --samples 64 --steps 4)
 fi
-SUM="$OUT/summary.txt"
-{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-  python3 -c "import torch, sys, os; print(torch.__version__, torch.version.cuda, sys.version.split()[0], len(os.sched_getaffinity(0)), 'cpus')"
-} > "$SUM" 2>&1
-
-part() {  # part NAME LIMIT LOG COMMAND...
-  local name="$1" limit="$2" log="$3"; shift 3
-  local left=$((BUDGET - 5 - (SECONDS - START)))
-  [ "$limit" -gt "$left" ] && limit=$left
-  if [ "$limit" -le 5 ]; then echo "== $name: skipped (budget)" >> "$SUM"; return; fi
-  local t0=$SECONDS
-  timeout --kill-after=5 "$limit" "$@" > "$log" 2>&1
-  local rc=$?
-  { echo "== $name: rc=$rc, $((SECONDS - t0)) s (limit $limit s; 124 = timeout)"; tail -n 25 "$log"; } >> "$SUM"
-}
+. "$(dirname "$0")/_parts.sh"  # START, SUM (summary.txt), part NAME LIMIT LOG COMMAND...
 
 NV=""  # nvImageCodec installed from carried wheels: the opt-in parts 4a/4b run
-WHEELS=${WHEELS:-wheels}
-if ls "$WHEELS"/*.whl > /dev/null 2>&1; then
-  if PIP_ROOT_USER_ACTION=ignore python3 -m pip install -q --no-deps --no-index --target "$WORK/nvimgcodec" "$WHEELS"/*.whl >> "$SUM" 2>&1 &&
-     PYTHONPATH="$PYTHONPATH:$WORK/nvimgcodec" python3 -c "from nvidia import nvimgcodec as nv; print('nvImageCodec', nv.__version__)" >> "$SUM" 2>/dev/null; then
-    NV=1
-    export PYTHONPATH="$PYTHONPATH:$WORK/nvimgcodec"
-  else
-    echo "== nvimgcodec: wheels in $WHEELS did not install or import; parts 4a/4b skipped" >> "$SUM"
-  fi
+if nvimgcodec_site "${WHEELS:-wheels}"; then
+  NV=1
+  export PYTHONPATH="$PYTHONPATH:$NVIMGCODEC_SITE"
 fi
 
 part pytest_cuda 100 "$OUT/pytest_cuda.txt" \
