@@ -87,8 +87,8 @@ def crop_params(width: int, height: int, rng: random.Random) -> tuple[int, int, 
 
 
 class DecodeRandomResizedCropFlip:
-    """``decode={"jpg": ...}``: Pillow decode, RandomResizedCrop(224), RandomHorizontalFlip(0.5) ->
-    uint8 (3, 224, 224).
+    """``decode={"jpg": ...}``: Pillow decode, RandomResizedCrop(size), RandomHorizontalFlip(0.5) ->
+    uint8 (3, size, size) (size 224 unless given).
 
     Decoded as the dataset's default decoder does (``ImageDecoder``, RGB, whole image); only the
     crop box is resampled (``Image.resize(box=...)``, antialiased bilinear, as torchvision on PIL
@@ -97,6 +97,9 @@ class DecodeRandomResizedCropFlip:
     ``transform=``, which receives tensors unless a ``preprocess=`` is set.)
     """
 
+    def __init__(self, size: int = SIZE) -> None:
+        self.size = size
+
     def __call__(self, data: bytes) -> Any:
         from PIL import Image
 
@@ -104,7 +107,7 @@ class DecodeRandomResizedCropFlip:
 
         img = ImageDecoder().pil(data)
         top, left, h, w = crop_params(img.width, img.height, random._inst)  # type: ignore[attr-defined]
-        out = img.resize((SIZE, SIZE), Image.Resampling.BILINEAR, box=(left, top, left + w, top + h))
+        out = img.resize((self.size, self.size), Image.Resampling.BILINEAR, box=(left, top, left + w, top + h))
         if random.random() < 0.5:
             out = out.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
         return image_to_tensor(out)
@@ -187,9 +190,10 @@ class _RecipeFolder:
 
     impl = "PIL+torch reimplementation (torchvision not importable here)"
 
-    def __init__(self, root: str):
+    def __init__(self, root: str, size: int = SIZE):
         import torch
 
+        self.size = size
         self.files = sorted(Path(root).glob("class_*/*.jpg"))
         self.mean = torch.tensor(MEAN).view(3, 1, 1)
         self.std = torch.tensor(STD).view(3, 1, 1)
@@ -206,20 +210,20 @@ class _RecipeFolder:
         with open(path, "rb") as f:
             img = Image.open(f).convert("RGB")  # torchvision's pil_loader
         top, left, h, w = crop_params(img.width, img.height, random._inst)  # type: ignore[attr-defined]
-        img = img.crop((left, top, left + w, top + h)).resize((SIZE, SIZE), Image.Resampling.BILINEAR)
+        img = img.crop((left, top, left + w, top + h)).resize((self.size, self.size), Image.Resampling.BILINEAR)
         if torch.rand(1) < 0.5:
             img = img.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
         x = torch.from_numpy(np.array(img, copy=True)).permute(2, 0, 1).float().div(255)  # ToTensor
         return (x - self.mean) / self.std, int(path.parent.name.split("_")[1])
 
 
-def _imagefolder(root: str) -> Any:
+def _imagefolder(root: str, size: int = SIZE) -> Any:
     try:
         import torchvision
         from torchvision import transforms as T
     except Exception:  # noqa: BLE001 - a broken install (ops not loadable) raises RuntimeError
-        return _RecipeFolder(root)
-    tf = T.Compose([T.RandomResizedCrop(SIZE), T.RandomHorizontalFlip(), T.ToTensor(), T.Normalize(MEAN, STD)])
+        return _RecipeFolder(root, size)
+    tf = T.Compose([T.RandomResizedCrop(size), T.RandomHorizontalFlip(), T.ToTensor(), T.Normalize(MEAN, STD)])
     ds = torchvision.datasets.ImageFolder(root, transform=tf)
     ds.impl = f"torchvision {torchvision.__version__}"
     return ds

@@ -210,7 +210,12 @@ def torch_loader(model_name: str, args: argparse.Namespace, device: torch.device
         prefetch_factor=4 if args.workers > 0 else None, generator=torch.Generator().manual_seed(0))
     norm = Normalize(dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
                      channels_last=device.type == "cuda")
+    return run_epochs(step, torch_epochs(loader, device, norm), args.epochs, device, warmup=args.warmup)
 
+
+def torch_epochs(loader: Any, device: torch.device, prepare: Any) -> Any:
+    """``epoch_iter`` of a torch DataLoader of ``(images, labels)``: each batch moved with
+    ``non_blocking``, the wait for it (next() and the copies' launch) measured, ``prepare(images)`` after."""
     def epoch_iter(_e: int) -> Any:
         it = iter(loader)
         while True:
@@ -222,9 +227,16 @@ def torch_loader(model_name: str, args: argparse.Namespace, device: torch.device
             img = img.to(device, non_blocking=True)
             cls = cls.to(device, non_blocking=True)
             wait = time.perf_counter() - t0
-            yield {"jpg": norm(img), "cls": cls}, wait
+            yield {"jpg": prepare(img), "cls": cls}, wait
 
-    return run_epochs(step, epoch_iter, args.epochs, device, warmup=args.warmup)
+    return epoch_iter
+
+
+def prefetcher_stats(pf: Any, keys: tuple[str, ...]) -> dict[str, Any]:
+    """The prefetcher's consumer waits (ms) and the counters ``keys`` of ``pf.stats()``."""
+    st = pf.stats()
+    return {"wait_p50_ms": st["wait_p50_s"] * 1e3, "wait_p99_ms": st["wait_p99_s"] * 1e3,
+            "wait_max_ms": st["wait_max_s"] * 1e3, "prefetcher": {k: st[k] for k in keys}}
 
 
 def fastdata_run(model_name: str, args: argparse.Namespace, device: torch.device, shards: Path,
@@ -253,12 +265,9 @@ def fastdata_run(model_name: str, args: argparse.Namespace, device: torch.device
 
     try:
         out = run_epochs(step, epoch_iter, args.epochs, device, after_warmup=pf.reset_stats, warmup=args.warmup)
-        st = pf.stats()
-        out.update(wait_p50_ms=st["wait_p50_s"] * 1e3, wait_p99_ms=st["wait_p99_s"] * 1e3,
-                   wait_max_ms=st["wait_max_s"] * 1e3, paths=paths,
-                   prefetcher={k: st[k] for k in ("batches", "epochs", "lookahead_epochs", "lookahead_discarded",
-                                                  "throttle_s", "load_s", "pack_s", "copy_gbps", "pinned_bytes",
-                                                  "pack_threads")})
+        out.update(paths=paths, **prefetcher_stats(pf, ("batches", "epochs", "lookahead_epochs", "lookahead_discarded",
+                                                         "throttle_s", "load_s", "pack_s", "copy_gbps", "pinned_bytes",
+                                                         "pack_threads")))
         return out
     finally:
         pf.close()
@@ -285,30 +294,16 @@ def _decode_stage() -> Any:
 def torch_recipe_rrc(model_name: str, args: argparse.Namespace, device: torch.device, corpus: Path) -> dict:
     """torchvision's usual random-augmentation recipe, float32 normalised in the workers, tuned loader."""
     ds_mod = _decode_stage()
-    ds_mod.SIZE = args.size
     model = make_model(model_name, device, args.classes)
     step = make_step(model, device)
-    dataset = ds_mod._imagefolder(str(corpus))
+    dataset = ds_mod._imagefolder(str(corpus), args.size)
     loader = torch.utils.data.DataLoader(
         dataset, batch_size=args.batch_size, shuffle=True, num_workers=args.workers,
         pin_memory=device.type == "cuda", persistent_workers=args.workers > 0, drop_last=True,
         prefetch_factor=4 if args.workers > 0 else None, generator=torch.Generator().manual_seed(0))
     fmt = torch.channels_last if device.type == "cuda" else torch.contiguous_format
-
-    def epoch_iter(_e: int) -> Any:
-        it = iter(loader)
-        while True:
-            t0 = time.perf_counter()
-            try:
-                img, cls = next(it)
-            except StopIteration:
-                return
-            img = img.to(device, non_blocking=True).contiguous(memory_format=fmt)
-            cls = cls.to(device, non_blocking=True)
-            wait = time.perf_counter() - t0
-            yield {"jpg": img, "cls": cls}, wait
-
-    out = run_epochs(step, epoch_iter, args.epochs, device, warmup=args.warmup)
+    out = run_epochs(step, torch_epochs(loader, device, lambda img: img.contiguous(memory_format=fmt)), args.epochs,
+                     device, warmup=args.warmup)
     out["impl"] = getattr(dataset, "impl", None)
     return out
 
@@ -336,9 +331,8 @@ def fastdata_rrc(model_name: str, args: argparse.Namespace, device: torch.device
         source: Any = decode.ahead(loader)  # batch i + 1 decodes while batch i is resampled
     else:
         ds_mod = _decode_stage()
-        ds_mod.SIZE = args.size
         ds = ShardedDataset(shards, shuffle=True, seed=0, fields=["jpg", "cls"], rank=0, world_size=1,
-                            decode={"jpg": ds_mod.DecodeRandomResizedCropFlip()})
+                            decode={"jpg": ds_mod.DecodeRandomResizedCropFlip(args.size)})
         loader = DataLoader(ds, batch_size=args.batch_size, num_workers=args.workers, drop_last=True,
                             persistent_workers=args.workers > 0,
                             decode_threads=args.workers if where == "threads" else 0)
@@ -351,10 +345,8 @@ def fastdata_rrc(model_name: str, args: argparse.Namespace, device: torch.device
 
     try:
         out = run_epochs(step, epoch_iter, args.epochs, device, after_warmup=pf.reset_stats, warmup=args.warmup)
-        st = pf.stats()
-        out.update(wait_p50_ms=st["wait_p50_s"] * 1e3, wait_p99_ms=st["wait_p99_s"] * 1e3,
-                   wait_max_ms=st["wait_max_s"] * 1e3, stream_priority=priority,
-                   prefetcher={k: st[k] for k in ("batches", "epochs", "load_s", "pack_s", "copy_gbps")})
+        out.update(stream_priority=priority,
+                   **prefetcher_stats(pf, ("batches", "epochs", "load_s", "pack_s", "copy_gbps")))
         if where == "gpu":
             out["host_decoded"] = decode.host_decoded
         return out
