@@ -344,7 +344,7 @@ def child(cfg: dict[str, Any]) -> list[dict[str, Any]]:
 def gil_share(shards: Path, count: int = 256) -> dict[str, float]:
     """One thread loads ``count`` samples of the fastdata rows (``cursor.load``: read, decode, crop,
     flip, to tensor): CPU microseconds per sample in all, and outside the calls that release the GIL
-    (Pillow's JPEG ``decode`` calls, ``Image.resize``, ``Image.transpose``, ``numpy.copyto``), plus
+    (Pillow's JPEG decoders' ``decode`` calls, ``Image.resize``, ``Image.transpose``, ``numpy.copyto``), plus
     those calls' own fixed cost measured on 1-pixel inputs (their Python and argument handling,
     GIL held). That bounds the GIL-held time per sample from above (it also counts GIL-free work
     this does not wrap, e.g. ``paste``), except for what those calls do with the GIL held beyond
@@ -399,7 +399,7 @@ def gil_share(shards: Path, count: int = 256) -> dict[str, float]:
         "copyto": fixed_cost(lambda: np.copyto(a, b)),
         "decode": 0.0,  # argument parsing only; libjpeg's set-up runs without the GIL
     }
-    getdecoder = Image._getdecoder
+    getdecoder, jpeg_decoder = Image._getdecoder, Image.core.jpeg_decoder
     saved = Image.Image.resize, Image.Image.transpose, np.copyto
     ds = ShardedDataset(shards, shuffle=True, decode={"jpg": DecodeRandomResizedCropFlip()},
                         sample_transform=_to_tuple)
@@ -413,7 +413,10 @@ def gil_share(shards: Path, count: int = 256) -> dict[str, float]:
         for g, s, i in items:
             cursor.load(s, i, g)
         plain = min(plain, time.thread_time() - t)
-    Image._getdecoder = lambda *a, **k: TimedDecoder(getdecoder(*a, **k))  # type: ignore[assignment]
+    # Pillow's own loads go through _getdecoder; fastdata's JPEG short way calls core.jpeg_decoder directly
+    Image._getdecoder = lambda *a, **k: (getdecoder(*a, **k) if a[1] == "jpeg"  # type: ignore[assignment]
+                                         else TimedDecoder(getdecoder(*a, **k)))
+    Image.core.jpeg_decoder = lambda *a, **k: TimedDecoder(jpeg_decoder(*a, **k))
     Image.Image.resize = timed("resize", saved[0])  # type: ignore[method-assign]
     Image.Image.transpose = timed("transpose", saved[1])  # type: ignore[method-assign]
     np.copyto = timed("copyto", saved[2])
@@ -429,7 +432,7 @@ def gil_share(shards: Path, count: int = 256) -> dict[str, float]:
             back = sum(n * overhead[name] for name, n in calls.items())
             best = min(best, (total, total - spent[0] + back))
     finally:
-        Image._getdecoder = getdecoder  # type: ignore[assignment]
+        Image._getdecoder, Image.core.jpeg_decoder = getdecoder, jpeg_decoder  # type: ignore[assignment]
         Image.Image.resize, Image.Image.transpose, np.copyto = saved  # type: ignore[method-assign]
     total_us, held_us = best[0] / count * 1e6, best[1] / count * 1e6
     return {"us_per_sample": round(plain / count * 1e6), "us_per_sample_instrumented": round(total_us),

@@ -57,6 +57,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from fastdata.decode import open_image
 from fastdata.dataset import FORMATS, ImageInfo
 from fastdata.errors import FastdataError
 
@@ -259,7 +260,7 @@ def decode_host(data: torch.Tensor, info: ImageInfo, backend: str) -> torch.Tens
 def _pillow_rgb(data: torch.Tensor) -> torch.Tensor:
     with warnings.catch_warnings():
         warnings.simplefilter("error", Image.DecompressionBombWarning)
-        img = Image.open(io.BytesIO(data.numpy().tobytes()))
+        img = open_image(data.numpy().tobytes())
         img.load()
     if img.mode != "RGB":
         img = img.convert("RGB")
