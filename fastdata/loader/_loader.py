@@ -23,7 +23,10 @@ behaves exactly like torch's (``state_dict()`` then raises TypeError).
 from __future__ import annotations
 
 import logging
+import threading
+import time
 import warnings
+import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -37,6 +40,7 @@ from fastdata.dataset import collate as collate_encoded
 from fastdata.errors import CacheError, FastdataError, SkipBudgetError
 from fastdata.loader import _cached as _cache_loader
 from fastdata.loader import _threads as _thread_loader
+from fastdata.loader import _watchdog
 from fastdata.loader._gather import FastGather, check_gather_threads, default_gather_threads
 
 __all__ = ["DataLoader"]
@@ -104,9 +108,15 @@ class _Run:
 
 
 class _LoaderIter:
-    def __init__(self, loader: DataLoader, inner: Any, run: _Run, length: int | None = None):
+    def __init__(self, loader: DataLoader, inner: Any, run: _Run, length: int | None = None,
+                 helpers: Callable[[Any], list[threading.Thread | None]] | None = None):
         self._loader, self._inner, self._run, self._length = loader, inner, run, length
         self._ended = False
+        self._watch: _watchdog.Watch | None = None
+        limit = _watchdog.threshold(loader.stall_warning, loader.timeout)
+        if limit is not None:  # the stall watchdog (see _watchdog): its thread starts at the first next()
+            self._watch = _watchdog.Watch(limit, inner, _describe_due(weakref.ref(loader), run), helpers)
+            weakref.finalize(self, self._watch.stop, False)
 
     def __iter__(self) -> _LoaderIter:
         return self
@@ -115,7 +125,9 @@ class _LoaderIter:
         return len(self._inner) if self._length is None else self._length
 
     def close(self) -> None:
-        """Stop the in-process thread decoder's threads now (no-op on the other paths)."""
+        """Stop the in-process thread decoder's threads and the stall watchdog's thread now."""
+        if self._watch is not None:
+            self._watch.stop()
         close = getattr(self._inner, "close", None)
         if isinstance(self._inner, _thread_loader.ThreadBatches) and close is not None:
             close()
@@ -125,11 +137,40 @@ class _LoaderIter:
         still work (left to a garbage collection, each worker is joined after a 5 s timeout; see
         ``_util.release_frames``); persistent workers stay with the loader. Later ``next()``: StopIteration."""
         self._ended = True
+        if self._watch is not None:
+            self._watch.stop(join=False)  # called from within next(): the consumer's wait ends right after
         inner = self._inner
         if not getattr(inner, "_persistent_workers", True) and callable(getattr(inner, "_shutdown_workers", None)):
             inner._shutdown_workers()
 
     def __next__(self) -> Any:
+        watch = self._watch
+        if watch is None:
+            return self._next()
+        # the watchdog's only per-batch cost: when the wait began (and who waits)
+        if watch.thread is None:
+            watch.start()
+        watch.ident = threading.get_ident()
+        watch.since = since = time.monotonic()
+        try:
+            item = self._next()
+        except StopIteration:
+            watch.since = 0.0
+            if watch.warned:
+                watch.ended(since, "the epoch ended (no more batches)")
+            watch.stop()
+            raise
+        except BaseException as e:
+            watch.since = 0.0
+            if watch.warned:
+                watch.ended(since, f"next() raised {type(e).__name__}")
+            raise
+        watch.since = 0.0
+        if watch.warned:
+            watch.ended(since)
+        return item
+
+    def _next(self) -> Any:
         if self._ended:
             raise StopIteration
         while True:
@@ -163,6 +204,34 @@ class _LoaderIter:
                 item = item.batch
             self._run.batches += 1
             return item
+
+
+def _describe_due(loader_ref: weakref.ref[DataLoader], run: _Run) -> Callable[[], str]:
+    """For the stall watchdog: which batch the consumer waits for (holds the loader weakly)."""
+
+    def describe() -> str:
+        what = f"batch #{run.batches + 1} of epoch {run.epoch}"
+        loader = loader_ref()
+        if loader is not None:
+            try:
+                what += f" from logical worker {loader._next_worker(run)}"
+            except Exception as e:  # noqa: BLE001 - best effort: the warning goes out without it
+                _log.debug("fastdata.DataLoader: no logical worker for the stall warning: %r", e)
+        return what
+
+    return describe
+
+
+def _worker_helpers(inner: Any) -> list[threading.Thread | None]:
+    return [getattr(inner, "_pin_memory_thread", None)]  # torch's, with pin_memory=True
+
+
+def _pool_helpers(inner: Any) -> list[threading.Thread | None]:
+    return list(inner.pool_threads())  # the thread decoder's pool
+
+
+def _gather_helpers(inner: Any) -> list[threading.Thread | None]:
+    return [t for t in threading.enumerate() if t.name.startswith("fastdata-gather")]  # the cached path's gathers
 
 
 class DataLoader(torch.utils.data.DataLoader):
@@ -203,6 +272,15 @@ class DataLoader(torch.utils.data.DataLoader):
         gather_threads: threads of this process that copy the cached fast path's rows into batch
             buffers (numpy row copies, never torch's intra-op pool). Default (None): a quarter of the
             usable cores, at most 4, leaving the rest to the training loop.
+        stall_warning: seconds (default 60) the consumer may wait for one batch before a WARNING on
+            the ``fastdata.loader`` logger says how long it waited, for which batch (epoch, logical
+            worker, worker process), each worker process's pid and state, and the Python stack of
+            every thread of every worker process (taken with ``faulthandler`` on SIGUSR2, so also of a
+            deadlocked worker; "unavailable" on Windows) and of the in-process threads that make the
+            batches (thread decoder pool, cached path, pin-memory thread). Repeated at doubling
+            intervals while the stall lasts; a last WARNING says when it ended. Nothing is raised or
+            stopped: torch's ``timeout=`` still does that (no warning when ``stall_warning >= timeout``).
+            ``None`` or ``0``: off. With a ``ShardedDataset`` only.
         Everything else: as ``torch.utils.data.DataLoader``.
 
     ``fast_path_pinned`` (attribute, default False): gather the cached fast path's batches straight
@@ -212,8 +290,10 @@ class DataLoader(torch.utils.data.DataLoader):
     """
 
     def __init__(self, dataset: Any, *args: Any, cached_fast_path: bool | str = "auto", decode_threads: int = 0,
-                 gather_threads: int | None = None, preload_next_epoch: bool = True, **kwargs: Any):
+                 gather_threads: int | None = None, preload_next_epoch: bool = True,
+                 stall_warning: float | None = _watchdog.DEFAULT_STALL_WARNING, **kwargs: Any):
         mode = _cache_loader.check_mode(cached_fast_path)
+        self.stall_warning = _watchdog.check_stall_warning(stall_warning)
         if not isinstance(preload_next_epoch, bool):
             raise ValueError(f"preload_next_epoch must be True or False, got {preload_next_epoch!r}")
         self.preload_next_epoch = preload_next_epoch
@@ -275,7 +355,7 @@ class DataLoader(torch.utils.data.DataLoader):
             self.last_path, self.fallback_reason = "cached", None
             ds.consume_resume()
             self._draw_base_seed()
-            return _LoaderIter(self, fast, self._run, len(self))
+            return _LoaderIter(self, fast, self._run, len(self), _gather_helpers)
         if self.decode_threads:
             self.last_path = "threads"
             pin = _cache_loader.pin_device() if self.pin_memory else None
@@ -288,7 +368,7 @@ class DataLoader(torch.utils.data.DataLoader):
             ds.consume_resume()
             self._draw_base_seed()
             self._run = _Run(start, list(start.consumed))
-            return _LoaderIter(self, batches, self._run, len(self))
+            return _LoaderIter(self, batches, self._run, len(self), _pool_helpers)
         self.last_path = "workers"
         if self.num_workers > 0:  # workers report skips after their last batch (see ShardedDataset.report_skips_inline)
             ds.report_skips_inline(self.batch_size, self.drop_last)
@@ -301,7 +381,23 @@ class DataLoader(torch.utils.data.DataLoader):
             ds.preload_next_epoch(0)
         ds.consume_resume()
         self._run = _Run(start, list(start.consumed))
-        return _LoaderIter(self, inner, self._run)
+        return _LoaderIter(self, inner, self._run, helpers=_worker_helpers)
+
+    def _get_iterator(self) -> Any:
+        """torch's iterator; with the stall watchdog on, its workers can dump their stacks (see
+        ``_watchdog.WorkerInit``: it stands in for ``worker_init_fn`` only while they start)."""
+        if (self.num_workers == 0 or not isinstance(self.dataset, ShardedDataset) or not _watchdog.CAN_DUMP
+                or _watchdog.threshold(self.stall_warning, self.timeout) is None):
+            return super()._get_iterator()
+        stacks = _watchdog.WorkerStacks()
+        user_fn = self.worker_init_fn
+        self.worker_init_fn = stacks.init_fn(user_fn)
+        try:
+            inner = super()._get_iterator()
+        finally:
+            self.worker_init_fn = user_fn
+        _watchdog.attach(inner, stacks)
+        return inner
 
     def _fast_iter(self, ds: ShardedDataset, start: EpochStart) -> Iterator[Any] | None:
         """The cached fast path's batches for this epoch, or None (``fallback_reason`` says why)."""

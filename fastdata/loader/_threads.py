@@ -508,6 +508,10 @@ class ThreadBatches:
     def threads_alive(self) -> int:
         return 0 if self._pool is None else self._pool.alive
 
+    def pool_threads(self) -> list[threading.Thread]:
+        """The pool's threads (for the stall watchdog's stacks)."""
+        return [] if self._pool is None else list(self._pool._threads)
+
     @property
     def stats(self) -> dict[str, int]:
         """``batches`` yielded; samples ``in_place`` (written by a pool thread into their row) and

@@ -1,0 +1,370 @@
+"""Stall watchdog of :class:`fastdata.DataLoader`: a consumer waiting too long for a batch is told why.
+
+torch's DataLoader (default ``timeout=0``) waits forever on a worker process that is alive but
+silent (a deadlock, e.g. a fork from a multi-threaded process inheriting a held lock), and says
+nothing. A hard default timeout would kill legitimately slow jobs (remote shards, huge images),
+so fastdata warns instead: when the consumer has waited ``stall_warning`` seconds for the next
+batch, one WARNING on the ``fastdata.loader`` logger says how long, which batch (epoch, logical
+worker, worker process), each worker process's pid and state, and the Python stack of every
+thread of every worker process, plus the in-process threads that produce batches (the waiting
+thread, torch's pin-memory thread, the thread decoder's pool, the cached path's gather threads).
+While the stall lasts the warning repeats at doubling intervals (T, 2T, 4T, ... after the wait
+began); when the batch finally arrives, one more WARNING says after how long.
+
+Worker stacks. Each worker process registers :func:`faulthandler.register` on
+:data:`STACK_SIGNAL` (SIGUSR2: torch uses SIGCHLD in the main process and SIGBUS/SIGSEGV/SIGFPE/
+SIGTERM in workers; SLURM and Lightning conventionally use SIGUSR1), ``all_threads=True``, writing
+to a file of a per-iterator temporary folder; the watchdog truncates the file, signals the worker
+and reads what it wrote. faulthandler's dump is async-signal-safe C code that reads the thread
+states without the GIL, so it works in a worker deadlocked on a lock. It is installed by
+:class:`WorkerInit`, which the loader puts in place of ``worker_init_fn`` only while torch starts
+the workers (the user's function runs right after it; ``loader.worker_init_fn`` never changes), so
+fork, spawn and forkserver workers alike get it before they touch the dataset. The file appears
+under its final name only once the handler is registered: the default action of SIGUSR2 ends a
+process, so a worker still starting up is never signalled. A Python-level handler the worker
+already had for the signal is chained to; a handler installed outside Python (C) cannot be told
+apart from faulthandler's own and is replaced while the worker runs. Where
+``faulthandler.register`` does not exist (Windows) the warning says the stacks are unavailable.
+
+Cost. The consumer stores two timestamps per batch (``Watch.since``); the watchdog is one daemon
+thread per iterator, started at the first ``next()``, that sleeps on an event: it wakes when the
+current wait reaches its next report time, and at least every threshold/4 (so a wait is reported
+between T and 1.25 T after it began): with the default 60 s, once every 15 s.
+It holds no reference to the loader's iterator nor to torch's (weak references only), and stops
+when the iterator is exhausted, closed or collected.
+"""
+from __future__ import annotations
+
+import faulthandler
+import logging
+import math
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+import time
+import traceback
+import weakref
+from collections.abc import Callable
+from typing import Any, BinaryIO
+
+__all__ = [
+    "CAN_DUMP",
+    "DEFAULT_STALL_WARNING",
+    "STACK_SIGNAL",
+    "THREAD_NAME",
+    "Watch",
+    "WorkerInit",
+    "WorkerStacks",
+    "attach",
+    "check_stall_warning",
+    "threshold",
+]
+
+DEFAULT_STALL_WARNING = 60.0
+STACK_SIGNAL: int | None = getattr(signal, "SIGUSR2", None)
+CAN_DUMP = STACK_SIGNAL is not None and hasattr(faulthandler, "register")
+THREAD_NAME = "fastdata-stall-watchdog"
+_DUMP_WAIT_S = 2.0  # how long the watchdog waits for a signalled worker's dump
+_POLL_S = 0.05
+_JOIN_S = 2.0  # close()/exhaustion: how long to wait for the watchdog thread to exit
+_MAX_CHARS = 20_000  # per worker process or thread in one warning
+_FRAMES = 40  # innermost frames shown per in-process thread
+_log = logging.getLogger("fastdata.loader")
+
+
+def check_stall_warning(value: Any) -> float:
+    """Validate ``stall_warning``: seconds >= 0 (0 or None: off); returns a float (0.0: off)."""
+    if value is None:
+        return 0.0
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise ValueError(f"stall_warning must be a finite number of seconds >= 0 (0 or None: no warning), got {value!r}")
+    return float(value)
+
+
+def threshold(stall_warning: float, timeout: float) -> float | None:
+    """Seconds after which a wait is reported (None: never): off, or not below torch's ``timeout``
+    (which raises first)."""
+    if not stall_warning or (timeout and stall_warning >= timeout):
+        return None
+    return stall_warning
+
+
+# ----- worker side -------------------------------------------------------------------------------
+_FILES: list[BinaryIO] = []  # in a worker: the open dump file (faulthandler writes to its descriptor)
+
+
+def _install(folder: str, worker_id: int) -> None:
+    sig = STACK_SIGNAL
+    if sig is None or not CAN_DUMP:
+        return
+    final = os.path.join(folder, f"w{worker_id}.stacks")
+    tmp = f"{final}.{os.getpid()}.tmp"
+    f = open(tmp, "ab", buffering=0)  # noqa: SIM115 - kept open for the process's life (faulthandler's fd)
+    previous = signal.getsignal(sig)
+    faulthandler.register(sig, file=f, all_threads=True, chain=callable(previous))
+    _FILES.append(f)
+    os.replace(tmp, final)  # now the handler is in place: the main process may signal
+
+
+class WorkerInit:
+    """``worker_init_fn`` of torch's workers while the stall watchdog is on: installs the stack dump
+    handler, then calls the user's ``worker_init_fn`` (if any). Picklable (spawn, forkserver)."""
+
+    def __init__(self, folder: str, user_fn: Callable[[int], Any] | None):
+        self.folder = folder
+        self.user_fn = user_fn
+
+    def __call__(self, worker_id: int) -> None:
+        try:
+            _install(self.folder, worker_id)
+        except (OSError, RuntimeError, ValueError) as e:  # diagnostics only: the worker runs on without
+            _log.debug("fastdata.DataLoader worker %d: no stack dump handler: %s", worker_id, e)
+        if self.user_fn is not None:
+            self.user_fn(worker_id)
+
+
+# ----- main process: the workers' dump files -------------------------------------------------------
+class WorkerStacks:
+    """The dump files of one torch iterator's worker processes (a temporary folder, removed with it)."""
+
+    def __init__(self) -> None:
+        self.folder = tempfile.mkdtemp(prefix="fastdata-stacks-")
+        self._cleanup = weakref.finalize(self, shutil.rmtree, self.folder, True)
+
+    def init_fn(self, user_fn: Callable[[int], Any] | None) -> WorkerInit:
+        return WorkerInit(self.folder, user_fn)
+
+    def dump(self, workers: list[tuple[int, int]], stop: threading.Event) -> dict[int, str]:
+        """{worker id: its threads' stacks, or why there are none} for the live workers ``(id, pid)``."""
+        out: dict[int, str] = {}
+        pending: dict[int, list[Any]] = {}
+        for wid, pid in workers:
+            path = os.path.join(self.folder, f"w{wid}.stacks")
+            if not os.path.exists(path):
+                out[wid] = ("(no stacks: the worker has not reached its worker_init_fn yet; it is still starting: "
+                            "importing modules or unpickling the dataset)")
+                continue
+            try:
+                os.truncate(path, 0)
+                os.kill(pid, STACK_SIGNAL)  # type: ignore[arg-type]  # CAN_DUMP: not None
+            except OSError as e:
+                out[wid] = f"(no stacks: {e})"
+                continue
+            pending[wid] = [path, -1]
+        deadline = time.monotonic() + _DUMP_WAIT_S
+        while pending and not stop.wait(_POLL_S):
+            for wid, entry in list(pending.items()):
+                try:
+                    size = os.path.getsize(entry[0])
+                except OSError:
+                    size = 0
+                if size and size == entry[1]:  # written and no longer growing
+                    out[wid] = _read(entry[0])
+                    del pending[wid]
+                entry[1] = size
+            if time.monotonic() > deadline:
+                break
+        for wid, entry in pending.items():
+            text = _read(entry[0])
+            out[wid] = text or (f"(no stack dump within {_DUMP_WAIT_S:.0f} s: the process may be stopped or in "
+                                "uninterruptible I/O)")
+        return out
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path, "rb") as f:
+            data = f.read(_MAX_CHARS + 1)
+    except OSError as e:
+        return f"(no stacks: {e})"
+    text = data.decode("utf-8", "replace").rstrip()
+    return text[:_MAX_CHARS] + "\n  ... (truncated)" if len(text) > _MAX_CHARS else text
+
+
+_STACKS: weakref.WeakKeyDictionary[Any, WorkerStacks] = weakref.WeakKeyDictionary()
+
+
+def attach(inner: Any, stacks: WorkerStacks) -> None:
+    """Tie ``stacks`` (its folder) to torch's iterator ``inner`` whose workers write there."""
+    _STACKS[inner] = stacks
+
+
+_PROC = os.path.isdir("/proc/self")
+_STATES = {"Z": "exited (not reaped yet)", "X": "dead", "T": "stopped", "t": "stopped by a tracer",
+           "D": "alive, in uninterruptible I/O (D)"}
+
+
+def _state(pid: int) -> str:
+    """A process's state without reaping it (torch's SIGCHLD check must still see a dead worker)."""
+    if _PROC:
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                stat = f.read().decode("ascii", "replace")
+            return _STATES.get(stat[stat.rindex(")") + 2], "alive")
+        except FileNotFoundError:
+            return "gone"
+        except (OSError, ValueError, IndexError):
+            pass
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return "gone"
+    except OSError:
+        return "alive"
+    return "alive"
+
+
+# ----- main process: the watch -----------------------------------------------------------------
+def _thread_stack(frames: dict[int, Any], ident: int) -> str:
+    frame = frames.get(ident)
+    if frame is None:
+        return "  (not running)"
+    text = "".join(traceback.format_stack(frame, limit=_FRAMES)).rstrip()
+    return text[-_MAX_CHARS:]
+
+
+class Watch:
+    """The watchdog state of one loader iterator. The consumer sets :attr:`since` while it waits;
+    the thread (:meth:`start`) holds only this object, which holds the iterators weakly."""
+
+    __slots__ = ("_context", "_helpers", "_inner", "_lock", "_what", "ident", "limit", "reports", "since",
+                 "stopped", "thread", "warned")
+
+    def __init__(self, limit: float, inner: Any, context: Callable[[], str],
+                 helpers: Callable[[Any], list[threading.Thread | None]] | None = None):
+        self.limit = limit
+        self.since = 0.0  # time.monotonic() when the consumer began waiting; 0.0: not waiting
+        self.ident = 0  # the waiting thread
+        self.warned = 0.0  # ``since`` of the wait last warned about (0.0: none)
+        self.reports = 0  # stall warnings logged
+        self.thread: threading.Thread | None = None
+        self.stopped = threading.Event()
+        self._lock = threading.Lock()
+        self._inner = weakref.ref(inner)
+        self._context = context  # "batch 18 of epoch 3, due from logical worker 1"
+        self._helpers = helpers  # inner -> in-process threads that produce its batches
+        self._what = ""
+
+    def start(self) -> None:
+        if self.thread is None and not self.stopped.is_set():
+            self.thread = threading.Thread(target=_loop, args=(self,), name=THREAD_NAME, daemon=True)
+            self.thread.start()
+
+    def stop(self, join: bool = True) -> None:
+        """End the thread (it exits at once; joined unless ``join=False``, e.g. from a finalizer)."""
+        self.stopped.set()
+        t = self.thread
+        if join and t is not None and t is not threading.current_thread() and t.is_alive():
+            t.join(_JOIN_S)
+
+    def ended(self, started: float, outcome: str = "the batch arrived") -> None:
+        """The consumer's wait that began at ``started`` is over (called only if a warning was logged)."""
+        with self._lock:
+            if self.warned != started:
+                return
+            self.warned = 0.0
+            what = self._what
+        _log.warning("fastdata.DataLoader: recovered: the wait for %s ended after %.1f s: %s",
+                     what, time.monotonic() - started, outcome)
+
+    def report(self, since: float) -> None:
+        """Log the stall warning for the wait that began at ``since``."""
+        text = self._compose(since)
+        with self._lock:
+            if self.stopped.is_set():
+                return
+            self.warned = since
+            self.reports += 1
+            if self.since != since:  # it ended while the stacks were collected; the consumer may have missed it
+                self.warned = 0.0
+                text += "\n(the wait ended while this report was being made)"
+            _log.warning("%s", text)
+
+    def _compose(self, since: float) -> str:
+        waited = time.monotonic() - since
+        try:
+            what = self._context()
+        except Exception as e:  # noqa: BLE001 - the description is best effort
+            what = f"the next batch ({type(e).__name__} describing it)"
+        self._what = what
+        inner = self._inner()
+        workers: list[Any] = list(getattr(inner, "_workers", None) or ())
+        due = _due_worker(inner)
+        head = f"fastdata.DataLoader: no batch for {waited:.1f} s: waiting for {what}"
+        if due is not None and due < len(workers):
+            head += f", worker process #{due} (pid {workers[due].pid})"
+        lines = [head + "."]
+        procs = [(i, w.pid, _state(w.pid)) for i, w in enumerate(workers) if w.pid is not None]
+        if procs:
+            lines.append("Worker processes: " + ", ".join(f"#{i} pid {pid} {st}" for i, pid, st in procs) + ".")
+        lines.append(f"Stacks follow (stall_warning={self.limit:g} s; stall_warning=None turns this warning off).")
+        if procs:
+            stacks = _STACKS.get(inner) if inner is not None else None
+            live = [(i, pid) for i, pid, st in procs if st not in ("gone", "dead") and not st.startswith("exited")]
+            if stacks is None:
+                dumps = {i: ("(stacks unavailable on this platform: no faulthandler.register)" if not CAN_DUMP else
+                             "(no stacks: these workers were started without the watchdog's handler)") for i, _ in live}
+            else:
+                dumps = stacks.dump(live, self.stopped)
+            order = sorted(dumps, key=lambda i: (i != due, i))
+            for i in order:
+                lines.append(f"--- worker process #{i} (pid {workers[i].pid}), every thread, most recent call first:")
+                lines.append(dumps[i])
+        helpers: list[threading.Thread | None] = []
+        if self._helpers is not None and inner is not None:
+            try:
+                helpers = list(self._helpers(inner))
+            except Exception:  # noqa: BLE001 - best effort
+                helpers = []
+        del inner
+        frames = sys._current_frames()
+        names = {t.ident: t.name for t in threading.enumerate()}
+        idents = [self.ident] + [t.ident for t in helpers if t is not None and t.ident is not None]
+        seen: set[int] = set()
+        for ident in idents:
+            if ident in seen or not ident:
+                continue
+            seen.add(ident)
+            role = " (waiting for the batch)" if ident == self.ident else ""
+            lines.append(f"--- this process (pid {os.getpid()}), thread {names.get(ident, ident)!r}{role}, "
+                         "most recent call last:")
+            lines.append(_thread_stack(frames, ident))
+        del frames
+        return "\n".join(lines)
+
+
+def _due_worker(inner: Any) -> int | None:
+    """torch's worker id whose batch the consumer waits for (None: unknown)."""
+    try:
+        info = inner._task_info.get(inner._rcvd_idx)
+    except AttributeError:
+        return None
+    return info[0] if info is not None and len(info) == 1 else None
+
+
+def _loop(watch: Watch) -> None:
+    """Thread body: wake when the current wait reaches its next report time (T, 2T, 4T, ... after it
+    began), and at least every T/4 (a new wait may have begun meanwhile); never raises."""
+    first = watch.limit
+    tracked, due = 0.0, first
+    while not watch.stopped.is_set():
+        since = watch.since
+        if since != tracked:
+            tracked, due = since, first
+        if not since:
+            watch.stopped.wait(first / 4)
+            continue
+        waited = time.monotonic() - since
+        if waited < due:
+            watch.stopped.wait(min(due - waited, first / 4))
+            continue
+        try:
+            watch.report(since)
+        except Exception:  # noqa: BLE001 - a diagnostic must never end the watch silently
+            _log.warning("fastdata.DataLoader: the stall watchdog could not describe a %.1f s wait",
+                         time.monotonic() - since, exc_info=True)
+        while due <= time.monotonic() - since:
+            due *= 2
