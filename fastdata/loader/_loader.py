@@ -47,6 +47,7 @@ __all__ = ["DataLoader"]
 
 LOADER_STATE_VERSION = 1
 _log = logging.getLogger(__name__)
+_monotonic = time.monotonic  # the stall watchdog's one call per batch
 
 
 class _Tagged:
@@ -108,15 +109,10 @@ class _Run:
 
 
 class _LoaderIter:
-    def __init__(self, loader: DataLoader, inner: Any, run: _Run, length: int | None = None,
-                 helpers: Callable[[Any], list[threading.Thread | None]] | None = None):
+    def __init__(self, loader: DataLoader, inner: Any, run: _Run, length: int | None = None):
         self._loader, self._inner, self._run, self._length = loader, inner, run, length
         self._ended = False
         self._watch: _watchdog.Watch | None = None
-        limit = _watchdog.threshold(loader.stall_warning, loader.timeout)
-        if limit is not None:  # the stall watchdog (see _watchdog): its thread starts at the first next()
-            self._watch = _watchdog.Watch(limit, inner, _describe_due(weakref.ref(loader), run), helpers)
-            weakref.finalize(self, self._watch.stop, False)
 
     def __iter__(self) -> _LoaderIter:
         return self
@@ -144,33 +140,6 @@ class _LoaderIter:
             inner._shutdown_workers()
 
     def __next__(self) -> Any:
-        watch = self._watch
-        if watch is None:
-            return self._next()
-        # the watchdog's only per-batch cost: when the wait began (and who waits)
-        if watch.thread is None:
-            watch.start()
-        watch.ident = threading.get_ident()
-        watch.since = since = time.monotonic()
-        try:
-            item = self._next()
-        except StopIteration:
-            watch.since = 0.0
-            if watch.warned:
-                watch.ended(since, "the epoch ended (no more batches)")
-            watch.stop()
-            raise
-        except BaseException as e:
-            watch.since = 0.0
-            if watch.warned:
-                watch.ended(since, f"next() raised {type(e).__name__}")
-            raise
-        watch.since = 0.0
-        if watch.warned:
-            watch.ended(since)
-        return item
-
-    def _next(self) -> Any:
         if self._ended:
             raise StopIteration
         while True:
@@ -204,6 +173,49 @@ class _LoaderIter:
                 item = item.batch
             self._run.batches += 1
             return item
+
+
+class _WatchedIter(_LoaderIter):
+    """The loader's iterator with the stall watchdog (see ``_watchdog``): its thread starts at the
+    first ``next()``; it ends with this iterator (exhaustion, ``close()``, garbage collection)."""
+
+    def __init__(self, loader: DataLoader, inner: Any, run: _Run, length: int | None, limit: float,
+                 helpers: Callable[[Any], list[threading.Thread | None]]):
+        super().__init__(loader, inner, run, length)
+        self._watch = _watchdog.Watch(limit, inner, _describe_due(weakref.ref(loader), run), helpers)
+        weakref.finalize(self, self._watch.stop, False)
+
+    def __next__(self) -> Any:
+        watch: _watchdog.Watch = self._watch  # type: ignore[assignment]
+        # the watchdog's only per-batch cost: when the wait began
+        if watch.thread is None:
+            watch.start()  # notes this thread as the consumer's
+        watch.since = since = _monotonic()
+        try:
+            item = _LoaderIter.__next__(self)
+        except StopIteration:
+            watch.since = 0.0
+            if watch.warned:
+                watch.ended(since, "the epoch ended (no more batches)")
+            watch.stop()
+            raise
+        except BaseException as e:
+            watch.since = 0.0
+            if watch.warned:
+                watch.ended(since, f"next() raised {type(e).__name__}")
+            raise
+        watch.since = 0.0
+        if watch.warned:
+            watch.ended(since)
+        return item
+
+
+def _loader_iter(loader: DataLoader, inner: Any, run: _Run, length: int | None,
+                 helpers: Callable[[Any], list[threading.Thread | None]]) -> _LoaderIter:
+    limit = _watchdog.threshold(loader.stall_warning, loader.timeout)
+    if limit is None:
+        return _LoaderIter(loader, inner, run, length)
+    return _WatchedIter(loader, inner, run, length, limit, helpers)
 
 
 def _describe_due(loader_ref: weakref.ref[DataLoader], run: _Run) -> Callable[[], str]:
@@ -355,7 +367,7 @@ class DataLoader(torch.utils.data.DataLoader):
             self.last_path, self.fallback_reason = "cached", None
             ds.consume_resume()
             self._draw_base_seed()
-            return _LoaderIter(self, fast, self._run, len(self), _gather_helpers)
+            return _loader_iter(self, fast, self._run, len(self), _gather_helpers)
         if self.decode_threads:
             self.last_path = "threads"
             pin = _cache_loader.pin_device() if self.pin_memory else None
@@ -368,7 +380,7 @@ class DataLoader(torch.utils.data.DataLoader):
             ds.consume_resume()
             self._draw_base_seed()
             self._run = _Run(start, list(start.consumed))
-            return _LoaderIter(self, batches, self._run, len(self), _pool_helpers)
+            return _loader_iter(self, batches, self._run, len(self), _pool_helpers)
         self.last_path = "workers"
         if self.num_workers > 0:  # workers report skips after their last batch (see ShardedDataset.report_skips_inline)
             ds.report_skips_inline(self.batch_size, self.drop_last)
@@ -381,7 +393,7 @@ class DataLoader(torch.utils.data.DataLoader):
             ds.preload_next_epoch(0)
         ds.consume_resume()
         self._run = _Run(start, list(start.consumed))
-        return _LoaderIter(self, inner, self._run, helpers=_worker_helpers)
+        return _loader_iter(self, inner, self._run, None, _worker_helpers)
 
     def _get_iterator(self) -> Any:
         """torch's iterator; with the stall watchdog on, its workers can dump their stacks (see

@@ -26,7 +26,7 @@ already had for the signal is chained to; a handler installed outside Python (C)
 apart from faulthandler's own and is replaced while the worker runs. Where
 ``faulthandler.register`` does not exist (Windows) the warning says the stacks are unavailable.
 
-Cost. The consumer stores two timestamps per batch (``Watch.since``); the watchdog is one daemon
+Cost. The consumer stores a timestamp twice per batch (``Watch.since``); the watchdog is one daemon
 thread per iterator, started at the first ``next()``, that sleeps on an event: it wakes when the
 current wait reaches its next report time, and at least every threshold/4 (so a wait is reported
 between T and 1.25 T after it began): with the default 60 s, once every 15 s.
@@ -237,18 +237,23 @@ class Watch:
                  helpers: Callable[[Any], list[threading.Thread | None]] | None = None):
         self.limit = limit
         self.since = 0.0  # time.monotonic() when the consumer began waiting; 0.0: not waiting
-        self.ident = 0  # the waiting thread
+        self.ident = 0  # the consumer's thread (of the first next())
         self.warned = 0.0  # ``since`` of the wait last warned about (0.0: none)
         self.reports = 0  # stall warnings logged
         self.thread: threading.Thread | None = None
         self.stopped = threading.Event()
         self._lock = threading.Lock()
-        self._inner = weakref.ref(inner)
+        try:
+            self._inner: Callable[[], Any] = weakref.ref(inner)
+        except TypeError:  # an iterator without weak references: no worker details
+            self._inner = _nothing
         self._context = context  # "batch 18 of epoch 3, due from logical worker 1"
         self._helpers = helpers  # inner -> in-process threads that produce its batches
         self._what = ""
 
     def start(self) -> None:
+        """Start the thread; the calling thread is the consumer's (the one whose waits are watched)."""
+        self.ident = threading.get_ident()
         if self.thread is None and not self.stopped.is_set():
             self.thread = threading.Thread(target=_loop, args=(self,), name=THREAD_NAME, daemon=True)
             self.thread.start()
@@ -334,6 +339,10 @@ class Watch:
             lines.append(_thread_stack(frames, ident))
         del frames
         return "\n".join(lines)
+
+
+def _nothing() -> None:
+    return None
 
 
 def _due_worker(inner: Any) -> int | None:
