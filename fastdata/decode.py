@@ -295,6 +295,13 @@ def _as_image(arr: np.ndarray, mode: str, info: dict[str, Any]) -> Image.Image:
 class ImageDecoder:
     """Decode image bytes with Pillow.
 
+    A JPEG is decoded by Pillow's own libjpeg decoder with the arguments ``Image.open`` would give it,
+    but after a scan of its segment headers instead of ``Image.open`` (half the GIL-held Python per
+    image, which bounds the thread decoder): the same pixels, and for :meth:`pil` the same mode, size,
+    ``format`` and ``info``; a JPEG carrying EXIF, ICC, XMP or comment segments still goes through
+    ``Image.open`` for :meth:`pil`, so its metadata is there. Anything unusual goes through Pillow as a
+    whole, with Pillow's errors.
+
     Args:
         mode: Pillow mode of the result ("RGB" default, "L" for masks, None: as stored).
         draft_size: shorter side the consumer needs. JPEGs whose shorter side is at least twice
