@@ -7,7 +7,6 @@ creates a release file the blocked worker polls for), so no test waits longer th
 """
 from __future__ import annotations
 
-import itertools
 import logging
 import multiprocessing as mp
 import os
@@ -96,7 +95,7 @@ def stall_warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
 
 
 def recoveries(caplog: pytest.LogCaptureFixture) -> list[str]:
-    return [r.getMessage() for r in caplog.records if r.name == "fastdata.loader" and "recovered:" in r.getMessage()]
+    return [r.getMessage() for r in caplog.records if r.name == "fastdata.loader" and "stall over:" in r.getMessage()]
 
 
 def labels(loader) -> list[int]:
@@ -134,6 +133,72 @@ def test_a_stalled_worker_is_reported_with_its_stack_and_pid(shards: Path, tmp_p
     assert any("the batch arrived" in r for r in recoveries(caplog)), recoveries(caplog)
 
 
+_HELD = threading.Lock()  # held by a thread of the test process while it forks the worker
+
+
+def _deadlock_here(folder: str) -> None:
+    Path(folder, "stalled.pid").write_text(str(os.getpid()))
+    with _HELD:  # in the forked worker this lock stays held forever: its holder thread was not forked
+        pass
+
+
+class DeadlockAt:
+    def __init__(self, folder: Path, at: int):
+        self.folder, self.at = str(folder), at
+
+    def __call__(self, data: bytes) -> int:
+        i = int(bytes(data))
+        if i == self.at:
+            _deadlock_here(self.folder)
+        return i
+
+
+class _Kill(logging.Handler):
+    def __init__(self, folder: Path):
+        super().__init__()
+        self.folder = folder
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if STALL in record.getMessage() and "_deadlock_here" in record.getMessage():
+            os.kill(int((self.folder / "stalled.pid").read_text()), signal.SIGKILL)
+
+
+@pytest.mark.skipif("fork" not in METHODS or not _watchdog.CAN_DUMP, reason="needs fork and faulthandler.register")
+def test_a_worker_deadlocked_on_a_lock_inherited_through_fork_shows_where(shards: Path, tmp_path: Path,
+                                                                           caplog: pytest.LogCaptureFixture):
+    """The case this exists for: forked while another thread held a lock, the worker blocks forever
+    (GIL released, no Python running in it); its stack still comes out, and the loop can kill it."""
+    ds = ShardedDataset(shards, shuffle=False, decode={"cls": DeadlockAt(tmp_path, 0)})
+    loader = DataLoader(ds, batch_size=2, num_workers=1, multiprocessing_context="fork", stall_warning=0.3)
+    held, forked = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with _HELD:
+            held.set()
+            forked.wait(30)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    held.wait(30)
+    try:
+        it = iter(loader)  # forks the worker while the lock is held
+    finally:
+        forked.set()
+        holder.join()
+    handler = _Kill(tmp_path)
+    logging.getLogger("fastdata.loader").addHandler(handler)
+    try:
+        with pytest.raises(RuntimeError, match="DataLoader worker"):  # torch: the worker died
+            next(it)
+    finally:
+        logging.getLogger("fastdata.loader").removeHandler(handler)
+    del it
+    pid = int((tmp_path / "stalled.pid").read_text())
+    msg = next(m for m in stall_warnings(caplog) if "_deadlock_here" in m)
+    assert "_deadlock_here" in dumps(msg)[f"pid {pid}"]
+    assert any("next() raised RuntimeError" in r for r in recoveries(caplog)), recoveries(caplog)
+
+
 def test_the_thread_decoder_reports_its_pool_threads_stacks(shards: Path, tmp_path: Path,
                                                             caplog: pytest.LogCaptureFixture):
     ds = ShardedDataset(shards, shuffle=False, decode={"cls": StallAt(tmp_path, 5)})
@@ -164,16 +229,16 @@ def test_in_process_loading_reports_the_waiting_thread(shards: Path, tmp_path: P
 
 def test_the_warning_repeats_at_doubling_intervals_then_recovery(shards: Path, tmp_path: Path,
                                                                  caplog: pytest.LogCaptureFixture):
-    ds = ShardedDataset(shards, shuffle=False, decode={"cls": StallAt(tmp_path, 0, hold=1.4)})
+    ds = ShardedDataset(shards, shuffle=False, decode={"cls": StallAt(tmp_path, 0, hold=1.2)})
     loader = DataLoader(ds, batch_size=4, num_workers=0, stall_warning=0.2)
     assert labels(loader) == list(range(16))
     waited = [float(re.search(r"no batch for ([\d.]+) s", m).group(1)) for m in stall_warnings(caplog)]
-    # at 0.2, 0.4, 0.8 s (later under load, never more often): not one per second or per poll
+    # at 0.2, 0.4, 0.8 s (later under load, never sooner): not one per second or per poll
     assert 2 <= len(waited) <= 3, waited
-    assert all(b >= 1.8 * a for a, b in itertools.pairwise(waited)), waited
+    assert all(w >= 0.2 * 2**k - 0.05 for k, w in enumerate(waited)), waited  # printed to 0.1 s
     (rec,) = recoveries(caplog)
     assert "batch #1 of epoch 0" in rec and "the batch arrived" in rec
-    assert float(re.search(r"ended after ([\d.]+) s", rec).group(1)) >= 1.4
+    assert float(re.search(r"ended after ([\d.]+) s", rec).group(1)) >= 1.15
 
 
 def test_no_warning_while_the_consumer_itself_is_slow(shards: Path, caplog: pytest.LogCaptureFixture):
@@ -190,7 +255,7 @@ def test_no_warning_while_the_consumer_itself_is_slow(shards: Path, caplog: pyte
 
 @pytest.mark.parametrize("off", [None, 0])
 def test_none_or_zero_turns_it_off(shards: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture, off):
-    ds = ShardedDataset(shards, shuffle=False, decode={"cls": StallAt(tmp_path, 0, hold=0.4)})
+    ds = ShardedDataset(shards, shuffle=False, decode={"cls": StallAt(tmp_path, 0, hold=0.2)})
     loader = DataLoader(ds, batch_size=4, num_workers=0, stall_warning=off)
     before = set(threading.enumerate())
     it = iter(loader)

@@ -272,7 +272,7 @@ class Watch:
                 return
             self.warned = 0.0
             what = self._what
-        _log.warning("fastdata.DataLoader: recovered: the wait for %s ended after %.1f s: %s",
+        _log.warning("fastdata.DataLoader: stall over: the wait for %s ended after %.1f s: %s",
                      what, time.monotonic() - started, outcome)
 
     def report(self, since: float) -> None:
