@@ -227,6 +227,30 @@ def test_in_process_loading_reports_the_waiting_thread(shards: Path, tmp_path: P
     assert "(waiting for the batch)" in mine and "_stall_here" in mine
 
 
+def test_the_cached_fast_path_reports_the_waiting_thread(tmp_path: Path, caplog: pytest.LogCaptureFixture):
+    """The cached path gathers in the consumer's thread (and loads a sample's uncached fields there)."""
+    import numpy as np
+
+    from fastdata.cli._synth import jpeg_bytes, synth_image
+    from fastdata.transforms import ResizeCenterCrop
+
+    with ShardWriter(tmp_path / "ds", max_samples=8) as w:
+        for i in range(16):
+            img = synth_image(np.random.default_rng(i), 12, 12)
+            w.write({"__key__": f"s{i:03d}", "jpg": jpeg_bytes(img, 90), "cls": str(i).encode()})
+    kw = dict(shuffle=False, preprocess=ResizeCenterCrop(8), cache=tmp_path / "cache")
+    ShardedDataset(tmp_path / "ds", **kw).build_cache()
+    ds = ShardedDataset(tmp_path / "ds", decode={"cls": StallAt(tmp_path, 5)}, **kw)
+    loader = DataLoader(ds, batch_size=4, num_workers=2, stall_warning=0.3)
+    with release_on_warning(tmp_path):
+        assert labels(loader) == list(range(16))
+    assert loader.last_path == "cached"
+    msg = next(m for m in stall_warnings(caplog) if "_stall_here" in m)
+    mine = dumps(msg)[repr(threading.current_thread().name)]
+    assert "_stall_here" in mine and "cached_batches" in mine, mine
+    assert any("the batch arrived" in r for r in recoveries(caplog))
+
+
 def test_the_warning_repeats_at_doubling_intervals_then_recovery(shards: Path, tmp_path: Path,
                                                                  caplog: pytest.LogCaptureFixture):
     ds = ShardedDataset(shards, shuffle=False, decode={"cls": StallAt(tmp_path, 0, hold=1.2)})
