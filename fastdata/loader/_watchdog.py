@@ -197,8 +197,11 @@ _STATES = {"Z": "exited (not reaped yet)", "X": "dead", "T": "stopped", "t": "st
            "D": "alive, in uninterruptible I/O (D)"}
 
 
-def _state(pid: int) -> str:
-    """A process's state without reaping it (torch's SIGCHLD check must still see a dead worker)."""
+def _state(proc: Any) -> str:
+    """A worker process's state without reaping it (torch's SIGCHLD check must still see a dead worker)."""
+    pid = proc.pid
+    if os.name == "nt":  # no zombies to keep, and os.kill(pid, 0) would send CTRL_C_EVENT there
+        return "alive" if proc.is_alive() else "exited"
     if _PROC:
         try:
             with open(f"/proc/{pid}/stat", "rb") as f:
@@ -302,7 +305,7 @@ class Watch:
         if due is not None and due < len(workers):
             head += f", worker process #{due} (pid {workers[due].pid})"
         lines = [head + "."]
-        procs = [(i, w.pid, _state(w.pid)) for i, w in enumerate(workers) if w.pid is not None]
+        procs = [(i, w.pid, _state(w)) for i, w in enumerate(workers) if w.pid is not None]
         if procs:
             lines.append("Worker processes: " + ", ".join(f"#{i} pid {pid} {st}" for i, pid, st in procs) + ".")
         lines.append(f"Stacks follow (stall_warning={self.limit:g} s; stall_warning=None turns this warning off).")
