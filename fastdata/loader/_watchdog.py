@@ -250,7 +250,7 @@ class Watch:
             self._inner: Callable[[], Any] = weakref.ref(inner)
         except TypeError:  # an iterator without weak references: no worker details
             self._inner = _nothing
-        self._context = context  # "batch 18 of epoch 3, due from logical worker 1"
+        self._context = context  # e.g. "batch #18 of epoch 3 from logical worker 1"
         self._helpers = helpers  # inner -> in-process threads that produce its batches
         self._what = ""
 
