@@ -31,6 +31,8 @@ HOLD_S = 20.0  # the longest a stalled sample waits for its release (the test fa
 STALL = "no batch for"  # in every stall warning
 # forkserver pickles like spawn (checked by hand: same warning); left out to keep the file fast
 METHODS = [m for m in ("fork", "spawn") if m in mp.get_all_start_methods()]
+# a spawned worker imports torch afresh (4 s here, 9 s beside two CPU hogs): marked slow, as in test_start_methods
+PARAMS = [pytest.param(m, marks=[pytest.mark.slow] if m != "fork" else []) for m in METHODS]
 
 
 @pytest.fixture(scope="module")
@@ -114,7 +116,7 @@ def dumps(message: str) -> dict[str, str]:
     return out
 
 
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", PARAMS)
 def test_a_stalled_worker_is_reported_with_its_stack_and_pid(shards: Path, tmp_path: Path,
                                                              caplog: pytest.LogCaptureFixture, method: str):
     ds = ShardedDataset(shards, shuffle=False, decode={"cls": StallAt(tmp_path, 5)})
@@ -238,7 +240,7 @@ def test_the_cached_fast_path_reports_the_waiting_thread(tmp_path: Path, caplog:
         for i in range(16):
             img = synth_image(np.random.default_rng(i), 12, 12)
             w.write({"__key__": f"s{i:03d}", "jpg": jpeg_bytes(img, 90), "cls": str(i).encode()})
-    kw = dict(shuffle=False, preprocess=ResizeCenterCrop(8), cache=tmp_path / "cache")
+    kw: dict = {"shuffle": False, "preprocess": ResizeCenterCrop(8), "cache": tmp_path / "cache"}
     ShardedDataset(tmp_path / "ds", **kw).build_cache()
     ds = ShardedDataset(tmp_path / "ds", decode={"cls": StallAt(tmp_path, 5)}, **kw)
     loader = DataLoader(ds, batch_size=4, num_workers=2, stall_warning=0.3)
