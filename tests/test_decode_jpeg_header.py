@@ -141,7 +141,6 @@ def _pillow_error(data: bytes) -> tuple[type, str]:
 def _broken_headers() -> dict[str, bytes]:
     data = jpeg_bytes(synth_image(np.random.default_rng(2), 64, 48), 90)
     sof = _sof_at(data)
-    b = bytearray(data)
     twelve = bytearray(data)
     twelve[sof + 4] = 12  # 12-bit samples
     two = bytearray(data)
@@ -244,3 +243,22 @@ def test_open_image_asks_the_named_plugin_first(monkeypatch):
     assert fdecode.open_image(buf.getvalue()).format == "BMP"
     with pytest.raises(Image.UnidentifiedImageError):
         fdecode.open_image(b"\xff\xd8\xff" + bytes(30))
+
+
+def test_device_decode_host_fallback_decodes_the_same_and_refuses_bombs(monkeypatch):
+    """image_decode="device" without torchvision decodes on the host with ImageDecoder: same pixels,
+    read from the packed buffer's memory, and a decompression bomb warning is an error there."""
+    import torch
+
+    from fastdata.dataset._packed import ImageInfo, sniff
+    from fastdata.gpu._codec import decode_host
+
+    img = synth_image(np.random.default_rng(12), 90, 70)
+    for data in (_save(img, quality=90), _save(img.convert("CMYK"), quality=90), _save(img.convert("L"))):
+        packed = torch.frombuffer(bytearray(b"xx" + data + b"yy"), dtype=torch.uint8)[2:-2]
+        out = decode_host(packed, ImageInfo(sniff(data)), "pillow")
+        assert out.shape == (3, 70, 90) and out.is_contiguous()
+        assert np.array_equal(out.numpy(), _chw(_pillow(data, "RGB", None)))
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 90 * 70 - 1)
+    with pytest.raises(Image.DecompressionBombWarning):
+        decode_host(torch.frombuffer(bytearray(data), dtype=torch.uint8), ImageInfo(sniff(data)), "pillow")
