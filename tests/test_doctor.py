@@ -178,14 +178,17 @@ def test_unknown_model_fails_fast_with_a_clear_message(shards, capsys):
     assert time.perf_counter() - t0 < 30  # before any measurement
 
 
-def _recommend(lrun_rate, step_rate, p99_s, *, workers=2, cores=4, scaling=(300.0, 450.0), cached=900.0, depth=2):
+def _recommend(lrun_rate, step_rate, p99_s, *, workers=2, cores=4, scaling=(300.0, 450.0), cached=900.0, depth=2,
+               meas=None):
     from fastdata.monitor._diagnose import Diagnosis, StageRow, recommend
     from fastdata.monitor._stages import CpuCosts, LoaderRun
     from fastdata.monitor._stall import StallReport
 
     o = DoctorOptions(num_workers=workers, batch_size=32, depth=depth, step_ms=10)
     stall = StallReport(steps=50, wall_s=10.0, wait_s=5.0, wait_p50_s=0.01, wait_p99_s=0.2, first_wait_s=0.1)
-    meas = {"scaling": {"workers": [workers, min(cores, 2 * workers)], "rate": list(scaling)}} if scaling else {}
+    meas = dict(meas or {})
+    if scaling:
+        meas["scaling"] = {"workers": [workers, min(cores, 2 * workers)], "rate": list(scaling)}
     d = Diagnosis(o, "cpu", cores, [], "loader-bound", "decode", 100.0, step_rate, 0.5, step_rate / 100.0, [], meas, stall)
     lrun = LoaderRun(lrun_rate, 512, 0.01, p99_s, 0.0, "workers")
     crun = LoaderRun(cached, 512, 0.001, 0.002, 0.0, "cached")
@@ -213,3 +216,23 @@ def test_prefetch_depth_advice_follows_the_loader_rate():
     assert any("the loader is just slower than the step" in r and "cannot run faster" in r for r in recs)
     recs = _recommend(lrun_rate=2 * step, step_rate=step, p99_s=2.0)  # an epoch start: 200 steps long
     assert any(r.startswith("prefetch depth 2 -> 8") and "capped at 8" in r for r in recs)
+
+
+def test_thread_decoder_is_measured_and_recommended_only_when_faster(shards):
+    d = diagnose(shards, _opts(num_workers=1))
+    threads = d.measurements["threads"]
+    assert threads["decode_threads"] == 1 and threads["path"] == "threads" and threads["rate"] > 0
+    advice = [r for r in d.recommendations if r.startswith("decode_threads=1 on DataLoader")]
+    note = d.measurements.get("threads_note", "")
+    assert bool(advice) != bool(note), (advice, note)  # one or the other, from the same two rates
+    assert advice or note.startswith("thread decoder: decode_threads=1 measured")
+    assert "threads" not in diagnose(shards, _opts(num_workers=0)).measurements  # in-process loading: nothing to compare
+
+    def recs(threads_rate):
+        return _recommend(lrun_rate=300.0, step_rate=3200.0, p99_s=0.05,
+                          meas={"threads": {"decode_threads": 4, "rate": threads_rate}})
+
+    faster = recs(420.0)
+    assert any(r.startswith("decode_threads=4 on DataLoader: the thread decoder") and "420 images/s, 1.40x the 2 "
+               "worker processes (300)" in r for r in faster), faster
+    assert not any(r.startswith("decode_threads") for r in recs(320.0))  # within 10%: no advice

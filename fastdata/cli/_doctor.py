@@ -166,9 +166,10 @@ def format_diagnosis(d: Any, source: str) -> list[str]:
                      f"goes to per-sample work between the stages or to other processes{busy}")
     if d.stall is not None and d.stall.periodic is not None:
         lines.append("stalls: " + d.stall.periodic.describe())
-    note = d.measurements.get("gpu_decode_note")
-    if note:
-        lines.append(note)
+    for key in ("threads_note", "gpu_decode_note"):
+        note = d.measurements.get(key)
+        if note:
+            lines.append(note)
     if d.recommendations:
         lines.append("recommendations (each from a measurement above):")
         lines.extend(f"  - {r}" for r in d.recommendations)

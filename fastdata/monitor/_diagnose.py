@@ -8,8 +8,9 @@ temporary shard folder (timing the read), then measures on that subset:
   into pinned memory, the host-to-device copy, the GPU transforms (``Normalize``), and the training
   step on a resident batch;
 - together: the loader alone with the configured workers, the same with more workers (never more
-  than the cores), the loader from a filled cache, and the whole job (loader -> CUDAPrefetcher ->
-  step) under a :class:`StallMeter`.
+  than the cores), the thread decoder on as many cores (``decode_threads``, no worker processes),
+  the loader from a filled cache, and the whole job (loader -> CUDAPrefetcher -> step) under a
+  :class:`StallMeter`.
 
 A stage's capacity is the images/s it could deliver alone with the parallelism it has; its use is
 the share of the cores (or of the GPU, or of the copy engine) it keeps busy at the job's measured
@@ -134,13 +135,13 @@ def no_step(batch: Any) -> None:
     """The step of an input-side measurement: consume the batch, compute nothing."""
 
 
-def _loader(ds: Any, batch_size: int, workers: int) -> Any:
+def _loader(ds: Any, batch_size: int, workers: int, threads: int = 0) -> Any:
     from fastdata.loader import DataLoader
 
     # no next-epoch preload: a measurement's workers must not keep loading after it (they would load
     # while the next measurement runs)
-    return DataLoader(ds, batch_size=batch_size, num_workers=workers, persistent_workers=workers > 0,
-                      preload_next_epoch=False)
+    return DataLoader(ds, batch_size=batch_size, num_workers=workers, persistent_workers=workers > 0 and not threads,
+                      preload_next_epoch=False, decode_threads=threads)
 
 
 def _close(loader: Any) -> None:
@@ -247,6 +248,14 @@ def diagnose(source: str | Path, opts: DoctorOptions) -> Diagnosis:
                 meas["scaling"] = {"workers": [workers, more], "rate": [lrun.rate, st.time_loader(loader, passes=2).rate]}
             finally:
                 _close(loader)
+        if workers > 0:  # the thread decoder on the same cores: same batches, no worker processes
+            loader = _loader(ds, B, workers, threads=par)
+            try:
+                trun = st.time_loader(loader, passes=2)
+            finally:
+                _close(loader)
+            meas["threads"] = {"decode_threads": par, **asdict(trun)}
+            log.info("doctor: thread decoder, %d threads: %.0f images/s", par, trun.rate)
         cached_loader = _loader(_dataset(subset, fields, pre, opts.decode, cache=Path(tmp) / "cache"), B, workers)
         try:
             crun = st.time_loader(cached_loader, warmup="pass", passes=3)  # the warm-up fills the cache
@@ -364,6 +373,18 @@ def recommend(d: Diagnosis, lrun: st.LoaderRun, crun: st.LoaderRun, costs: st.Cp
         out.append(f"cache= on ShardedDataset: from a filled cache the loader measured {crun.rate:,.0f} images/s, "
                    f"{crun.rate / lrun.rate:.1f}x uncached ({lrun.rate:,.0f}); the first epoch fills it "
                    f"(`fastdata cache build` does it ahead of time)")
+    threads = d.measurements.get("threads")
+    if threads is not None and threads["rate"]:
+        t, n = threads["rate"], threads["decode_threads"]
+        if t > 1.1 * lrun.rate:
+            out.append(f"decode_threads={n} on DataLoader: the thread decoder (no worker processes, samples written "
+                       f"straight into the batch) measured {t:,.0f} images/s, {t / lrun.rate:.2f}x the {o.num_workers} "
+                       f"worker processes ({lrun.rate:,.0f}) on the same cores; the batches stay the same "
+                       f"(num_workers={o.num_workers} still sets their order)")
+        else:
+            d.measurements["threads_note"] = (
+                f"thread decoder: decode_threads={n} measured {t:,.0f} images/s against {lrun.rate:,.0f} with "
+                f"{o.num_workers} worker processes: no gain here")
     gpu = d.measurements.get("gpu_decode")
     if gpu is not None and gpu["images/s"]:
         if gpu["images/s"] > 1.1 * gpu["cpu images/s"]:
