@@ -103,7 +103,9 @@ def test_tune_cli_prints_ready_to_paste_python_that_runs(shards, capsys):
                  "--size", "48", "--steps", "5", "--device", "cpu", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["measured"] == "job" and data["start_rate"] > 0 and data["best_rate"] > 0
-    assert {t["dimension"] for t in data["trials"]} == {"decode", "num_workers", "depth"}
+    threads_tried = {"decode_threads"} if data["trials"] and any(
+        t["dimension"] == "decode_threads" for t in data["trials"]) else set()
+    assert {t["dimension"] for t in data["trials"]} == {"decode", "num_workers", "depth"} | threads_tried
     assert max(t["value"] for t in data["trials"] if t["dimension"] == "num_workers") <= cores()
     assert data["best"]["num_workers"] <= cores() and data["best"]["batch_size"] == 8
     assert any("batch size: kept at 8" in n for n in data["notes"])
@@ -137,3 +139,41 @@ def test_tune_tries_device_decode_and_its_snippet_runs(shards):
     with namespace["batches"] as batches:
         batch = next(iter(batches))
     assert batch["jpg"].shape == (8, 3, 48, 48) and batch["jpg"].dtype == torch.float32
+
+
+def test_tune_compares_the_thread_decoder_with_the_chosen_workers(shards, monkeypatch):
+    """With workers chosen, the thread decoder on as many cores is measured against them (two rounds);
+    it is taken only when more than 5% faster, and then the snippet's loader has decode_threads."""
+    from fastdata.manifest import Manifest
+    from fastdata.monitor import (
+        DoctorOptions,
+        _stages,
+        pick_fields,
+        python_snippet,
+        tune,
+    )
+
+    real = _stages.time_loader
+
+    def rigged(loader, **kw):  # threads measure 1.5x whatever workers measure: a clear win
+        run = real(loader, **kw)
+        if getattr(loader, "decode_threads", 0):
+            run = dataclasses.replace(run, rate=run.rate * 1.5 + 1e6)  # far above any worker count's rate
+        return run
+
+    monkeypatch.setattr(_stages, "time_loader", rigged)
+    start = DoctorOptions(samples=40, batch_size=8, num_workers=1, size=48, device="cpu")  # no step: the loader
+    r = tune(shards, start)
+    tried = [t for t in r.trials if t["dimension"] == "decode_threads"]
+    assert len(tried) == 4 and {t["value"] for t in tried} == {0, r.best.num_workers}
+    assert r.decode_threads == r.best.num_workers >= 1 and r.best_rate > r.start_rate
+    fields = pick_fields(Manifest.load(shards))
+    code = python_snippet(str(shards), r.best, fields, torch.device("cpu"), r.decode_threads)
+    assert f"decode_threads={r.decode_threads}" in code and "persistent_workers" not in code
+    namespace = {}
+    exec(compile(code, "<tune snippet>", "exec"), namespace)  # noqa: S102  the printed code runs as is
+    loader = namespace["loader"]
+    assert loader.decode_threads == r.decode_threads
+    batch = next(iter(namespace["batches"]))
+    assert batch["jpg"].shape == (8, 3, 48, 48) and loader.last_path == "threads"
+    namespace["batches"].close()

@@ -9,8 +9,9 @@ import json
 from typing import Any
 
 
-def _describe(o: Any) -> str:
-    return f"num_workers={o.num_workers}, depth={o.depth}, decode={o.decode}, batch_size={o.batch_size}"
+def _describe(o: Any, threads: int = 0) -> str:
+    loading = f"num_workers={o.num_workers}" + (f", decode_threads={threads}" if threads else "")
+    return f"{loading}, depth={o.depth}, decode={o.decode}, batch_size={o.batch_size}"
 
 
 def format_result(r: Any, snippet: str) -> list[str]:
@@ -20,11 +21,11 @@ def format_result(r: Any, snippet: str) -> list[str]:
     for t in r.trials:
         extra = ", ".join(f"{k} {v:,.0f}" if isinstance(v, float) else f"{k} {v}"
                           for k, v in t.items() if k not in ("dimension", "value"))
-        lines.append(f"  {t['dimension']:<12} {t['value']!s:<12} {extra}")
+        lines.append(f"  {t['dimension']:<14} {t['value']!s:<8} {extra}")
     lines += [f"- {n}" for n in r.notes]
     lines += [f"measured on {what}, back to back:",
               f"  start  {_describe(r.start)}: {r.start_rate:,.0f} images/s",
-              f"  tuned  {_describe(r.best)}: {r.best_rate:,.0f} images/s ({r.speedup:.2f}x)",
+              f"  tuned  {_describe(r.best, r.decode_threads)}: {r.best_rate:,.0f} images/s ({r.speedup:.2f}x)",
               "", "# the tuned configuration, ready to paste:", snippet]
     return lines
 
@@ -38,7 +39,7 @@ def _cmd_tune(args: Any) -> int:
     start = options_from(args)
     result = tune(args.shards, start, batch_limit=args.max_batch)
     fields = pick_fields(Manifest.load(args.shards), start.field, start.label)
-    snippet = python_snippet(args.shards, result.best, fields, resolve_device(start.device))
+    snippet = python_snippet(args.shards, result.best, fields, resolve_device(start.device), result.decode_threads)
     data = {**result.to_dict(), "python": snippet}
     if args.out:
         with open(args.out, "w") as f:
@@ -58,7 +59,8 @@ def add_tune_subparser(subparsers: Any) -> Any:
     p = subparsers.add_parser(
         "tune", help="search workers, prefetch depth, decode backend and batch size; print the best as Python",
         description="Measure the loader (or, with --model/--step-ms, the whole job) over SHARDS while varying "
-                    "num_workers (never above the cores), the decoder (Pillow or torchvision on the CPU; on the device "
+                    "num_workers (never above the cores), the thread decoder on as many cores (decode_threads, no "
+                    "worker processes), the decoder (Pillow or torchvision on the CPU; on the device "
                     "where CUDA is available), the prefetch depth and, with a "
                     "model on a GPU, the batch size (the largest that fits, less 10% headroom). The options give "
                     "the starting configuration; the best is printed as ready-to-paste Python with its measured "

@@ -149,15 +149,16 @@ def _close(loader: Any) -> None:
 
 
 def run_job(ds: Any, opts: DoctorOptions, device: torch.device, step: Any, transform: Any,
-            workers: int | None = None, depth: int | None = None, sample_gpu: bool = False,
+            workers: int | None = None, depth: int | None = None, sample_gpu: bool = False, threads: int = 0,
             ) -> tuple[float, StallReport]:
     """Images/s of loader -> CUDAPrefetcher -> step over ``job_steps`` steps, and the StallMeter's report.
 
     The rate leaves out the first batch (worker start-up): images after it over the time after it.
+    ``threads``: the loader's ``decode_threads`` (0: worker processes).
     """
     from fastdata.prefetch import CUDAPrefetcher
 
-    loader = _loader(ds, opts.batch_size, opts.num_workers if workers is None else workers)
+    loader = _loader(ds, opts.batch_size, opts.num_workers if workers is None else workers, threads)
     meter = StallMeter(sample_gpu=sample_gpu and device.type == "cuda")
     images = first = 0
     try:
