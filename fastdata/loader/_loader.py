@@ -293,7 +293,10 @@ class DataLoader(torch.utils.data.DataLoader):
             intervals while the stall lasts; a last WARNING says when it ended. Nothing is raised or
             stopped: torch's ``timeout=`` still does that (no warning when ``stall_warning >= timeout``).
             ``None`` or ``0``: off. With a ``ShardedDataset`` only.
-        Everything else: as ``torch.utils.data.DataLoader``.
+        Everything else: as ``torch.utils.data.DataLoader``, except that worker processes (over a
+        ``ShardedDataset``) leave through ``os._exit`` under every start method, as fork children do
+        (spawn workers otherwise run finalization and C++ static destructors, which aborted some at
+        an early stop; see ``fastdata.loader._exit``): ``atexit`` handlers in workers do not run.
 
     ``fast_path_pinned`` (attribute, default False): gather the cached fast path's batches straight
     into page-locked buffers even without ``pin_memory``; ``CUDAPrefetcher`` sets it on the loader it
@@ -396,19 +399,23 @@ class DataLoader(torch.utils.data.DataLoader):
         return _loader_iter(self, inner, self._run, None, _worker_helpers)
 
     def _get_iterator(self) -> Any:
-        """torch's iterator; with the stall watchdog on, its workers can dump their stacks (see
-        ``_watchdog.WorkerInit``: it stands in for ``worker_init_fn`` only while they start)."""
-        if (self.num_workers == 0 or not isinstance(self.dataset, ShardedDataset) or not _watchdog.CAN_DUMP
-                or _watchdog.threshold(self.stall_warning, self.timeout) is None):
+        """torch's iterator, its workers started through ``_watchdog.WorkerInit`` (it stands in for
+        ``worker_init_fn`` only while they start): each worker leaves through ``os._exit`` as a fork
+        child does (``_exit``: spawn workers aborted at exit otherwise) and, with the stall watchdog on,
+        can dump its stacks."""
+        if self.num_workers == 0 or not isinstance(self.dataset, ShardedDataset):
             return super()._get_iterator()
-        stacks = _watchdog.WorkerStacks()
+        watched = _watchdog.CAN_DUMP and _watchdog.threshold(self.stall_warning, self.timeout) is not None
+        stacks = _watchdog.WorkerStacks() if watched else None
         user_fn = self.worker_init_fn
-        self.worker_init_fn = stacks.init_fn(user_fn)
+        self.worker_init_fn = (stacks.init_fn(user_fn) if stacks is not None
+                               else _watchdog.WorkerInit(None, user_fn))
         try:
             inner = super()._get_iterator()
         finally:
             self.worker_init_fn = user_fn
-        _watchdog.attach(inner, stacks)
+        if stacks is not None:
+            _watchdog.attach(inner, stacks)
         return inner
 
     def _fast_iter(self, ds: ShardedDataset, start: EpochStart) -> Iterator[Any] | None:

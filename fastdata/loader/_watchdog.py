@@ -50,6 +50,8 @@ import weakref
 from collections.abc import Callable
 from typing import Any, BinaryIO
 
+from fastdata.loader import _exit
+
 __all__ = [
     "CAN_DUMP",
     "DEFAULT_STALL_WARNING",
@@ -110,18 +112,21 @@ def _install(folder: str, worker_id: int) -> None:
 
 
 class WorkerInit:
-    """``worker_init_fn`` of torch's workers while the stall watchdog is on: installs the stack dump
-    handler, then calls the user's ``worker_init_fn`` (if any). Picklable (spawn, forkserver)."""
+    """``worker_init_fn`` of fastdata.DataLoader's workers: arms the worker's exit through ``os._exit``
+    (:mod:`fastdata.loader._exit`), installs the stack dump handler when the stall watchdog is on
+    (``folder``), then calls the user's ``worker_init_fn`` (if any). Picklable (spawn, forkserver)."""
 
-    def __init__(self, folder: str, user_fn: Callable[[int], Any] | None):
+    def __init__(self, folder: str | None, user_fn: Callable[[int], Any] | None):
         self.folder = folder
         self.user_fn = user_fn
 
     def __call__(self, worker_id: int) -> None:
-        try:
-            _install(self.folder, worker_id)
-        except (OSError, RuntimeError, ValueError) as e:  # diagnostics only: the worker runs on without
-            _log.debug("fastdata.DataLoader worker %d: no stack dump handler: %s", worker_id, e)
+        _exit.arm()
+        if self.folder is not None:
+            try:
+                _install(self.folder, worker_id)
+            except (OSError, RuntimeError, ValueError) as e:  # diagnostics only: the worker runs on without
+                _log.debug("fastdata.DataLoader worker %d: no stack dump handler: %s", worker_id, e)
         if self.user_fn is not None:
             self.user_fn(worker_id)
 
