@@ -171,7 +171,8 @@ def open_image(data: bytes | memoryview) -> Image.Image:
 
 _JPEG_MODES = {1: "L", 3: "RGB", 4: "CMYK"}
 # Markers Pillow's JpegImagePlugin reads a length after and skips or parses (its MARKER table, less the
-# SOF-like DHP, 0xDE, which this scan leaves to Pillow); SOI, fill bytes and escaped 0xFF are handled apart.
+# SOF-like DHP, 0xDE). SOI and fill bytes are handled apart; anything else before the scan (an escaped
+# 0xFF, RSTn, TEM, JPGn, DHP) is left to Pillow.
 _JPEG_SOF = frozenset({0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF})
 _JPEG_PROGRESSIVE = frozenset({0xC2, 0xC6, 0xCA, 0xCE})
 _JPEG_LENGTH = frozenset({0xC4, 0xCC, 0xDB, 0xDC, 0xDD, 0xDF, 0xFE, *range(0xE0, 0xF0)}) | _JPEG_SOF
