@@ -1,4 +1,5 @@
-"""Image helpers shared by the GPU-decode tests (test_gpu_decode.py, test_codec_nvimgcodec.py)."""
+"""Image helpers shared by the decode tests (test_gpu_decode.py, test_codec_nvimgcodec.py, test_decode_gil.py,
+test_decode_jpeg_header.py)."""
 from __future__ import annotations
 
 import io
@@ -41,6 +42,25 @@ def many_jpegs(n: int) -> list[bytes]:
 def pillow_rgb(data: bytes) -> torch.Tensor:
     arr = np.asarray(Image.open(io.BytesIO(data)).convert("RGB"))
     return torch.from_numpy(arr.transpose(2, 0, 1).copy())
+
+
+def chw(img: Image.Image) -> np.ndarray:
+    """``np.asarray(img)`` as (C, H, W): what ``image_to_tensor`` must return."""
+    arr = np.asarray(img, dtype=np.uint8)
+    return arr[None] if arr.ndim == 2 else arr.transpose(2, 0, 1)
+
+
+def pillow_decoded(data: bytes, mode: str | None, draft: int | None) -> Image.Image:
+    """The reference for ``ImageDecoder(mode, draft_size=draft)``: Pillow's own open, the same
+    ``draft`` call, load, then ``convert(mode)`` where the mode differs."""
+    img = Image.open(io.BytesIO(data))
+    if draft and min(img.size) >= 2 * draft:
+        scale = draft / min(img.size)
+        img.draft(mode or img.mode, (int(img.size[0] * scale) + 1, int(img.size[1] * scale) + 1))
+    img.load()
+    if mode is not None and img.mode != mode:
+        img = img.convert(mode)
+    return img
 
 
 def packed(datas: list[bytes], epoch: int = 0) -> PackedImages:

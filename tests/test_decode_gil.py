@@ -16,19 +16,16 @@ from fastdata.cli._synth import jpeg_bytes, synth_image
 from fastdata.decode import ImageDecoder, SampleDecoder, image_to_tensor
 from fastdata.transforms import ResizeCenterCrop
 
+from _images import chw, pillow_decoded  # tests/_images.py
+
 SIZES = [(1, 1), (2, 1), (1, 3), (3, 5), (7, 2), (16, 16), (223, 224), (224, 223), (333, 127), (640, 481)]
 MODES = ["RGB", "L", "P", "RGBA", "RGBX", "RGBa", "CMYK", "YCbCr", "HSV", "LAB", "1", "I", "F", "LA", "La", "PA",
          "I;16", "I;16B"]
 
 
-def _reference(img: Image.Image) -> np.ndarray:
-    arr = np.asarray(img, dtype=np.uint8)
-    return arr[None] if arr.ndim == 2 else arr.transpose(2, 0, 1)
-
-
 def _check(img: Image.Image) -> None:
     t = image_to_tensor(img)
-    ref = _reference(img)
+    ref = chw(img)
     assert t.dtype == torch.uint8 and t.is_contiguous()
     assert tuple(t.shape) == ref.shape, (img.mode, img.size)
     assert np.array_equal(t.numpy(), ref), (img.mode, img.size)
@@ -74,7 +71,7 @@ def test_bit_identical_on_decoded_files(tmp_path):
                 dec = ImageDecoder(mode, draft_size=draft)
                 img = dec.pil(data)
                 _check(img)
-                assert torch.equal(dec(data), torch.from_numpy(np.array(_reference(img), order="C"))), (name, mode)
+                assert torch.equal(dec(data), torch.from_numpy(np.array(chw(img), order="C"))), (name, mode)
 
 
 def test_sample_decoder_and_transform_values_unchanged(tmp_path):
@@ -184,16 +181,9 @@ def _jpeg_variants(rng: np.random.Generator) -> dict[str, bytes]:
     return out
 
 
-def _pillow_reference(data: bytes, mode: str | None, draft: int | None) -> np.ndarray:
+def _pillowchw(data: bytes, mode: str | None, draft: int | None) -> np.ndarray:
     """What ImageDecoder returned before: Pillow's own load, then np.asarray."""
-    img = Image.open(io.BytesIO(data))
-    if draft and min(img.size) >= 2 * draft:
-        scale = draft / min(img.size)
-        img.draft(mode or img.mode, (int(img.size[0] * scale) + 1, int(img.size[1] * scale) + 1))
-    img.load()
-    if mode is not None and img.mode != mode:
-        img = img.convert(mode)
-    return _reference(img)
+    return chw(pillow_decoded(data, mode, draft))
 
 
 def test_jpeg_decoded_into_numpy_is_bit_identical(tmp_path):
@@ -205,23 +195,23 @@ def test_jpeg_decoded_into_numpy_is_bit_identical(tmp_path):
         data = (tmp_path / f"{name}.jpg").read_bytes()
         for mode in ("RGB", "L", None):
             for draft in (None, 100, 7):
-                ref = _pillow_reference(data, mode, draft)
+                ref = _pillowchw(data, mode, draft)
                 dec = ImageDecoder(mode, draft_size=draft)
                 t = dec(data)
                 assert t.dtype == torch.uint8 and t.is_contiguous() and t.numpy().flags.writeable
                 assert np.array_equal(t.numpy(), ref), (name, mode, draft)
                 img = dec.pil(data)
-                assert np.array_equal(_reference(img), ref), (name, mode, draft)
+                assert np.array_equal(chw(img), ref), (name, mode, draft)
                 # the image is an ordinary PIL image: further operations see the same pixels
                 flipped = img.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
-                assert np.array_equal(_reference(flipped), ref[:, :, ::-1]), (name, mode, draft)
+                assert np.array_equal(chw(flipped), ref[:, :, ::-1]), (name, mode, draft)
 
 
 def test_jpeg_decoded_into_numpy_after_other_images_left_garbage():
     """Uninitialised NumPy memory: every pixel must be written by the decoder, whatever was there."""
     rng = np.random.default_rng(5)
     data = jpeg_bytes(synth_image(rng, 300, 200), 90)
-    ref = _pillow_reference(data, "RGB", None)
+    ref = _pillowchw(data, "RGB", None)
     dec = ImageDecoder()
     for _ in range(20):
         junk = [np.full((200, 300, 4), 255, dtype=np.uint8) for _ in range(4)]
@@ -239,7 +229,7 @@ def test_truncated_jpeg_still_raises_and_load_truncated_images_matches_pillow(mo
     with pytest.raises(Exception, match="truncated|broken|cannot"):
         SampleDecoder()({"__key__": "k", "jpg": cut}, shard="s.tar")
     monkeypatch.setattr(ImageFile, "LOAD_TRUNCATED_IMAGES", True)
-    assert np.array_equal(ImageDecoder()(cut).numpy(), _pillow_reference(cut, "RGB", None))
+    assert np.array_equal(ImageDecoder()(cut).numpy(), _pillowchw(cut, "RGB", None))
 
 
 def test_sample_decoder_error_names_field_for_corrupt_jpeg():
@@ -270,7 +260,7 @@ def test_large_jpeg_in_one_read_bytes_and_memoryview():
     img = synth_image(np.random.default_rng(9), 1600, 1203)
     data = jpeg_bytes(img, 95)
     assert len(data) > 4 * ImageFile.MAXBLOCK
-    ref = _pillow_reference(data, "RGB", None)
+    ref = _pillowchw(data, "RGB", None)
     for src in (data, memoryview(data), memoryview(bytearray(data))):
         assert np.array_equal(ImageDecoder()(src).numpy(), ref)
         out = SampleDecoder()({"__key__": "k", "jpg": src}, shard="s.tar")["jpg"]
@@ -289,7 +279,7 @@ def test_large_truncated_jpeg_with_load_truncated_images_matches_pillow(monkeypa
     cut = data[: len(data) * 2 // 3]
     assert len(cut) > 2 * ImageFile.MAXBLOCK
     monkeypatch.setattr(ImageFile, "LOAD_TRUNCATED_IMAGES", True)
-    ref = _pillow_reference(cut, "RGB", None)
+    ref = _pillowchw(cut, "RGB", None)
     assert np.array_equal(ImageDecoder()(cut).numpy(), ref)
     assert np.array_equal(ImageDecoder()(memoryview(cut)).numpy(), ref)
 

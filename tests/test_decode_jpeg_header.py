@@ -16,6 +16,8 @@ from fastdata.cli._synth import jpeg_bytes, synth_image
 from fastdata.decode import ImageDecoder, SampleDecoder
 from fastdata.errors import DecodeError
 
+from _images import chw, pillow_decoded  # tests/_images.py
+
 
 def _save(img: Image.Image, **kw: object) -> bytes:
     buf = io.BytesIO()
@@ -48,22 +50,6 @@ def _variants() -> dict[str, tuple[bytes, bool]]:
     return out
 
 
-def _pillow(data: bytes, mode: str | None, draft: int | None) -> Image.Image:
-    img = Image.open(io.BytesIO(data))
-    if draft and min(img.size) >= 2 * draft:
-        scale = draft / min(img.size)
-        img.draft(mode or img.mode, (int(img.size[0] * scale) + 1, int(img.size[1] * scale) + 1))
-    img.load()
-    if mode is not None and img.mode != mode:
-        img = img.convert(mode)
-    return img
-
-
-def _chw(img: Image.Image) -> np.ndarray:
-    arr = np.asarray(img, dtype=np.uint8)
-    return arr[None] if arr.ndim == 2 else arr.transpose(2, 0, 1)
-
-
 @pytest.fixture
 def opens(monkeypatch):
     """Counts the decoder's trips through ``Image.open``."""
@@ -78,20 +64,20 @@ def opens(monkeypatch):
     return calls
 
 
-def test_same_pixels_mode_size_and_info_as_pillow(opens):
+def test_same_pixels_mode_size_and_info_aspillow_decoded(opens):
     for name, (data, plain) in _variants().items():
         for mode in ("RGB", "L", None):
             for draft in (None, 100, 3):
-                ref = _pillow(data, mode, draft)
+                ref = pillow_decoded(data, mode, draft)
                 dec = ImageDecoder(mode, draft_size=draft)
                 del opens[:]
                 t = dec(data)
                 assert not opens, f"{name}: tensors never need Image.open"
-                assert np.array_equal(t.numpy(), _chw(ref)), (name, mode, draft)
+                assert np.array_equal(t.numpy(), chw(ref)), (name, mode, draft)
                 img = dec.pil(data)
                 assert len(opens) == (0 if plain else 1), (name, "metadata keeps the full open" if not plain else "")
                 assert (img.mode, img.size) == (ref.mode, ref.size), (name, mode, draft)
-                assert np.array_equal(_chw(img), _chw(ref)), (name, mode, draft)
+                assert np.array_equal(chw(img), chw(ref)), (name, mode, draft)
                 assert img.info == ref.info, (name, mode, draft)
                 if img.mode == Image.open(io.BytesIO(data)).mode:  # not converted: still says JPEG
                     assert img.format == "JPEG", name
@@ -108,7 +94,7 @@ def test_metadata_kept_for_pil_images():
 def test_short_way_builds_no_image_file(monkeypatch):
     """The point of the short way: none of ImageFile's Python (plugin search, per-marker handlers)."""
     data = jpeg_bytes(synth_image(np.random.default_rng(1), 200, 150), 90)
-    ref = _chw(_pillow(data, "RGB", None))
+    ref = chw(pillow_decoded(data, "RGB", None))
 
     def refuse(*a, **k):
         raise AssertionError("ImageFile constructed")
@@ -116,7 +102,7 @@ def test_short_way_builds_no_image_file(monkeypatch):
     monkeypatch.setattr(ImageFile.ImageFile, "__init__", refuse)
     assert np.array_equal(ImageDecoder()(data).numpy(), ref)
     assert np.array_equal(ImageDecoder()(memoryview(data)).numpy(), ref)
-    assert np.array_equal(_chw(ImageDecoder().pil(data)), ref)
+    assert np.array_equal(chw(ImageDecoder().pil(data)), ref)
 
 
 def _sof_at(data: bytes) -> int:
@@ -166,7 +152,7 @@ def test_bad_jpegs_raise_what_pillow_raises(name):
     try:
         want = _pillow_error(data)
     except AssertionError:  # Pillow decodes it (libjpeg tolerates some damage): so must we, identically
-        ref = _chw(_pillow(data, "RGB", None))
+        ref = chw(pillow_decoded(data, "RGB", None))
         assert np.array_equal(ImageDecoder()(data).numpy(), ref)
         return
     for call in (ImageDecoder(), ImageDecoder().pil):
@@ -177,7 +163,7 @@ def test_bad_jpegs_raise_what_pillow_raises(name):
         SampleDecoder()({"__key__": "k", "jpg": data}, shard="s.tar")
 
 
-def test_header_scan_leaves_unusual_files_to_pillow():
+def test_header_scan_leaves_unusual_files_topillow_decoded():
     data = jpeg_bytes(synth_image(np.random.default_rng(4), 40, 30), 90)
     assert fdecode._jpeg_header(data) is not None
     for name, bad in _broken_headers().items():
@@ -209,11 +195,11 @@ def test_bomb_and_max_pixels_checked_before_decoding(monkeypatch):
         assert ImageDecoder()(data).shape == (3, 80, 100)
 
 
-def test_load_truncated_images_goes_through_pillow(monkeypatch, opens):
+def test_load_truncated_images_goes_throughpillow_decoded(monkeypatch, opens):
     data = jpeg_bytes(synth_image(np.random.default_rng(8), 320, 240), 90)
     cut = data[: len(data) // 2]
     monkeypatch.setattr(ImageFile, "LOAD_TRUNCATED_IMAGES", True)
-    assert np.array_equal(ImageDecoder()(cut).numpy(), _chw(_pillow(cut, "RGB", None)))
+    assert np.array_equal(ImageDecoder()(cut).numpy(), chw(pillow_decoded(cut, "RGB", None)))
     assert opens
 
 
@@ -258,7 +244,7 @@ def test_device_decode_host_fallback_decodes_the_same_and_refuses_bombs(monkeypa
         packed = torch.frombuffer(bytearray(b"xx" + data + b"yy"), dtype=torch.uint8)[2:-2]
         out = decode_host(packed, ImageInfo(sniff(data)), "pillow")
         assert out.shape == (3, 70, 90) and out.is_contiguous()
-        assert np.array_equal(out.numpy(), _chw(_pillow(data, "RGB", None)))
+        assert np.array_equal(out.numpy(), chw(pillow_decoded(data, "RGB", None)))
     monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 90 * 70 - 1)
     with pytest.raises(Image.DecompressionBombWarning):
         decode_host(torch.frombuffer(bytearray(data), dtype=torch.uint8), ImageInfo(sniff(data)), "pillow")
