@@ -34,6 +34,7 @@ No compression (decoding speed first). Reading with plain h5py::
 """
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -200,8 +201,9 @@ class HDF5ShardReader:
             except OSError as e:
                 raise ShardError(f"{self.path}: cannot open as HDF5: {e}") from e
             try:
-                self._keys, self._layout = _validate(f, self.path)
-                self._npy_shapes = self._check_expected(f)
+                with _h5_errors(self.path, "reading its layout"):
+                    self._keys, self._layout = _validate(f, self.path)
+                    self._npy_shapes = self._check_expected(f)
             except BaseException:
                 f.close()
                 raise
@@ -287,7 +289,8 @@ class HDF5ShardReader:
             raise IndexError(f"{self.path}: sample index {i} out of range for {n} samples")
         out: dict[str, Any] = {"__key__": self.keys[i]}
         for name, kind, npy in self._selected(fields):
-            value = _convert(f[name][i], kind, npy)
+            with _h5_errors(self.path, f"reading field {name!r} of sample {i} ({out['__key__']!r})"):
+                value = _convert(f[name][i], kind, npy)
             out[name] = self._checked(name, value, out["__key__"]) if self._npy_shapes else value
         return out
 
@@ -304,16 +307,21 @@ class HDF5ShardReader:
         if not 0 <= start <= stop <= n:
             raise IndexError(f"{self.path}: range {start}:{stop} out of bounds for {n} samples")
         selected = self._selected(fields)
-        row_bytes = sum(int(np.prod(f[name].shape[1:], dtype=np.int64)) * f[name].dtype.itemsize
-                        for name, kind, npy in selected if kind == "array" and not npy)
+        with _h5_errors(self.path, "reading its layout"):
+            row_bytes = sum(int(np.prod(f[name].shape[1:], dtype=np.int64)) * f[name].dtype.itemsize
+                            for name, kind, npy in selected if kind == "array" and not npy)
         rows = max(1, min(_MAX_BLOCK_ROWS, _BLOCK_BYTES // max(1, row_bytes)))
         for a in range(start, stop, rows):
             b = min(stop, a + rows)
-            blocks = [(name, kind, npy, f[name][a:b]) for name, kind, npy in selected]
+            blocks = []
+            for name, kind, npy in selected:
+                with _h5_errors(self.path, f"reading field {name!r} of samples {a}..{b - 1}"):
+                    blocks.append((name, kind, npy, f[name][a:b]))
             for j in range(b - a):
                 out: dict[str, Any] = {"__key__": keys[a + j]}
                 for name, kind, npy, block in blocks:
-                    value = _convert(block[j], kind, npy)
+                    with _h5_errors(self.path, f"reading field {name!r} of sample {a + j} ({keys[a + j]!r})"):
+                        value = _convert(block[j], kind, npy)
                     out[name] = self._checked(name, value, out["__key__"]) if self._npy_shapes else value
                 yield out
 
@@ -343,6 +351,19 @@ class HDF5ShardReader:
 
     def __repr__(self) -> str:
         return f"HDF5ShardReader({self.path!r})"
+
+
+@contextlib.contextmanager
+def _h5_errors(path: str, what: str) -> Iterator[None]:
+    """What h5py (or numpy, parsing stored ``.npy`` bytes) raises on a corrupt file, as a ShardError
+    naming the shard: KeyError, RuntimeError, OSError, ValueError depending on the damaged structure."""
+    try:
+        yield
+    except ShardError:
+        raise
+    except (OSError, KeyError, RuntimeError, ValueError) as e:
+        raise ShardError(f"{path}: {what}: {type(e).__name__}: {e}; the shard is corrupt or was changed "
+                         "(run verify)") from e
 
 
 def _convert(value: Any, kind: str, npy: bool) -> Any:
