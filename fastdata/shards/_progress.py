@@ -18,11 +18,11 @@ from typing import Any
 from fastdata.errors import ConversionError
 from fastdata.manifest import MANIFEST_NAME, Manifest, ShardInfo, sha256_file
 from fastdata.shards._plan import Plan, ShardResult
+from fastdata.shards._sources import PROGRESS_DIR
 
 
 log = logging.getLogger("fastdata.convert")
 
-PROGRESS_DIR = ".fastdata-progress"
 _PLAN_FILE = "plan.json"
 FINGERPRINT_KEY = "plan_fingerprint"  # in manifest.extra: the plan a finished DEST was written by
 

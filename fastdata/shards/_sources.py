@@ -15,7 +15,8 @@ Source kinds (:func:`list_source`):
 - ``tar``: a ``.tar`` file or a folder of ``*.tar`` shards (top level; webdataset-written ones
   included), in name order; samples in file order, fields passed through byte for byte.
 - ``hdf5``: a ``.h5``/``.hdf5`` file or a folder of them, in fastdata's documented layout.
-- A folder holding ``manifest.json`` (a fastdata output): its shards, in manifest order.
+- A folder holding ``manifest.json`` (a fastdata output): its shards, in manifest order. One
+  holding ``.fastdata-progress`` instead (an unfinished conversion) is refused.
 - ``npz``: a ``.npz`` whose arrays share their first axis; one field ``<name>.npy`` per array,
   keys from a string array ``__key__`` if present, else the zero-padded row number.
 """
@@ -43,6 +44,7 @@ __all__ = ["Listing", "SourceError", "SourceReader", "list_source", "member_byte
 _TAR_SUFFIXES = (".tar",)
 _H5_SUFFIXES = (".h5", ".hdf5")
 _COMPRESSED_TAR = (".tar.gz", ".tgz", ".tar.bz2", ".tar.xz", ".tar.zst")
+PROGRESS_DIR = ".fastdata-progress"  # a conversion's records in DEST until its manifest is written
 
 
 def member_bytes(name_len: int, data_len: int) -> int:
@@ -98,6 +100,9 @@ def list_source(src: str | os.PathLike[str]) -> Listing:
         raise SourceError(f"SRC {src}: not a regular file or folder")
     if (path / MANIFEST_NAME).is_file():
         return _list_manifest_folder(path)
+    if (path / PROGRESS_DIR).is_dir():  # its shards are not all there: never read them as a tar folder
+        raise SourceError(f"SRC {src}: a conversion into this folder did not finish (no {MANIFEST_NAME}, "
+                          f"records in {PROGRESS_DIR}); rerun that conversion to complete it first")
     names = sorted(e.name for e in os.scandir(path) if e.is_file() and not e.name.startswith("."))
     tars = [n for n in names if n.lower().endswith(_TAR_SUFFIXES)]
     h5s = [n for n in names if n.lower().endswith(_H5_SUFFIXES)]
