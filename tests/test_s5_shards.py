@@ -1,0 +1,153 @@
+"""Session-5 bug hunt of the shard formats and the converter: each test failed before its fix."""
+from __future__ import annotations
+
+import io
+import os
+import shutil
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from fastdata.errors import FastdataError, ShardError, SourceError
+from fastdata.manifest import Manifest
+from fastdata.shards.convert import ConversionError, ConvertOptions, convert
+from fastdata.shards.hdf5 import HDF5ShardReader
+from fastdata.shards.reader import open_shard, verify
+
+
+def png(i: int) -> bytes:
+    arr = (np.arange(8 * 6 * 3).reshape(6, 8, 3) * (i + 1)) % 256
+    buf = io.BytesIO()
+    Image.fromarray(arr.astype(np.uint8)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def image_folder(root, n=6):
+    for i in range(n):
+        path = root / ("a" if i % 2 == 0 else "b") / f"{i:03d}.png"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(png(i))
+    return root
+
+
+def opts(**kw):
+    return ConvertOptions(workers=1, progress=False, **kw)
+
+
+# --------------------------------------------------------------- an unfinished conversion as SRC
+
+def test_unfinished_conversion_is_not_a_source(tmp_path):
+    """A DEST whose conversion was interrupted (no manifest yet, progress records left) is not
+    read as a complete folder of tar shards: converting it would silently lose the missing shards."""
+    out = tmp_path / "out"
+    convert(image_folder(tmp_path / "src"), out, opts(samples_per_shard=2))
+    (out / "manifest.json").unlink()
+    (out / ".fastdata-progress").mkdir()  # what an interrupted run leaves (its records inside)
+    (out / "shard-000002.tar").unlink()  # the shard it did not get to
+    (out / "shard-000002.tar.idx").unlink()
+    with pytest.raises(SourceError, match=r"out.*did not finish"):
+        convert(out, tmp_path / "again", opts())
+    assert not (tmp_path / "again" / "manifest.json").exists()
+
+
+# --------------------------------------------------------------- DEST is SRC under another name
+
+def test_overwrite_into_a_symlink_to_src_is_refused(tmp_path):
+    """``--overwrite`` into a symlink to SRC removed SRC's shards before reading them."""
+    src = tmp_path / "src"
+    convert(image_folder(tmp_path / "imgs"), src, opts(samples_per_shard=2))
+    before = sorted(os.listdir(src))
+    link = tmp_path / "link"
+    link.symlink_to(src, target_is_directory=True)
+    with pytest.raises(ConversionError, match="SRC"):
+        convert(src, link, opts(overwrite=True))
+    assert sorted(os.listdir(src)) == before
+
+
+def test_overwrite_into_the_folder_of_a_src_file_is_refused(tmp_path):
+    """SRC a shard file inside DEST: ``--overwrite`` would delete it (it is named like an output)."""
+    src = tmp_path / "src"
+    convert(image_folder(tmp_path / "imgs"), src, opts())
+    with pytest.raises(ConversionError, match="SRC"):
+        convert(src / "shard-000000.tar", src, opts(overwrite=True))
+    assert (src / "shard-000000.tar").is_file()
+    assert verify(src) == []
+
+
+def test_dest_inside_image_src_through_a_symlink_is_refused(tmp_path):
+    src = image_folder(tmp_path / "src")
+    (tmp_path / "link").symlink_to(src, target_is_directory=True)
+    with pytest.raises(ConversionError, match="inside SRC"):
+        convert(src, tmp_path / "link" / "out", opts())
+
+
+# ------------------------------------------------------------------- corrupt HDF5 shards
+
+def _h5_shard(tmp_path):
+    out = tmp_path / "h5"
+    convert(image_folder(tmp_path / "src"), out, opts(format="hdf5"))
+    return out, Manifest.load(out)
+
+
+def _corrupt(path, start, n=8):
+    data = bytearray(path.read_bytes())
+    for k in range(start, min(start + n, len(data))):
+        data[k] ^= 0xA5
+    path.write_bytes(bytes(data))
+
+
+_METADATA = range(0, 2560, 48)  # where a small shard keeps its superblock, object headers and heaps
+
+
+def _h5py_failure(path):
+    """What h5py raised reading ``path`` (through a ShardError wrapping it, if any; None: nothing)."""
+    try:
+        reader = HDF5ShardReader(path)
+        for i in range(len(reader)):
+            reader.read(i)
+        reader.close()
+    except ShardError as e:
+        return e.__cause__
+    except Exception as e:  # noqa: BLE001 - what the test is about
+        return e
+    return None
+
+
+def test_corrupt_hdf5_shard_is_a_shard_error_naming_it(tmp_path):
+    """Before: KeyError/RuntimeError/OSError/UnicodeDecodeError straight from h5py, without the shard,
+    which also escaped ``on_error="skip"`` (it catches FastdataError and OSError)."""
+    out, manifest = _h5_shard(tmp_path)
+    shard = manifest.shards[0]
+    orig = (out / shard.name).read_bytes()
+    for off in _METADATA:  # until h5py raised something other than an OSError (a few offsets in)
+        _corrupt(out / shard.name, off)
+        try:
+            reader = open_shard(out, shard, format="hdf5", fields=manifest.fields)
+            for i in range(len(reader)):
+                reader.read(i)
+            list(reader.iter_range())
+            reader.close()
+        except FastdataError as e:
+            assert shard.name in str(e)
+            if e.__cause__ is not None and not isinstance(e.__cause__, OSError):
+                break
+        (out / shard.name).write_bytes(orig)
+    else:
+        pytest.skip("no corruption tried here makes this h5py raise anything but OSError")
+
+
+def test_verify_lists_a_corrupt_hdf5_shard_and_goes_on(tmp_path):
+    """Before: ``verify`` stopped at a KeyError from h5py, naming no shard and listing nothing else."""
+    out, manifest = _h5_shard(tmp_path)
+    shard = manifest.shards[0]
+    orig = (out / shard.name).read_bytes()
+    for off in _METADATA:
+        _corrupt(out / shard.name, off)
+        if not isinstance(_h5py_failure(out / shard.name), (OSError, type(None))):
+            break
+        (out / shard.name).write_bytes(orig)
+    else:
+        pytest.skip("no corruption tried here makes this h5py raise anything but OSError")
+    problems = verify(out)
+    assert problems and all(p.startswith(shard.name + ": ") for p in problems)
