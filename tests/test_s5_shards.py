@@ -151,3 +151,30 @@ def test_verify_lists_a_corrupt_hdf5_shard_and_goes_on(tmp_path):
         pytest.skip("no corruption tried here makes this h5py raise anything but OSError")
     problems = verify(out)
     assert problems and all(p.startswith(shard.name + ": ") for p in problems)
+
+
+# ------------------------------------------------------------------- --shard-size estimates
+
+def test_shard_size_counts_the_pax_headers_of_non_ascii_names(tmp_path):
+    """Non-ASCII names get a PAX header (1 KiB more per member): the estimate left it out, so
+    ``--shard-size 32KiB`` gave 60 KiB shards for a folder with umlauts in its file names."""
+    src = tmp_path / "src"
+    for i in range(40):
+        path = src / "klasse_ä" / f"bild_{i:03d}_ü.png"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(png(i))
+    limit = 32 << 10
+    manifest = convert(src, tmp_path / "out", opts(shard_size=limit)).manifest
+    assert manifest.num_samples == 40 and len(manifest.shards) > 1
+    # each shard's content (before the end-of-archive record padding) fits the target
+    assert all(s.bytes - 10240 <= limit for s in manifest.shards), [s.bytes for s in manifest.shards]
+
+
+@pytest.mark.parametrize("name", ["a.jpg", "ünï/a.jpg", "a" * 100, "a" * 101, "a" * 495, "ü" * 300,
+                                  "a\udcff.jpg", "x/" * 300 + "é.png"], ids=lambda n: f"{len(n)}chars")
+def test_member_bytes_is_what_the_writer_writes(name):
+    from fastdata.shards import _tarfmt
+    from fastdata.shards._sources import member_bytes
+
+    for size in (0, 1, 512, 513):
+        assert member_bytes(name, size) == len(_tarfmt.member_header(name, size)) + size + _tarfmt.pad(size)

@@ -47,12 +47,22 @@ _COMPRESSED_TAR = (".tar.gz", ".tgz", ".tar.bz2", ".tar.xz", ".tar.zst")
 PROGRESS_DIR = ".fastdata-progress"  # a conversion's records in DEST until its manifest is written
 
 
-def member_bytes(name_len: int, data_len: int) -> int:
-    """Estimated tar bytes of one member: header(s) + data + padding.
+def member_bytes(name: str, data_len: int) -> int:
+    """Tar bytes of member ``name`` as fastdata writes it: header(s) + data + padding.
 
-    Names over 100 bytes need a PAX extended header (two more blocks).
+    A name that is not ASCII or is over 100 characters gets a PAX extended header first (its own
+    header block plus the ``path`` record, padded to whole blocks), as ``tarfile`` writes it.
     """
-    header = 512 if name_len <= 100 else 3 * 512
+    header = 512
+    if len(name) > 100 or not name.isascii():
+        raw = name.encode("utf-8", "surrogateescape")
+        record = len(raw) + len(" path=\n")
+        record += len(str(record + len(str(record))))  # the record's length, counting its own digits
+        try:
+            name.encode("utf-8")
+        except UnicodeEncodeError:  # undecodable bytes from the file system
+            record += len("21 hdrcharset=BINARY\n")
+        header += 512 + record + (-record % 512)
     return header + data_len + (-data_len % 512)
 
 
@@ -208,9 +218,9 @@ def _list_images(root: Path) -> Listing:
         exts.add(ext)
         listing.keys.append(key)
         listing.refs.append((rel, cls, ext))
-        image = member_bytes(len(key) + 1 + len(ext), st.st_size)
+        image = member_bytes(f"{key}.{ext}", st.st_size)
         listing.image_sizes.append(image)
-        listing.sizes.append(image + (member_bytes(len(key) + 4, len(str(cls))) if cls is not None else 0))
+        listing.sizes.append(image + (member_bytes(f"{key}.cls", len(str(cls))) if cls is not None else 0))
     if not listing.keys:
         what = "is empty" if not candidates and not top_files else "holds no image files"
         raise SourceError(f"SRC {root}: {what} (expected class subfolders of images "
@@ -252,7 +262,7 @@ def _list_tar(root: Path, files: Sequence[Path], indexes: Sequence[str | None]) 
             listing.refs.append((i, j))
             total = image = 0
             for fld, a, b in members:
-                size = member_bytes(len(key) + 1 + len(fld), b - a)
+                size = member_bytes(f"{key}.{fld}", b - a)
                 total += size
                 if fld.rsplit(".", 1)[-1].lower() in IMAGE_EXTENSIONS:
                     image += size
@@ -403,11 +413,10 @@ def _list_npz(path: Path) -> Listing:
     else:
         width = max(6, len(str(n - 1)))
         keys = [f"{i:0{width}d}" for i in range(n)]
-    per_sample = sum(member_bytes(len(keys[0]) + 5 + len(m.name),
-                                  128 + m.dtype.itemsize * int(np.prod(m.shape[1:], dtype=np.int64)))
-                     for m in arrays)
+    data = [(m.name, 128 + m.dtype.itemsize * int(np.prod(m.shape[1:], dtype=np.int64))) for m in arrays]
+    sizes = [sum(member_bytes(f"{k}.{name}.npy", size) for name, size in data) for k in keys]
     listing = Listing(kind="npz", root=str(path), files=(str(path),), indexes=(None,), keys=keys,
-                      refs=[(0, i) for i in range(n)], sizes=[per_sample] * n, image_sizes=[0] * n,
+                      refs=[(0, i) for i in range(n)], sizes=sizes, image_sizes=[0] * n,
                       fields=tuple(sorted(fields, key=lambda f: f.name)))
     listing.extra["arrays"] = [m.name for m in arrays]
     listing.stamp = _file_stamp(path.parent, [path])

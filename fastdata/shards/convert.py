@@ -148,7 +148,7 @@ def _estimated_sizes(listing: Listing, opts: ConvertOptions) -> list[int]:
     if not opts.resize:
         return listing.sizes
     npy = 128 + 3 * opts.resize * opts.resize
-    return [s - img + member_bytes(len(k) + 8, npy)
+    return [s - img + member_bytes(f"{k}.img.npy", npy)
             for s, img, k in zip(listing.sizes, listing.image_sizes, listing.keys)]
 
 
