@@ -318,7 +318,8 @@ def test_stats_fields() -> None:
         ({"transform": 5}, "transform must be callable or None, got 5"),
         ({"device": "meta"}, "device must be 'cpu' or a CUDA device, got 'meta'"),
         ({"device": "cuda:0"}, "device='cuda:0' requested but CUDA is not available"),
-        ({"device": "nonsense"}, "device must be a str, int, torch.device or None, got 'nonsense'"),
+        ({"device": "nonsense"}, "device must be 'cpu', 'cuda', 'cuda:N', a CUDA index, a torch.device or None, "
+                                 "got 'nonsense'"),
     ],
 )
 def test_argument_validation(kwargs: dict, match: str) -> None:

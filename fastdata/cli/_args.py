@@ -7,6 +7,7 @@ rather than naming an internal function.
 from __future__ import annotations
 
 import argparse
+import os
 
 from fastdata._util import parse_size
 
@@ -50,7 +51,35 @@ def positive_float(text: str) -> float:
     return value
 
 
+def output_file(text: str) -> str:
+    """A file to write results to at the end of a run: checked up front, so that minutes of measuring
+    are not lost to a missing folder or a typo."""
+    if not text:
+        raise argparse.ArgumentTypeError("expected a file path, got ''")
+    if os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text} is a folder; expected a file path")
+    folder = os.path.dirname(os.path.abspath(text))
+    if not os.path.isdir(folder):
+        raise argparse.ArgumentTypeError(f"{text}: folder {folder} does not exist")
+    if not os.access(folder, os.W_OK):
+        raise argparse.ArgumentTypeError(f"{text}: folder {folder} is not writable")
+    return text
+
+
+def device(text: str) -> str:
+    """A device ``fastdata.CUDAPrefetcher`` accepts here (``cpu``, ``cuda``, ``cuda:N``), checked up front."""
+    from fastdata.prefetch import resolve_device
+
+    try:
+        resolve_device(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
 positive_int.__name__ = "integer >= 1"  # argparse names the type in "invalid <name> value" messages
 nonneg_int.__name__ = "integer >= 0"
 byte_size.__name__ = "size"
 positive_float.__name__ = "number > 0"
+output_file.__name__ = "file path"
+device.__name__ = "device"

@@ -176,7 +176,7 @@ def _cmd_bench(args: Any) -> int:
 
 def add_bench_subparser(subparsers: Any) -> Any:
     """Add ``bench`` to the ``fastdata`` command's subparsers."""
-    from fastdata.cli._args import nonneg_int, positive_int
+    from fastdata.cli._args import nonneg_int, output_file, positive_int
 
     p = subparsers.add_parser(
         "bench", help="measure raw reads, the decode pipeline, the cache and H2D copies on your shards",
@@ -195,6 +195,6 @@ def add_bench_subparser(subparsers: Any) -> Any:
     p.add_argument("--size", type=positive_int, default=IMAGE_SIZE, metavar="PX",
                    help=f"ResizeCenterCrop output side (default: {IMAGE_SIZE})")
     p.add_argument("--json", action="store_true", help="print the results as JSON instead of a table (default: off)")
-    p.add_argument("--out", default=None, metavar="PATH", help="also write the JSON results to PATH (default: none)")
+    p.add_argument("--out", type=output_file, default=None, metavar="PATH", help="also write the JSON results to PATH (default: none)")
     p.set_defaults(func=_cmd_bench)
     return p

@@ -455,7 +455,7 @@ def _cmd_demo(args: Any) -> int:
 
 def add_demo_subparser(sub: Any) -> None:
     """Register ``fastdata demo`` on the ``fastdata`` command's subparsers."""
-    from fastdata.cli._args import nonneg_int, positive_int
+    from fastdata.cli._args import nonneg_int, output_file, positive_int
 
     demo = sub.add_parser(
         "demo", help="before/after: the same model trained from a tuned torch DataLoader and from fastdata",
@@ -475,7 +475,7 @@ def add_demo_subparser(sub: Any) -> None:
     demo.add_argument("--model", choices=MODELS, default="auto",
                       help="model to train: auto = resnet18 on a GPU (needs torchvision), a small CNN on the "
                            "CPU (default: auto)")
-    demo.add_argument("--json", default=None, metavar="PATH",
+    demo.add_argument("--json", type=output_file, default=None, metavar="PATH",
                       help="also write the rows, settings, machine and per-step input waits as JSON "
                            "(for benchmarks/plot.py; default: none)")
     demo.set_defaults(func=_cmd_demo)

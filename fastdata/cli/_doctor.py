@@ -206,7 +206,7 @@ def run_doctor(source: str | None = None, options: Any = None, *, as_json: bool 
 
 def add_pipeline_arguments(p: Any, *, samples: int = 512) -> None:
     """The loader settings and training step shared by ``doctor`` and ``tune`` (each states its default)."""
-    from fastdata.cli._args import nonneg_int, positive_float, positive_int
+    from fastdata.cli._args import device, nonneg_int, positive_float, positive_int
 
     step = p.add_mutually_exclusive_group()
     step.add_argument("--model", metavar="NAME", default=None,
@@ -229,7 +229,7 @@ def add_pipeline_arguments(p: Any, *, samples: int = 512) -> None:
                    help="image field (default: the manifest's first image field)")
     p.add_argument("--label", default=None, metavar="NAME",
                    help="label field (default: the manifest's first cls field, if any)")
-    p.add_argument("--device", default=None, metavar="DEV", help="cpu, cuda or cuda:N (default: cuda if available)")
+    p.add_argument("--device", type=device, default=None, metavar="DEV", help="cpu, cuda or cuda:N (default: cuda if available)")
 
 
 def options_from(args: Any) -> Any:
@@ -246,6 +246,8 @@ def _cmd_doctor(args: Any) -> int:
 
 def add_doctor_subparser(subparsers: Any) -> Any:
     """Add ``doctor`` to the ``fastdata`` command's subparsers."""
+    from fastdata.cli._args import output_file
+
     p = subparsers.add_parser(
         "doctor", help="check the environment; with SHARDS, measure every pipeline stage and name the bottleneck",
         description="Check the environment for input-pipeline pitfalls. With SHARDS, measure each stage of the "
@@ -257,6 +259,7 @@ def add_doctor_subparser(subparsers: Any) -> Any:
                    help="shard folder with manifest.json to measure (default: environment checks only)")
     add_pipeline_arguments(p)
     p.add_argument("--json", action="store_true", help="print the results as JSON instead of tables (default: off)")
-    p.add_argument("--out", default=None, metavar="PATH", help="also write the JSON results to PATH (default: none)")
+    p.add_argument("--out", type=output_file, default=None, metavar="PATH",
+                   help="also write the JSON results to PATH (default: none)")
     p.set_defaults(func=_cmd_doctor)
     return p

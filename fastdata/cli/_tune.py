@@ -53,7 +53,7 @@ def _cmd_tune(args: Any) -> int:
 
 def add_tune_subparser(subparsers: Any) -> Any:
     """Add ``tune`` to the ``fastdata`` command's subparsers."""
-    from fastdata.cli._args import positive_int
+    from fastdata.cli._args import output_file, positive_int
     from fastdata.cli._doctor import add_pipeline_arguments
 
     p = subparsers.add_parser(
@@ -70,6 +70,6 @@ def add_tune_subparser(subparsers: Any) -> Any:
     p.add_argument("--max-batch", type=positive_int, default=2048, metavar="N",
                    help="largest batch size the search tries (default: 2048)")
     p.add_argument("--json", action="store_true", help="print the results as JSON instead of text (default: off)")
-    p.add_argument("--out", default=None, metavar="PATH", help="also write the JSON results to PATH (default: none)")
+    p.add_argument("--out", type=output_file, default=None, metavar="PATH", help="also write the JSON results to PATH (default: none)")
     p.set_defaults(func=_cmd_tune)
     return p

@@ -75,16 +75,19 @@ class PrefetchOptions:
             raise ValueError(f"stream_priority must be one of {STREAM_PRIORITIES}, got {self.stream_priority!r}")
 
 
+_DEVICE_FORMS = "'cpu', 'cuda', 'cuda:N', a CUDA index, a torch.device or None"
+
+
 def resolve_device(device: str | int | torch.device | None) -> torch.device:
     """``None`` -> CUDA when available else CPU; a bare ``"cuda"`` -> ``cuda:$LOCAL_RANK`` (or current)."""
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if isinstance(device, bool):
-        raise ValueError(f"device must be a str, int, torch.device or None, got {device!r}")
+        raise ValueError(f"device must be {_DEVICE_FORMS}, got {device!r}")
     try:
         dev = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
     except (RuntimeError, TypeError) as e:
-        raise ValueError(f"device must be a str, int, torch.device or None, got {device!r}") from e
+        raise ValueError(f"device must be {_DEVICE_FORMS}, got {device!r}") from e
     if dev.type == "cpu":
         return torch.device("cpu")
     if dev.type != "cuda":

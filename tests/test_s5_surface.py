@@ -1,0 +1,61 @@
+"""Session 5, "surface": a new user's misuses of the CLI and of the public API (CPU only)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import fastdata
+from fastdata.cli import main
+
+
+def _npz_shards(root):
+    """A shard folder whose samples hold arrays, no image field."""
+    with fastdata.ShardWriter(root / "arrays") as w:
+        for i in range(6):
+            w.write({"__key__": f"s{i:03d}", "x.npy": np.full((3,), i, dtype=np.float32), "cls": i % 2})
+    return root / "arrays"
+
+
+def test_cache_build_without_image_field_says_why(tmp_path, capsys):
+    shards = _npz_shards(tmp_path)
+    code = main(["cache", "build", str(shards), "--cache", str(tmp_path / "c"), "--size", "32", "-q"])
+    err = capsys.readouterr().err
+    assert code == 1
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "error" in lines[0] and str(shards) in lines[0] and "image field" in lines[0], err
+
+
+@pytest.mark.parametrize("argv", [
+    ["doctor", "SHARDS", "--step-ms", "5", "--out", "OUT"],
+    ["tune", "SHARDS", "--step-ms", "5", "--out", "OUT"],
+    ["bench", "SHARDS", "--out", "OUT"],
+    ["demo", "--json", "OUT"],
+])
+def test_output_path_in_a_missing_folder_is_refused_before_measuring(tmp_path, capsys, argv):
+    # these commands measure for seconds to minutes, then write: a bad path must fail first, naming the option
+    out = tmp_path / "no-such-folder" / "result.json"
+    argv = [str(out) if a == "OUT" else str(tmp_path / "missing-shards") if a == "SHARDS" else a for a in argv]
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    option = argv[argv.index(str(out)) - 1]
+    assert f"argument {option}" in err and "no-such-folder" in err, err
+
+
+def test_output_path_that_is_a_folder_is_refused(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        main(["doctor", str(tmp_path), "--out", str(tmp_path)])
+    assert "argument --out" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["doctor", "tune"])
+@pytest.mark.parametrize("dev", ["foo", "cuda:99"])
+def test_bad_device_is_an_argument_error(tmp_path, capsys, command, dev):
+    with pytest.raises(SystemExit) as e:
+        main([command, str(tmp_path), "--device", dev])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "argument --device" in err and repr(dev) in err, err
+    assert "must be a str" not in err  # 'foo' is a str: the message named the wrong problem
