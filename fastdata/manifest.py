@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import posixpath
 import re
 import dataclasses
 from dataclasses import dataclass
@@ -122,10 +123,13 @@ class Manifest:
         object.__setattr__(self, "shards", tuple(self.shards))
         object.__setattr__(self, "fields", tuple(self.fields))
         object.__setattr__(self, "skipped", tuple(dict(s) for s in self.skipped))
-        names = [s.name for s in self.shards]
-        if len(set(names)) != len(names):
-            dup = next(n for n in names if names.count(n) > 1)
-            raise ValueError(f"Manifest lists shard {dup!r} more than once")
+        first: dict[str, int] = {}
+        for i, s in enumerate(self.shards):  # 'a.tar', './a.tar', './/a.tar': one file, read twice
+            j = first.setdefault(posixpath.normpath(s.name), i)
+            if j != i:
+                other = self.shards[j].name
+                same = "" if other == s.name else f" (as {other!r} and {s.name!r}: the same file)"
+                raise ValueError(f"Manifest lists shard {s.name!r} more than once{same}")
         fnames = [f.name for f in self.fields]
         if len(set(fnames)) != len(fnames):
             dup = next(n for n in fnames if fnames.count(n) > 1)

@@ -178,3 +178,25 @@ def test_member_bytes_is_what_the_writer_writes(name):
 
     for size in (0, 1, 512, 513):
         assert member_bytes(name, size) == len(_tarfmt.member_header(name, size)) + size + _tarfmt.pad(size)
+
+
+# ------------------------------------------------------------------------------ manifest
+
+@pytest.mark.parametrize("alias", ["./shard-000000.tar", ".//shard-000000.tar", "shard-000000.tar/"])
+def test_manifest_listing_one_shard_under_two_names_is_refused(tmp_path, alias):
+    """'shard-000000.tar' and './shard-000000.tar' are one file: every sample of it was served twice
+    and ``verify`` said ok."""
+    import json
+
+    from fastdata.errors import ManifestError
+
+    out = tmp_path / "out"
+    convert(image_folder(tmp_path / "src"), out, opts(samples_per_shard=2))
+    data = json.loads((out / "manifest.json").read_text())
+    twin = dict(data["shards"][0], name=alias)
+    data["shards"].append(twin)
+    data["num_samples"] += twin["num_samples"]
+    (out / "manifest.json").write_text(json.dumps(data))
+    with pytest.raises(ManifestError, match=r"lists shard .* more than once \(as 'shard-000000.tar' and "):
+        Manifest.load(out)
+    assert verify(out) != []
