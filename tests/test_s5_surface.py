@@ -59,3 +59,39 @@ def test_bad_device_is_an_argument_error(tmp_path, capsys, command, dev):
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert "argument --device" in err and repr(dev) in err, err
     assert "must be a str" not in err  # 'foo' is a str: the message named the wrong problem
+
+
+def _linear_and_batches():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
+    return model, [(x, y)] * 2
+
+
+def test_evaluate_refuses_a_metric_with_more_than_one_value_per_sample():
+    # per-pixel losses (N, H, W) or logits (N, C) summed as if per-sample gave a result C times too big
+    model, batches = _linear_and_batches()
+    with pytest.raises(ValueError, match=r"'logits' returned shape \(8, 3\)"):
+        fastdata.evaluate(model, batches, metrics={"logits": lambda out, target: out})
+    # one value per sample in an (N, 1) column is still per-sample
+    res = fastdata.evaluate(model, batches, metrics={"col": lambda out, target: torch.ones(out.shape[0], 1)})
+    assert res["col"] == pytest.approx(1.0)
+
+
+def test_evaluate_metrics_must_be_a_mapping():
+    model, batches = _linear_and_batches()
+    with pytest.raises(ValueError, match="metrics must be a mapping"):
+        fastdata.evaluate(model, batches, metrics=[fastdata.train.accuracy])  # type: ignore[arg-type]
+
+
+def test_trainstep_loss_fn_returning_per_sample_values_is_named():
+    model, batches = _linear_and_batches()
+    per_sample = lambda out, target: torch.nn.functional.cross_entropy(out, target, reduction="none")  # noqa: E731
+    step = fastdata.TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.1), per_sample)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match=r"loss_fn must return a scalar tensor.*shape \(8,\)"):
+        step(batches[0])
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # nothing was stepped
+    assert step.micro_step == 0 and model.weight.grad is None
+    with pytest.raises(ValueError, match="loss_fn must return a scalar tensor.*got float"):
+        fastdata.TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.1), lambda o, t: 1.0)(batches[0])

@@ -61,9 +61,9 @@ def _batch_sum(name: str, value: Any, n: int) -> torch.Tensor:
         raise ValueError(f"{name!r} must return a tensor, got {type(value).__name__}")
     if value.dim() == 0:
         return value.float() * n
-    if value.shape[0] != n:
+    if value.shape[0] != n or value.numel() != n:  # (N, C) or (N, H, W) summed would scale the mean by C or H*W
         raise ValueError(f"{name!r} returned shape {tuple(value.shape)}; expected a scalar (the batch "
-                         f"mean) or per-sample values with first dimension {n}")
+                         f"mean) or one value per sample, shape ({n},)")
     return value.float().sum()
 
 
@@ -110,6 +110,10 @@ def evaluate(
         raise ValueError(f"max_batches must be an int >= 1 or None, got {max_batches!r}")
     if metrics is None:
         metrics = {"accuracy": accuracy} if loss_fn is None else {}
+    if not isinstance(metrics, Mapping):
+        raise ValueError(f"metrics must be a mapping of name -> fn(outputs, targets), got {type(metrics).__name__}")
+    if loss_fn is not None and not callable(loss_fn):
+        raise ValueError(f"loss_fn must be callable or None, got {loss_fn!r}")
     names = (["loss"] if loss_fn is not None else []) + list(metrics)
     if len(set(names)) != len(names) or "samples" in names:
         raise ValueError(f"metric names must differ from each other, from 'loss' and from 'samples', "

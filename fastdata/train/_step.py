@@ -165,6 +165,9 @@ class TrainStep:
     def _forward_backward(self, inputs: Any, targets: Any) -> torch.Tensor:
         with autocast(self.precision, self.device):
             loss = self.loss_fn(self.model(inputs), targets)
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:  # a shape check: no sync
+            got = f"shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
+            raise ValueError(f"loss_fn must return a scalar tensor (e.g. the batch mean), got {got}")
         scaled = loss / self.options.grad_accum if self.options.grad_accum > 1 else loss
         if self.scaler is not None:
             self.scaler.scale(scaled).backward()
