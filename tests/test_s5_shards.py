@@ -200,3 +200,23 @@ def test_manifest_listing_one_shard_under_two_names_is_refused(tmp_path, alias):
     with pytest.raises(ManifestError, match=r"lists shard .* more than once \(as 'shard-000000.tar' and "):
         Manifest.load(out)
     assert verify(out) != []
+
+
+# ---------------------------------------------------------------------------- ShardWriter
+
+def test_shard_writer_hdf5_refuses_a_sample_with_other_fields_when_written(tmp_path):
+    """Before: a later HDF5 shard with one more field gave a manifest listing it for every shard;
+    reading then failed with 'the shard was replaced or changed after the manifest was written'."""
+    from fastdata import ShardWriter
+
+    with ShardWriter(tmp_path / "out", format="hdf5", max_samples=2) as writer:
+        writer.write({"__key__": "a", "x.npy": np.zeros(3)})
+        writer.write({"__key__": "b", "x.npy": np.zeros(3)})
+        with pytest.raises(ValueError, match=r"sample 'c'.*lacks \[\] and adds \['cls'\]"):
+            writer.write({"__key__": "c", "x.npy": np.zeros(3), "cls": 1})
+        with pytest.raises(ValueError, match=r"sample 'd'.*lacks \['x.npy'\]"):
+            writer.write({"__key__": "d", "cls": 1})
+        writer.write({"__key__": "e", "x.npy": np.ones(3)})
+    manifest = Manifest.load(tmp_path / "out")
+    assert [f.name for f in manifest.fields] == ["x.npy"] and manifest.num_samples == 3
+    assert verify(tmp_path / "out") == []

@@ -31,8 +31,9 @@ class ShardWriter:
     larger sample gets a shard of its own) or when it holds ``max_samples``. Each shard is written
     under a temporary name and renamed when complete; ``manifest.json`` is written last, by
     :meth:`close`. After an exception inside ``with``, finished shards stay but no manifest is written.
-    Keys must be unique across the whole folder (ValueError naming the key); a sample rejected by
-    :meth:`write` leaves no key or field behind. HDF5 shards are assembled in memory (a copy of each
+    Keys must be unique across the whole folder (ValueError naming the key); HDF5 samples must all
+    have the fields of the first one (ValueError naming key and fields: a manifest field missing
+    from a shard could not be read); a sample rejected by :meth:`write` leaves no key or field behind. HDF5 shards are assembled in memory (a copy of each
     sample, up to ``max_bytes``), so keep ``max_bytes`` moderate for HDF5. A non-empty ``dest`` is
     refused unless ``overwrite=True``, which removes the shards, indexes and manifest already there
     (other files stay). ``extra`` is stored as the manifest's free-form ``extra`` object.
@@ -59,6 +60,7 @@ class ShardWriter:
         self._tar: Any = None  # TarShardWriter of the current tar shard
         self._h5: list[dict[str, Any]] = []  # buffered samples of the current HDF5 shard
         self._h5_bytes = 0
+        self._h5_names: frozenset[str] | None = None  # the fields of every HDF5 sample (those of the first)
         self._closed = False
         self.manifest: Manifest | None = None
 
@@ -84,8 +86,14 @@ class ShardWriter:
         if self.format == "tar":
             self._write_tar(sample)
         else:
+            names = frozenset(k for k in sample if not is_meta(k))
+            if self._h5_names is not None and names != self._h5_names:
+                raise ValueError(f"sample {key!r}: HDF5 shards need the same fields in every sample, but it lacks "
+                                 f"{sorted(self._h5_names - names)} and adds {sorted(names - self._h5_names)} "
+                                 f"(earlier samples have {sorted(self._h5_names)}); use format='tar'")
             self._fields.add(sample)
             self._write_h5(sample)
+            self._h5_names = names
         self._keys.add(key)
 
     def _write_tar(self, sample: dict[str, Any]) -> None:
