@@ -95,3 +95,21 @@ def test_trainstep_loss_fn_returning_per_sample_values_is_named():
     assert step.micro_step == 0 and model.weight.grad is None
     with pytest.raises(ValueError, match="loss_fn must return a scalar tensor.*got float"):
         fastdata.TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.1), lambda o, t: 1.0)(batches[0])
+
+
+def test_bench_on_resized_shards_and_again_in_the_same_dir(tmp_path, capsys):
+    # `fastdata shard --resize N` stores uint8 (3, N, N) arrays as img.npy: bench's copy of the first
+    # --samples samples called every field "bytes", then found no image field; a rerun with the same
+    # --dir failed on the copy left by the first ("pass overwrite=True")
+    src = tmp_path / "resized"
+    with fastdata.ShardWriter(src, max_samples=8) as w:
+        for i in range(24):
+            w.write({"__key__": f"k{i:03d}", "img.npy": np.full((3, 12, 12), i, np.uint8), "cls": i % 3})
+    argv = ["bench", str(src), "--samples", "10", "--repeats", "1", "--size", "8", "--workers", "0",
+            "--dir", str(tmp_path / "work")]
+    for _ in range(2):
+        assert main(argv) == 0, capsys.readouterr().err
+        assert "cached pipeline" in capsys.readouterr().out
+    copy = fastdata.Manifest.load(tmp_path / "work" / "subset")
+    assert copy.num_samples == 10
+    assert {f.name: f.kind for f in copy.fields} == {"img.npy": "array", "cls": "int"}

@@ -107,7 +107,13 @@ def _image_field(manifest: Any) -> str:
 
 
 def _subset(source: Path, dest: Path, samples: int) -> Path:
-    """The first ``samples`` samples of ``source`` copied into ``dest`` (the whole source if it is that small)."""
+    """The first ``samples`` samples of ``source`` copied into ``dest`` (the whole source if it is that small).
+
+    Fields other than encoded images are decoded before writing, so that the copy's manifest keeps their
+    kinds (an ``img.npy`` array stays a uint8 array, ``cls`` an int) rather than calling every field bytes.
+    ``dest`` is bench's own folder: a previous run's copy there is replaced.
+    """
+    from fastdata.decode import IMAGE_SUFFIXES, PICKLE_SUFFIXES, SampleDecoder
     from fastdata.manifest import Manifest
     from fastdata.shards.reader import open_shard
     from fastdata.shards.writer import ShardWriter
@@ -115,13 +121,15 @@ def _subset(source: Path, dest: Path, samples: int) -> Path:
     m = Manifest.load(source)
     if m.num_samples <= samples:
         return source
-    with ShardWriter(dest, format=m.format, max_samples=max(16, samples // 8)) as writer:
+    decode = SampleDecoder({name: None for name in IMAGE_SUFFIXES | PICKLE_SUFFIXES})
+    with ShardWriter(dest, format=m.format, max_samples=max(16, samples // 8), overwrite=True) as writer:
         left = samples
         for shard in m.shards:
             if left <= 0:
                 break
             reader = open_shard(source, shard, format=m.format)
             for s in reader.iter_range(0, min(len(reader), left)):
+                s = decode(s, shard=shard.name)
                 writer.write({k: bytes(v) if isinstance(v, memoryview) else v for k, v in s.items()})
                 left -= 1
             reader.close()
