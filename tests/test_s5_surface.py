@@ -113,3 +113,27 @@ def test_bench_on_resized_shards_and_again_in_the_same_dir(tmp_path, capsys):
     copy = fastdata.Manifest.load(tmp_path / "work" / "subset")
     assert copy.num_samples == 10
     assert {f.name: f.kind for f in copy.fields} == {"img.npy": "array", "cls": "int"}
+
+
+def test_doctor_job_rate_leaves_out_the_first_step_as_it_leaves_out_the_first_batch(tmp_path):
+    # run_job's rate is "images after the first batch over the time after it"; the time included the
+    # first batch's step, so a slow first step (warm-up, compilation) made the job look slower than it is
+    from fastdata.monitor import DoctorOptions
+    from fastdata.monitor._diagnose import run_job
+
+    with fastdata.ShardWriter(tmp_path / "s") as w:
+        for i in range(16):
+            w.write({"__key__": f"k{i:03d}", "x.npy": np.zeros(4, np.float32), "cls": i})
+    calls = []
+
+    def step(batch):
+        calls.append(1)
+        if len(calls) == 1:
+            import time
+            time.sleep(0.5)  # the first step only
+
+    ds = fastdata.ShardedDataset(tmp_path / "s")
+    rate, report = run_job(ds, DoctorOptions(batch_size=4, num_workers=0, job_steps=4), torch.device("cpu"), step, None)
+    assert len(calls) == 4
+    # 12 images after the first batch, three fast steps: far above 12 / 0.5 s = 24 images/s
+    assert rate > 100, (rate, report)

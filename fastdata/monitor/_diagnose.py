@@ -24,6 +24,7 @@ import logging
 import math
 import os
 import tempfile
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -153,7 +154,7 @@ def run_job(ds: Any, opts: DoctorOptions, device: torch.device, step: Any, trans
             ) -> tuple[float, StallReport]:
     """Images/s of loader -> CUDAPrefetcher -> step over ``job_steps`` steps, and the StallMeter's report.
 
-    The rate leaves out the first batch (worker start-up): images after it over the time after it.
+    The rate leaves out the first batch (worker start-up) and its step: images after it over the time after it.
     ``threads``: the loader's ``decode_threads`` (0: worker processes).
     """
     from fastdata.prefetch import CUDAPrefetcher
@@ -161,6 +162,7 @@ def run_job(ds: Any, opts: DoctorOptions, device: torch.device, step: Any, trans
     loader = _loader(ds, opts.batch_size, opts.num_workers if workers is None else workers, threads)
     meter = StallMeter(sample_gpu=sample_gpu and device.type == "cuda")
     images = first = 0
+    first_step_s = 0.0  # the first batch's step, left out with the batch (warm-up, compilation)
     try:
         with CUDAPrefetcher(loader, device=device, depth=opts.depth if depth is None else depth,
                             transform=transform) as batches:
@@ -168,10 +170,12 @@ def run_job(ds: Any, opts: DoctorOptions, device: torch.device, step: Any, trans
             while steps < opts.job_steps:
                 before = steps
                 for batch in meter.wrap(batches):
+                    t0 = time.perf_counter()
                     out = step(batch)
                     n = st.batch_images(batch)
                     images += n
-                    first = first or n
+                    if not first:
+                        first, first_step_s = n, time.perf_counter() - t0
                     steps += 1
                     if steps >= opts.job_steps:
                         break
@@ -182,7 +186,7 @@ def run_job(ds: Any, opts: DoctorOptions, device: torch.device, step: Any, trans
     finally:
         _close(loader)
     rep = meter.report()
-    timed = rep.wall_s - rep.first_wait_s
+    timed = rep.wall_s - rep.first_wait_s - first_step_s
     return ((images - first) / timed if timed > 0 else 0.0), rep
 
 
