@@ -344,6 +344,7 @@ class _Geometric:
     """Base: ``lazy(batch)`` updates every :class:`ImageBatch` leaf's geometry; ``batch(...)`` also renders."""
 
     def apply(self, images: ImageBatch) -> ImageBatch:  # pragma: no cover - abstract
+        """``images`` with this transform's geometry recorded (resampled later, once, by ``render``)."""
         raise NotImplementedError
 
     def lazy(self, batch: Any) -> Any:

@@ -159,6 +159,7 @@ class ToDtype:
         return _apply(batch, self.keys, _image_like, self.apply)
 
     def apply(self, x: torch.Tensor, path: Path = ()) -> torch.Tensor:
+        """Cast one tensor (``path`` names it in errors)."""
         if not self.scale:
             return x.to(self.dtype)
         factor = _scale_of(x, path, "ToDtype")
@@ -182,6 +183,7 @@ class ChannelsLast:
         return _apply(batch, self.keys, lambda x: x.dim() in (4, 5), self.apply)
 
     def apply(self, x: torch.Tensor, path: Path = ()) -> torch.Tensor:
+        """One tensor in channels_last (4-D) or channels_last_3d (5-D) memory format."""
         return x.contiguous(memory_format=_memory_format(x, path, "ChannelsLast"))
 
 

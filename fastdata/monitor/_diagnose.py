@@ -105,6 +105,7 @@ class Diagnosis:
     stall: StallReport | None = None
 
     def to_dict(self) -> dict[str, Any]:
+        """JSON-ready fields (what ``fastdata doctor --json`` prints under ``diagnosis``)."""
         out = {k: v for k, v in self.__dict__.items() if k not in ("options", "rows", "stall")}
         out["options"] = asdict(self.options)
         out["rows"] = [asdict(r) for r in self.rows]

@@ -41,6 +41,7 @@ class PeriodicStalls:
     regularity: float  # share of distances between stalls equal to the period
 
     def describe(self) -> str:
+        """One line: period, stall length, count and regularity."""
         return (f"every {_ordinal(self.period)} step stalls for {self.mean_s * 1e3:.1f} ms "
                 f"({self.stalls} stalls, {self.regularity:.0%} exactly {self.period} steps apart; other steps wait "
                 f"{self.fast_s * 1e3:.2f} ms)")

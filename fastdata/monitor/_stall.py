@@ -63,6 +63,7 @@ class StallReport:
         return 1.0 / (1.0 - share)
 
     def summary(self) -> str:
+        """The verdict, the periodic stalls, per-stage times and the advice, one line each."""
         verdict = ("LOADER-BOUND" if self.loader_bound else "not loader-bound")
         lines = [
             (f"{verdict}: waited {self.wait_share:.0%} of {self.wall_s:.2f} s over {self.steps} steps "
@@ -166,6 +167,7 @@ class StallMeter:
         self._stage_batches += int(after.get("batches", 0) - before.get("batches", 0))
 
     def report(self) -> StallReport:
+        """What the waits measured so far say: share, percentiles, periodic stalls and advice."""
         waits = sorted(self.waits)
         gpu = self._gpu_samples
         n = self._stage_batches

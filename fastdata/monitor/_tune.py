@@ -71,6 +71,7 @@ class TuneResult:
         return self.best_rate / self.start_rate if self.start_rate > 0 else float("inf")
 
     def to_dict(self) -> dict[str, Any]:
+        """JSON-ready fields (what ``fastdata tune --json`` prints)."""
         return {"start": dataclasses.asdict(self.start), "best": dataclasses.asdict(self.best),
                 "start_rate": self.start_rate, "best_rate": self.best_rate, "speedup": self.speedup,
                 "measured": self.measured, "trials": self.trials, "notes": self.notes,
