@@ -220,3 +220,63 @@ def test_shard_writer_hdf5_refuses_a_sample_with_other_fields_when_written(tmp_p
     manifest = Manifest.load(tmp_path / "out")
     assert [f.name for f in manifest.fields] == ["x.npy"] and manifest.num_samples == 3
     assert verify(tmp_path / "out") == []
+
+
+# ---------------------------------------------------------------------- tar sidecar indexes
+
+def _tarfile_shard(path, samples):
+    """``samples`` written by Python's tarfile (another tool: no sidecar index)."""
+    import tarfile
+
+    with tarfile.open(path, "w", format=tarfile.PAX_FORMAT) as tar:
+        for sample in samples:
+            for fld in sorted(k for k in sample if k != "__key__"):
+                data = str(sample[fld]).encode()
+                info = tarfile.TarInfo(f"{sample['__key__']}.{fld}")
+                info.size, info.mtime, info.mode = len(data), 0, 0o444
+                tar.addfile(info, io.BytesIO(data))
+
+
+def test_stale_sidecar_beside_a_rewritten_tar_is_refused(tmp_path):
+    """Read without a manifest, a sidecar left beside a same-size tar rewritten by another tool
+    paired every key with another sample's data, silently."""
+    import fastdata
+    from fastdata.shards.tar import TarShardReader, write_tar_shard
+
+    samples = [{"__key__": f"k{i}", "txt": f"value-{i}", "cls": i} for i in range(4)]
+    shard = tmp_path / "x.tar"
+    write_tar_shard(shard, samples)
+    size = shard.stat().st_size
+    _tarfile_shard(shard, samples[::-1])  # same members, other order; x.tar.idx stays
+    assert shard.stat().st_size == size
+    with pytest.raises(ShardError, match=r"x\.tar: the tar header .*delete it"):
+        TarShardReader(shard).keys
+    with pytest.raises(ShardError, match=r"x\.tar"):
+        fastdata.ShardedDataset([str(shard)])
+    (tmp_path / "x.tar.idx").unlink()  # as the message says: a header scan reads it right
+    got = {s["__key__"]: s["txt"] for s in fastdata.ShardedDataset([str(shard)])}
+    assert got == {f"k{i}": f"value-{i}" for i in range(4)}
+
+
+def test_sidecar_of_a_tar_with_links_is_accepted(tmp_path):
+    """A scanned index of a foreign tar whose sample starts with a hardlink points at the link
+    target's data (after the target's header): the header check defers to a full scan."""
+    import tarfile
+
+    from fastdata.shards.tar import TarIndex, TarShardReader
+
+    shard = tmp_path / "links.tar"
+    with tarfile.open(shard, "w", format=tarfile.PAX_FORMAT) as tar:
+        for name, data in (("a.cls", b"1"), ("a.txt", b"AAAA")):
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+        for name in ("b.cls", "c.cls", "d.cls"):
+            link = tarfile.TarInfo(name)
+            link.type, link.linkname = tarfile.LNKTYPE, "a.cls"
+            tar.addfile(link)
+    index = TarIndex.build(shard)
+    index.save(str(shard) + ".idx")
+    reader = TarShardReader(shard)
+    assert reader.keys == ("a", "b", "c", "d")
+    assert [bytes(reader.read(i)["cls"]) for i in range(4)] == [b"1"] * 4

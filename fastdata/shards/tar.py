@@ -493,8 +493,9 @@ class TarShardReader:
 
     ``index``: a :class:`TarIndex` or the path of a sidecar index file. By default the sidecar
     ``<path>.idx`` is loaded when present, else the index is built by a header scan; either way it
-    is loaded on first use and cached. Picklable: the map is opened lazily in each process (never
-    shared across fork).
+    is loaded on first use and cached; a sidecar's entries for the first, middle and last sample must
+    match the tar headers there (a tar rewritten beside an old index is a :class:`ShardError`).
+    Picklable: the map is opened lazily in each process (never shared across fork).
 
     ``expect``: the manifest's :class:`~fastdata.manifest.ShardInfo` of this shard (and ``fields``
     its field names). When the index is loaded the shard's identity is checked against it, cheaply
@@ -530,9 +531,12 @@ class TarShardReader:
             if index.tar_size != size:
                 raise ShardError(f"{self.path}: index {sidecar} is for a {index.tar_size}-byte tar but the shard "
                                  f"has {size} bytes; the shard was changed or truncated (rebuild the index)")
+            scanned = self._index_path is None and not os.path.exists(sidecar)
             if self._expect is not None or self._fields is not None:
-                self._check_identity(index, sidecar, size, scanned=self._index_path is None
-                                     and not os.path.exists(sidecar))
+                self._check_identity(index, sidecar, size, scanned=scanned)
+            elif not scanned:  # no manifest: still refuse a sidecar left beside a rewritten same-size tar
+                self._check_headers(index, sidecar, f"the tar was changed after {sidecar} was written "
+                                                    "(delete it: a header scan rebuilds the index)")
             self._index = index
         return self._index
 
@@ -554,8 +558,17 @@ class TarShardReader:
             if unknown:
                 raise ShardError(f"{self.path}: holds fields {unknown} that the manifest does not list "
                                  f"(manifest fields: {sorted(self._fields)}); {replaced}")
-        if scanned or not len(index):
-            return  # a header scan is the file's own truth
+        if not scanned:  # a header scan is the file's own truth
+            self._check_headers(index, sidecar, replaced)
+
+    def _check_headers(self, index: TarIndex, sidecar: str, replaced: str) -> None:
+        """The tar headers of the first, middle and last sample name the members the index expects.
+
+        A member that is a link reads its target's data, after the target's header: on a mismatch
+        the index is compared with a full header scan, which decides.
+        """
+        if not len(index):
+            return
         with open(self.path, "rb") as f:
             n = len(index)
             for i in sorted({0, n // 2, n - 1})[:_CHECKED_SAMPLES]:
@@ -564,10 +577,12 @@ class TarShardReader:
                     raise ShardError(f"{self.path}: index {sidecar} places sample {i} at byte offset {start}; {replaced}")
                 f.seek(start - _tarfmt.BLOCK)
                 name, hsize, typ = _tarfmt.parse_header(f.read(_tarfmt.BLOCK), start - _tarfmt.BLOCK, self.path)
-                want = member_name(index.keys[i], fld)
+                want = f"{index.keys[i]}.{fld}"
                 same_name = name == want or (want.isascii() and len(want) > 100 and name == want[:100]) \
                     or not want.isascii()
                 if typ not in _tarfmt._REGULAR or not same_name or hsize not in (stop - start, 0):
+                    if TarIndex.build(self.path) == index:  # links: the headers before their targets' data
+                        return
                     raise ShardError(f"{self.path}: the tar header at byte offset {start - _tarfmt.BLOCK} is for "
                                      f"{name!r} ({hsize} bytes) but index {sidecar} expects {want!r} "
                                      f"({stop - start} bytes) there; {replaced}")
