@@ -280,3 +280,21 @@ def test_sidecar_of_a_tar_with_links_is_accepted(tmp_path):
     reader = TarShardReader(shard)
     assert reader.keys == ("a", "b", "c", "d")
     assert [bytes(reader.read(i)["cls"]) for i in range(4)] == [b"1"] * 4
+
+
+# ------------------------------------------------------------- a fastdata folder as SRC
+
+@pytest.mark.parametrize("fmt, files", [("tar", (".tar", ".tar.idx")), ("hdf5", (".h5",))])
+def test_converting_a_folder_with_swapped_shards_is_refused(tmp_path, fmt, files):
+    """A dataset refuses a folder whose shards were swapped; converting it went through silently
+    and wrote their samples under a new manifest with fresh checksums."""
+    src = tmp_path / "src"
+    convert(image_folder(tmp_path / "imgs"), src, opts(format=fmt, samples_per_shard=2))
+    for suffix in files:
+        one, two = src / f"shard-000001{suffix}", src / f"shard-000002{suffix}"
+        one.rename(tmp_path / "tmp")
+        two.rename(one)
+        (tmp_path / "tmp").rename(two)
+    with pytest.raises(ShardError, match=r"shard-000001\.(tar|h5): .*replaced or changed"):
+        convert(src, tmp_path / "out", opts())
+    assert not (tmp_path / "out" / "manifest.json").exists()

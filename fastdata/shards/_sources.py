@@ -236,23 +236,29 @@ def _list_images(root: Path) -> Listing:
 # ------------------------------------------------------------------------------------ tar / hdf5
 
 def _list_manifest_folder(root: Path) -> Listing:
+    """A fastdata output folder: each shard checked against its manifest as a dataset checks it
+    (size, sample count, identity, fields; ShardError naming it), so a replaced or swapped shard is
+    not converted into a new folder with fresh checksums."""
     manifest = Manifest.load(root)
     files = [root / s.name for s in manifest.shards]
     if not files:
         raise SourceError(f"SRC {root}: {MANIFEST_NAME} lists no shards")
     if manifest.format == "tar":
         indexes = [None if s.index is None else str(root / s.index) for s in manifest.shards]
-        return _list_tar(root, files, indexes)
-    return _list_hdf5(root, files)
+        return _list_tar(root, files, indexes, manifest)
+    return _list_hdf5(root, files, manifest)
 
 
-def _list_tar(root: Path, files: Sequence[Path], indexes: Sequence[str | None]) -> Listing:
+def _list_tar(root: Path, files: Sequence[Path], indexes: Sequence[str | None],
+              manifest: Manifest | None = None) -> Listing:
     from fastdata.shards.tar import TarShardReader
 
     listing = Listing(kind="tar", root=str(root), files=tuple(map(str, files)), indexes=tuple(indexes))
     names: set[str] = set()
     for i, (path, index) in enumerate(zip(files, indexes)):
-        idx = TarShardReader(path, index=index).index  # ShardError names shard and byte offset
+        expect = None if manifest is None else manifest.shards[i]
+        fields = None if manifest is None else [f.name for f in manifest.fields]
+        idx = TarShardReader(path, index=index, expect=expect, fields=fields).index  # ShardError names the shard
         where = os.path.relpath(path, root) if Path(path) != root else Path(path).name
         listing.skipped.extend({"source": f"{where}:{name}", "reason": reason}
                                for name, reason in idx.skipped)
@@ -276,7 +282,7 @@ def _list_tar(root: Path, files: Sequence[Path], indexes: Sequence[str | None]) 
     return listing
 
 
-def _list_hdf5(root: Path, files: Sequence[Path]) -> Listing:
+def _list_hdf5(root: Path, files: Sequence[Path], manifest: Manifest | None = None) -> Listing:
     import h5py
 
     from fastdata.shards.hdf5 import HDF5ShardReader
@@ -284,7 +290,9 @@ def _list_hdf5(root: Path, files: Sequence[Path]) -> Listing:
     listing = Listing(kind="hdf5", root=str(root), files=tuple(map(str, files)), indexes=(None,) * len(files))
     merged: dict[str, FieldInfo] = {}
     for i, path in enumerate(files):
-        with HDF5ShardReader(path) as reader:  # ShardError names the dataset missing/mistyped
+        expect = None if manifest is None else manifest.shards[i]
+        fields = None if manifest is None else manifest.fields
+        with HDF5ShardReader(path, expect=expect, fields=fields) as reader:  # ShardError names dataset/shard
             keys, kinds = reader.keys, reader.fields
         infos = []
         with h5py.File(path, "r") as f:
