@@ -298,3 +298,18 @@ def test_converting_a_folder_with_swapped_shards_is_refused(tmp_path, fmt, files
     with pytest.raises(ShardError, match=r"shard-000001\.(tar|h5): .*replaced or changed"):
         convert(src, tmp_path / "out", opts())
     assert not (tmp_path / "out" / "manifest.json").exists()
+
+
+def test_shard_writer_destination_errors_are_fastdata_errors(tmp_path):
+    """A non-empty or non-folder destination raised plain FileExistsError/NotADirectoryError."""
+    from fastdata import ShardWriter
+
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "notes.txt").write_text("mine")
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(FastdataError, match=r"full is not empty") as info:
+        ShardWriter(tmp_path / "full")
+    assert isinstance(info.value, FileExistsError)
+    with pytest.raises(FastdataError, match=r"file exists and is not a folder") as info:
+        ShardWriter(tmp_path / "file")
+    assert isinstance(info.value, NotADirectoryError)

@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from fastdata.errors import FastdataError
 from fastdata.manifest import FieldInfo, Manifest, ShardInfo
 from fastdata.shards import _tarfmt
 from fastdata.shards._fields import FieldTracker
@@ -194,13 +195,21 @@ def _nbytes(value: Any) -> int:
     return 8
 
 
+class _DestNotEmpty(FastdataError, FileExistsError):
+    """ShardWriter's destination is not empty (a FileExistsError, as before, and a FastdataError)."""
+
+
+class _DestNotFolder(FastdataError, NotADirectoryError):
+    """ShardWriter's destination is a file (a NotADirectoryError, as before, and a FastdataError)."""
+
+
 def _prepare(dest: Path, overwrite: bool) -> None:
     """Create ``dest``; refuse a non-empty one unless ``overwrite`` (then remove only what fastdata writes)."""
     if dest.exists() and not dest.is_dir():
-        raise NotADirectoryError(f"destination {dest} exists and is not a folder")
+        raise _DestNotFolder(f"destination {dest} exists and is not a folder")
     dest.mkdir(parents=True, exist_ok=True)
     existing = sorted(p.name for p in dest.iterdir())
     if existing and not overwrite:
-        raise FileExistsError(f"destination {dest} is not empty (found {existing[:3]}); pass overwrite=True")
+        raise _DestNotEmpty(f"destination {dest} is not empty (found {existing[:3]}); pass overwrite=True")
     if existing:
         remove_outputs(dest)
