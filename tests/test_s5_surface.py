@@ -137,3 +137,22 @@ def test_doctor_job_rate_leaves_out_the_first_step_as_it_leaves_out_the_first_ba
     assert len(calls) == 4
     # 12 images after the first batch, three fast steps: far above 12 / 0.5 s = 24 images/s
     assert rate > 100, (rate, report)
+
+
+@pytest.mark.parametrize("value", [np.float64(0.5), np.zeros(3), __import__("pathlib").Path("x"), object()])
+def test_save_checkpoint_refuses_extra_that_load_checkpoint_could_not_read(tmp_path, value):
+    # load_checkpoint reads with torch.load(weights_only=True): a NumPy scalar in extra= was saved
+    # without a word and made the checkpoint unreadable, found out only when resuming
+    model = torch.nn.Linear(2, 2)
+    step = fastdata.TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.nn.functional.cross_entropy)
+    path = tmp_path / "ck.pt"
+    with pytest.raises(fastdata.CheckpointError, match=r"extra\['best'\]\['v'\]"):
+        fastdata.save_checkpoint(path, step, extra={"best": {"v": value}})
+    assert not path.exists() and list(tmp_path.iterdir()) == []
+    with pytest.raises(fastdata.CheckpointError, match=r"loader_state\[1\]"):
+        fastdata.save_checkpoint(path, step, loader_state=[{"ok": 1}, value])
+    # what it can read back is still saved
+    extra = {"best": {"v": 0.5, "t": torch.ones(2), "s": {1, 2}, "n": None}, "steps": [1, 2]}
+    fastdata.save_checkpoint(path, step, extra=extra)
+    back = fastdata.load_checkpoint(path, step).extra
+    assert back["steps"] == [1, 2] and torch.equal(back["best"]["t"], torch.ones(2))

@@ -15,9 +15,11 @@ Gather every rank's ``batches.state_dict()`` (``torch.distributed.all_gather_obj
 """
 from __future__ import annotations
 
+import io
 import os
 import pickle
 import tempfile
+from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,6 +48,40 @@ class Checkpoint:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+# leaves torch.load(weights_only=True) always reads back (exact types: np.float64 is a float, and
+# unreadable); any other leaf is tried on its own
+_PLAIN = (int, float, bool, complex, str, bytes, type(None), torch.dtype, torch.device, torch.Size)
+
+
+def _check_readable(name: str, value: Any) -> None:
+    """Refuse a value :func:`load_checkpoint` could not read back (``torch.load(weights_only=True)``),
+    naming where it sits: found at saving, not when resuming. Tensors are not copied."""
+    if type(value) in _PLAIN or isinstance(value, torch.Tensor):
+        return
+    if isinstance(value, (dict, list, tuple, set, frozenset)) and type(value) in (
+            dict, list, tuple, set, frozenset, OrderedDict):
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        for key, item in items:
+            if isinstance(value, dict):
+                _check_readable(f"{name} key {key!r}", key)
+            _check_readable(f"{name}[{key!r}]" if isinstance(value, dict) else f"{name}[{key}]", item)
+        return
+    buf = io.BytesIO()
+    try:
+        torch.save(value, buf)
+        buf.seek(0)
+        torch.load(buf, weights_only=True)
+    except Exception as e:  # noqa: BLE001  any reason it cannot be read back
+        lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+        # torch's message is a page; its "WeightsUnpickler error: Unsupported global: ..." line says why
+        reason = next((ln.split(". ")[0] for ln in lines if "Unsupported" in ln or "Unpickler" in ln),
+                      lines[0] if lines else type(e).__name__)
+        raise CheckpointError(
+            f"{name} is a {type(value).__module__}.{type(value).__qualname__}, which load_checkpoint could not "
+            f"read back (torch.load(weights_only=True): {reason}); store plain values instead "
+            "(float(x), int(x), array.tolist(), torch.from_numpy(array), str(path))") from e
+
+
 def _grads(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {name: p.grad.detach().clone() for name, p in module.named_parameters() if p.grad is not None}
 
@@ -71,6 +107,10 @@ def save_checkpoint(
             rank's ``state_dict()`` under DDP).
         epoch: the epoch being trained, returned by :func:`load_checkpoint` to restart the epoch loop.
         extra: more plain values or tensors to store (e.g. the learning-rate scheduler's state).
+
+    A value in ``extra`` or ``loader_state`` that :func:`load_checkpoint` could not read back (NumPy
+    arrays and scalars, paths, other objects) is a :class:`CheckpointError` naming where it sits,
+    raised before anything is written.
     """
     if not isinstance(step, TrainStep):
         raise CheckpointError(f"step must be a fastdata.TrainStep, got {type(step).__name__}")
@@ -86,6 +126,9 @@ def save_checkpoint(
             loader_state = fn()
         except TypeError as e:  # e.g. a CUDAPrefetcher over an iterable without state_dict()
             raise CheckpointError(f"cannot save the loader's position: {e}") from e
+    if extra is not None:
+        _check_readable("extra", dict(extra))
+    _check_readable("loader_state", loader_state)
     module = unwrap(step.module)
     payload = {
         "format": FORMAT,
