@@ -615,6 +615,11 @@ class ShardedDataset(IterableDataset):
 
             cache = self._cache_arg if isinstance(self._cache_arg, Cache) else Cache(self._cache_arg)
             fingerprint = f"{self.source.fingerprint}|{self.preprocess.fingerprint}"  # type: ignore[union-attr]
+            # the store holds the image fields read: fields= selecting fewer than the source has
+            # needs a store of its own (a store holding other fields would miss or add one on hits)
+            images = sorted(f for f in self.fields or () if is_image_field(f))
+            if self.fields is not None and images != sorted(f for f in self.source.fields or () if is_image_field(f)):
+                fingerprint += f"|image fields {','.join(images)}"
             self._store = cache.open_store(fingerprint=fingerprint, num_samples=self.num_samples)
             self._store_pid = os.getpid()
         return self._store

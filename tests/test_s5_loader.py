@@ -1,0 +1,49 @@
+"""Session 5 bug hunt in the dataset / loader / cache area: one regression test per defect found."""
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from fastdata.dataset import ShardedDataset
+from fastdata.shards.writer import ShardWriter
+from fastdata.transforms import ResizeCenterCrop
+
+
+def _image(i: int, fmt: str) -> bytes:
+    out = io.BytesIO()
+    Image.fromarray(np.full((16, 16, 3), (i * 29) % 251, np.uint8)).save(out, fmt)
+    return out.getvalue()
+
+
+def _two_image_fields(dest: Path, n: int = 6) -> Path:
+    with ShardWriter(dest, max_samples=4) as w:
+        for i in range(n):
+            w.write({"__key__": f"k{i:03d}", "jpg": _image(i, "JPEG"), "seg.png": _image(i + 1, "PNG"),
+                     "cls": str(i).encode()})
+    return dest
+
+
+def test_cache_store_is_per_selected_image_fields(tmp_path: Path) -> None:
+    """A store filled under fields=[one image field] held only that field; a dataset reading every
+    field got its hits from that store and silently lost the other image field (and the reverse
+    served an unrequested field or failed its fills with a layout mismatch)."""
+    src = _two_image_fields(tmp_path / "ds")
+    cache, pre = tmp_path / "cache", ResizeCenterCrop(8)
+    plain_all = list(ShardedDataset(src, preprocess=pre))
+    plain_jpg = list(ShardedDataset(src, fields=["jpg", "cls"], preprocess=pre))
+    assert all(set(s) == {"__key__", "jpg", "seg.png", "cls"} for s in plain_all)
+    for fields, plain in ((["jpg", "cls"], plain_jpg), (None, plain_all), (["jpg", "cls"], plain_jpg),
+                          (["seg.png"], None)):
+        for _ in range(2):  # the fill, then the hits
+            got = list(ShardedDataset(src, fields=fields, preprocess=pre, cache=cache))
+            if plain is None:
+                assert all(set(s) == {"__key__", "seg.png"} for s in got)
+                continue
+            assert [sorted(s) for s in got] == [sorted(s) for s in plain]
+            for a, b in zip(got, plain):
+                assert all(torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k] for k in a)
