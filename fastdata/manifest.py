@@ -163,8 +163,12 @@ class Manifest:
         """Write ``folder/manifest.json`` atomically (temporary file, then rename)."""
         path = Path(folder) / MANIFEST_NAME
         tmp = path.with_name(path.name + ".tmp")
-        text = json.dumps(self.to_json(), sort_keys=True, indent=1, ensure_ascii=False) + "\n"
-        with open(tmp, "w", encoding="utf-8") as f:
+        data = self.to_json()
+        try:
+            text = (json.dumps(data, sort_keys=True, indent=1, ensure_ascii=False) + "\n").encode("utf-8")
+        except UnicodeEncodeError:  # a file name with bytes that are not UTF-8 (surrogate escapes):
+            text = (json.dumps(data, sort_keys=True, indent=1) + "\n").encode("ascii")  # \udcXX, read back as is
+        with open(tmp, "wb") as f:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())

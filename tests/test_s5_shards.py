@@ -313,3 +313,42 @@ def test_shard_writer_destination_errors_are_fastdata_errors(tmp_path):
     with pytest.raises(FastdataError, match=r"file exists and is not a folder") as info:
         ShardWriter(tmp_path / "file")
     assert isinstance(info.value, NotADirectoryError)
+
+
+# ------------------------------------------------------- file names that are not UTF-8
+
+def _latin1_folder(tmp_path):
+    src = image_folder(tmp_path / "src", n=2)
+    try:
+        (src / "a" / os.fsdecode(b"caf\xe9.png")).write_bytes(png(7))  # a Latin-1 file name
+        (src / "a" / os.fsdecode(b"notes-\xe9.txt")).write_text("not an image")
+    except (OSError, UnicodeError):
+        pytest.skip("this file system refuses file names that are not UTF-8")
+    return src
+
+
+def test_file_names_that_are_not_utf8_convert_to_tar(tmp_path):
+    """Before: every shard written, then manifest.json failed with "'utf-8' codec can't encode
+    character '\\udce9'", naming nothing; each rerun failed the same way."""
+    import fastdata
+
+    src = _latin1_folder(tmp_path)
+    result = convert(src, tmp_path / "out", opts())
+    assert result.manifest.num_samples == 3
+    assert [s["source"] for s in Manifest.load(tmp_path / "out").skipped] == [os.fsdecode(b"a/notes-\xe9.txt")]
+    assert verify(tmp_path / "out") == []
+    keys = {s["__key__"] for s in fastdata.ShardedDataset(str(tmp_path / "out"))}
+    assert os.fsdecode(b"a/caf\xe9") in keys
+    assert convert(src, tmp_path / "out", opts()).complete  # the rerun recognises it
+
+
+def test_file_names_that_are_not_utf8_are_refused_for_hdf5_naming_the_file(tmp_path):
+    from fastdata.shards.hdf5 import write_hdf5_shard
+
+    src = _latin1_folder(tmp_path)
+    with pytest.raises(ConversionError, match=r"caf.*\.png: key .* is not valid UTF-8"):
+        convert(src, tmp_path / "out", opts(format="hdf5"))
+    key = os.fsdecode(b"caf\xe9")
+    with pytest.raises(ValueError, match=r"key 'caf\\udce9' in shard .*x\.h5 is not valid UTF-8"):
+        write_hdf5_shard(tmp_path / "x.h5", [{"__key__": key, "cls": 1}])
+    assert not (tmp_path / "x.h5").exists() and not (tmp_path / "x.h5.tmp").exists()

@@ -96,6 +96,8 @@ def plan_conversion(src: str | os.PathLike[str], options: ConvertOptions | None 
     opts = options or ConvertOptions()
     listing = list_source(src)
     _check_duplicates(listing)
+    if opts.format == "hdf5":
+        _check_utf8_keys(listing)
     fields = _output_fields(listing, opts)
     n = len(listing.keys)
     order = np.random.default_rng(opts.seed).permutation(n) if opts.shuffle else np.arange(n)
@@ -125,6 +127,18 @@ def _check_duplicates(listing: Listing) -> None:
         if j != i:
             raise ConversionError(f"duplicate key {key!r}: {listing.origin(listing.refs[j])} and "
                                   f"{listing.origin(listing.refs[i])} (keys must be unique across SRC)")
+
+
+def _check_utf8_keys(listing: Listing) -> None:
+    """HDF5 keys are UTF-8 strings: refuse, naming the input, a key from a file name in another encoding."""
+    for key, ref in zip(listing.keys, listing.refs):
+        if not key.isascii():
+            try:
+                key.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ConversionError(f"{listing.origin(ref)}: key {key!r} is not valid UTF-8 (a file name in another "
+                                      "encoding?); --format hdf5 stores keys as UTF-8: rename it or use --format tar"
+                                      ) from None
 
 
 def _output_fields(listing: Listing, opts: ConvertOptions) -> tuple[FieldInfo, ...]:

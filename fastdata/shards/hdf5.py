@@ -79,6 +79,12 @@ def write_hdf5_shard(path: str | os.PathLike[str], samples: Iterable[dict[str, A
         if key in seen:
             raise ValueError(f"duplicate key {key!r} in shard {path}")
         seen.add(key)
+        if not key.isascii():
+            try:
+                key.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ValueError(f"key {key!r} in shard {path} is not valid UTF-8 (from a file name in another "
+                                 "encoding?): HDF5 stores keys as UTF-8 strings; tar shards keep such names") from None
     if fields is None:
         tracker = FieldTracker()
         for s in samples:
