@@ -114,8 +114,8 @@ class Deterministic:
     """Declare a user function deterministic (cacheable) with an explicit version string.
 
     Change ``version`` whenever the function's output could change; the cache keys on
-    ``name`` and ``version``, never on the code. ``accepts_pil=True`` passes PIL images
-    (decoded images are uint8 (C, H, W) tensors otherwise); ``target_size`` enables
+    ``name``, ``version``, ``target_size`` and ``accepts_pil``, never on the code.
+    ``accepts_pil=True`` passes PIL images (decoded images are uint8 (C, H, W) tensors otherwise); ``target_size`` enables
     reduced-scale JPEG decoding for inputs at least twice that size.
     """
 
@@ -142,7 +142,11 @@ class Deterministic:
 
     @property
     def fingerprint(self) -> str:
-        return f"Deterministic(name={self.name},version={self.version})"
+        # target_size changes the input (reduced-scale JPEG decoding), accepts_pil its type: both are
+        # keyed (added only when set, so stores made without them keep their keys)
+        extra = (f",target_size={self.target_size}" if self.target_size is not None else "") + (
+            ",accepts_pil" if self.accepts_pil else "")
+        return f"Deterministic(name={self.name},version={self.version}{extra})"
 
     def __call__(self, x: Any) -> Any:
         return self.fn(x)

@@ -47,3 +47,27 @@ def test_cache_store_is_per_selected_image_fields(tmp_path: Path) -> None:
             assert [sorted(s) for s in got] == [sorted(s) for s in plain]
             for a, b in zip(got, plain):
                 assert all(torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k] for k in a)
+
+
+def _area_8x8(image: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.interpolate(image[None].float(), size=(8, 8), mode="area")[0].to(torch.uint8)
+
+
+def test_deterministic_target_size_is_part_of_the_cache_key(tmp_path: Path) -> None:
+    """Deterministic(target_size=) decodes large JPEGs at a reduced scale, so it changes the output;
+    the store was keyed on name and version only and served the full-scale outputs after the change."""
+    from fastdata.transforms import Deterministic
+
+    rng = np.random.default_rng(0)
+    with ShardWriter(tmp_path / "ds") as w:
+        for i in range(3):
+            out = io.BytesIO()
+            Image.fromarray(rng.integers(0, 255, (64, 64, 3), dtype=np.uint8)).save(out, "JPEG")
+            w.write({"__key__": f"k{i}", "jpg": out.getvalue()})
+    full, small = (Deterministic(_area_8x8, version="1", target_size=t) for t in (None, 8))
+    assert full.fingerprint != small.fingerprint
+    assert Deterministic(_area_8x8, version="1").fingerprint == "Deterministic(name=_area_8x8,version=1)"  # kept
+    list(ShardedDataset(tmp_path / "ds", preprocess=full, cache=tmp_path / "cache"))
+    cached = [s["jpg"] for s in ShardedDataset(tmp_path / "ds", preprocess=small, cache=tmp_path / "cache")]
+    plain = [s["jpg"] for s in ShardedDataset(tmp_path / "ds", preprocess=small)]
+    assert all(torch.equal(a, b) for a, b in zip(cached, plain))
