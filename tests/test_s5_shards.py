@@ -352,3 +352,33 @@ def test_file_names_that_are_not_utf8_are_refused_for_hdf5_naming_the_file(tmp_p
     with pytest.raises(ValueError, match=r"key 'caf\\udce9' in shard .*x\.h5 is not valid UTF-8"):
         write_hdf5_shard(tmp_path / "x.h5", [{"__key__": key, "cls": 1}])
     assert not (tmp_path / "x.h5").exists() and not (tmp_path / "x.h5.tmp").exists()
+
+
+# ------------------------------------------------------------------- a folder of tar shards
+
+def test_tar_folder_lists_what_it_does_not_read(tmp_path):
+    """Subfolders (more shards?) and other files of a tar folder SRC were passed over silently."""
+    wds = tmp_path / "wds"
+    convert(image_folder(tmp_path / "imgs"), wds, opts(samples_per_shard=3))
+    (wds / "manifest.json").unlink()  # a plain folder of tar shards (+ sidecars)
+    (wds / "more").mkdir()
+    (wds / "shard-000001.tar").rename(wds / "more" / "shard-000001.tar")
+    (wds / "README.txt").write_text("about")
+    manifest = convert(wds, tmp_path / "out", opts()).manifest
+    assert manifest.num_samples == 3
+    assert sorted(s["source"] for s in manifest.skipped) == ["README.txt", "more/", "shard-000001.tar.idx"]
+    with pytest.raises(ConversionError, match=r"README\.txt.*--strict"):
+        convert(wds, tmp_path / "strict", opts(strict=True))
+
+
+def test_tar_folder_with_compressed_shards_beside_plain_ones_is_refused(tmp_path):
+    """Only the plain .tar files were converted; the .tar.gz ones were left out silently."""
+    import gzip
+
+    wds = tmp_path / "wds"
+    convert(image_folder(tmp_path / "imgs"), wds, opts(samples_per_shard=3))
+    (wds / "manifest.json").unlink()
+    (wds / "shard-000001.tar.gz").write_bytes(gzip.compress((wds / "shard-000001.tar").read_bytes()))
+    (wds / "shard-000001.tar").unlink()
+    with pytest.raises(SourceError, match=r"shard-000001\.tar\.gz.*decompress"):
+        convert(wds, tmp_path / "out", opts())

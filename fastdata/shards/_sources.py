@@ -13,7 +13,8 @@ Source kinds (:func:`list_source`):
   ``jpeg``, ``png`` ...). A folder of images without subfolders gives unlabelled samples. Hidden
   entries are ignored; other files, and images beside class folders, are listed as skipped.
 - ``tar``: a ``.tar`` file or a folder of ``*.tar`` shards (top level; webdataset-written ones
-  included), in name order; samples in file order, fields passed through byte for byte.
+  included), in name order; samples in file order, fields passed through byte for byte. The
+  folder's other files and subfolders are listed as skipped; compressed shards are refused.
 - ``hdf5``: a ``.h5``/``.hdf5`` file or a folder of them, in fastdata's documented layout.
 - A folder holding ``manifest.json`` (a fastdata output): its shards, in manifest order. One
   holding ``.fastdata-progress`` instead (an unfinished conversion) is refused.
@@ -113,20 +114,27 @@ def list_source(src: str | os.PathLike[str]) -> Listing:
     if (path / PROGRESS_DIR).is_dir():  # its shards are not all there: never read them as a tar folder
         raise SourceError(f"SRC {src}: a conversion into this folder did not finish (no {MANIFEST_NAME}, "
                           f"records in {PROGRESS_DIR}); rerun that conversion to complete it first")
-    names = sorted(e.name for e in os.scandir(path) if e.is_file() and not e.name.startswith("."))
+    entries = [e for e in os.scandir(path) if not e.name.startswith(".")]
+    names = sorted(e.name for e in entries if e.is_file())
     tars = [n for n in names if n.lower().endswith(_TAR_SUFFIXES)]
     h5s = [n for n in names if n.lower().endswith(_H5_SUFFIXES)]
     if tars and h5s:
         raise SourceError(f"SRC {src}: holds both tar ({tars[0]}) and HDF5 ({h5s[0]}) shards; use one kind")
-    if tars:
-        return _list_tar(path, [path / n for n in tars], [None] * len(tars))
-    if h5s:
-        return _list_hdf5(path, [path / n for n in h5s])
     compressed = [n for n in names if n.lower().endswith(_COMPRESSED_TAR)]
     if compressed:
         raise SourceError(f"SRC {src}: compressed tar shards ({compressed[0]}) are not supported; "
                           "decompress them first")
-    return _list_images(path)
+    if not (tars or h5s):
+        return _list_images(path)
+    listing = _list_tar(path, [path / n for n in tars], [None] * len(tars)) if tars else \
+        _list_hdf5(path, [path / n for n in h5s])
+    sidecars = {n + ".idx" for n in tars}
+    others = [n for n in names if n not in tars and n not in h5s and n not in sidecars]
+    others += sorted(e.name + "/" for e in entries if e.is_dir())
+    kind = "tar" if tars else "HDF5"
+    listing.skipped[:0] = [{"source": n, "reason": f"not read: SRC is a folder of {kind} shards (only its "
+                            "top-level shard files are read)"} for n in others]
+    return listing
 
 
 def _stamp(items: Sequence[tuple[str, int, int]]) -> str:
