@@ -6,6 +6,8 @@ import pytest
 import torch
 
 import fastdata
+import fastdata.gpu
+import fastdata.train
 from fastdata.cli import main
 
 
@@ -156,3 +158,43 @@ def test_save_checkpoint_refuses_extra_that_load_checkpoint_could_not_read(tmp_p
     fastdata.save_checkpoint(path, step, extra=extra)
     back = fastdata.load_checkpoint(path, step).extra
     assert back["steps"] == [1, 2] and torch.equal(back["best"]["t"], torch.ones(2))
+
+
+@pytest.mark.parametrize("transform", [
+    fastdata.gpu.Normalize(keys=["image"]), fastdata.gpu.ToDtype(torch.float32, keys=["image"]),
+    fastdata.gpu.ChannelsLast(keys=["image"])])
+def test_device_transform_whose_keys_match_nothing_says_so(transform):
+    # Normalize(keys=["image"]) on a batch whose images are under "jpg" returned it untouched: uint8 went on
+    batch = {"jpg": torch.zeros(2, 3, 4, 4, dtype=torch.uint8), "cls": torch.tensor([0, 1]), "__key__": ["a", "b"]}
+    with pytest.raises(ValueError, match=r"no tensor .*\['image'\].*'jpg'"):
+        transform(batch)
+    either = type(transform)(**{**_fields(transform), "keys": ["png", "jpg"]})
+    assert either(batch)["jpg"] is not batch["jpg"]  # alternatives: one of them present is enough
+
+
+def _fields(t):
+    import dataclasses
+    return {f.name: getattr(t, f.name) for f in dataclasses.fields(t) if f.init}
+
+
+@pytest.mark.parametrize("keys", [None, ["jpg"]])
+def test_normalize_refuses_images_left_in_different_sizes(keys):
+    # Resize(16) keeps the aspect ratio: the images stay an ImageBatch of several sizes, which
+    # Normalize passed through untouched (uint8, not normalised) instead of saying why
+    from fastdata import gpu
+    images = gpu.ImageBatch([torch.zeros(3, 20, 30, dtype=torch.uint8), torch.zeros(3, 40, 20, dtype=torch.uint8)],
+                            ids=[0, 1], epoch=0)
+    with pytest.raises(ValueError, match=r"Normalize: batch\['jpg'\] .*different sizes"):
+        gpu.Compose(gpu.Resize(16), gpu.Normalize(keys=keys))({"jpg": images, "cls": torch.tensor([0, 1])})
+    out = gpu.Compose(gpu.Resize((16, 16)), gpu.Normalize(keys=keys))({"jpg": images, "cls": torch.tensor([0, 1])})
+    assert out["jpg"].dtype == torch.float32 and out["jpg"].shape == (2, 3, 16, 16)
+
+
+def test_size_option_beyond_float_range_is_one_line_error(tmp_path, capsys):
+    from fastdata._util import parse_size
+    with pytest.raises(ValueError, match="1e400"):
+        parse_size("1e400")
+    with pytest.raises(SystemExit) as e:  # was an OverflowError traceback out of argparse
+        main(["cache", "build", str(tmp_path), "--cache", str(tmp_path / "c"), "--max-bytes", "1e400"])
+    assert e.value.code == 2
+    assert "argument --max-bytes" in capsys.readouterr().err

@@ -9,7 +9,8 @@ float32) and are normalised on the GPU. They are plain torch ops and work on CPU
 Which tensors are transformed: those whose path contains one of ``keys`` (dict keys, field names,
 indices), or with ``keys=None`` every image-like tensor: uint8 with at least 3 dimensions (for
 ``Normalize`` also with ``len(mean)`` channels at ``channel_dim``; for ``ChannelsLast`` any 4-D or
-5-D tensor).
+5-D tensor). ``keys`` under which no tensor sits, and images left in an ``ImageBatch`` of several
+sizes, are a ``ValueError`` rather than a batch passed on untouched.
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from typing import Any
 
 import torch
 
-from fastdata.gpu._augment import render_images
+from fastdata.gpu._augment import ImageBatch, render_images
 from fastdata.prefetch.tree import Path, format_path, keys_matcher, map_tensors
 
 __all__ = ["IMAGENET_MEAN", "IMAGENET_STD", "ChannelsLast", "Compose", "Normalize", "ToDtype"]
@@ -104,7 +105,7 @@ class Normalize:
         object.__setattr__(self, "keys", _check_keys("Normalize", self.keys))
 
     def __call__(self, batch: Any) -> Any:
-        return _apply(batch, self.keys, self._selected, self.apply)
+        return _apply(batch, self.keys, self._selected, self.apply, "Normalize")
 
     def _selected(self, x: torch.Tensor) -> bool:
         if x.dtype != torch.uint8 or x.dim() < 3:
@@ -156,7 +157,7 @@ class ToDtype:
         object.__setattr__(self, "keys", _check_keys("ToDtype", self.keys))
 
     def __call__(self, batch: Any) -> Any:
-        return _apply(batch, self.keys, _image_like, self.apply)
+        return _apply(batch, self.keys, _image_like, self.apply, "ToDtype")
 
     def apply(self, x: torch.Tensor, path: Path = ()) -> torch.Tensor:
         """Cast one tensor (``path`` names it in errors)."""
@@ -180,7 +181,7 @@ class ChannelsLast:
         object.__setattr__(self, "keys", _check_keys("ChannelsLast", self.keys))
 
     def __call__(self, batch: Any) -> Any:
-        return _apply(batch, self.keys, lambda x: x.dim() in (4, 5), self.apply)
+        return _apply(batch, self.keys, lambda x: x.dim() in (4, 5), self.apply, "ChannelsLast")
 
     def apply(self, x: torch.Tensor, path: Path = ()) -> torch.Tensor:
         """One tensor in channels_last (4-D) or channels_last_3d (5-D) memory format."""
@@ -232,8 +233,43 @@ def _apply(
     keys: Sequence[Any] | None,
     default: Callable[[torch.Tensor], bool],
     fn: Callable[[torch.Tensor, Path], torch.Tensor],
+    owner: str,
 ) -> Any:
+    """``batch`` with ``fn`` applied to the tensors ``keys`` select (None: those ``default`` picks).
+
+    Never a silent no-op: keys under which no tensor sits, and images still in an :class:`ImageBatch`
+    (several sizes: nothing to apply a tensor op to) are errors naming them.
+    """
     matches = keys_matcher(keys)
+    for path in _image_batch_paths(batch, ()):
+        if matches is None or matches(path):
+            raise ValueError(f"{owner}: {format_path(path)} holds images of different sizes (an ImageBatch); give "
+                             "them one size first, e.g. RandomResizedCrop(n), CenterCrop(n) or Resize((h, w))")
     if matches is None:
         return map_tensors(batch, lambda x, p: fn(x, p) if default(x) else x)
-    return map_tensors(batch, lambda x, p: fn(x, p) if matches(p) else x)
+    hits = 0
+
+    def leaf(x: torch.Tensor, p: Path) -> torch.Tensor:
+        nonlocal hits
+        if not matches(p):
+            return x
+        hits += 1
+        return fn(x, p)
+
+    out = map_tensors(batch, leaf)
+    if not hits:
+        have = f"keys {list(batch)}" if isinstance(batch, dict) else f"a {type(batch).__name__}"
+        raise ValueError(f"{owner}: no tensor of the batch is under keys {list(keys or ())}; the batch has {have}")
+    return out
+
+
+def _image_batch_paths(obj: Any, path: Path) -> list[Path]:
+    """Paths of the ImageBatch leaves in dicts, lists and tuples of ``obj`` (cheap: stops at tensors)."""
+    if isinstance(obj, ImageBatch):
+        return [path]
+    if isinstance(obj, dict):
+        return [p for k, v in obj.items() if not isinstance(v, (torch.Tensor, str))
+                for p in _image_batch_paths(v, (*path, k))]
+    if isinstance(obj, (list, tuple)) and obj and not isinstance(obj[0], (str, int, float)):
+        return [p for i, v in enumerate(obj) for p in _image_batch_paths(v, (*path, i))]
+    return []
