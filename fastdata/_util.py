@@ -35,7 +35,10 @@ def parse_size(text: str | int, *, name: str | None = None) -> int:
             raise ValueError(f"{where}cannot parse size {text!r} (use e.g. 256MB, 1GiB, 1e9 or 1000000)")
         number, prefix, binary = float(match.group(1)), match.group(2).lower(), bool(match.group(3))
         power = " kmgtp".index(prefix) if prefix else 0
-        value = int(number * (1024 if binary else 1000) ** power)
+        scaled = number * (1024 if binary else 1000) ** power
+        if not math.isfinite(scaled):
+            raise ValueError(f"{name + ': ' if name else ''}size {text!r} is too large")
+        value = int(scaled)
     if value < 1:
         raise ValueError(f"{name or 'size'} must be at least 1 byte, got {text!r}")
     return value
