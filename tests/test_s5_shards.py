@@ -382,3 +382,30 @@ def test_tar_folder_with_compressed_shards_beside_plain_ones_is_refused(tmp_path
     (wds / "shard-000001.tar").unlink()
     with pytest.raises(SourceError, match=r"shard-000001\.tar\.gz.*decompress"):
         convert(wds, tmp_path / "out", opts())
+
+
+# ------------------------------------------------------------------------------ resuming
+
+def test_resume_redoes_a_kept_shard_whose_index_is_garbled(tmp_path, monkeypatch):
+    """A kept shard's sidecar only had to exist: a garbled one (a crash before the unsynced index
+    reached the disk) was kept, and the finished folder failed ``verify`` and every read."""
+    import fastdata.shards.convert as convert_mod
+
+    src = image_folder(tmp_path / "src")
+    real, calls = convert_mod._write_job, []
+
+    def crash_after_two(task, tick):
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        calls.append(task.job.name)
+        return real(task, tick)
+
+    monkeypatch.setattr(convert_mod, "_write_job", crash_after_two)
+    with pytest.raises(KeyboardInterrupt):
+        convert(src, tmp_path / "out", opts(samples_per_shard=2))
+    monkeypatch.setattr(convert_mod, "_write_job", real)
+    index = tmp_path / "out" / "shard-000000.tar.idx"
+    index.write_bytes(index.read_bytes()[:-5])
+    result = convert(src, tmp_path / "out", opts(samples_per_shard=2))
+    assert (result.written, result.kept) == (2, 1)
+    assert verify(tmp_path / "out") == []

@@ -15,7 +15,7 @@ from pathlib import Path
 from collections.abc import Callable
 from typing import Any
 
-from fastdata.errors import ConversionError
+from fastdata.errors import ConversionError, ShardError
 from fastdata.manifest import MANIFEST_NAME, Manifest, ShardInfo, sha256_file
 from fastdata.shards._plan import Plan, ShardResult
 from fastdata.shards._sources import PROGRESS_DIR
@@ -184,7 +184,19 @@ def _kept(dest: Path, plan: Plan, number: int,
         intact = path.stat().st_size == shard.bytes and sha256_file(path) == shard.sha256
     except OSError:
         return None
-    if not intact or (shard.index is not None and not (dest / shard.index).is_file()):
+    if not intact or (shard.index is not None and not _index_intact(dest / shard.index, shard)):
         log.info("redoing %s: it changed since it was written", shard.name)
         return None
     return result
+
+
+def _index_intact(path: Path, shard: ShardInfo) -> bool:
+    """Whether the sidecar index at ``path`` loads and was written for ``shard`` (size, count, sha256)."""
+    from fastdata.shards.tar import TarIndex
+
+    try:
+        index = TarIndex.load(path)
+    except ShardError:  # missing, truncated or garbled (its records' crc32)
+        return False
+    return (index.tar_size == shard.bytes and len(index) == shard.num_samples
+            and index.sha256 in (None, shard.sha256))
