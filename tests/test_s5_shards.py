@@ -409,3 +409,20 @@ def test_resume_redoes_a_kept_shard_whose_index_is_garbled(tmp_path, monkeypatch
     result = convert(src, tmp_path / "out", opts(samples_per_shard=2))
     assert (result.written, result.kept) == (2, 1)
     assert verify(tmp_path / "out") == []
+
+
+def test_manifest_field_dtype_must_be_a_numpy_dtype(tmp_path):
+    """Before: loaded, then an HDF5 dataset failed with "TypeError: data type 'garbage' not understood",
+    naming neither manifest nor shard."""
+    import json
+
+    from fastdata import ShardWriter
+    from fastdata.errors import ManifestError
+
+    with ShardWriter(tmp_path / "h5", format="hdf5") as writer:
+        writer.write({"__key__": "k", "x.npy": np.zeros((2, 2), np.float32)})
+    data = json.loads((tmp_path / "h5" / "manifest.json").read_text())
+    data["fields"][0]["dtype"] = "garbage"
+    (tmp_path / "h5" / "manifest.json").write_text(json.dumps(data))
+    with pytest.raises(ManifestError, match=r"manifest\.json: fields\[0\]\.dtype: is not a numpy dtype"):
+        Manifest.load(tmp_path / "h5")
