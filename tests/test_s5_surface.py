@@ -198,3 +198,30 @@ def test_size_option_beyond_float_range_is_one_line_error(tmp_path, capsys):
         main(["cache", "build", str(tmp_path), "--cache", str(tmp_path / "c"), "--max-bytes", "1e400"])
     assert e.value.code == 2
     assert "argument --max-bytes" in capsys.readouterr().err
+
+
+def _mixed_shards(root):
+    import io
+    from PIL import Image
+    buf = io.BytesIO()
+    Image.new("RGB", (8, 8)).save(buf, format="JPEG")
+    with fastdata.ShardWriter(root / "mixed") as w:
+        for i in range(4):
+            w.write({"__key__": f"k{i}", "jpg": buf.getvalue(), "cls": i, "x.npy": np.zeros(3, np.float32)})
+    return root / "mixed"
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--field", "cls"], "field 'cls' is not an image field"),
+    (["--field", "x.npy"], "field 'x.npy' is not an image field"),
+    (["--label", "jpg"], "label field 'jpg' is not a class label"),
+    (["--label", "x.npy"], "label field 'x.npy' is not a class label"),
+])
+@pytest.mark.parametrize("command", ["doctor", "tune"])
+def test_doctor_and_tune_check_what_field_and_label_name(tmp_path, capsys, command, args, message):
+    # they failed deep inside with "cannot identify image file <_io.BytesIO ...>", "invalid literal for
+    # int() with base 10: b'\xff\xd8...'", "min() arg is an empty sequence" or a TypeError traceback
+    shards = _mixed_shards(tmp_path)
+    assert main([command, str(shards), "--step-ms", "1", "--samples", "4", *args]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert message in err[-1] and err[-1].startswith(f"fastdata {command}: error:"), err

@@ -9,6 +9,7 @@ end in wall time, after a warm-up pass. Device stages are timed with ``torch.cud
 """
 from __future__ import annotations
 
+import math
 import os
 import statistics
 import time
@@ -36,24 +37,44 @@ class Fields:
     encoded: bool  # bytes to decode (tar image members), not stored arrays
 
 
+def _is_image(f: Any) -> bool:
+    """An encoded image (jpg, png, ...) or a stored uint8 (C, H, W) array (``fastdata shard --resize``)."""
+    return is_image_field(f.name) or (f.kind == "array" and f.dtype == "uint8" and f.shape is not None
+                                      and len(f.shape) == 3)
+
+
+def _is_label(f: Any) -> bool:
+    """A class index: an int field (``cls``, ...) or an integer array holding one value per sample."""
+    if f.kind == "int" or suffix(f.name) in _LABEL_SUFFIXES:
+        return True
+    return (f.kind == "array" and f.dtype is not None and f.dtype.lstrip("<>=|").startswith(("int", "uint"))
+            and f.shape is not None and math.prod(f.shape) == 1)
+
+
 def pick_fields(manifest: Any, image: str | None = None, label: str | None = None) -> Fields:
     """The manifest's first image field and first label field, or the named ones (checked)."""
     names = [f.name for f in manifest.fields]
-    kinds = {f.name: f.kind for f in manifest.fields}
+    by_name = {f.name: f for f in manifest.fields}
+    images = [f.name for f in manifest.fields if is_image_field(f.name)]
+    images += [f.name for f in manifest.fields if _is_image(f) and f.name not in images]
     if image is None:
-        found = [n for n in names if is_image_field(n)]
-        found += [f.name for f in manifest.fields if f.kind == "array" and f.dtype == "uint8"
-                  and f.shape is not None and len(f.shape) == 3]
-        if not found:
+        if not images:
             raise FastdataError(f"no image field among the manifest's fields {names}: name one with --field")
-        image = found[0]
+        image = images[0]
     elif image not in names:
         raise FastdataError(f"field {image!r} is not in the manifest (fields: {names})")
+    elif not _is_image(by_name[image]):
+        raise FastdataError(f"field {image!r} is not an image field (an encoded image such as jpg or png, or a "
+                            f"uint8 (C, H, W) array); image fields here: {images or 'none'}")
     if label is None:
         label = next((n for n in names if suffix(n) in _LABEL_SUFFIXES), None)
     elif label not in names:
         raise FastdataError(f"label field {label!r} is not in the manifest (fields: {names})")
-    return Fields(image, label, encoded=kinds[image] != "array")
+    elif not _is_label(by_name[label]):
+        labels = [f.name for f in manifest.fields if _is_label(f)]
+        raise FastdataError(f"label field {label!r} is not a class label (an int field such as cls); "
+                            f"label fields here: {labels or 'none'}")
+    return Fields(image, label, encoded=by_name[image].kind != "array")
 
 
 # ------------------------------------------------------------------------------- subset and read
