@@ -426,3 +426,32 @@ def test_manifest_field_dtype_must_be_a_numpy_dtype(tmp_path):
     (tmp_path / "h5" / "manifest.json").write_text(json.dumps(data))
     with pytest.raises(ManifestError, match=r"manifest\.json: fields\[0\]\.dtype: is not a numpy dtype"):
         Manifest.load(tmp_path / "h5")
+
+
+def test_overwrite_of_a_url_dest_removes_its_old_manifest_first(tmp_path, monkeypatch):
+    """Before: an interrupted ``--overwrite`` into a URL left the old manifest above shards partly
+    replaced by the new run, and the rerun without --overwrite refused to resume ("holds a
+    finished conversion with different arguments")."""
+    pytest.importorskip("fsspec")
+    import fastdata.shards.convert as convert_mod
+    from fastdata.shards._remote import remote_size
+
+    url = f"memory://fastdata-s5/{tmp_path.name}/ds"
+    src = image_folder(tmp_path / "src")
+    convert(src, url, opts(samples_per_shard=3, staging=str(tmp_path / "stage")))
+    real, calls = convert_mod._write_job, []
+
+    def crash_after_one(task, tick):
+        if calls:
+            raise KeyboardInterrupt
+        calls.append(task.job.name)
+        return real(task, tick)
+
+    monkeypatch.setattr(convert_mod, "_write_job", crash_after_one)
+    with pytest.raises(KeyboardInterrupt):
+        convert(src, url, opts(samples_per_shard=2, overwrite=True, staging=str(tmp_path / "stage")))
+    monkeypatch.setattr(convert_mod, "_write_job", real)
+    assert remote_size(url + "/manifest.json") is None  # no reader takes the mix for a dataset
+    result = convert(src, url, opts(samples_per_shard=2, staging=str(tmp_path / "stage")))
+    assert (result.kept, result.written) == (1, 2)
+    assert verify(url) == []

@@ -298,6 +298,19 @@ def upload(local: str | os.PathLike[str], url: str, *, retry: RetryPolicy | None
     with_retries(lambda: fs.put_file(os.fspath(local), path), url, retry or RetryPolicy(), "uploading to")
 
 
+def remove(url: str, *, retry: RetryPolicy | None = None) -> None:
+    """Delete the object at ``url`` (none there: nothing to do), with retries; RemoteError on failure."""
+    fs, path = filesystem(url)
+
+    def rm() -> None:
+        try:
+            fs.rm_file(path)
+        except FileNotFoundError:
+            pass
+
+    with_retries(rm, url, retry or RetryPolicy(), "deleting")
+
+
 def remote_size(url: str) -> int | None:
     """Byte size of the object at ``url``, or None when there is none (other failures raise RemoteError)."""
     fs, path = filesystem(url)

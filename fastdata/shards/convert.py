@@ -68,6 +68,7 @@ from fastdata.shards._remote import (
     is_url,
     read_bytes,
     remote_size,
+    remove,
     upload,
     url_join,
 )
@@ -359,6 +360,11 @@ def _convert_remote(plan: Plan, url: str, staging: Path, opts: ConvertOptions, t
             return ConvertResult(existing, 0, len(existing.shards), time.perf_counter() - t0, 0, complete=True)
         raise ConversionError(f"DEST {url} holds a finished conversion with different arguments or inputs; pass "
                               "--overwrite to replace its shards or choose another DEST")
+    if existing is not None:  # --overwrite: the old manifest goes first, so that no reader (and no rerun)
+        try:                  # takes shards half replaced for the old dataset; an interrupted run resumes
+            remove(url_join(url, MANIFEST_NAME))
+        except RemoteError as e:
+            raise ConversionError(f"--overwrite: removing the old {MANIFEST_NAME} of DEST {url}: {e}") from e
 
     def present(shard: Any) -> bool:
         names = [shard.name] + ([shard.index] if shard.index else [])
