@@ -455,3 +455,25 @@ def test_overwrite_of_a_url_dest_removes_its_old_manifest_first(tmp_path, monkey
     result = convert(src, url, opts(samples_per_shard=2, staging=str(tmp_path / "stage")))
     assert (result.kept, result.written) == (1, 2)
     assert verify(url) == []
+
+
+def test_overwrite_removes_the_old_manifest_before_the_shards(tmp_path, monkeypatch):
+    """Removed in directory order, an overwrite interrupted half way could leave the old manifest
+    above some of its shards."""
+    import fastdata.shards._progress as progress
+
+    out = tmp_path / "out"
+    convert(image_folder(tmp_path / "src"), out, opts(samples_per_shard=1))
+    real, removed = os.unlink, []
+
+    def unlink_one_then_fail(path, *a, **kw):
+        if removed:
+            raise KeyboardInterrupt
+        removed.append(os.path.basename(path))
+        return real(path, *a, **kw)
+
+    monkeypatch.setattr(progress.os, "unlink", unlink_one_then_fail)
+    with pytest.raises(KeyboardInterrupt):
+        progress.remove_outputs(out)
+    monkeypatch.setattr(progress.os, "unlink", real)
+    assert not (out / "manifest.json").exists()

@@ -28,7 +28,12 @@ FINGERPRINT_KEY = "plan_fingerprint"  # in manifest.extra: the plan a finished D
 
 
 def remove_outputs(dest: Path) -> None:
-    """Remove what a conversion writes into ``dest`` (shards, indexes, manifest, progress folder)."""
+    """Remove what a conversion writes into ``dest`` (shards, indexes, manifest, progress folder).
+
+    The manifest goes first: interrupted half way, the folder is never taken for a complete dataset.
+    """
+    for name in (MANIFEST_NAME, MANIFEST_NAME + ".tmp"):
+        (dest / name).unlink(missing_ok=True)
     for entry in os.scandir(dest):
         name = entry.name
         if name == PROGRESS_DIR and entry.is_dir():
