@@ -225,3 +225,19 @@ def test_doctor_and_tune_check_what_field_and_label_name(tmp_path, capsys, comma
     assert main([command, str(shards), "--step-ms", "1", "--samples", "4", *args]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert message in err[-1] and err[-1].startswith(f"fastdata {command}: error:"), err
+
+
+def test_doctor_on_resized_tar_shards(tmp_path, capsys):
+    # `fastdata shard --resize N` output (uint8 img.npy arrays in tar shards): the stage timing read
+    # the arrays as raw .npy bytes and died with "TypeError: new(): invalid data type 'bytes'"
+    src = tmp_path / "resized"
+    with fastdata.ShardWriter(src, max_samples=8) as w:
+        for i in range(16):
+            w.write({"__key__": f"k{i:03d}", "img.npy": np.full((3, 12, 12), i, np.uint8), "cls": i % 3})
+    code = main(["doctor", str(src), "--step-ms", "1", "--samples", "16", "--batch-size", "4", "--steps", "3",
+                 "--workers", "0", "--json"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    import json
+    diagnosis = json.loads(captured.out)["diagnosis"]
+    assert diagnosis["job_rate"] > 0

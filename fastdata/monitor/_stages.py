@@ -129,16 +129,20 @@ def copy_subset(source: str | os.PathLike[str], dest: Path, fields: Fields, samp
 # ------------------------------------------------------------------------------- per-image CPU costs
 
 def raw_samples(subset: Path, fields: Fields, n: int) -> list[dict[str, Any]]:
-    """Up to ``n`` undecoded samples of the subset."""
+    """Up to ``n`` samples of the subset with their encoded images undecoded (stored arrays, such as
+    ``fastdata shard --resize``'s ``img.npy`` in tar shards, and labels decoded)."""
+    from fastdata.decode import SampleDecoder
     from fastdata.manifest import Manifest
     from fastdata.shards.reader import open_shard
 
     m = Manifest.load(subset)
+    decode = SampleDecoder({fields.image: None} if fields.encoded else True)
     out: list[dict[str, Any]] = []
     for shard in m.shards:
         reader = open_shard(subset, shard, format=m.format)
         for s in reader.iter_range(0, min(len(reader), n - len(out))):
-            out.append({k: bytes(v) if isinstance(v, memoryview) else v for k, v in s.items()})
+            s = {k: bytes(v) if isinstance(v, memoryview) else v for k, v in s.items()}
+            out.append(decode(s, shard=shard.name))
         reader.close()
         if len(out) >= n:
             break
