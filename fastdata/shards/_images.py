@@ -4,9 +4,9 @@ Checking levels (``check=``):
 
 - ``"header"`` (default for pass-through): ``Image.open`` parses the header and
   ``Image.verify()`` runs the format's own integrity check (PNG: every chunk CRC; JPEG:
-  markers up to the first scan only). Catches non-images, wrong extensions, garbage and
-  truncated headers for a few microseconds per image; a JPEG truncated inside its scan
-  data passes.
+  markers up to the first scan only). Catches non-images, garbage and truncated headers for a
+  few microseconds per image; a JPEG truncated inside its scan data passes, and so does an
+  image under another format's extension (a PNG named ``.jpg``: decoders go by the bytes).
 - ``"full"``: additionally decodes every pixel (``Image.load()``), catching truncated or
   corrupt scan data at the cost of a full decode (about 2 ms per 500 px JPEG).
 
