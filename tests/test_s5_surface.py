@@ -241,3 +241,27 @@ def test_doctor_on_resized_tar_shards(tmp_path, capsys):
     import json
     diagnosis = json.loads(captured.out)["diagnosis"]
     assert diagnosis["job_rate"] > 0
+
+
+def test_decode_ahead_wrapper_does_not_hide_a_forking_loader_from_the_prefetcher():
+    # CUDAPrefetcher starts the next epoch in its own thread only when the loader's iter() neither forks
+    # nor draws from torch's global RNG; DecodeImages.ahead(loader) is no DataLoader, so a loader with
+    # fork workers behind it had its next epoch (and its workers' fork) started from the prefetch thread
+    import threading
+
+    from fastdata.prefetch._prefetcher import _iter_hazards
+
+    starts = []
+
+    class Recording(torch.utils.data.DataLoader):
+        def __iter__(self):
+            starts.append(threading.current_thread().name)
+            return super().__iter__()
+
+    loader = Recording([torch.full((2,), i) for i in range(4)], batch_size=2, num_workers=0)
+    wrapped = fastdata.gpu.DecodeImages(device="cpu").ahead(loader)
+    assert _iter_hazards(wrapped) == _iter_hazards(loader) == (False, True)  # no generator: global RNG
+    with fastdata.CUDAPrefetcher(wrapped, device="cpu") as batches:
+        for _ in range(3):
+            assert sum(1 for _ in batches) == 2
+    assert starts == [threading.current_thread().name] * 3

@@ -123,8 +123,16 @@ def _iter_hazards(iterable: Any) -> tuple[bool, bool]:
     to use its own generator (``RandomSampler``/``SubsetRandomSampler``/``WeightedRandomSampler``
     without ``generator=``, or any sampler or batch sampler class other than those and
     ``SequentialSampler``, ``DistributedSampler``, ``BatchSampler``). A DataPipe dataset counts as both (torch's iterator may run collectives).
+    A wrapper that keeps the loader it iterates as ``.iterable`` (``DecodeImages.ahead(loader)``,
+    another prefetcher) is judged by that loader: its ``iter()`` calls the loader's.
     """
     data = torch.utils.data
+    seen = 0
+    while not isinstance(iterable, data.DataLoader) and seen < 8:
+        inner = getattr(iterable, "iterable", None)
+        if inner is None or inner is iterable:
+            break
+        iterable, seen = inner, seen + 1
     if not isinstance(iterable, data.DataLoader):
         return False, False
     pipe = getattr(data, "IterDataPipe", None)
@@ -287,7 +295,8 @@ class CUDAPrefetcher:
 
     * In the background thread, right after the current epoch's last batch was pulled, when that
       ``iter()`` neither forks nor draws from the global torch RNG: any iterable that is not a
-      ``torch.utils.data.DataLoader`` (its ``iter()`` is taken to do neither), or a DataLoader (torch's
+      ``torch.utils.data.DataLoader`` nor wraps one as ``.iterable`` (``DecodeImages.ahead(loader)``; its ``iter()``
+      is taken to do neither), or a DataLoader (torch's
       or fastdata's) with ``generator=`` and a sampler that uses it (the default one, a
       ``DistributedSampler``, or a ``(Subset|Weighted)RandomSampler`` with its own generator) whose
       ``iter()`` starts no worker process: ``num_workers=0``, fastdata's ``decode_threads=``,
