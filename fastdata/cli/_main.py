@@ -58,8 +58,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_doctor_subparser(sub)
     add_tune_subparser(sub)
 
-    inspect = sub.add_parser("inspect", help="summarise a shard folder's manifest")
-    inspect.add_argument("dest", help="folder with manifest.json (or the file)")
+    inspect = sub.add_parser("inspect", help="summarise a shard folder's manifest",
+                             description="Summarise DEST's manifest.json: format, samples, shards, bytes, fields "
+                                         "and skipped inputs. Reads only the manifest (`fastdata verify` checks the shards).")
+    inspect.add_argument("dest", metavar="DEST", help="folder with manifest.json (or the file)")
     inspect.add_argument("--shards", action="store_true", help="list every shard (default: off)")
     inspect.add_argument("--show-skipped", type=nonneg_int, default=10, metavar="N",
                          help="list at most N skipped inputs with their reasons (default: 10)")
