@@ -477,3 +477,15 @@ def test_overwrite_removes_the_old_manifest_before_the_shards(tmp_path, monkeypa
         progress.remove_outputs(out)
     monkeypatch.setattr(progress.os, "unlink", real)
     assert not (out / "manifest.json").exists()
+
+
+def test_hdf5_shard_with_a_key_twice_is_refused(tmp_path):
+    """The documented layout can be written with plain h5py; a repeated key was served twice."""
+    import h5py
+
+    out, manifest = _h5_shard(tmp_path)
+    with h5py.File(out / manifest.shards[0].name, "r+") as f:
+        keys = f["__key__"].asstr()[:].tolist()
+        f["__key__"][3] = keys[1]
+    with pytest.raises(ShardError, match=rf"shard-000000\.h5: .*key '{keys[1]}' twice \(rows 1 and 3\)"):
+        HDF5ShardReader(out / manifest.shards[0].name).keys

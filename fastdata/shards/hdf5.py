@@ -429,6 +429,12 @@ def _validate(f: Any, path: str) -> tuple[tuple[str, ...], dict[str, tuple[str, 
             raise bad(f"dataset {name!r} of kind {kind!r} has the wrong type: {_describe(ds)}")
         layout[name] = (kind, npy)
     keys = tuple(key_ds.asstr()[:].tolist())
+    if len(set(keys)) != len(keys):  # each would be served twice under one key
+        seen: dict[str, int] = {}
+        for i, key in enumerate(keys):
+            j = seen.setdefault(key, i)
+            if j != i:
+                raise bad(f"dataset '__key__' holds key {key!r} twice (rows {j} and {i})")
     return keys, layout
 
 
