@@ -265,3 +265,36 @@ def test_decode_ahead_wrapper_does_not_hide_a_forking_loader_from_the_prefetcher
         for _ in range(3):
             assert sum(1 for _ in batches) == 2
     assert starts == [threading.current_thread().name] * 3
+
+
+def test_error_raised_in_a_dataloader_worker_is_one_line(tmp_path, capsys):
+    # torch wraps a worker's exception as "Caught CacheError in DataLoader worker process 0.\nOriginal
+    # Traceback (most recent call last): ..." and the command printed all of it
+    import io
+
+    from PIL import Image
+    buf = io.BytesIO()
+    Image.new("RGB", (16, 16)).save(buf, format="JPEG")
+    with fastdata.ShardWriter(tmp_path / "s") as w:
+        for i in range(4):
+            w.write({"__key__": f"k{i}", "jpg": buf.getvalue()})
+    code = main(["cache", "build", str(tmp_path / "s"), "--cache", str(tmp_path / "c"), "--size", "8",
+                 "--max-bytes", "10", "--workers", "1", "-q"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 1 and len(err) == 1, err
+    assert err[0].startswith("fastdata cache: error: cache directory") and "max_bytes=10" in err[0], err
+    assert "worker process 0" in err[0]
+
+
+def test_doctor_names_the_sample_whose_image_does_not_decode(tmp_path, capsys):
+    import io
+
+    from PIL import Image
+    buf = io.BytesIO()
+    Image.new("RGB", (16, 16)).save(buf, format="JPEG")
+    with fastdata.ShardWriter(tmp_path / "s") as w:
+        for i in range(8):
+            w.write({"__key__": f"k{i}", "jpg": buf.getvalue() if i != 5 else b"\xff\xd8 not a jpeg", "cls": i})
+    assert main(["doctor", str(tmp_path / "s"), "--step-ms", "1", "--samples", "8", "--workers", "0"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "sample 'k5' field 'jpg'" in err[-1], err  # was only "cannot identify image file <_io.BytesIO ...>"

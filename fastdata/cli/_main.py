@@ -45,6 +45,22 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _message(error: BaseException) -> str:
+    """The error's message; for one re-raised from a DataLoader worker, whose text is torch's "Caught X in
+    DataLoader worker process N." and the worker's whole traceback, the original message and the worker."""
+    text = str(error)
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    if len(lines) < 3 or not lines[1].startswith("Original Traceback"):
+        return text
+    name = type(error).__name__
+    start = next((i for i in range(len(lines) - 1, 1, -1)
+                  if lines[i].split(":", 1)[0].rsplit(".", 1)[-1] == name and ":" in lines[i]), None)
+    if start is None:
+        return text
+    where = lines[0].rstrip(".").split(" in ", 1)[-1]  # "DataLoader worker process 0"
+    return f"{lines[start].split(': ', 1)[-1]} (in {where})"
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="fastdata", description="Keep GPUs fed.")
     p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
@@ -85,7 +101,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (FastdataError, OSError, ValueError) as e:
         if args.verbose:
             raise
-        print(f"fastdata {args.command}: error: {e}", file=sys.stderr)
+        print(f"fastdata {args.command}: error: {_message(e)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print(f"fastdata {args.command}: interrupted", file=sys.stderr)

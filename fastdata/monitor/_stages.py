@@ -23,7 +23,7 @@ import torch
 from fastdata._util import quantile
 from fastdata._util import usable_cores as cores  # noqa: F401 - the name other modules use
 from fastdata.decode import ImageDecoder, is_image_field, suffix
-from fastdata.errors import FastdataError
+from fastdata.errors import DecodeError, FastdataError
 
 _LABEL_SUFFIXES = ("cls", "cls2", "index", "inx")
 
@@ -194,9 +194,9 @@ def cpu_costs(samples: Sequence[dict[str, Any]], fields: Fields, preprocess: Cal
     images: list[Any] = [s[fields.image] for s in samples]
     dec_s = None
     if decode is not None:
-        decode(images[0])  # warm-up (library loading)
+        _named(decode, samples[0], fields.image)  # warm-up (library loading)
         c0 = time.thread_time()
-        images = [decode(b) for b in images]
+        images = [_named(decode, s, fields.image) for s in samples]
         dec_s = (time.thread_time() - c0) / len(images)
     pre_s: float | None = None
     outs = images
@@ -218,6 +218,14 @@ def cpu_costs(samples: Sequence[dict[str, Any]], fields: Fields, preprocess: Cal
     finally:
         torch.set_num_threads(threads)
     return CpuCosts(dec_s, pre_s, col_s, len(items))
+
+
+def _named(decode: Callable[[Any], Any], sample: dict[str, Any], field: str) -> Any:
+    """``decode(sample[field])``; a failure names the sample and field (the decoder's own message does not)."""
+    try:
+        return decode(sample[field])
+    except Exception as e:  # noqa: BLE001  any decoder failure on shard bytes
+        raise DecodeError(f"sample {sample.get('__key__', '?')!r} field {field!r}: {type(e).__name__}: {e}") from e
 
 
 # ------------------------------------------------------------------------------- loaders end to end
