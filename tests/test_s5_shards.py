@@ -489,3 +489,41 @@ def test_hdf5_shard_with_a_key_twice_is_refused(tmp_path):
         f["__key__"][3] = keys[1]
     with pytest.raises(ShardError, match=rf"shard-000000\.h5: .*key '{keys[1]}' twice \(rows 1 and 3\)"):
         HDF5ShardReader(out / manifest.shards[0].name).keys
+
+
+# ------------------------------------------------------------------ class folders
+
+def test_class_folder_without_images_is_listed_and_part_of_the_plan(tmp_path, monkeypatch):
+    """An empty class folder (a macOS '__MACOSX' of hidden files, say) shifts every label after it.
+    It was neither listed nor part of the plan: a resume kept shards labelled the old way beside
+    new ones labelled the new way, and a finished conversion was reported complete."""
+    import fastdata.shards.convert as convert_mod
+    from fastdata.shards.tar import TarShardReader
+
+    src = image_folder(tmp_path / "src")
+    real, calls = convert_mod._write_job, []
+
+    def crash_after_one(task, tick):
+        if calls:
+            raise KeyboardInterrupt
+        calls.append(task.job.name)
+        return real(task, tick)
+
+    monkeypatch.setattr(convert_mod, "_write_job", crash_after_one)
+    with pytest.raises(KeyboardInterrupt):
+        convert(src, tmp_path / "out", opts(samples_per_shard=2))
+    monkeypatch.setattr(convert_mod, "_write_job", real)
+    (src / "0-new").mkdir()  # sorts first: every class index moves up by one
+    (src / "0-new" / ".hidden.png").write_bytes(png(9))
+    with pytest.raises(ConversionError, match="different arguments or inputs"):
+        convert(src, tmp_path / "out", opts(samples_per_shard=2))
+    manifest = convert(src, tmp_path / "out", opts(samples_per_shard=2, overwrite=True)).manifest
+    assert manifest.extra["source"]["classes"] == ["0-new", "a", "b"]
+    assert {"source": "0-new/", "reason": "class folder without image files (its class index 0 is kept: "
+            "classes are the sorted subfolders)"} in manifest.skipped
+    labels = {int(bytes(s["cls"])) for shard in manifest.shards
+              for s in TarShardReader(tmp_path / "out" / shard.name)}
+    assert labels == {1, 2}
+    (src / "0-new").rename(src / "z-new")  # a finished conversion: the same, not "complete"
+    with pytest.raises(ConversionError, match="different arguments or inputs"):
+        convert(src, tmp_path / "out", opts(samples_per_shard=2))

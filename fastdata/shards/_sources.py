@@ -207,7 +207,11 @@ def _list_images(root: Path) -> Listing:
         for name in top_files:
             listing.skipped.append({"source": name, "reason": "file beside the class folders (not in a class)"})
         for cls, cname in enumerate(classes):
-            candidates.extend((rel, cls, st) for rel, st in _walk_files(root / cname, cname + "/"))
+            found = [(rel, cls, st) for rel, st in _walk_files(root / cname, cname + "/")]
+            if not any(_image_key(rel)[1] in IMAGE_EXTENSIONS for rel, _, _ in found):
+                listing.skipped.append({"source": cname + "/", "reason": f"class folder without image files "
+                                        f"(its class index {cls} is kept: classes are the sorted subfolders)"})
+            candidates.extend(found)
     else:
         candidates = [(rel, None, st) for rel, st in _walk_files(root)]
     for rel, cls, st in candidates:

@@ -188,6 +188,8 @@ def _fingerprint(listing: Listing, opts: ConvertOptions, jobs: list[ShardJob], f
     head = {"plan": _PLAN_VERSION, "fastdata": __version__, "kind": listing.kind, "stamp": listing.stamp,
             "format": opts.format, "resize": opts.resize, "check": _check_level(opts),
             "fields": [f.to_json() for f in fields]}
+    if "classes" in listing.extra:  # the labels: a class folder added without images shifts them
+        head["classes"] = listing.extra["classes"]
     h.update(json.dumps(head, sort_keys=True).encode())
     for job in jobs:
         h.update(f"\n{job.name}:".encode())
