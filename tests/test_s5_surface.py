@@ -298,3 +298,38 @@ def test_doctor_names_the_sample_whose_image_does_not_decode(tmp_path, capsys):
     assert main(["doctor", str(tmp_path / "s"), "--step-ms", "1", "--samples", "8", "--workers", "0"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert "sample 'k5' field 'jpg'" in err[-1], err  # was only "cannot identify image file <_io.BytesIO ...>"
+
+
+def test_normalize_passes_an_empty_image_batch():
+    # DecodeImages(on_error="skip") over a batch whose every image is corrupt leaves an empty ImageBatch:
+    # nothing to normalise, and no "different sizes" to complain about
+    from fastdata import gpu
+    empty = gpu.ImageBatch([], ids=[], epoch=0)
+    out = gpu.Compose(gpu.RandomResizedCrop(8), gpu.Normalize())({"jpg": empty, "cls": torch.zeros(0)})
+    assert len(out["jpg"]) == 0
+
+
+def test_gpu_decode_skip_of_a_whole_batch_keeps_the_batch_shape(tmp_path):
+    # DecodeImages(on_error="skip") + RandomResizedCrop(8): a batch whose every image is corrupt came out
+    # as an empty ImageBatch instead of a (0, 3, 8, 8) tensor like the others' (N, 3, 8, 8)
+    import io
+
+    from PIL import Image
+
+    from fastdata import gpu
+    def jpg(i):
+        buf = io.BytesIO()
+        Image.new("RGB", (20 + i, 30), (i, i, i)).save(buf, format="JPEG")
+        return buf.getvalue()
+    with fastdata.ShardWriter(tmp_path / "s") as w:
+        for i in range(12):
+            w.write({"__key__": f"k{i:02d}", "jpg": jpg(i) if not 4 <= i < 8 else b"\xff\xd8 corrupt", "cls": i})
+    loader = fastdata.DataLoader(fastdata.ShardedDataset(tmp_path / "s", image_decode="device"), batch_size=4,
+                                 num_workers=0)
+    decode = gpu.DecodeImages(device="cpu", on_error="skip")
+    stage = gpu.Compose(decode, gpu.RandomResizedCrop(8), gpu.Normalize())
+    with fastdata.CUDAPrefetcher(loader, device="cpu", transform=stage) as batches:
+        shapes = [(tuple(b["jpg"].shape), b["jpg"].dtype, len(b["__key__"])) for b in batches]
+    assert shapes == [((4, 3, 8, 8), torch.float32, 4), ((0, 3, 8, 8), torch.float32, 0),
+                      ((4, 3, 8, 8), torch.float32, 4)]
+    assert decode.num_skipped == 4

@@ -218,6 +218,13 @@ class DecodeImages:
         if out is not None and not ragged:
             return out, None
         if not done:  # every image of the field failed (on_error skip/warn): an empty batch
+            if geometric:  # of the size the transforms give every image (decoded images are RGB), where fixed
+                probe = ImageBatch([torch.zeros((3, 1, 1), dtype=torch.uint8, device=device)], [0], packed.epoch)
+                for t in geometric:
+                    probe = t.apply(probe)
+                size = probe.uniform_size()
+                if size is not None:
+                    return torch.empty((0, 3, *size), dtype=torch.uint8, device=device), None
             return ImageBatch([], [], packed.epoch), []
         rows = [r for rs, _ in done for r in rs]
         return _concat([ib for _, ib in done], rows), sorted(rows)  # chunk results in different sizes

@@ -264,9 +264,11 @@ def _apply(
 
 
 def _image_batch_paths(obj: Any, path: Path) -> list[Path]:
-    """Paths of the ImageBatch leaves in dicts, lists and tuples of ``obj`` (cheap: stops at tensors)."""
+    """Paths of the non-empty ImageBatch leaves in dicts, lists and tuples of ``obj`` (cheap: stops at
+    tensors). An empty one (every sample of the batch skipped by ``DecodeImages(on_error="skip")``) has no
+    size to render to and nothing to transform: it passes."""
     if isinstance(obj, ImageBatch):
-        return [path]
+        return [path] if len(obj) else []
     if isinstance(obj, dict):
         return [p for k, v in obj.items() if not isinstance(v, (torch.Tensor, str))
                 for p in _image_batch_paths(v, (*path, k))]
