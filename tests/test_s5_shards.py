@@ -527,3 +527,17 @@ def test_class_folder_without_images_is_listed_and_part_of_the_plan(tmp_path, mo
     (src / "0-new").rename(src / "z-new")  # a finished conversion: the same, not "complete"
     with pytest.raises(ConversionError, match="different arguments or inputs"):
         convert(src, tmp_path / "out", opts(samples_per_shard=2))
+
+
+def test_verify_checks_hdf5_shards_against_the_manifest_fields(tmp_path):
+    """verify said ok to a folder whose manifest lists a field one HDF5 shard lacks; every read of
+    that shard then failed (ShardWriter wrote such folders)."""
+    from fastdata.manifest import FieldInfo
+    from fastdata.shards.hdf5 import write_hdf5_shard
+
+    one = write_hdf5_shard(tmp_path / "shard-000000.h5", [{"__key__": "a", "x.npy": np.zeros(3)}])
+    two = write_hdf5_shard(tmp_path / "shard-000001.h5", [{"__key__": "b", "x.npy": np.zeros(3), "cls": 1}])
+    Manifest(format="hdf5", shards=(one, two),
+             fields=(FieldInfo("cls", "int"), FieldInfo("x.npy", "array", "float64", (3,)))).save(tmp_path)
+    problems = verify(tmp_path)
+    assert len(problems) == 1 and problems[0].startswith("shard-000000.h5: ") and "'cls'" in problems[0]

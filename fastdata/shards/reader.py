@@ -147,7 +147,7 @@ def verify_shard(folder: str | os.PathLike[str], manifest: Manifest, shard: Shar
         if manifest.format == "tar":
             fields = _verify_tar(folder, shard, problems)
         else:
-            reader: Any = open_shard(folder, shard, format="hdf5")
+            reader: Any = open_shard(folder, shard, format="hdf5", fields=manifest.fields)  # as datasets read it
             with reader:
                 count, fields = len(reader), set(reader.fields)
             if count != shard.num_samples:
