@@ -333,3 +333,8 @@ def test_gpu_decode_skip_of_a_whole_batch_keeps_the_batch_shape(tmp_path):
     assert shapes == [((4, 3, 8, 8), torch.float32, 4), ((0, 3, 8, 8), torch.float32, 0),
                       ((4, 3, 8, 8), torch.float32, 4)]
     assert decode.num_skipped == 4
+
+
+def test_decode_images_bad_device_is_a_value_error_naming_it():
+    with pytest.raises(ValueError, match="DecodeImages: device must be .* got 'foo'"):  # was torch's RuntimeError
+        fastdata.gpu.DecodeImages(device="foo")

@@ -102,7 +102,11 @@ class DecodeImages:
             raise ValueError(f"DecodeImages: device_decoder must be one of {DEVICE_BACKENDS}, got {device_decoder!r}")
         device_backend(device_decoder)  # a missing nvImageCodec (or a bad FASTDATA_DEVICE_DECODER) fails here
         if device is not None:
-            device = torch.device(device)
+            try:
+                device = torch.device(device)
+            except (RuntimeError, TypeError) as e:
+                raise ValueError(f"DecodeImages: device must be 'cpu', 'cuda', 'cuda:N', a torch.device or None, "
+                                 f"got {device!r}") from e
             if device.type not in ("cpu", "cuda"):
                 raise ValueError(f"DecodeImages: device must be 'cpu' or CUDA, got {device!r}")
         self.device = device
