@@ -71,3 +71,41 @@ def test_deterministic_target_size_is_part_of_the_cache_key(tmp_path: Path) -> N
     cached = [s["jpg"] for s in ShardedDataset(tmp_path / "ds", preprocess=small, cache=tmp_path / "cache")]
     plain = [s["jpg"] for s in ShardedDataset(tmp_path / "ds", preprocess=small)]
     assert all(torch.equal(a, b) for a, b in zip(cached, plain))
+
+
+def _keyed(dest: Path, n: int, per_shard: int) -> Path:
+    with ShardWriter(dest, max_samples=per_shard) as w:
+        for i in range(n):
+            w.write({"__key__": f"s{i:04d}", "cls": str(i).encode()})
+    return dest
+
+
+@pytest.mark.parametrize("steps", [2, 99])  # 99: the whole epoch (a checkpoint taken after it)
+def test_elastic_resume_with_drop_last_and_less_than_a_round_left(tmp_path: Path, steps: int) -> None:
+    """drop_last=True and fewer than new_world x batch_size samples left (none, at the end of an
+    epoch): load_state_dict raised ValueError; the README promises floor(R / (W2 B)) = 0 batches."""
+    from fastdata.loader import DataLoader
+
+    src = _keyed(tmp_path / "ds", 11, 3)
+
+    def loader(rank: int, world: int) -> DataLoader:
+        return DataLoader(ShardedDataset(src, rank=rank, world_size=world, shuffle=True), batch_size=2,
+                          drop_last=True)
+
+    states = []
+    for r in range(2):
+        dl = loader(r, 2)  # 6 samples per rank (one pad repeat), 3 batches
+        it = iter(dl)
+        for _ in range(min(steps, len(dl))):
+            next(it)
+        states.append(dl.state_dict())
+    left = 12 - 2 * 2 * min(steps, 3)  # 4 or 0
+    for world in (1, 3):
+        counts = []
+        for r in range(world):
+            dl = loader(r, world)
+            dl.load_state_dict(states)
+            counts.append(len(list(dl)))
+            dl.set_epoch(1)  # the next epoch: the plain split at the new world size
+            assert len(list(dl)) == len(dl) > 0
+        assert counts == [left // (world * 2)] * world  # 3 ranks with 4 left (or none): no batch, no error

@@ -652,10 +652,7 @@ def elastic_split(remaining: int, world_size: int, num_workers: int, batch_size:
     """
     n, bs, w = max(1, num_workers), max(1, batch_size or 1), world_size
     if drop_last:
-        full = remaining // (w * bs)
-        if full == 0:
-            raise ValueError(f"elastic resume: {remaining} samples remain, fewer than one full batch of "
-                             f"{bs} per rank for {w} ranks (drop_last=True)")
+        full = remaining // (w * bs)  # 0 (e.g. a state saved at the end of the epoch): no rank yields a batch
         batches = split_sizes(full, n)
         tails = split_sizes(min(remaining - w * full * bs, w * n * (bs - 1)), w)
         return [tuple(b * bs + t for b, t in zip(batches, split_sizes(tails[r], n))) for r in range(w)]
