@@ -541,3 +541,13 @@ def test_verify_checks_hdf5_shards_against_the_manifest_fields(tmp_path):
              fields=(FieldInfo("cls", "int"), FieldInfo("x.npy", "array", "float64", (3,)))).save(tmp_path)
     problems = verify(tmp_path)
     assert len(problems) == 1 and problems[0].startswith("shard-000000.h5: ") and "'cls'" in problems[0]
+
+
+def test_hdf5_zero_dimensional_arrays_read_back_as_arrays(tmp_path):
+    """A 0-d array field came back as a NumPy scalar (np.float64), unlike from a tar shard."""
+    from fastdata.shards.hdf5 import write_hdf5_shard
+
+    write_hdf5_shard(tmp_path / "z.h5", [{"__key__": k, "x.npy": np.array(float(i))} for i, k in enumerate("ab")])
+    reader = HDF5ShardReader(tmp_path / "z.h5")
+    for value in (reader.read(1)["x.npy"], list(reader.iter_range())[1]["x.npy"]):
+        assert isinstance(value, np.ndarray) and value.shape == () and value == 1.0

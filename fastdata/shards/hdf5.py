@@ -378,7 +378,7 @@ def _convert(value: Any, kind: str, npy: bool) -> Any:
     if kind == "float":
         return float(value)
     if kind == "array" and not npy:
-        return value
+        return value if isinstance(value, np.ndarray) else np.asarray(value)  # a 0-d row reads as a scalar
     raw = value.tobytes()
     if npy:
         return np.load(io.BytesIO(raw), allow_pickle=False)
