@@ -286,18 +286,20 @@ def test_error_raised_in_a_dataloader_worker_is_one_line(tmp_path, capsys):
     assert "worker process 0" in err[0]
 
 
-def test_doctor_names_the_sample_whose_image_does_not_decode(tmp_path, capsys):
+def test_doctor_names_the_sample_whose_image_does_not_decode(tmp_path):
     import io
 
     from PIL import Image
+
+    from fastdata.monitor import DoctorOptions, diagnose
     buf = io.BytesIO()
     Image.new("RGB", (16, 16)).save(buf, format="JPEG")
     with fastdata.ShardWriter(tmp_path / "s") as w:
         for i in range(8):
             w.write({"__key__": f"k{i}", "jpg": buf.getvalue() if i != 5 else b"\xff\xd8 not a jpeg", "cls": i})
-    assert main(["doctor", str(tmp_path / "s"), "--step-ms", "1", "--samples", "8", "--workers", "0"]) == 1
-    err = capsys.readouterr().err.strip().splitlines()
-    assert "sample 'k5' field 'jpg'" in err[-1], err  # was only "cannot identify image file <_io.BytesIO ...>"
+    # was only "cannot identify image file <_io.BytesIO ...>"
+    with pytest.raises(fastdata.DecodeError, match="sample 'k5' field 'jpg'"):
+        diagnose(tmp_path / "s", DoctorOptions(step_ms=1, samples=8, num_workers=0))
 
 
 def test_normalize_passes_an_empty_image_batch():
