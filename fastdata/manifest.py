@@ -272,13 +272,6 @@ def _parse_field(item: dict, jpath: str, fail: Any) -> FieldInfo:
     if kind not in KINDS:
         raise fail(f"{jpath}.kind", f"must be one of {list(KINDS)}, got {kind!r}")
     dtype = _get(item, "dtype", (str,), jpath, fail, optional=True)
-    if dtype is not None:
-        import numpy as np
-
-        try:
-            np.dtype(dtype)
-        except (TypeError, ValueError) as e:
-            raise fail(f"{jpath}.dtype", f"is not a numpy dtype: {e}") from None
     shape = _get(item, "shape", (list,), jpath, fail, optional=True)
     if shape is not None and not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
         raise fail(f"{jpath}.shape", f"must be a list of non-negative ints, got {shape!r}")

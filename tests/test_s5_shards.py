@@ -411,21 +411,20 @@ def test_resume_redoes_a_kept_shard_whose_index_is_garbled(tmp_path, monkeypatch
     assert verify(tmp_path / "out") == []
 
 
-def test_manifest_field_dtype_must_be_a_numpy_dtype(tmp_path):
-    """Before: loaded, then an HDF5 dataset failed with "TypeError: data type 'garbage' not understood",
-    naming neither manifest nor shard."""
+def test_hdf5_reader_names_a_manifest_dtype_numpy_does_not_know(tmp_path):
+    """Before: "TypeError: data type 'garbage' not understood", naming neither manifest nor shard."""
     import json
 
     from fastdata import ShardWriter
-    from fastdata.errors import ManifestError
 
     with ShardWriter(tmp_path / "h5", format="hdf5") as writer:
         writer.write({"__key__": "k", "x.npy": np.zeros((2, 2), np.float32)})
     data = json.loads((tmp_path / "h5" / "manifest.json").read_text())
     data["fields"][0]["dtype"] = "garbage"
     (tmp_path / "h5" / "manifest.json").write_text(json.dumps(data))
-    with pytest.raises(ManifestError, match=r"manifest\.json: fields\[0\]\.dtype: is not a numpy dtype"):
-        Manifest.load(tmp_path / "h5")
+    manifest = Manifest.load(tmp_path / "h5")
+    with pytest.raises(ShardError, match=r"shard-000000\.h5: the manifest gives field 'x.npy' dtype 'garbage'"):
+        len(open_shard(tmp_path / "h5", manifest.shards[0], format="hdf5", fields=manifest.fields))
 
 
 def test_overwrite_of_a_url_dest_removes_its_old_manifest_first(tmp_path, monkeypatch):
@@ -551,3 +550,18 @@ def test_hdf5_zero_dimensional_arrays_read_back_as_arrays(tmp_path):
     reader = HDF5ShardReader(tmp_path / "z.h5")
     for value in (reader.read(1)["x.npy"], list(reader.iter_range())[1]["x.npy"]):
         assert isinstance(value, np.ndarray) and value.shape == () and value == 1.0
+
+
+def test_arrays_hdf5_cannot_store_are_refused_naming_the_field(tmp_path):
+    """Before: "TypeError: data type 'str64' not understood" from inside h5py/NumPy, naming nothing.
+    Tar shards store such arrays, and their manifest loads."""
+    from fastdata import ShardWriter
+    from fastdata.shards.hdf5 import write_hdf5_shard
+
+    for value in (np.array(["ab", "c"]), np.array([1, 2], dtype="datetime64[s]")):
+        with pytest.raises(TypeError, match=r"field 'x.npy' in shard .*z\.h5: HDF5 cannot store array values"):
+            write_hdf5_shard(tmp_path / "z.h5", [{"__key__": "a", "x.npy": value}])
+        assert not (tmp_path / "z.h5").exists()
+    with ShardWriter(tmp_path / "tar") as writer:
+        writer.write({"__key__": "a", "x.npy": np.array(["ab", "c"])})
+    assert Manifest.load(tmp_path / "tar").num_samples == 1 and verify(tmp_path / "tar") == []

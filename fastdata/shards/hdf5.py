@@ -107,7 +107,13 @@ def write_hdf5_shard(path: str | os.PathLike[str], samples: Iterable[dict[str, A
             f.create_dataset("__key__", data=np.array(keys, dtype=object),
                              dtype=h5py.string_dtype("utf-8"), track_times=False)
             for info in fields:
-                _write_field(f, info, [s[info.name] for s in samples], keys)
+                try:
+                    _write_field(f, info, [s[info.name] for s in samples], keys)
+                except TypeError as e:  # h5py/NumPy on a dtype HDF5 has no type for (str, datetime, structured)
+                    if repr(info.name) in str(e):
+                        raise
+                    raise TypeError(f"field {info.name!r} in shard {path}: HDF5 cannot store {info.kind} values of "
+                                    f"dtype {info.dtype} ({e}); tar shards can") from e
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -249,7 +255,11 @@ class HDF5ShardReader:
                                  f"manifest; {replaced}")
             if kind != "array" or info.shape is None or info.dtype is None:
                 continue
-            want = (tuple(info.shape), np.dtype(info.dtype))
+            try:
+                want = (tuple(info.shape), np.dtype(info.dtype))
+            except TypeError as e:
+                raise ShardError(f"{self.path}: the manifest gives field {info.name!r} dtype {info.dtype!r}, which "
+                                 f"is not a NumPy dtype ({e}); the manifest was edited or is damaged") from None
             if is_npy:
                 npy[info.name] = want
                 continue
