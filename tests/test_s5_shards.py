@@ -565,3 +565,12 @@ def test_arrays_hdf5_cannot_store_are_refused_naming_the_field(tmp_path):
     with ShardWriter(tmp_path / "tar") as writer:
         writer.write({"__key__": "a", "x.npy": np.array(["ab", "c"])})
     assert Manifest.load(tmp_path / "tar").num_samples == 1 and verify(tmp_path / "tar") == []
+
+
+def test_dest_holding_a_src_file_of_another_name_is_allowed_with_overwrite(tmp_path):
+    """Only SRC files the conversion would replace or remove make DEST unusable."""
+    from fastdata.shards.tar import write_tar_shard
+
+    write_tar_shard(tmp_path / "data.tar", [{"__key__": f"k{i}", "txt": f"v{i}"} for i in range(3)])
+    result = convert(tmp_path / "data.tar", tmp_path, opts(overwrite=True))
+    assert result.manifest.num_samples == 3 and (tmp_path / "data.tar").is_file()

@@ -38,9 +38,14 @@ def remove_outputs(dest: Path) -> None:
         name = entry.name
         if name == PROGRESS_DIR and entry.is_dir():
             shutil.rmtree(entry.path)
-        elif name in (MANIFEST_NAME, MANIFEST_NAME + ".tmp") or (
-                name.startswith("shard-") and name.endswith((".tar", ".h5", ".idx", ".tmp"))):
+        elif is_output(name):
             os.unlink(entry.path)
+
+
+def is_output(name: str) -> bool:
+    """Whether a file called ``name`` in DEST is one a conversion writes (and ``--overwrite`` removes)."""
+    return name in (MANIFEST_NAME, MANIFEST_NAME + ".tmp") or (
+        name.startswith("shard-") and name.endswith((".tar", ".h5", ".idx", ".tmp")))
 
 
 def _write_json(path: Path, data: Any) -> None:

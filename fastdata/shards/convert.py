@@ -395,14 +395,17 @@ def _writing(dest: str | os.PathLike[str], what: str) -> Iterator[None]:
 
 
 def _check_dest_vs_src(listing: Listing, dest: Path) -> None:
-    """Refuse a DEST that is SRC, lies inside an image SRC or holds an input file, also through
-    symlinks: writing (or ``--overwrite`` removing) shards there would destroy inputs not yet read."""
+    """Refuse a DEST that is SRC, lies inside an image SRC or holds an input file named like an
+    output, also through symlinks: writing (or ``--overwrite`` removing) shards there would destroy
+    inputs not yet read."""
     root, target = Path(os.path.realpath(listing.root)), Path(os.path.realpath(dest))
     if target == root or (listing.kind == "images" and root in target.parents):
         raise ConversionError(f"DEST {dest} is inside SRC {listing.root}; choose a folder outside SRC")
-    for file in listing.files:
-        if Path(os.path.realpath(file)).parent == target:
-            raise ConversionError(f"DEST {dest} holds SRC file {file}; choose a folder outside SRC")
+    for file in listing.files + tuple(i for i in listing.indexes if i is not None):
+        real = Path(os.path.realpath(file))
+        if real.parent == target and _progress.is_output(real.name):
+            raise ConversionError(f"DEST {dest} holds SRC file {file}, which the conversion would replace; "
+                                  "choose a folder outside SRC")
 
 
 @dataclass(frozen=True)
