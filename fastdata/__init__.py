@@ -41,6 +41,10 @@ _EXPORTS: dict[str, str] = {
     "ManifestError": "fastdata.errors",
     "ShardError": "fastdata.errors",
     "RemoteError": "fastdata.errors",
+    "ConversionError": "fastdata.errors",
+    "MissingFieldError": "fastdata.errors",
+    "SkipBudgetError": "fastdata.errors",
+    "SourceError": "fastdata.errors",
     "ShardWriter": "fastdata.shards.writer",
 }
 
@@ -63,7 +67,18 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:  # pragma: no cover
     from fastdata.cache import Cache
     from fastdata.dataset import RemoteShards, ShardedDataset, ShuffleOptions, SkippedSampleWarning
-    from fastdata.errors import CacheError, DecodeError, FastdataError, ManifestError, RemoteError, ShardError
+    from fastdata.errors import (
+        CacheError,
+        ConversionError,
+        DecodeError,
+        FastdataError,
+        ManifestError,
+        MissingFieldError,
+        RemoteError,
+        ShardError,
+        SkipBudgetError,
+        SourceError,
+    )
     from fastdata.loader import DataLoader
     from fastdata.manifest import FieldInfo, Manifest, ShardInfo
     from fastdata.monitor import StallMeter

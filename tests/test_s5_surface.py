@@ -340,3 +340,12 @@ def test_gpu_decode_skip_of_a_whole_batch_keeps_the_batch_shape(tmp_path):
 def test_decode_images_bad_device_is_a_value_error_naming_it():
     with pytest.raises(ValueError, match="DecodeImages: device must be .* got 'foo'"):  # was torch's RuntimeError
         fastdata.gpu.DecodeImages(device="foo")
+
+
+def test_every_error_the_readme_names_is_importable_from_fastdata():
+    # the README tells users they get SourceError, MissingFieldError, SkipBudgetError: catchable as
+    # fastdata.<Name> like the other errors (FastdataError, ShardError, DecodeError, ...)
+    import fastdata.errors
+    for name in fastdata.errors.__all__:
+        assert getattr(fastdata, name) is getattr(fastdata.errors, name)
+        assert name in fastdata.__all__
