@@ -289,7 +289,9 @@ def tune(source: str | Path, start: DoctorOptions, *, batch_limit: int = 2048) -
             start_rate = max(start_rate, rate(start, through_prefetcher=fair))
             if best != start or threads:
                 best_rate = max(best_rate, rate(best, through_prefetcher=fair, threads=threads))
-            log.info("tune: start %.0f, tuned %.0f images/s (best so far)", start_rate, best_rate)
+                log.info("tune: start %.0f, tuned %.0f images/s (best so far)", start_rate, best_rate)
+            else:  # the search kept the start: nothing else to measure (it logged "tuned 0 images/s")
+                log.info("tune: start (= tuned) %.0f images/s (best so far)", start_rate)
         if best == start and not threads:
             best_rate = start_rate
         elif best_rate < (1 + MIN_GAIN) * start_rate and best.batch_size == start.batch_size:
