@@ -574,3 +574,25 @@ def test_dest_holding_a_src_file_of_another_name_is_allowed_with_overwrite(tmp_p
     write_tar_shard(tmp_path / "data.tar", [{"__key__": f"k{i}", "txt": f"v{i}"} for i in range(3)])
     result = convert(tmp_path / "data.tar", tmp_path, opts(overwrite=True))
     assert result.manifest.num_samples == 3 and (tmp_path / "data.tar").is_file()
+
+
+def test_pax_sparse_member_is_refused_not_read_as_its_sparse_map(tmp_path):
+    """GNU tar --format=posix -S stores a sparse file as a regular member named
+    './GNUSparseFile.N/<name>' holding a sparse map: it was read as sample './GNUSparseFile.N/a'
+    with that map as its data."""
+    import tarfile
+
+    from fastdata.shards.tar import TarIndex, iter_tar_stream
+
+    shard = tmp_path / "sparse.tar"
+    with tarfile.open(shard, "w", format=tarfile.PAX_FORMAT) as tar:
+        data = b"1\n0\n512\n" + bytes(503) + b"hello"
+        info = tarfile.TarInfo("./GNUSparseFile.7/a.bin")
+        info.size = len(data)
+        info.pax_headers = {"GNU.sparse.major": "1", "GNU.sparse.minor": "0", "GNU.sparse.name": "a.bin",
+                            "GNU.sparse.realsize": "2097152"}
+        tar.addfile(info, io.BytesIO(data))
+    with pytest.raises(ShardError, match=r"sparse\.tar: GNU sparse member 'a\.bin' at byte offset \d+ is not supported"):
+        TarIndex.build(shard)
+    with pytest.raises(ShardError, match="sparse member 'a.bin'"):
+        list(iter_tar_stream(io.BytesIO(shard.read_bytes()), "sparse.tar"))

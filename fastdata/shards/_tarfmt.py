@@ -165,8 +165,9 @@ def walk(header: HeaderFn, payload: PayloadFn, shard: str, *, want_data: bool) -
                 pax = parse_pax(data, pos, shard)
             pos = start + size + pad(size)
             continue
-        if typ == b"S":
-            raise ShardError(f"{shard}: GNU sparse member {name!r} at byte offset {pos} is not supported")
+        if typ == b"S" or any(k.startswith("GNU.sparse.") for k in pax):  # PAX sparse: GNU tar --format=posix -S
+            sparse = pax.get("GNU.sparse.name", name)  # the data is a sparse map + fragments, not the file
+            raise ShardError(f"{shard}: GNU sparse member {sparse!r} at byte offset {pos} is not supported")
         if "path" in pax:
             name = pax["path"]
         elif long_name is not None:
