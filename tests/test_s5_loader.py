@@ -109,3 +109,67 @@ def test_elastic_resume_with_drop_last_and_less_than_a_round_left(tmp_path: Path
             dl.set_epoch(1)  # the next epoch: the plain split at the new world size
             assert len(list(dl)) == len(dl) > 0
         assert counts == [left // (world * 2)] * world  # 3 ranks with 4 left (or none): no batch, no error
+
+
+def _bad_cls(dest: Path, n: int, bad: tuple[int, ...]) -> Path:
+    with ShardWriter(dest, max_samples=4) as w:
+        for i in range(n):
+            w.write({"__key__": f"k{i:03d}", "cls": b"x" if i in bad else str(i).encode()})
+    return dest
+
+
+def _skipped_keys(ds: ShardedDataset) -> list[str]:
+    return [r["key"] for r in ds.skipped]
+
+
+@pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
+def test_thread_decoder_records_skips_when_the_consumer_reaches_them(tmp_path: Path) -> None:
+    """The pool loads ahead of the consumer; it recorded skips (and counted them against max_skips)
+    as it met them, so dataset.skipped held samples of batches not yet received (not the worker
+    path's list) and the budget ran out at whichever sample a thread reached first."""
+    import time
+
+    from fastdata.errors import SkipBudgetError
+    from fastdata.loader import DataLoader
+
+    src = _bad_cls(tmp_path / "ds", 20, bad=(2, 10, 13))  # virtual workers: k000-k009, k010-k019
+    ds = ShardedDataset(src, on_error="skip")
+    it = iter(DataLoader(ds, batch_size=3, num_workers=2, decode_threads=2))
+    next(it)  # k000 k001 k003 (k002 skipped)
+    time.sleep(0.5)  # the pool has loaded ahead (k010, a skip, in worker 1's first batch)
+    assert _skipped_keys(ds) == ["k002"]
+    list(it)
+    assert _skipped_keys(ds) == ["k002", "k010", "k013"]  # batch order, as from worker processes
+
+    for kw in ({"decode_threads": 2}, {}):  # the budget runs out at the same batch as with workers
+        ds = ShardedDataset(src, on_error="skip", max_skips=1)
+        got = []
+        with pytest.raises(SkipBudgetError) as info:
+            for batch in DataLoader(ds, batch_size=3, num_workers=2, **kw):
+                got.append(list(batch["__key__"]))
+        assert got == [["k000", "k001", "k003"]], kw
+        assert [r["key"] for r in info.value.skipped] == ["k002", "k010", "k013"], kw  # both in that batch
+
+
+def test_no_torch_length_warning_after_an_epoch_of_another_length(tmp_path: Path) -> None:
+    """torch's iterator compares the batches it yields with the sample count of the latest len(loader)
+    call; after a len() in a shorter epoch (here an elastic resume with nothing left: 0) it warned at
+    every batch of the next epoch ('Length of IterableDataset ... was reported to be 0')."""
+    import warnings
+
+    from fastdata.loader import DataLoader
+
+    src = _keyed(tmp_path / "ds", 8, 3)
+    states = []
+    for r in range(2):
+        dl = DataLoader(ShardedDataset(src, rank=r, world_size=2), batch_size=1)
+        list(dl)  # the whole epoch: a checkpoint taken after it
+        states.append(dl.state_dict())
+    for num_workers in (0, 2):
+        dl = DataLoader(ShardedDataset(src, rank=0, world_size=1), batch_size=1, num_workers=num_workers)
+        dl.load_state_dict(states)  # elastic: 2 ranks -> 1
+        assert len(dl) == 0 and list(dl) == []
+        dl.set_epoch(1)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert len(list(dl)) == len(dl) == 8

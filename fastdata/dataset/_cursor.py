@@ -74,6 +74,9 @@ class Cursor:
         self.worker = worker
         self.pos = start.consumed[worker]
         self.skips: list[dict[str, Any]] = []
+        # True for a walk loaded ahead of its consumer (the thread decoder): a skip is only collected
+        # here (see pop_skip); the consumer records it in the dataset when it reaches the sample
+        self.defer_skips = False
         self._seq = seq
 
     @property
@@ -99,6 +102,15 @@ class Cursor:
         """Skip records since the last call (each also in ``dataset.skipped`` of this process)."""
         out, self.skips = self.skips, []
         return out
+
+    def pop_skip(self, g: int) -> dict[str, Any] | None:
+        """The skip record of sample ``g`` collected here (``defer_skips``), removed; None if none.
+        Safe while other threads load samples of this walk."""
+        for record in list(self.skips):
+            if record["index"] == g:
+                self.skips.remove(record)
+                return record
+        return None
 
     def state_stages(self) -> list[Stage]:
         """The resume stages after the samples consumed so far."""

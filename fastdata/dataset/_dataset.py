@@ -769,12 +769,13 @@ class ShardedDataset(IterableDataset):
         """Record a skipped sample (``skipped``, the cursor's report, the budget of this process)."""
         name = self.source.names[shard]
         record = {"shard": name, "key": key, "index": g, "epoch": cursor.epoch, "reason": str(err)}
-        with self._skip_lock:
-            self.skipped.append(record)
+        if not cursor.defer_skips:  # deferred: record_skips() when the consumer reaches the sample
+            with self._skip_lock:
+                self.skipped.append(record)
         cursor.skips.append(record)
         if self.on_error == "warn":
             warnings.warn(f"skipped sample {key!r} of shard {name}: {err}", SkippedSampleWarning, stacklevel=4)
-        if not _in_worker():  # a worker's skips are counted when they reach the main process
+        if not _in_worker() and not cursor.defer_skips:  # a worker's are counted when they reach the main process
             self._count_skips(1)
 
     # ----- skip reports and the failure budget (package-internal: fastdata.loader) ---------------

@@ -385,6 +385,9 @@ class DataLoader(torch.utils.data.DataLoader):
             self._run = _Run(start, list(start.consumed))
             return _loader_iter(self, batches, self._run, len(self), _pool_helpers)
         self.last_path = "workers"
+        # torch's iterator compares its batch count with the sample count of the latest len() call, which
+        # may be another epoch's (an elastic resume's rest): it would warn at every batch; len() is exact here
+        self._IterableDataset_len_called = None
         if self.num_workers > 0:  # workers report skips after their last batch (see ShardedDataset.report_skips_inline)
             ds.report_skips_inline(self.batch_size, self.drop_last)
             if self.persistent_workers and self.preload_next_epoch:

@@ -124,7 +124,7 @@ def thread_batches(ds: ShardedDataset, start: EpochStart, *, threads: int, batch
     cursors = [ds.cursor(start, w, seq=seq, live=n == 1) for w, seq in enumerate(seqs)]
     batches = ThreadBatches(cursors, first=start.first, threads=threads, batch_size=batch_size, drop_last=drop_last,
                             collate_fn=collate_fn, pin=pin, pin_rows=pin_rows, carry=_CARRY.setdefault(ds, {}),
-                            timeout=timeout)
+                            timeout=timeout, record_skips=ds.record_skips)
     return batches
 
 
@@ -386,12 +386,13 @@ def _write(sample: Any, layout: _Layout, rows: Rows, row: int) -> bool:
 
 # ----- the iterator ------------------------------------------------------------------------------
 class _Item:
-    """One sample's outcome: the sample (None: skipped), where it was written, or the error."""
+    """One sample's outcome: the sample (None: skipped, with its skip record), where it was written, or the error."""
 
-    __slots__ = ("error", "g", "pos", "sample", "written")
+    __slots__ = ("error", "g", "pos", "sample", "skip", "written")
 
-    def __init__(self, pos: int, g: int, sample: Any = None, written: int = -1, error: BaseException | None = None):
-        self.pos, self.g, self.sample, self.written, self.error = pos, g, sample, written, error
+    def __init__(self, pos: int, g: int, sample: Any = None, written: int = -1, error: BaseException | None = None,
+                 skip: dict[str, Any] | None = None):
+        self.pos, self.g, self.sample, self.written, self.error, self.skip = pos, g, sample, written, error, skip
 
 
 Dest = tuple[_Layout, Rows, int, int]  # (layout, batch buffers, row, predicted ordinal)
@@ -404,8 +405,11 @@ def _load_chunk(cursor: Any, items: list[tuple[int, int, int, int]], dests: list
     for (pos, g, shard, i), dest in zip(items, dests):
         try:
             sample = cursor.load(shard, i, g)
+            if sample is None:  # skipped: the consumer records it when it reaches this sample
+                out.append(_Item(pos, g, skip=cursor.pop_skip(g)))
+                continue
             written = -1
-            if sample is not None and dest is not None and _write(sample, dest[0], dest[1], dest[2]):
+            if dest is not None and _write(sample, dest[0], dest[1], dest[2]):
                 written = dest[3]
             out.append(_Item(pos, g, sample, written))
         except BaseException as e:  # noqa: BLE001 - re-raised by the consumer at this sample
@@ -444,8 +448,12 @@ class ThreadBatches:
 
     def __init__(self, cursors: Sequence[Any], *, first: int, threads: int, batch_size: int, drop_last: bool,
                  collate_fn: Callable[[Any], Any], pin: str | None, pin_rows: str | None = None,
-                 carry: dict[Any, Any] | None = None, timeout: float = 0):
+                 carry: dict[Any, Any] | None = None, timeout: float = 0,
+                 record_skips: Callable[[list[dict[str, Any]]], None] | None = None):
         self._walks = [_Walk(c, c.seq) for c in cursors]
+        for c in cursors:  # loaded ahead: skips are recorded (and counted) in batch order, as from workers
+            c.defer_skips = True
+        self._record_skips = record_skips
         self._n = len(cursors)
         self._w = first
         self._active = [True] * self._n
@@ -601,6 +609,7 @@ class ThreadBatches:
     def _take(self, walk: _Walk) -> tuple[list[Any], int]:
         """The next ``batch_size`` samples of ``walk`` that load (fewer at its end), and the position after."""
         rows: list[Any] = []
+        skips: list[dict[str, Any]] = []
         pos = int(walk.cursor.pos)
         while len(rows) < self._b:
             item = self._next_item(walk)
@@ -611,16 +620,19 @@ class ThreadBatches:
             if item.error is not None:
                 item.error.add_note(f"(fastdata.DataLoader batch {self._batches}, virtual worker {walk.cursor.worker})")
                 raise item.error
-            if item.sample is None:
-                continue  # skipped under on_error; recorded in dataset.skipped by the dataset
+            if item.sample is None:  # skipped under on_error
+                if item.skip is not None:
+                    skips.append(item.skip)
+                continue
             if self._layout is None and self._inplace:
                 self._layout = self._carry["layout"] = _Layout.of(item.sample)
                 if self._layout is None:
                     self._inplace = False
             rows.append((item.sample, item.written == walk.taken))
             walk.taken += 1
-        walk.cursor.drain_skips()
         walk.cursor.pos = pos
+        if skips and self._record_skips is not None:
+            self._record_skips(skips)  # dataset.skipped; SkipBudgetError past max_skips, at this batch
         return rows, pos
 
     def _assemble(self, walk: _Walk, rows: list[tuple[Any, bool]]) -> Any:
