@@ -349,3 +349,24 @@ def test_every_error_the_readme_names_is_importable_from_fastdata():
     for name in fastdata.errors.__all__:
         assert getattr(fastdata, name) is getattr(fastdata.errors, name)
         assert name in fastdata.__all__
+
+
+def test_doctor_decode_torchvision_without_a_working_torchvision_says_so(tmp_path, monkeypatch):
+    # the import failure surfaced as the first sample's decode error ("sample 'k0' field 'jpg':
+    # RuntimeError: operator torchvision::nms does not exist" on a torchvision built for another torch)
+    import io
+    import sys
+
+    from PIL import Image
+
+    from fastdata.monitor import DoctorOptions, diagnose
+    buf = io.BytesIO()
+    Image.new("RGB", (16, 16)).save(buf, format="JPEG")
+    with fastdata.ShardWriter(tmp_path / "s") as w:
+        for i in range(4):
+            w.write({"__key__": f"k{i}", "jpg": buf.getvalue(), "cls": i})
+    monkeypatch.setitem(sys.modules, "torchvision", None)  # import torchvision -> ImportError
+    monkeypatch.setitem(sys.modules, "torchvision.io", None)
+    with pytest.raises(fastdata.FastdataError, match="decode 'torchvision' needs torchvision") as e:
+        diagnose(tmp_path / "s", DoctorOptions(step_ms=1, samples=4, num_workers=0, decode="torchvision"))
+    assert "sample" not in str(e.value)

@@ -156,6 +156,10 @@ def decoder(backend: str, draft_size: int | None) -> Callable[[bytes], Any]:
         dec = ImageDecoder(draft_size=draft_size)
         return lambda data: dec.pil(data)
     if backend == "torchvision":
+        try:
+            import torchvision.io  # noqa: F401  checked here: a decode failure must not be a broken install
+        except Exception as e:  # a broken install raises RuntimeError/OSError, not only ImportError
+            raise FastdataError(f"decode 'torchvision' needs torchvision, which cannot be imported here: {e}") from e
         return TorchvisionDecoder()
     raise ValueError(f"decode backend must be 'pil' or 'torchvision', got {backend!r}")
 
@@ -224,6 +228,8 @@ def _named(decode: Callable[[Any], Any], sample: dict[str, Any], field: str) -> 
     """``decode(sample[field])``; a failure names the sample and field (the decoder's own message does not)."""
     try:
         return decode(sample[field])
+    except FastdataError:
+        raise
     except Exception as e:  # noqa: BLE001  any decoder failure on shard bytes
         raise DecodeError(f"sample {sample.get('__key__', '?')!r} field {field!r}: {type(e).__name__}: {e}") from e
 
