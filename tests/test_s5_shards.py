@@ -596,3 +596,25 @@ def test_pax_sparse_member_is_refused_not_read_as_its_sparse_map(tmp_path):
         TarIndex.build(shard)
     with pytest.raises(ShardError, match="sparse member 'a.bin'"):
         list(iter_tar_stream(io.BytesIO(shard.read_bytes()), "sparse.tar"))
+
+
+def _die_on_shard_one(task, tick):
+    import fastdata.shards.convert as convert_mod
+
+    if task.job.number == 1:
+        os._exit(9)  # as the OOM killer would
+    return convert_mod._s5_real_write_job(task, tick)
+
+
+def test_a_worker_that_dies_is_a_conversion_error_naming_its_shard(tmp_path, monkeypatch):
+    """Before: "BrokenProcessPool: A process in the process pool was terminated abruptly while the
+    future was running or pending", naming no shard and no DEST."""
+    import fastdata.shards.convert as convert_mod
+
+    if convert_mod._mp_context().get_start_method() != "fork":
+        pytest.skip("the patched job reaches the workers only when they are forked")
+    monkeypatch.setattr(convert_mod, "_s5_real_write_job", convert_mod._write_job, raising=False)
+    monkeypatch.setattr(convert_mod, "_write_job", _die_on_shard_one)
+    with pytest.raises(ConversionError, match=r"worker process died .*shard-000001\.tar.* into DEST .*out.*rerun"):
+        convert(image_folder(tmp_path / "src"), tmp_path / "out",
+                ConvertOptions(samples_per_shard=2, workers=2, progress=False))

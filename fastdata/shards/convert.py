@@ -33,6 +33,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
 from contextlib import closing
 from dataclasses import dataclass
 from pathlib import Path
@@ -425,7 +426,8 @@ def _execute(tasks: list[_Task], opts: ConvertOptions, tick: Callable[[int], Non
     """Run the jobs, yielding results in completion order (in-process for one worker).
 
     A failing job re-raises its exception here (with the worker's traceback as ``__cause__``); a
-    worker that dies (e.g. killed for memory) raises ``BrokenProcessPool`` instead of hanging. On
+    worker that dies (e.g. killed for memory) is a ConversionError naming the shards being written
+    (from the workers' start/end messages) instead of a hang. On
     any error or interrupt the remaining jobs are cancelled and the workers terminated.
     """
     if opts.engine == "ray":
@@ -444,11 +446,21 @@ def _execute(tasks: list[_Task], opts: ConvertOptions, tick: Callable[[int], Non
                                    initargs=(queue, os.getpid()))
     try:
         pending = {executor.submit(_pool_job, task) for task in tasks}
+        writing: set[str] = set()  # shards a worker has started and not finished (from its messages)
         while pending:
             done, pending = wait(pending, timeout=_TICK_S, return_when=FIRST_COMPLETED)
-            _drain(queue, tick)
+            _drain(queue, tick, writing)
             for future in done:
-                yield future.result()
+                try:
+                    result = future.result()
+                except BrokenProcessPool as e:  # which shard's inputs killed it (memory?) is worth knowing
+                    _drain(queue, tick, writing)
+                    names = sorted(writing)
+                    which = names[0] if len(names) == 1 else f"one of {', '.join(names)}" if names else "a shard"
+                    raise ConversionError(
+                        f"a worker process died (killed, out of memory?) while writing {which} into DEST "
+                        f"{tasks[0].dest}; the shards finished before are kept: rerun to resume") from e
+                yield result
         executor.shutdown(wait=True)
     except BaseException:
         _terminate(executor)
@@ -478,9 +490,14 @@ def _mp_context() -> Any:
     return mp.get_context("spawn")
 
 
-def _drain(queue: Any, tick: Callable[[int], None]) -> None:
+def _drain(queue: Any, tick: Callable[[int], None], writing: set[str]) -> None:
+    """Workers' messages: sample counts for the progress bar, ``(shard, True/False)`` at a job's start/end."""
     while not queue.empty():
-        tick(queue.get())
+        message = queue.get()
+        if isinstance(message, tuple):
+            (writing.add if message[1] else writing.discard)(message[0])
+        else:
+            tick(message)
 
 
 _worker_queue: Any = None
@@ -534,11 +551,13 @@ def _pool_job(task: _Task) -> ShardResult:
             _worker_queue.put(pending[0])
             pending[0], pending[1] = 0, now
 
+    _worker_queue.put((task.job.name, True))
     try:
         return _write_job(task, tick)
     finally:
         if pending[0]:
             _worker_queue.put(pending[0])
+        _worker_queue.put((task.job.name, False))
 
 
 def _write_job(task: _Task, tick: Callable[[int], None]) -> ShardResult:
