@@ -370,3 +370,29 @@ def test_doctor_decode_torchvision_without_a_working_torchvision_says_so(tmp_pat
     with pytest.raises(fastdata.FastdataError, match="decode 'torchvision' needs torchvision") as e:
         diagnose(tmp_path / "s", DoctorOptions(step_ms=1, samples=4, num_workers=0, decode="torchvision"))
     assert "sample" not in str(e.value)
+
+
+def test_decode_images_finding_nothing_to_decode_says_so(tmp_path):
+    # DecodeImages(keys=["image"]) on a batch packed under "jpg", or over a loader built without
+    # image_decode="device", returned the batch as it was: PackedImages (or PIL-decoded images) went on,
+    # and Compose(DecodeImages(...), CenterCrop(8)) dropped the crop without a word
+    import io
+
+    from PIL import Image
+
+    from fastdata import gpu
+    buf = io.BytesIO()
+    Image.new("RGB", (16, 12)).save(buf, format="JPEG")
+    with fastdata.ShardWriter(tmp_path / "s") as w:
+        for i in range(4):
+            w.write({"__key__": f"k{i}", "jpg": buf.getvalue(), "cls": i})
+    packed = next(iter(fastdata.DataLoader(fastdata.ShardedDataset(tmp_path / "s", image_decode="device"),
+                                           batch_size=4, num_workers=0)))
+    with pytest.raises(ValueError, match=r"keys \['image'\] match none of the batch's packed image fields \['jpg'\]"):
+        gpu.Compose(gpu.DecodeImages(device="cpu", keys=["image"]), gpu.CenterCrop(8))(packed)
+    decoded = next(iter(fastdata.DataLoader(fastdata.ShardedDataset(tmp_path / "s"), batch_size=4, num_workers=0)))
+    with pytest.raises(ValueError, match="holds no packed images for .*CenterCrop.*image_decode='device'"):
+        gpu.Compose(gpu.DecodeImages(device="cpu"), gpu.CenterCrop(8))(decoded)
+    assert gpu.DecodeImages(device="cpu")(decoded) is decoded  # alone, nothing to decode: unchanged, as before
+    out = gpu.Compose(gpu.DecodeImages(device="cpu", keys=["jpg"]), gpu.CenterCrop(8))(packed)
+    assert tuple(out["jpg"].shape) == (4, 3, 8, 8)

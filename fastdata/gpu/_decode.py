@@ -150,9 +150,17 @@ class DecodeImages:
         device = self._device()
         found: list[tuple[tuple[Any, ...], PackedImages]] = []
         _find(batch, (), found)
-        found = [(p, pk) for p, pk in found if self.keys is None or any(k in self.keys for k in p)]
-        if not found:
+        selected = [(p, pk) for p, pk in found if self.keys is None or any(k in self.keys for k in p)]
+        if not selected:  # nothing packed: unchanged, unless that would silently skip packed fields or transforms
+            if found:
+                raise ValueError(f"DecodeImages: keys {list(self.keys or ())} match none of the batch's packed image "
+                                 f"fields {[_field(p) for p, _ in found]}")
+            if geometric:  # as the transforms would say on their own ("the batch holds no ImageBatch")
+                has = f"keys {list(batch)}" if isinstance(batch, dict) else f"a {type(batch).__name__}"
+                raise ValueError(f"DecodeImages: the batch holds no packed images for {list(geometric)} (the batch "
+                                 f"has {has}); build the ShardedDataset with image_decode='device'")
             return batch
+        found = selected
         sizes = {len(pk) for _, pk in found}
         if len(sizes) != 1:
             raise ValueError(f"DecodeImages: packed fields of one batch hold different image counts: {sorted(sizes)}")
