@@ -396,3 +396,10 @@ def test_decode_images_finding_nothing_to_decode_says_so(tmp_path):
     assert gpu.DecodeImages(device="cpu")(decoded) is decoded  # alone, nothing to decode: unchanged, as before
     out = gpu.Compose(gpu.DecodeImages(device="cpu", keys=["jpg"]), gpu.CenterCrop(8))(packed)
     assert tuple(out["jpg"].shape) == (4, 3, 8, 8)
+
+
+def test_cache_without_a_subcommand_names_the_choices(capsys):
+    with pytest.raises(SystemExit):
+        main(["cache"])
+    err = capsys.readouterr().err
+    assert "{list,rm,build}" in err.splitlines()[-1] and "cache_command" not in err  # argparse's dest leaked

@@ -104,7 +104,7 @@ def add_cache_subparser(subparsers: Any) -> argparse.ArgumentParser:
     Each leaf sets ``func`` to a handler ``(args) -> exit status``.
     """
     cache = subparsers.add_parser("cache", help="list, remove or fill preprocessing cache stores")
-    sub = cache.add_subparsers(dest="cache_command", required=True)
+    sub = cache.add_subparsers(dest="cache_command", required=True, metavar="{list,rm,build}")
 
     def common(p: argparse.ArgumentParser) -> None:
         p.add_argument("--cache", required=True, metavar="DIR", help="cache directory (required)")
