@@ -403,3 +403,13 @@ def test_cache_without_a_subcommand_names_the_choices(capsys):
         main(["cache"])
     err = capsys.readouterr().err
     assert "{list,rm,build}" in err.splitlines()[-1] and "cache_command" not in err  # argparse's dest leaked
+
+
+@pytest.mark.parametrize("command", ["demo", "bench"])
+def test_work_folder_that_is_a_file_is_an_argument_error(tmp_path, capsys, command):
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    with pytest.raises(SystemExit) as e:  # demo said "[Errno 17] File exists: 'afile'"
+        main([command, "--dir", str(afile), "--images", "8"])
+    assert e.value.code == 2
+    assert "argument --dir" in capsys.readouterr().err

@@ -66,6 +66,15 @@ def output_file(text: str) -> str:
     return text
 
 
+def work_folder(text: str) -> str:
+    """A folder the command creates or reuses: anything but an existing file."""
+    if not text:
+        raise argparse.ArgumentTypeError("expected a folder path, got ''")
+    if os.path.exists(text) and not os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text} exists and is not a folder")
+    return text
+
+
 def device(text: str) -> str:
     """A device ``fastdata.CUDAPrefetcher`` accepts here (``cpu``, ``cuda``, ``cuda:N``), checked up front."""
     from fastdata.prefetch import resolve_device
@@ -83,3 +92,4 @@ byte_size.__name__ = "size"
 positive_float.__name__ = "number > 0"
 output_file.__name__ = "file path"
 device.__name__ = "device"
+work_folder.__name__ = "folder"

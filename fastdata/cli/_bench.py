@@ -184,7 +184,7 @@ def _cmd_bench(args: Any) -> int:
 
 def add_bench_subparser(subparsers: Any) -> Any:
     """Add ``bench`` to the ``fastdata`` command's subparsers."""
-    from fastdata.cli._args import nonneg_int, output_file, positive_int
+    from fastdata.cli._args import nonneg_int, output_file, positive_int, work_folder
 
     p = subparsers.add_parser(
         "bench", help="measure raw reads, the decode pipeline, the cache and H2D copies on your shards",
@@ -197,7 +197,7 @@ def add_bench_subparser(subparsers: Any) -> Any:
                    help="samples of SHARDS to measure (default: 2048)")
     p.add_argument("--images", type=positive_int, default=1024, metavar="N",
                    help="images to generate when no SHARDS are given (default: 1024)")
-    p.add_argument("--dir", default=None, help="working folder (default: a temporary one, deleted afterwards)")
+    p.add_argument("--dir", type=work_folder, default=None, metavar="DIR", help="working folder (default: a temporary one, deleted afterwards)")
     p.add_argument("--workers", type=nonneg_int, default=2, metavar="N", help="DataLoader workers (default: 2)")
     p.add_argument("--repeats", type=positive_int, default=3, metavar="N", help="timed passes, median (default: 3)")
     p.add_argument("--size", type=positive_int, default=IMAGE_SIZE, metavar="PX",

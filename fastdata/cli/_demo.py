@@ -455,14 +455,14 @@ def _cmd_demo(args: Any) -> int:
 
 def add_demo_subparser(sub: Any) -> None:
     """Register ``fastdata demo`` on the ``fastdata`` command's subparsers."""
-    from fastdata.cli._args import nonneg_int, output_file, positive_int
+    from fastdata.cli._args import nonneg_int, output_file, positive_int, work_folder
 
     demo = sub.add_parser(
         "demo", help="before/after: the same model trained from a tuned torch DataLoader and from fastdata",
         description="Generate photo-like JPEGs, shard them, and train the same model from a tuned "
                     "torch.utils.data.DataLoader, fastdata uncached and fastdata cached; print one table "
                     "(images/s, input wait, GPU utilisation, speed-up).")
-    demo.add_argument("--dir", default=None, metavar="DIR",
+    demo.add_argument("--dir", type=work_folder, default=None, metavar="DIR",
                       help="keep the images, shards and cache in DIR (default: a temporary folder, removed after)")
     demo.add_argument("--images", type=positive_int, default=1024, metavar="N",
                       help="number of JPEGs to generate (default: 1024)")
