@@ -304,10 +304,13 @@ class HDF5ShardReader:
         if not 0 <= i < n:
             raise IndexError(f"{self.path}: sample index {i} out of range for {n} samples")
         out: dict[str, Any] = {"__key__": self.keys[i]}
-        for name, kind, npy in self._selected(fields):
-            with _h5_errors(self.path, f"reading field {name!r} of sample {i} ({out['__key__']!r})"):
+        name = None
+        try:
+            for name, kind, npy in self._selected(fields):
                 value = _convert(f[name][i], kind, npy)
-            out[name] = self._checked(name, value, out["__key__"]) if self._npy_shapes else value
+                out[name] = self._checked(name, value, out["__key__"]) if self._npy_shapes else value
+        except _H5_ERRORS as e:
+            raise _corrupt(self.path, f"reading field {name!r} of sample {i} ({out['__key__']!r})", e) from e
         return out
 
     def iter_range(self, start: int = 0, stop: int | None = None,
@@ -335,10 +338,13 @@ class HDF5ShardReader:
                     blocks.append((name, kind, npy, f[name][a:b]))
             for j in range(b - a):
                 out: dict[str, Any] = {"__key__": keys[a + j]}
-                for name, kind, npy, block in blocks:
-                    with _h5_errors(self.path, f"reading field {name!r} of sample {a + j} ({keys[a + j]!r})"):
+                name = None
+                try:
+                    for name, kind, npy, block in blocks:
                         value = _convert(block[j], kind, npy)
-                    out[name] = self._checked(name, value, out["__key__"]) if self._npy_shapes else value
+                        out[name] = self._checked(name, value, out["__key__"]) if self._npy_shapes else value
+                except _H5_ERRORS as e:  # a message is built only on failure: this loop is the hot path
+                    raise _corrupt(self.path, f"reading field {name!r} of sample {a + j} ({keys[a + j]!r})", e) from e
                 yield out
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
@@ -369,17 +375,22 @@ class HDF5ShardReader:
         return f"HDF5ShardReader({self.path!r})"
 
 
+# What h5py (or NumPy, parsing stored ``.npy`` bytes) raises on a corrupt file, depending on the
+# damaged structure; a ShardError (raised by the checks themselves) is none of these.
+_H5_ERRORS = (OSError, KeyError, RuntimeError, ValueError)
+
+
+def _corrupt(path: str, what: str, e: BaseException) -> ShardError:
+    return ShardError(f"{path}: {what}: {type(e).__name__}: {e}; the shard is corrupt or was changed (run verify)")
+
+
 @contextlib.contextmanager
 def _h5_errors(path: str, what: str) -> Iterator[None]:
-    """What h5py (or numpy, parsing stored ``.npy`` bytes) raises on a corrupt file, as a ShardError
-    naming the shard: KeyError, RuntimeError, OSError, ValueError depending on the damaged structure."""
+    """:data:`_H5_ERRORS` inside the block as a ShardError naming the shard and ``what`` it was doing."""
     try:
         yield
-    except ShardError:
-        raise
-    except (OSError, KeyError, RuntimeError, ValueError) as e:
-        raise ShardError(f"{path}: {what}: {type(e).__name__}: {e}; the shard is corrupt or was changed "
-                         "(run verify)") from e
+    except _H5_ERRORS as e:
+        raise _corrupt(path, what, e) from e
 
 
 def _convert(value: Any, kind: str, npy: bool) -> Any:
