@@ -413,3 +413,11 @@ def test_work_folder_that_is_a_file_is_an_argument_error(tmp_path, capsys, comma
         main([command, "--dir", str(afile), "--images", "8"])
     assert e.value.code == 2
     assert "argument --dir" in capsys.readouterr().err
+
+
+def test_evaluate_refuses_a_transform_it_would_not_apply():
+    # transform= is for a loader evaluate wraps itself; beside a CUDAPrefetcher it was silently ignored
+    model, batches = _linear_and_batches()
+    with fastdata.CUDAPrefetcher(batches, device="cpu") as prefetched:
+        with pytest.raises(ValueError, match="transform= .*CUDAPrefetcher"):
+            fastdata.evaluate(model, prefetched, transform=lambda b: b)

@@ -122,6 +122,9 @@ def evaluate(
     mode = resolve_precision(precision, device)
     dtype = input_dtype(mode, param_dtype)
     owned = not isinstance(batches, CUDAPrefetcher)
+    if not owned and transform is not None:
+        raise ValueError("transform= applies to a loader that evaluate wraps in a CUDAPrefetcher; this batches= is a "
+                         "CUDAPrefetcher already: give it the transform (CUDAPrefetcher(loader, transform=...))")
     # seamless=False: one pass, so no second epoch of the loader is started behind the last batches
     source = CUDAPrefetcher(batches, device=device, transform=transform, seamless=False) if owned else batches
     sums = torch.zeros(len(names), dtype=torch.float64, device=device)
