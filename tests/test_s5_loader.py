@@ -173,3 +173,19 @@ def test_no_torch_length_warning_after_an_epoch_of_another_length(tmp_path: Path
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             assert len(list(dl)) == len(dl) == 8
+
+
+def _inverted(data: bytes) -> Image.Image:
+    return Image.eval(Image.open(io.BytesIO(bytes(data))).convert("RGB"), lambda p: 255 - p)
+
+
+def test_custom_image_decoder_is_part_of_the_cache_key(tmp_path: Path) -> None:
+    """decode={"jpg": fn} changes what preprocess= gets; the store was keyed without it and served the
+    default decoder's outputs to a dataset with a custom one."""
+    src = _two_image_fields(tmp_path / "ds", n=3)
+    pre = ResizeCenterCrop(8)
+    list(ShardedDataset(src, fields=["jpg"], preprocess=pre, cache=tmp_path / "cache"))  # default decoder
+    got = [s["jpg"] for s in ShardedDataset(src, fields=["jpg"], preprocess=pre, cache=tmp_path / "cache",
+                                            decode={"jpg": _inverted})]
+    plain = [s["jpg"] for s in ShardedDataset(src, fields=["jpg"], preprocess=pre, decode={"jpg": _inverted})]
+    assert all(torch.equal(a, b) for a, b in zip(got, plain))

@@ -78,6 +78,24 @@ class SkippedSampleWarning(UserWarning):
     """A sample could not be read or decoded and was skipped (``on_error="warn"``)."""
 
 
+def _image_decoders(decode: bool | Mapping[str, Any]) -> str:
+    """What the cache key adds for image fields not decoded by the default decoder ("" for none): the
+    store holds preprocess= of their output. A decoder is named by its ``fingerprint`` attribute, else
+    by module and qualified name (as ``Deterministic`` keys on name and version, never on the code)."""
+    if decode is True:
+        return ""
+    if decode is False:
+        return "|decode=False"
+    names = []
+    for field, fn in sorted(decode.items()):
+        if is_image_field(field):
+            fp = getattr(fn, "fingerprint", None)
+            name = "raw" if fn is None else fp if isinstance(fp, str) else (
+                f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', type(fn).__qualname__)}")
+            names.append(f"{field}={name}")
+    return f"|decode {','.join(names)}" if names else ""
+
+
 def _in_worker() -> bool:
     return get_worker_info() is not None
 
@@ -620,6 +638,7 @@ class ShardedDataset(IterableDataset):
             images = sorted(f for f in self.fields or () if is_image_field(f))
             if self.fields is not None and images != sorted(f for f in self.source.fields or () if is_image_field(f)):
                 fingerprint += f"|image fields {','.join(images)}"
+            fingerprint += _image_decoders(self._decoder.decode)
             self._store = cache.open_store(fingerprint=fingerprint, num_samples=self.num_samples)
             self._store_pid = os.getpid()
         return self._store
