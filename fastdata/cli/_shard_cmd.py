@@ -15,10 +15,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import queue
 import sys
+import threading
 import traceback
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
 
@@ -171,7 +172,9 @@ def run_guarded(prog: str, args: argparse.Namespace, run: Callable[[], int]) -> 
         with _logging_to_stderr(prog, args.quiet):
             return run()
     except KeyboardInterrupt:
-        print(f"{prog}: error: interrupted; rerun the same command to resume", file=sys.stderr)
+        verifying = getattr(args, "verify", None) is not None or getattr(args, "func", None) is _cmd_verify
+        then = "nothing was changed" if verifying else "rerun the same command to resume"
+        print(f"{prog}: error: interrupted; {then}", file=sys.stderr)
         return 130
     except Exception as e:  # noqa: BLE001 - one line, status 1 (the traceback with --debug)
         if debug:
@@ -304,18 +307,42 @@ def verify_folder(dest: str | Path, *, workers: int | None = None, progress: boo
     shards = list(manifest.shards)
     results: list[list[str]] = [[] for _ in shards]
     threads = max(1, min(workers or default_workers(), len(shards)))
+    todo: queue.SimpleQueue[int] = queue.SimpleQueue()
+    for i in range(len(shards)):
+        todo.put(i)
+    done: queue.SimpleQueue[tuple[int, list[str] | None, BaseException | None]] = queue.SimpleQueue()
+    stop = threading.Event()
+
+    def work() -> None:
+        while not stop.is_set():
+            try:
+                i = todo.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                done.put((i, check(path, manifest, shards[i]), None))
+            except BaseException as e:  # noqa: BLE001 - re-raised by the calling thread
+                done.put((i, None, e))
+
+    # Daemon threads: on Ctrl-C (or an error) the command ends at once instead of waiting at exit
+    # for the shards being hashed, which takes minutes for large ones; they only read.
+    for k in range(threads):
+        threading.Thread(target=work, name=f"fastdata-verify-{k}", daemon=True).start()
     with _bytes_bar(sum(s.bytes for s in shards), progress) as advance:
-        executor = ThreadPoolExecutor(threads, thread_name_prefix="fastdata-verify")
         try:
-            pending = {executor.submit(check, path, manifest, shard): i for i, shard in enumerate(shards)}
-            while pending:
-                done, _ = wait(pending, return_when=FIRST_COMPLETED)
-                for future in done:
-                    i = pending.pop(future)
-                    results[i] = future.result()
-                    advance(shards[i].bytes)
+            for _ in shards:
+                while True:
+                    try:
+                        i, found, error = done.get(timeout=0.5)
+                        break
+                    except queue.Empty:
+                        continue
+                if error is not None:
+                    raise error
+                results[i] = found or []
+                advance(shards[i].bytes)
         finally:
-            executor.shutdown(wait=False, cancel_futures=True)  # on Ctrl-C: running shards finish, no more start
+            stop.set()
     return [problem for found in results for problem in found]
 
 
