@@ -660,3 +660,22 @@ def test_ctrl_c_stops_verify_at_once(tmp_path):
         proc.kill()
     assert proc.returncode == 130, err
     assert "shard.py: error: interrupted" in err and "resume" not in err
+
+
+def test_shard_writer_extra_must_be_json_when_given(tmp_path):
+    """Before: a datetime in extra= failed close() after every shard was written, with "Object of
+    type datetime is not JSON serializable"; a second close() then returned a manifest never saved."""
+    import datetime
+
+    from fastdata import ShardWriter
+
+    with pytest.raises(TypeError, match=r"extra= must hold JSON values.*datetime"):
+        ShardWriter(tmp_path / "out", extra={"made": datetime.datetime(2026, 1, 1)})
+    writer = ShardWriter(tmp_path / "ok", extra={"n": 3})
+    writer.write({"__key__": "a", "txt": "x"})
+    writer.extra["late"] = {1, 2}  # a set, added after construction
+    with pytest.raises(TypeError):
+        writer.close()
+    with pytest.raises(TypeError):
+        writer.close()  # still not written: it says so again
+    assert not (tmp_path / "ok" / "manifest.json").exists()

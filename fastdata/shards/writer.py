@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -53,6 +54,11 @@ class ShardWriter:
         self.max_bytes = max_bytes
         self.max_samples = max_samples
         self.extra = dict(extra or {})
+        try:  # it goes into manifest.json: refuse now, not at close() after every shard is written
+            json.dumps(self.extra)
+        except (TypeError, ValueError) as e:
+            raise TypeError(f"ShardWriter extra= must hold JSON values (str, int, float, bool, None, lists, "
+                            f"dicts), it is stored in manifest.json: {e}") from None
         _prepare(self.dest, overwrite)
         self._shards: list[ShardInfo] = []
         self._skipped: list[dict[str, str]] = []
@@ -149,10 +155,11 @@ class ShardWriter:
             return self.manifest
         self._finish()
         self._closed = True
-        self.manifest = Manifest(format=self.format, shards=tuple(self._shards), fields=self._fields.fields(),
-                                 skipped=tuple(self._skipped), extra=self.extra)
-        self.manifest.save(self.dest)
-        return self.manifest
+        manifest = Manifest(format=self.format, shards=tuple(self._shards), fields=self._fields.fields(),
+                            skipped=tuple(self._skipped), extra=self.extra)
+        manifest.save(self.dest)
+        self.manifest = manifest  # only once saved: a failed close() must not return it as written later
+        return manifest
 
     def abort(self) -> None:
         """Drop the shard in progress without writing a manifest."""
