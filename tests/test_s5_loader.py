@@ -189,3 +189,23 @@ def test_custom_image_decoder_is_part_of_the_cache_key(tmp_path: Path) -> None:
                                             decode={"jpg": _inverted})]
     plain = [s["jpg"] for s in ShardedDataset(src, fields=["jpg"], preprocess=pre, decode={"jpg": _inverted})]
     assert all(torch.equal(a, b) for a, b in zip(got, plain))
+
+
+@pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
+def test_workers_walk_the_epoch_their_iter_started(tmp_path: Path) -> None:
+    """A worker read the epoch from shared memory when it got round to its first walk, after the
+    loader's iter() had fixed the epoch (and its resume state): set_epoch right after iter() moved
+    late-starting worker processes to the new epoch, unlike every other path."""
+    from fastdata.loader import DataLoader
+
+    src = _keyed(tmp_path / "ds", 12, 3)
+
+    def keys(batches) -> list[list[str]]:
+        return [list(b["__key__"]) for b in batches]
+
+    expected = keys(DataLoader(ShardedDataset(src, shuffle=True), batch_size=2, num_workers=2))  # epoch 0
+    for kw in ({"decode_threads": 1}, {}):
+        dl = DataLoader(ShardedDataset(src, shuffle=True), batch_size=2, num_workers=2, **kw)
+        it = iter(dl)
+        dl.set_epoch(1)  # the workers (forked or spawned by iter()) may not have started yet
+        assert keys(it) == expected, kw

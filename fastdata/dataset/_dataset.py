@@ -278,11 +278,12 @@ class ShardedDataset(IterableDataset):
         self._skip_count = 0  # skips counted against max_skips since begin_skip_budget() (this process)
         self._skip_first = len(self.skipped)  # where this pass's records start in ``skipped``
         self._next_epoch: NextEpoch | None = None  # a persistent worker's next-epoch preload
+        self._walked = False  # a DataLoader worker (this process) has begun a walk (see __iter__)
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         for name in ("_readers", "_cursors", "_store", "_store_pid", "_live", "_plans", "_uncached", "_skip_lock",
-                     "_skip_count", "_skip_first", "_next_epoch"):
+                     "_skip_count", "_skip_first", "_next_epoch", "_walked"):
             state.pop(name)
         return state
 
@@ -557,10 +558,16 @@ class ShardedDataset(IterableDataset):
     # ----- iteration ------------------------------------------------------------------------
     def __iter__(self) -> Iterator[Any]:
         info = get_worker_info()
+        epoch = None
         if info is None:
             self.resolve_dist()
+        elif not self._walked:
+            # a worker's first walk: the epoch of the iter() that started the worker (its copy of the
+            # dataset was made then), not the one a set_epoch right after iter() put in shared memory
+            # before the worker got here; later walks (persistent workers, resumed within iter()): shared
+            epoch, self._walked = self._epoch, True
         worker, nw = (info.id, info.num_workers) if info is not None else (0, 0)
-        start = self.epoch_start(nw)
+        start = self.epoch_start(nw, epoch)
         # Physical worker 0 serves the worker that yields first, so that torch's round-robin
         # over workers reproduces the interrupted run's batch order.
         worker = (worker + start.first) % max(1, nw)
