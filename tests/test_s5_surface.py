@@ -284,6 +284,9 @@ def test_error_raised_in_a_dataloader_worker_is_one_line(tmp_path, capsys):
     assert code == 1 and len(err) == 1, err
     assert err[0].startswith("fastdata cache: error: cache directory") and "max_bytes=10" in err[0], err
     assert "worker process 0" in err[0]
+    # and the worker is gone now, not at some later garbage collection after torch's 5 s join timeout
+    import multiprocessing
+    assert multiprocessing.active_children() == []
 
 
 def test_doctor_names_the_sample_whose_image_does_not_decode(tmp_path):
