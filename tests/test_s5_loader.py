@@ -209,3 +209,19 @@ def test_workers_walk_the_epoch_their_iter_started(tmp_path: Path) -> None:
         it = iter(dl)
         dl.set_epoch(1)  # the workers (forked or spawned by iter()) may not have started yet
         assert keys(it) == expected, kw
+
+
+def test_dataset_load_state_dict_takes_a_loader_state(tmp_path: Path) -> None:
+    """DataLoader.load_state_dict takes a dataset's state; the reverse failed with a misleading
+    'world_size=None in the state ... pass the states of all ranks as a list'."""
+    from fastdata.loader import DataLoader
+
+    src = _keyed(tmp_path / "ds", 10, 3)
+    dl = DataLoader(ShardedDataset(src, shuffle=True), batch_size=3)
+    full = [k for b in dl for k in b["__key__"]]
+    it = iter(dl)
+    first = list(next(it)["__key__"])
+    for state in (dl.state_dict(), [dl.state_dict()]):
+        ds = ShardedDataset(src, shuffle=True)
+        ds.load_state_dict(state)
+        assert first + [s["__key__"] for s in ds] == full

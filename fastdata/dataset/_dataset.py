@@ -96,6 +96,11 @@ def _image_decoders(decode: bool | Mapping[str, Any]) -> str:
     return f"|decode {','.join(names)}" if names else ""
 
 
+def _dataset_part(state: Any) -> Any:
+    """The dataset's state inside a ``fastdata.DataLoader`` state (``{"dataset": ..., ...}``), else ``state``."""
+    return state["dataset"] if isinstance(state, Mapping) and isinstance(state.get("dataset"), Mapping) else state
+
+
 def _in_worker() -> bool:
     return get_worker_info() is not None
 
@@ -469,11 +474,13 @@ class ShardedDataset(IterableDataset):
         gathered with ``torch.distributed.all_gather_object``). A list saved at another world size
         resumes elastically: the samples no rank consumed are cut into equal-batch parts for the
         new ranks (``batch_size``, ``num_workers`` and ``drop_last`` of the loader that will read
-        them; fastdata.DataLoader passes its own), each read exactly once.
+        them; fastdata.DataLoader passes its own), each read exactly once. A ``fastdata.DataLoader``
+        state (or list of them) is taken too: its dataset part.
         """
         if isinstance(state, Sequence) and not isinstance(state, (str, bytes)):
-            self._load_states(list(state), batch_size, num_workers, drop_last)
+            self._load_states([_dataset_part(s) for s in state], batch_size, num_workers, drop_last)
             return
+        state = _dataset_part(state)
         if not isinstance(state, Mapping) or state.get("version") != STATE_VERSION:
             raise ValueError(f"not a ShardedDataset state (version {STATE_VERSION}): {state!r:.200}")
         self.resolve_dist()
