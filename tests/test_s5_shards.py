@@ -679,3 +679,23 @@ def test_shard_writer_extra_must_be_json_when_given(tmp_path):
     with pytest.raises(TypeError):
         writer.close()  # still not written: it says so again
     assert not (tmp_path / "ok" / "manifest.json").exists()
+
+
+def test_hdf5_source_with_a_json_value_that_is_not_json_skips_that_sample_naming_it(tmp_path):
+    """Before: the conversion failed with "'utf-8' codec can't decode byte 0xff in position 0",
+    naming no file, sample or field."""
+    import h5py
+
+    from fastdata.shards.hdf5 import write_hdf5_shard
+
+    src = tmp_path / "src"
+    src.mkdir()
+    write_hdf5_shard(src / "a.h5", [{"__key__": f"k{i}", "meta.json": {"i": i}} for i in range(3)])
+    with h5py.File(src / "a.h5", "r+") as f:
+        f["meta.json"][1] = np.frombuffer(b"\xff{not json", np.uint8)
+    manifest = convert(src, tmp_path / "out", opts()).manifest
+    assert manifest.num_samples == 2
+    assert [s["source"] for s in manifest.skipped] == ["a.h5[1]"]
+    assert "field 'meta.json' of sample 'k1' is not valid json" in manifest.skipped[0]["reason"]
+    with pytest.raises(ConversionError, match=r"a\.h5\[1\]: field 'meta.json' of sample 'k1'.*--strict"):
+        convert(src, tmp_path / "strict", opts(strict=True))

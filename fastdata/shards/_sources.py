@@ -513,9 +513,14 @@ class SourceReader:
                 if sample["__key__"] != key:
                     raise SourceError(f"{self.files[file_i]}: sample {first + j} has key {sample['__key__']!r}, "
                                       f"expected {key!r}; the shard changed during conversion")
-                for fld, kind in decode.items():
-                    text = bytes(sample[fld]).decode("utf-8")
-                    sample[fld] = text if kind == "text" else json.loads(text)
+                try:
+                    for fld, kind in decode.items():
+                        text = bytes(sample[fld]).decode("utf-8")
+                        sample[fld] = text if kind == "text" else json.loads(text)
+                except ValueError as e:  # UnicodeDecodeError, JSONDecodeError: this sample is skipped, named
+                    yield f"{name}[{first + j}]", SampleUnreadable(f"field {fld!r} of sample {key!r} is not valid "
+                                                                   f"{kind} ({type(e).__name__}: {e})")
+                    continue
                 yield f"{name}[{first + j}]", sample
             start = stop
 
