@@ -424,3 +424,15 @@ def test_evaluate_refuses_a_transform_it_would_not_apply():
     with fastdata.CUDAPrefetcher(batches, device="cpu") as prefetched:
         with pytest.raises(ValueError, match="transform= .*CUDAPrefetcher"):
             fastdata.evaluate(model, prefetched, transform=lambda b: b)
+
+
+@pytest.mark.parametrize("command", ["doctor", "tune"])
+def test_one_step_job_measurement_is_refused(tmp_path, capsys, command):
+    # --steps 1 measured nothing (the first step is left out) and doctor then crashed formatting the
+    # verdict: "TypeError: unsupported format string passed to NoneType.__format__"
+    with pytest.raises(SystemExit) as e:
+        main([command, str(tmp_path), "--step-ms", "1", "--steps", "1"])
+    assert e.value.code == 2 and "argument --steps" in capsys.readouterr().err
+    from fastdata.monitor import DoctorOptions
+    with pytest.raises(ValueError, match="job_steps must be >= 2"):
+        DoctorOptions(job_steps=1)

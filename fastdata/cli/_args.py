@@ -32,6 +32,11 @@ def nonneg_int(text: str) -> int:
     return _int(text, 0)
 
 
+def two_or_more(text: str) -> int:
+    """An integer >= 2 (e.g. steps of a measurement whose first step is left out)."""
+    return _int(text, 2)
+
+
 def byte_size(text: str) -> int:
     """A byte count: ``256MB``, ``1GiB``, ``1e9`` or plain bytes (see :func:`fastdata._util.parse_size`)."""
     try:
@@ -88,6 +93,7 @@ def device(text: str) -> str:
 
 positive_int.__name__ = "integer >= 1"  # argparse names the type in "invalid <name> value" messages
 nonneg_int.__name__ = "integer >= 0"
+two_or_more.__name__ = "integer >= 2"
 byte_size.__name__ = "size"
 positive_float.__name__ = "number > 0"
 output_file.__name__ = "file path"

@@ -146,7 +146,7 @@ def format_diagnosis(d: Any, source: str) -> list[str]:
         gpu = d.stall.gpu_util_mean if d.stall is not None else None
         util = f", GPU utilisation {gpu:.0f}% ({d.stall.gpu_util_samples} NVML samples)" if gpu is not None else ""
         lines.append(f"  {'job (all stages together)':<31} {_num(d.job_rate):>9}  "
-                     f"{'waited ' + format(d.wait_share, '.0%') + ' of the time':<24} "
+                     f"{'' if d.wait_share is None else 'waited ' + format(d.wait_share, '.0%') + ' of the time':<24} "
                      f"loader -> CUDAPrefetcher -> step, {o.job_steps} steps{util}")
     if d.verdict == "loader-bound":
         verdict = (f"LOADER-BOUND: the job runs at {d.job_rate:,.0f} images/s, the step alone at {d.step_rate:,.0f}: "
@@ -206,7 +206,7 @@ def run_doctor(source: str | None = None, options: Any = None, *, as_json: bool 
 
 def add_pipeline_arguments(p: Any, *, samples: int = 512) -> None:
     """The loader settings and training step shared by ``doctor`` and ``tune`` (each states its default)."""
-    from fastdata.cli._args import device, nonneg_int, positive_float, positive_int
+    from fastdata.cli._args import device, nonneg_int, positive_float, positive_int, two_or_more
 
     step = p.add_mutually_exclusive_group()
     step.add_argument("--model", metavar="NAME", default=None,
@@ -221,8 +221,9 @@ def add_pipeline_arguments(p: Any, *, samples: int = 512) -> None:
     p.add_argument("--depth", type=positive_int, default=2, metavar="N", help="CUDAPrefetcher depth (default: 2)")
     p.add_argument("--samples", type=positive_int, default=samples, metavar="N",
                    help=f"samples copied from SHARDS and measured (default: {samples})")
-    p.add_argument("--steps", type=positive_int, default=20, metavar="N",
-                   help="training steps of the whole-job measurement (default: 20)")
+    p.add_argument("--steps", type=two_or_more, default=20, metavar="N",
+                   help="training steps of the whole-job measurement, at least 2: the first is left out of the "
+                        "rate (default: 20)")
     p.add_argument("--decode", choices=("pil", "torchvision"), default="pil",
                    help="CPU image decoder (default: pil, with reduced-scale JPEG decoding)")
     p.add_argument("--field", default=None, metavar="NAME",

@@ -66,6 +66,8 @@ class DoctorOptions:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         if isinstance(self.num_workers, bool) or not isinstance(self.num_workers, int) or self.num_workers < 0:
             raise ValueError(f"num_workers must be an int >= 0, got {self.num_workers!r}")
+        if self.job_steps < 2:  # the rate leaves out the first step (start-up): one step measures nothing
+            raise ValueError(f"job_steps must be >= 2 (the first step is left out of the rate), got {self.job_steps}")
         if self.step_ms is not None and not (isinstance(self.step_ms, (int, float)) and self.step_ms > 0):
             raise ValueError(f"step_ms must be > 0, got {self.step_ms!r}")
         if self.model is not None and self.step_ms is not None:
