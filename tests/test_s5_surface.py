@@ -141,7 +141,8 @@ def test_doctor_job_rate_leaves_out_the_first_step_as_it_leaves_out_the_first_ba
     assert rate > 100, (rate, report)
 
 
-@pytest.mark.parametrize("value", [np.float64(0.5), np.zeros(3), __import__("pathlib").Path("x"), object()])
+@pytest.mark.parametrize("value", [np.float64(0.5), np.zeros(3), __import__("pathlib").Path("x"), object(),
+                                   frozenset({1})])
 def test_save_checkpoint_refuses_extra_that_load_checkpoint_could_not_read(tmp_path, value):
     # load_checkpoint reads with torch.load(weights_only=True): a NumPy scalar in extra= was saved
     # without a word and made the checkpoint unreadable, found out only when resuming

@@ -58,8 +58,7 @@ def _check_readable(name: str, value: Any) -> None:
     naming where it sits: found at saving, not when resuming. Tensors are not copied."""
     if type(value) in _PLAIN or isinstance(value, torch.Tensor):
         return
-    if isinstance(value, (dict, list, tuple, set, frozenset)) and type(value) in (
-            dict, list, tuple, set, frozenset, OrderedDict):
+    if type(value) in (dict, list, tuple, set, OrderedDict):  # not frozenset: weights_only refuses it
         items = value.items() if isinstance(value, dict) else enumerate(value)
         for key, item in items:
             if isinstance(value, dict):
