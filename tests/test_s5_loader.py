@@ -225,3 +225,13 @@ def test_dataset_load_state_dict_takes_a_loader_state(tmp_path: Path) -> None:
         ds = ShardedDataset(src, shuffle=True)
         ds.load_state_dict(state)
         assert first + [s["__key__"] for s in ds] == full
+
+
+def test_remote_shards_retries_error_names_the_argument() -> None:
+    """RemoteShards(retries=RetryPolicy(...)) said 'RetryPolicy.attempts must be an int >= 1'."""
+    from fastdata.dataset import RemoteShards
+    from fastdata.shards import RetryPolicy
+
+    for bad in (RetryPolicy(attempts=3), 0, True):
+        with pytest.raises(ValueError, match=r"RemoteShards\.retries must be an int >= 1"):
+            RemoteShards("https://example.invalid/ds", retries=bad)  # type: ignore[arg-type]

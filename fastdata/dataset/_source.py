@@ -62,6 +62,8 @@ class RemoteShards:
             raise ValueError(f"RemoteShards.url must be a URL (scheme://...), got {self.url!r}")
         if self.max_bytes is not None:
             object.__setattr__(self, "max_bytes", parse_size(self.max_bytes, name="RemoteShards.max_bytes"))
+        if isinstance(self.retries, bool) or not isinstance(self.retries, int) or self.retries < 1:
+            raise ValueError(f"RemoteShards.retries must be an int >= 1 (attempts per request), got {self.retries!r}")
         RetryPolicy(attempts=self.retries)  # validates
 
     @property
