@@ -298,8 +298,9 @@ class CUDAPrefetcher:
       ``torch.utils.data.DataLoader`` nor wraps one as ``.iterable`` (as ``DecodeImages.ahead(loader)``
       does; its ``iter()`` is taken to do neither), or a DataLoader (torch's or fastdata's) with
       ``generator=`` and a sampler that uses it (the default one, a ``DistributedSampler``, or a
-      ``(Subset|Weighted)RandomSampler`` with its own generator) whose ``iter()`` starts no worker process: ``num_workers=0``, fastdata's ``decode_threads=``,
-      persistent workers already alive, or a ``spawn``/``forkserver`` ``multiprocessing_context``.
+      ``(Subset|Weighted)RandomSampler`` with its own generator) whose ``iter()`` starts no worker
+      process: ``num_workers=0``, fastdata's ``decode_threads=``, persistent workers already alive, or a
+      ``spawn``/``forkserver`` ``multiprocessing_context``.
     * In the consumer's thread, at its first ``next()`` after the background thread has ended (it ends
       after the epoch's last batch instead; the consumer then starts a new one that stages into the
       same memory bound), when ``iter()`` forks worker processes (``num_workers > 0`` under the
