@@ -235,3 +235,22 @@ def test_remote_shards_retries_error_names_the_argument() -> None:
     for bad in (RetryPolicy(attempts=3), 0, True):
         with pytest.raises(ValueError, match=r"RemoteShards\.retries must be an int >= 1"):
             RemoteShards("https://example.invalid/ds", retries=bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("steps", "drop_last"), [(2, False), (1, True)])
+def test_len_of_an_elastic_epoch_is_the_batches_it_yields(tmp_path: Path, steps: int, drop_last: bool) -> None:
+    """len(loader) in the rest of an epoch resumed at another world size split len(dataset) evenly
+    over the workers, not as the elastic split does: it said 2 batches (or 0) where 1 came."""
+    from fastdata.loader import DataLoader
+
+    src = _keyed(tmp_path / "ds", 7, 3)
+    dl = DataLoader(ShardedDataset(src, rank=0, world_size=1, shuffle=True), batch_size=2, drop_last=drop_last)
+    it = iter(dl)
+    for _ in range(steps):
+        next(it)
+    states = [dl.state_dict()]
+    for rank in range(2):
+        dl = DataLoader(ShardedDataset(src, rank=rank, world_size=2, shuffle=True), batch_size=2,
+                        num_workers=2, decode_threads=1, drop_last=drop_last)
+        dl.load_state_dict(states)  # elastic: 1 rank -> 2
+        assert len(dl) == len(list(dl))

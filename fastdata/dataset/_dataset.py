@@ -378,7 +378,12 @@ class ShardedDataset(IterableDataset):
         return self._per_rank()
 
     def worker_counts(self, num_workers: int) -> list[int]:
-        """Samples each of ``num_workers`` DataLoader workers yields in a full epoch."""
+        """Samples each of ``num_workers`` DataLoader workers yields in a full epoch (the rest of an
+        epoch resumed at another world size: as its elastic split gives them)."""
+        if not self.source.streaming:
+            if not _in_worker():
+                self.resolve_dist()
+            return list(self._plan().worker_counts(num_workers))
         return split_sizes(self._per_rank(), max(1, num_workers))
 
     def batches_per_epoch(self, batch_size: int | None, *, num_workers: int = 0, drop_last: bool = False) -> int:
