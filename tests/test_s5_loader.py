@@ -254,3 +254,17 @@ def test_len_of_an_elastic_epoch_is_the_batches_it_yields(tmp_path: Path, steps:
                         num_workers=2, decode_threads=1, drop_last=drop_last)
         dl.load_state_dict(states)  # elastic: 1 rank -> 2
         assert len(dl) == len(list(dl))
+
+
+def test_lambda_image_decoders_do_not_share_a_store(tmp_path: Path) -> None:
+    """Every lambda is named '<lambda>': keyed by name only, a store filled through one lambda decoder
+    was served to a dataset decoding through another (a notebook cell edited and run again)."""
+    src = _two_image_fields(tmp_path / "ds", n=3)
+    pre = ResizeCenterCrop(8)
+    keep = lambda data: Image.open(io.BytesIO(bytes(data))).convert("RGB")  # noqa: E731
+    flip = lambda data: _inverted(data)  # noqa: E731
+    list(ShardedDataset(src, fields=["jpg"], preprocess=pre, cache=tmp_path / "cache", decode={"jpg": keep}))
+    got = [s["jpg"] for s in ShardedDataset(src, fields=["jpg"], preprocess=pre, cache=tmp_path / "cache",
+                                            decode={"jpg": flip})]
+    plain = [s["jpg"] for s in ShardedDataset(src, fields=["jpg"], preprocess=pre, decode={"jpg": flip})]
+    assert all(torch.equal(a, b) for a, b in zip(got, plain))

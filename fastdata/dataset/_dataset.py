@@ -7,9 +7,11 @@ regenerates the order and skips the consumed prefix without reading data.
 """
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 import threading
+import types
 import uuid
 import warnings
 import weakref
@@ -81,7 +83,8 @@ class SkippedSampleWarning(UserWarning):
 def _image_decoders(decode: bool | Mapping[str, Any]) -> str:
     """What the cache key adds for image fields not decoded by the default decoder ("" for none): the
     store holds preprocess= of their output. A decoder is named by its ``fingerprint`` attribute, else
-    by module and qualified name (as ``Deterministic`` keys on name and version, never on the code)."""
+    by module and qualified name (as ``Deterministic`` keys on name and version, never on the code),
+    plus a digest of its code for a lambda or a local function, whose names tell nothing apart."""
     if decode is True:
         return ""
     if decode is False:
@@ -92,8 +95,28 @@ def _image_decoders(decode: bool | Mapping[str, Any]) -> str:
             fp = getattr(fn, "fingerprint", None)
             name = "raw" if fn is None else fp if isinstance(fp, str) else (
                 f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', type(fn).__qualname__)}")
+            code = getattr(fn, "__code__", None)
+            if not isinstance(fp, str) and "<" in name and isinstance(code, types.CodeType):
+                name += f"#{_code_digest(code)}"  # every lambda is '<lambda>': its code tells them apart
             names.append(f"{field}={name}")
     return f"|decode {','.join(names)}" if names else ""
+
+
+def _code_digest(code: types.CodeType) -> str:
+    """A digest of a function's bytecode, names and constants (not its file or line numbers)."""
+    h = hashlib.sha256()
+
+    def feed(c: types.CodeType) -> None:
+        h.update(c.co_code)
+        h.update(repr((c.co_names, c.co_varnames)).encode())
+        for k in c.co_consts:
+            if isinstance(k, types.CodeType):
+                feed(k)
+            else:
+                h.update(repr(k).encode())
+
+    feed(code)
+    return h.hexdigest()[:16]
 
 
 def _dataset_part(state: Any) -> Any:
