@@ -223,7 +223,7 @@ class Row:
 
     pipeline: str
     recipe: str
-    first_epoch_s: float
+    first_epoch_s: float | None  # the warm-up epoch's seconds; None with one epoch (no warm-up)
     images_per_s: float
     wait_share: float
     gpu_util: float | None
@@ -244,7 +244,8 @@ def _train(name: str, recipe: str, batches: Iterable[Any], make_step: Callable[[
 
     step = make_step()
     meter = StallMeter(sample_gpu=device.type == "cuda")
-    first_s, measured_s, measured_images = 0.0, 0.0, 0
+    first_s: float | None = None
+    measured_s, measured_images = 0.0, 0
     timeline: list[tuple[float, float]] = []
     t_start = time.perf_counter()
     loss = float("nan")
@@ -377,8 +378,8 @@ def _table(rows: list[Row], device: torch.device) -> list[str]:
     for r in rows:
         util = f"{r.gpu_util:.0f}%" if gpu and r.gpu_util is not None else "-"
         speed = r.images_per_s / base if base > 0 else math.nan
-        lines.append(f"{r.pipeline:<24} {r.images_per_s:>9.0f} {r.wait_share:>10.0%} {util:>8} {speed:>7.2f}x "
-                     f"{r.first_epoch_s:>8.1f}s")
+        first = f"{r.first_epoch_s:>8.1f}s" if r.first_epoch_s is not None else f"{'-':>9}"
+        lines.append(f"{r.pipeline:<24} {r.images_per_s:>9.0f} {r.wait_share:>10.0%} {util:>8} {speed:>7.2f}x {first}")
     return lines
 
 

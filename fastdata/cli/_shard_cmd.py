@@ -63,8 +63,9 @@ def _workers_help(what: str) -> str:
     return f"{what} (default: one per usable CPU, at most one per shard)"
 
 
-def add_convert_options(p: argparse.ArgumentParser) -> None:
-    """The conversion options of ``fastdata shard`` and ``tools/shard.py``."""
+def add_convert_options(p: argparse.ArgumentParser, *, with_verify: bool = False) -> None:
+    """The conversion options of ``fastdata shard`` and ``tools/shard.py`` (``with_verify``: the tool's
+    parser, whose ``--verify`` also takes ``--workers``)."""
     p.add_argument("--format", choices=("tar", "hdf5"), default="tar", help="shard format (default: tar)")
     p.add_argument("--shard-size", type=byte_size, metavar="SIZE",
                    help="target shard size: 256MB (powers of 10), 1GiB (powers of 2), 1e9 or plain bytes "
@@ -73,7 +74,8 @@ def add_convert_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--samples-per-shard", type=positive_int, metavar="N",
                    help="samples per shard (default: no count limit, only --shard-size)")
     p.add_argument("--workers", type=positive_int, metavar="N",
-                   help=_workers_help("processes writing shards in parallel; with --verify, threads checking shards"))
+                   help=_workers_help("processes writing shards in parallel"
+                                      + ("; with --verify, threads checking shards" if with_verify else "")))
     p.add_argument("--shuffle", action="store_true",
                    help="shuffle samples across shards, seeded by --seed (default: sorted input order)")
     p.add_argument("--seed", type=nonneg_int, default=0, metavar="S", help="seed of --shuffle (default: 0)")
@@ -109,7 +111,7 @@ def build_tool_parser() -> argparse.ArgumentParser:
     p.add_argument("--verify", metavar="DEST",
                    help="re-read every shard of DEST against its manifest, list every problem and exit "
                         "(installed: fastdata verify DEST)")
-    add_convert_options(p)
+    add_convert_options(p, with_verify=True)
     return p
 
 
@@ -297,7 +299,8 @@ def verify_folder(dest: str | Path, *, workers: int | None = None, progress: boo
     else:
         check, path = verify_shard, Path(dest)
         if not path.is_dir():
-            raise ConversionError(f"DEST {dest}: no such folder")
+            raise ConversionError(f"DEST {dest}: " + ("not a folder (pass the folder holding manifest.json)"
+                                                     if path.exists() else "no such folder"))
         if not (path / MANIFEST_NAME).exists() and (path / PROGRESS_DIR).is_dir():
             return [f"no {MANIFEST_NAME}: the conversion into it did not finish (rerun it to resume)"]
         try:

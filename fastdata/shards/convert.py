@@ -678,6 +678,7 @@ def verify_dest(dest: str | os.PathLike[str]) -> list[str]:
 
     path = Path(dest)
     if not path.is_dir():
-        raise ConversionError(f"DEST {dest}: no such folder")
+        raise ConversionError(f"DEST {dest}: " + ("not a folder (pass the folder holding manifest.json)"
+                                                 if path.exists() else "no such folder"))
     return verify(path)
 

@@ -1,0 +1,44 @@
+"""Small user-surface fixes of session 5 (the lead's, from the helpers' reports)."""
+import pytest
+import torch
+
+from fastdata.cli import main
+
+
+def _help(argv, capsys):
+    with pytest.raises(SystemExit):
+        main(argv)
+    return capsys.readouterr().out
+
+
+def test_shard_help_does_not_offer_verify_but_the_tool_does(capsys):
+    from fastdata.cli._shard_cmd import build_tool_parser
+
+    text = " ".join(_help(["shard", "--help"], capsys).split())
+    assert "--verify" not in text  # `fastdata shard` has no --verify (`fastdata verify` is its own command)
+    assert "with --verify, threads checking shards" in " ".join(build_tool_parser().format_help().split())
+
+
+@pytest.mark.parametrize("command", ["verify", "shard"])
+def test_a_file_given_as_dest_is_not_called_missing(tmp_path, capsys, command):
+    f = tmp_path / "afile"
+    f.write_text("x")
+    if command == "verify":
+        rc = main(["verify", str(f)])
+        err = capsys.readouterr().err
+        assert rc != 0 and "not a folder" in err and "no such folder" not in err and str(f) in err
+    else:
+        from fastdata.errors import ConversionError
+        from fastdata.shards.convert import verify_dest
+
+        with pytest.raises(ConversionError, match="not a folder"):
+            verify_dest(f)
+
+
+def test_demo_table_shows_no_first_epoch_time_without_a_warm_up_epoch():
+    from fastdata.cli._demo import Row, _table
+
+    rows = [Row("torch", "r", None, 100.0, 0.5, None, 1.0, True), Row("fastdata", "r", 2.5, 200.0, 0.1, None, 1.0, False)]
+    lines = _table(rows, torch.device("cpu"))
+    assert lines[2].rstrip().endswith("-") and "0.0s" not in lines[2]
+    assert lines[3].rstrip().endswith("2.5s")
