@@ -42,3 +42,30 @@ def test_demo_table_shows_no_first_epoch_time_without_a_warm_up_epoch():
     lines = _table(rows, torch.device("cpu"))
     assert lines[2].rstrip().endswith("-") and "0.0s" not in lines[2]
     assert lines[3].rstrip().endswith("2.5s")
+
+
+def test_streaming_source_over_several_ranks_without_samples_per_epoch_warns(tmp_path):
+    """Whole streamed shards are dealt to ranks: their counts can differ (a DDP hang) unless
+    samples_per_epoch fixes each rank's share. The warning comes once per dataset, not at world_size 1."""
+    import warnings
+
+    fsspec = pytest.importorskip("fsspec")
+    from fastdata import ShardedDataset
+    from fastdata.shards.writer import ShardWriter
+
+    with ShardWriter(tmp_path / "s", max_samples=4) as w:
+        for i in range(10):
+            w.write({"__key__": f"k{i:03d}", "cls": i})
+    fs = fsspec.filesystem("memory")
+    urls = []
+    for p in sorted((tmp_path / "s").glob("*.tar")):
+        fs.pipe(f"/fastdata-uneven/{p.name}", p.read_bytes())
+        urls.append(f"memory://fastdata-uneven/{p.name}")
+    with pytest.warns(UserWarning, match="samples_per_epoch") as record:
+        ds = ShardedDataset(urls, rank=0, world_size=2)
+        ds.resolve_dist()
+    assert sum("samples_per_epoch" in str(r.message) for r in record) == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ShardedDataset(urls, rank=0, world_size=2, samples_per_epoch=6)
+        ShardedDataset(urls)

@@ -327,6 +327,13 @@ class ShardedDataset(IterableDataset):
             self.rank, self.world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank must be in [0, world_size={self.world_size}), got {self.rank}")
+        if (self.world_size > 1 and self.source.streaming and self.samples_per_epoch is None
+                and not self.__dict__.get("_warned_uneven") and torch.utils.data.get_worker_info() is None):
+            self._warned_uneven = True  # once per dataset (workers get the flag with their copy)
+            warnings.warn(
+                f"a streaming (URL) source at world_size={self.world_size} without samples_per_epoch: whole shards "
+                "are dealt to ranks, so ranks can get different sample and batch counts and a DDP job can hang "
+                "at the epoch's end; pass samples_per_epoch= for equal work per rank", UserWarning, stacklevel=3)
 
     def _plan(self) -> SplitPlan:
         key = (self.rank, self.world_size)
