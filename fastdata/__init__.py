@@ -45,6 +45,7 @@ _EXPORTS: dict[str, str] = {
     "MissingFieldError": "fastdata.errors",
     "SkipBudgetError": "fastdata.errors",
     "SourceError": "fastdata.errors",
+    "SourceNotFoundError": "fastdata.errors",
     "ShardWriter": "fastdata.shards.writer",
 }
 
@@ -78,6 +79,7 @@ if TYPE_CHECKING:  # pragma: no cover
         ShardError,
         SkipBudgetError,
         SourceError,
+        SourceNotFoundError,
     )
     from fastdata.loader import DataLoader
     from fastdata.manifest import FieldInfo, Manifest, ShardInfo

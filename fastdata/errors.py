@@ -7,7 +7,7 @@ from __future__ import annotations
 
 __all__ = [
     "CacheError", "ConversionError", "DecodeError", "FastdataError", "ManifestError", "MissingFieldError",
-    "RemoteError", "ShardError", "SkipBudgetError", "SourceError",
+    "RemoteError", "ShardError", "SkipBudgetError", "SourceError", "SourceNotFoundError",
 ]
 
 
@@ -54,6 +54,10 @@ class CacheError(FastdataError):
 
 class SourceError(FastdataError, ValueError):
     """A conversion SRC or a dataset source cannot be used; names the file and the problem."""
+
+
+class SourceNotFoundError(SourceError, FileNotFoundError):
+    """A dataset source (shard file, manifest folder) does not exist or has no ``manifest.json``; names it."""
 
 
 class ConversionError(FastdataError, ValueError):

@@ -69,3 +69,16 @@ def test_streaming_source_over_several_ranks_without_samples_per_epoch_warns(tmp
         warnings.simplefilter("error")
         ShardedDataset(urls, rank=0, world_size=2, samples_per_epoch=6)
         ShardedDataset(urls)
+
+
+def test_a_missing_source_is_a_fastdata_error_and_still_a_file_not_found_error(tmp_path):
+    import fastdata
+    from fastdata import FastdataError, ShardedDataset, SourceError, SourceNotFoundError
+
+    (tmp_path / "imgs").mkdir()
+    for source, what in ((tmp_path / "imgs", "no manifest.json"), ([str(tmp_path / "missing.tar")], "missing.tar")):
+        with pytest.raises(SourceNotFoundError, match=what) as info:
+            ShardedDataset(source)
+        assert isinstance(info.value, (FastdataError, SourceError, FileNotFoundError))
+        assert isinstance(info.value, FastdataError) and isinstance(info.value, FileNotFoundError)
+    assert fastdata.SourceNotFoundError is SourceNotFoundError

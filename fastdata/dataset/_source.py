@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from fastdata._util import parse_size
-from fastdata.errors import ManifestError, RemoteError, ShardError, SourceError
+from fastdata.errors import ManifestError, RemoteError, ShardError, SourceError, SourceNotFoundError
 from fastdata.manifest import MANIFEST_NAME, Manifest
 from fastdata.shards import RemoteStream, RetryPolicy, env_retry, is_url, read_bytes, url_join
 
@@ -301,7 +301,8 @@ def _from_local_tars(paths: list[str]) -> Source:
         try:
             st = os.stat(local)
         except OSError as e:
-            raise FileNotFoundError(f"shard {p}: {e.strerror or e}") from e
+            raise (SourceNotFoundError if isinstance(e, FileNotFoundError) else SourceError)(
+                f"shard {p}: {e.strerror or e}") from e
         if not local.endswith(".tar"):
             raise ValueError(f"shard {p}: only uncompressed .tar shards can be read without a manifest "
                              "(use a URL for streaming, or convert with `fastdata shard`)")
@@ -362,8 +363,8 @@ def resolve_source(source: str | os.PathLike[str] | RemoteShards | Sequence[str 
         if not _is_url(text) and "{" not in text:
             if p.is_dir():
                 if not (p / MANIFEST_NAME).is_file():
-                    raise FileNotFoundError(f"{p}: no {MANIFEST_NAME} in this folder; pass the folder written by "
-                                            "`fastdata shard` or ShardWriter, or a list/brace pattern of tar files")
+                    raise SourceNotFoundError(f"{p}: no {MANIFEST_NAME} in this folder; pass the folder written by "
+                                              "`fastdata shard` or ShardWriter, or a list/brace pattern of tar files")
                 return _from_manifest(p)
             if p.name == MANIFEST_NAME:
                 return _from_manifest(p)
