@@ -82,3 +82,34 @@ def test_a_missing_source_is_a_fastdata_error_and_still_a_file_not_found_error(t
         assert isinstance(info.value, (FastdataError, SourceError, FileNotFoundError))
         assert isinstance(info.value, FastdataError) and isinstance(info.value, FileNotFoundError)
     assert fastdata.SourceNotFoundError is SourceNotFoundError
+
+
+def test_a_failed_cache_build_stops_its_workers_without_a_garbage_collection(tmp_path):
+    """build_cache over a too-small cache fails in a worker; torch's iterator then sat in a cycle through
+    the traceback and its worker was joined only at the next gc.collect(), after a 5 s timeout."""
+    import gc
+    import multiprocessing as mp
+    import time
+
+    import numpy as np
+    from PIL import Image
+
+    from fastdata import Cache, CacheError, ResizeCenterCrop, ShardedDataset
+    from fastdata.shards.writer import ShardWriter
+    from fastdata.cli._synth import jpeg_bytes
+
+    with ShardWriter(tmp_path / "s") as w:
+        for i in range(4):
+            img = Image.fromarray(np.full((40, 40, 3), 60 * i, np.uint8))
+            w.write({"__key__": f"k{i}", "jpg": jpeg_bytes(img, 90), "cls": i})
+    ds = ShardedDataset(tmp_path / "s", preprocess=ResizeCenterCrop(8), cache=Cache(tmp_path / "c", max_bytes=10))
+    gc.disable()
+    try:
+        with pytest.raises(CacheError):
+            ds.build_cache(num_workers=1)
+        deadline = time.monotonic() + 4.0  # under torch's 5 s join timeout
+        while mp.active_children() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not mp.active_children()
+    finally:
+        gc.enable()

@@ -5,6 +5,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from fastdata._util import release_frames
 from fastdata.errors import CacheError
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -49,6 +50,11 @@ def build_dataset(dataset: Any, *, num_workers: int = 0, progress: bool = False)
         for n in loader:
             if bar is not None:
                 bar.update(n)
+    except BaseException as e:
+        # a worker's error: torch's iterator sits in a cycle through the traceback's frames and would stop
+        # its workers only at a later garbage collection, after a 5 s join timeout (see release_frames)
+        release_frames(e)
+        raise
     finally:
         if bar is not None:
             bar.close()
