@@ -166,7 +166,12 @@ def open_image(data: bytes | memoryview) -> Image.Image:
                 return Image.open(io.BytesIO(data), formats=formats)
             except Image.UnidentifiedImageError:
                 break
-    return Image.open(io.BytesIO(data))
+    try:
+        return Image.open(io.BytesIO(data))
+    except Image.UnidentifiedImageError:
+        # Pillow names the stream object (its memory address): name the bytes instead
+        raise Image.UnidentifiedImageError(
+            f"cannot identify image file: {len(data)} bytes starting {head!r}") from None
 
 
 _JPEG_MODES = {1: "L", 3: "RGB", 4: "CMYK"}

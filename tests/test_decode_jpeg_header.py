@@ -113,7 +113,9 @@ def _sof_at(data: bytes) -> int:
 
 
 def _text(err: BaseException) -> str:
-    return re.sub(r"0x[0-9a-fA-F]+", "0x?", str(err))  # "cannot identify image file <_io.BytesIO object at 0x...>"
+    # Pillow's "cannot identify image file <_io.BytesIO object at 0x...>" is fastdata's
+    # "cannot identify image file: N bytes starting b'...'" (open_image names the bytes, not the stream)
+    return re.sub(r"cannot identify image file.*", "cannot identify image file", re.sub(r"0x[0-9a-fA-F]+", "0x?", str(err)))
 
 
 def _pillow_error(data: bytes) -> tuple[type, str]:

@@ -1,4 +1,6 @@
 """Small user-surface fixes of session 5 (the lead's, from the helpers' reports)."""
+import re
+
 import pytest
 import torch
 
@@ -113,3 +115,16 @@ def test_a_failed_cache_build_stops_its_workers_without_a_garbage_collection(tmp
         assert not mp.active_children()
     finally:
         gc.enable()
+
+
+def test_an_unidentifiable_image_is_named_by_its_bytes_not_a_memory_address(tmp_path):
+    from fastdata import DecodeError, ShardedDataset
+    from fastdata.shards.writer import ShardWriter
+
+    with ShardWriter(tmp_path / "s") as w:
+        w.write({"__key__": "k013", "jpg": b"\xff\xd8garbage", "cls": 0})
+    with pytest.raises(DecodeError) as info:
+        next(iter(ShardedDataset(tmp_path / "s")))
+    msg = str(info.value)
+    assert "'k013'" in msg and "'jpg'" in msg and "cannot identify image file" in msg
+    assert not re.search("0x[0-9a-f]{6}", msg) and "BytesIO" not in msg and "9 bytes starting b'\\xff\\xd8garbag'" in msg
