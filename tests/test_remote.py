@@ -118,6 +118,7 @@ def test_streaming_error_keeps_reason(served):
         assert "HTTP 500" in str(info.value) and srv.url + "/ds/shard-000000.tar" in str(info.value)
 
 
+@pytest.mark.filterwarnings("ignore:a streaming \\(URL\\) source:UserWarning")  # unequal ranks: not the point here
 def test_streaming_urls_exactly_once_over_ranks_and_workers(served):
     urls = [f"{{}}/ds/shard-{i:06d}.tar" for i in range(7)]
     with LoopbackServer(served, ranges=False, max_requests=500, lifetime=60) as srv:
