@@ -128,3 +128,30 @@ def test_an_unidentifiable_image_is_named_by_its_bytes_not_a_memory_address(tmp_
     msg = str(info.value)
     assert "'k013'" in msg and "'jpg'" in msg and "cannot identify image file" in msg
     assert not re.search("0x[0-9a-f]{6}", msg) and "BytesIO" not in msg and "9 bytes starting b'\\xff\\xd8garbag'" in msg
+
+
+def _memory_urls(tmp_path, name, n, per_shard):
+    fsspec = pytest.importorskip("fsspec")
+    from fastdata.shards.writer import ShardWriter
+
+    with ShardWriter(tmp_path / name, max_samples=per_shard) as w:
+        for i in range(n):
+            w.write({"__key__": f"k{i:03d}", "cls": i})
+    fs = fsspec.filesystem("memory")
+    urls = []
+    for p in sorted((tmp_path / name).glob("*.tar")):
+        fs.pipe(f"/{name}/{p.name}", p.read_bytes())
+        urls.append(f"memory://{name}/{p.name}")
+    return urls
+
+
+def test_a_streaming_source_with_too_few_shards_fails_at_iter_not_in_a_worker(tmp_path):
+    from fastdata import DataLoader, ShardedDataset
+
+    urls = _memory_urls(tmp_path, "fastdata-few", 4, 2)  # 2 shards
+    loader = DataLoader(ShardedDataset(urls), batch_size=2, num_workers=3)
+    with pytest.raises(ValueError, match=r"at least world_size x num_workers = 3 shards, got 2") as info:
+        iter(loader)
+    assert "worker process" not in str(info.value)  # raised in this process, not re-raised from a worker
+    assert sorted(int(c) for b in DataLoader(ShardedDataset(urls), batch_size=2, num_workers=2) for c in b["cls"]) \
+        == list(range(4))

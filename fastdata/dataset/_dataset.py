@@ -433,6 +433,8 @@ class ShardedDataset(IterableDataset):
         if self._resume is not None and self._resume[0] == epoch:
             stages, first = list(self._resume[1]), self._resume[2]
         out = iteration_stages(stages, num_workers)
+        if self.source.streaming:  # in the main process, before any worker starts
+            self._check_stream_stages(out)
         return EpochStart(epoch, tuple(out), first if len(out) == len(stages) else 0)
 
     def consume_resume(self) -> None:
@@ -905,15 +907,19 @@ class ShardedDataset(IterableDataset):
                 yield SkipReport()
 
     # ----- streaming sources (URLs) -----------------------------------------------------------
-    def _iter_stream(self, cursor: Cursor) -> Iterator[Any]:
-        if len(cursor.stages) > 1:
+    def _check_stream_stages(self, stages: Sequence[Stage]) -> None:
+        if len(stages) > 1:
             raise ValueError("a streaming (URL) source resumes only with the num_workers it was saved with")
+        slots = self.world_size * stages[-1][0]
+        if len(self.source.names) < slots:
+            raise ValueError(f"a streaming source needs at least world_size x num_workers = {slots} shards, "
+                             f"got {len(self.source.names)}")
+
+    def _iter_stream(self, cursor: Cursor) -> Iterator[Any]:
+        self._check_stream_stages(cursor.stages)
         nwe = cursor.stages[-1][0]
         slots, slot = self.world_size * nwe, self.rank * nwe + cursor.worker
         names = self.source.names
-        if len(names) < slots:
-            raise ValueError(f"a streaming source needs at least world_size x num_workers = {slots} shards, "
-                             f"got {len(names)}")
         quota = None if self.samples_per_epoch is None else split_sizes(self._per_rank(), nwe)[cursor.worker]
         key = rng_key(self.seed, 2, cursor.epoch, self.rank, nwe, cursor.worker)
         raw = self._stream_raw(cursor.epoch, slot, slots, quota is not None)
