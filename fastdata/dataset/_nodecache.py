@@ -8,6 +8,7 @@ Layout of a dataset's cache folder (``<directory>/<id>/``, ``id`` from URL and m
     .locks/<n>.use        shared flock held while a process reads shard n (not evicted then)
     .locks/space.lock     flock held while space is reserved or freed
     .tmp/<n>-<bytes>-<pid>-<uuid>.part   download in progress (its size counts against the limit)
+    .waits/<pid>-<token>   JSON of a process waiting for space: the shards it holds open (see below)
 
 Protocol of :meth:`ShardCache.ensure` (any number of processes, threads and ranks on a host):
 take the shard's download lock; if the verified file exists, reuse it (whoever waited on the
@@ -23,12 +24,21 @@ fraction of the epoch (:meth:`ShardCache.plan`); shards not needed again in this
 next rank last. Ties and processes without a plan fall back to least recently used, which is
 also what ``eviction="lru"`` does (kept for comparison). Shards being read by any process on
 the host (``.use`` lock) are never evicted.
+
+Waiting for space: a demand download that does not fit waits for other processes to close shards
+(120 s without progress at most). A process waiting in :meth:`ShardCache._reserve` registers the
+shards it holds open in ``.waits/`` (written under ``space.lock``, refreshed every poll). When every
+shard that pins the space is held by a waiting process and no download is in progress, nobody can
+move on (e.g. DataLoader workers that each hold the shards the other needs): each waiter sees this
+and raises a RemoteError after ``_DEADLOCK_S``. Registrations of dead processes and ones not
+refreshed for ``_WAIT_FRESH_S`` are ignored, so a process that is merely slow never counts as stuck.
 """
 from __future__ import annotations
 
 import errno
 import fcntl
 import hashlib
+import json
 import logging
 import math
 import os
@@ -51,6 +61,8 @@ __all__ = ["EVICTION_POLICIES", "ShardCache", "default_cache_dir"]
 EVICTION_POLICIES = ("future", "lru")
 _CHUNK = 4 << 20
 _PREFETCH_IDLE_S = 1.0  # an idle prefetch thread exits after this (no thread lingers, e.g. across a fork)
+_DEADLOCK_S = 1.0  # every holder of the space waiting this long (seen on every poll): nobody can move on
+_WAIT_FRESH_S = 10.0  # a waiter's registration not refreshed for this long no longer counts
 _log = logging.getLogger(__name__)
 
 
@@ -153,7 +165,10 @@ class ShardCache:
         self._failed: dict[int, Exception] = {}  # prefetches that failed after every retry
         self._active: set[int] = set()  # shards a prefetch thread is fetching now
         self._use: dict[int, list[int]] = {}  # shard -> fds holding its shared use lock
-        for sub in (".locks", ".tmp"):
+        self._token = uuid.uuid4().hex[:12]  # names this handle's registration in .waits/
+        self._waits: dict[int, int] = {}  # thread ident -> shard it waits for space for
+        self._gave_up = False  # raised the deadlock error: the registration stays until shards are released
+        for sub in (".locks", ".tmp", ".waits"):
             (self.root / sub).mkdir(parents=True, exist_ok=True)
 
     def _check_pid(self) -> None:
@@ -162,7 +177,7 @@ class ShardCache:
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        for name in ("_lock", "_queue", "_pending", "_failed", "_active", "_use"):
+        for name in ("_lock", "_queue", "_pending", "_failed", "_active", "_use", "_waits"):
             state.pop(name)
         return state
 
@@ -317,6 +332,9 @@ class ShardCache:
             _unlock(fds.pop())
             if not fds:
                 del self._use[i]
+                if self._gave_up:  # others may count this process as stuck: tell them what it holds now
+                    with _flock(self.root / ".locks" / "space.lock"):
+                        self._write_wait()
 
     def close(self) -> None:
         """Stop prefetching and release every use lock of this process."""
@@ -433,45 +451,150 @@ class ShardCache:
         if self.max_bytes is None:
             tmp.touch()
             return tmp
-        while True:
-            with _flock(self.root / ".locks" / "space.lock"):
-                used, victims = self._usage(exclude=i)
-                need = used + shard.bytes - self.max_bytes
-                mine = self._next_use(i)
-                others_hold = False  # shards other processes read (they will move on)
-                while need > 0 and victims:
-                    victim = victims.pop(0)
-                    if not demand and self.eviction == "future" and self._next_use(victim) <= mine:
-                        return None  # evicting would throw away something needed sooner
-                    freed = self._evict(victim)
-                    if not freed and victim not in self._use:
-                        others_hold = True
-                    need -= freed
-                if need <= 0:
-                    tmp.touch()
+        stuck_since: float | None = None  # every holder of the space has been waiting since
+        try:
+            while True:
+                with _flock(self.root / ".locks" / "space.lock"):
+                    used, victims = self._usage(exclude=i)
+                    need = used + shard.bytes - self.max_bytes
+                    mine = self._next_use(i)
+                    others_hold = False  # shards other processes read (they will move on)
+                    pinned: list[int] = []  # shards some process reads
+                    while need > 0 and victims:
+                        victim = victims.pop(0)
+                        if not demand and self.eviction == "future" and self._next_use(victim) <= mine:
+                            return None  # evicting would throw away something needed sooner
+                        freed = self._evict(victim)
+                        if not freed and self.path(victim).is_file():
+                            pinned.append(victim)
+                            if victim not in self._use:
+                                others_hold = True
+                        need -= freed
+                    if need <= 0:
+                        tmp.touch()
+                        self._stalled_since = None
+                        return tmp
+                    if not demand:
+                        return None
+                    self._waits[threading.get_ident()] = i
+                    self._write_wait()
+                    downloading, removed = self._downloads()
+                    if removed:
+                        continue  # a killed downloader's reservation is gone: look again at once
+                    stuck = None if downloading else self._stuck_holders(pinned)
+                if downloading:
+                    others_hold = True  # downloads in progress (any process or thread) become evictable when done
+                if not others_hold:  # only this process's own open readers pin the space: waiting cannot help
+                    mine_open = sorted(self._use)
+                    raise RemoteError(
+                        f"node cache {self.root}: max_bytes={self.max_bytes} cannot hold shard {shard.name} "
+                        f"({shard.bytes} bytes) next to the {len(mine_open)} shards this process has open "
+                        f"({used} bytes in the cache); ShardedDataset keeps open_shards x (walks in this process) "
+                        "+ 2 shards open per process: raise max_bytes (to a few more shards than that, times the "
+                        "processes on this host) or lower ShuffleOptions.open_shards")
+                now = time.monotonic()
+                if stuck is None:
+                    stuck_since = None
+                elif stuck_since is None:
+                    stuck_since = now
+                elif now - stuck_since >= _DEADLOCK_S:
+                    self._gave_up = bool(self._use)  # the others still wait for this process's shards
+                    raise RemoteError(
+                        f"node cache {self.root}: max_bytes={self.max_bytes} cannot hold shard {shard.name} "
+                        f"({shard.bytes} bytes): the {stuck} processes on this host that hold its space "
+                        f"({len(pinned)} shards open, {used} bytes in the cache) are all waiting for space "
+                        "themselves, so none can move on; ShardedDataset keeps open_shards x (walks in a process) "
+                        "+ 2 shards open per process (each DataLoader worker is one): raise max_bytes (to a few "
+                        "more shards than that, times the processes on this host) or lower "
+                        "ShuffleOptions.open_shards or num_workers")
+                # everything left is in use by other processes or being downloaded: wait for them to move on
+                time.sleep(0.05)
+                if self._stalled_since is None:
+                    self._stalled_since = time.monotonic()
+                elif time.monotonic() - self._stalled_since > 120:
                     self._stalled_since = None
-                    return tmp
-            if not demand:
-                return None
-            if not others_hold and any((self.root / ".tmp").glob("*.part")):
-                others_hold = True  # downloads in progress (any process or thread) become evictable when done
-            if not others_hold:  # only this process's own open readers pin the space: waiting cannot help
-                mine_open = sorted(self._use)
-                raise RemoteError(
-                    f"node cache {self.root}: max_bytes={self.max_bytes} cannot hold shard {shard.name} "
-                    f"({shard.bytes} bytes) next to the {len(mine_open)} shards this process has open "
-                    f"({used} bytes in the cache); ShardedDataset keeps open_shards x (walks in this process) + 2 "
-                    "shards open per process: raise max_bytes (to a few more shards than that, times the "
-                    "processes on this host) or lower ShuffleOptions.open_shards")
-            # everything left is in use by other processes or being downloaded: wait for them to move on
-            time.sleep(0.05)
-            if self._stalled_since is None:
-                self._stalled_since = time.monotonic()
-            elif time.monotonic() - self._stalled_since > 120:
-                self._stalled_since = None
-                raise RemoteError(f"node cache {self.root}: max_bytes={self.max_bytes} cannot hold shard "
-                                  f"{shard.name} ({shard.bytes} bytes) next to the shards in use on this host "
-                                  "for 120 s; raise the limit or read fewer shards at once (open_shards, workers)")
+                    raise RemoteError(f"node cache {self.root}: max_bytes={self.max_bytes} cannot hold shard "
+                                      f"{shard.name} ({shard.bytes} bytes) next to the shards in use on this host "
+                                      "for 120 s; raise the limit or read fewer shards at once (open_shards, workers)")
+        finally:
+            if self._waits.pop(threading.get_ident(), None) is not None:
+                with _flock(self.root / ".locks" / "space.lock"):
+                    self._write_wait()
+
+    def _wait_path(self) -> Path:
+        return self.root / ".waits" / f"{os.getpid()}-{self._token}"
+
+    def _write_wait(self) -> None:
+        """Write (or remove) this process's registration in ``.waits/``; called under ``space.lock``."""
+        path = self._wait_path()
+        if not self._waits and not (self._gave_up and self._use):
+            self._gave_up = False
+            path.unlink(missing_ok=True)
+            return
+        entry = {"pid": os.getpid(), "held": sorted(self._use), "waits": sorted(set(self._waits.values())),
+                 "gave_up": self._gave_up}
+        try:
+            path.write_text(json.dumps(entry))
+        except OSError as e:  # then nobody counts this process as stuck: the 120 s limit still holds
+            _log.debug("node cache: cannot register a wait in %s: %s", path, e)
+
+    def _downloads(self) -> tuple[bool, bool]:
+        """(a download is in progress, a killed downloader's ``.part`` was removed); under ``space.lock``.
+
+        A ``.part`` whose shard download lock nobody holds is a leftover (its size counts against
+        the limit until removed); a held lock is a live download (or one about to start)."""
+        live = removed = False
+        for part in (self.root / ".tmp").glob("*.part"):
+            n = part.name.split("-", 1)[0]
+            if not n.isdigit():
+                continue
+            fd = _try_flock(self._lock_path(int(n), "lock"), fcntl.LOCK_EX)
+            if fd is None:
+                live = True
+                continue
+            try:
+                if part.exists():
+                    part.unlink(missing_ok=True)
+                    removed = True
+            finally:
+                _unlock(fd)
+        return live, removed
+
+    def _stuck_holders(self, pinned: list[int]) -> int | None:
+        """The number of processes holding ``pinned`` when each of them waits for space (this one
+        included, which does), else None; under ``space.lock``."""
+        if not pinned:
+            return None
+        want = set(pinned)
+        waiting: set[int] = set(self._use)
+        procs = int(bool(want & waiting))
+        now = time.time()
+        mine = self._wait_path()
+        for path in (self.root / ".waits").iterdir():
+            if path == mine:
+                continue
+            try:
+                fresh = path.stat().st_mtime >= now - _WAIT_FRESH_S
+                entry = json.loads(path.read_text())
+                pid = int(entry["pid"])
+                held = {int(j) for j in entry["held"]}
+                stuck = bool(entry["waits"]) or bool(entry["gave_up"])
+            except (OSError, ValueError, KeyError, TypeError):
+                continue  # vanished, or being replaced by a crashed writer's leftovers: not a waiter
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                if not fresh:
+                    path.unlink(missing_ok=True)  # a dead process's registration
+                continue
+            except PermissionError:
+                pass  # alive, another user's
+            if fresh and stuck and held & want:
+                waiting |= held
+                procs += 1
+        if not want <= waiting:
+            return None  # a process that is not waiting reads some of them: it will move on
+        return procs
 
     _stalled_since: float | None = None
 
