@@ -155,3 +155,28 @@ def test_a_streaming_source_with_too_few_shards_fails_at_iter_not_in_a_worker(tm
     assert "worker process" not in str(info.value)  # raised in this process, not re-raised from a worker
     assert sorted(int(c) for b in DataLoader(ShardedDataset(urls), batch_size=2, num_workers=2) for c in b["cls"]) \
         == list(range(4))
+
+
+def test_thread_decoder_warns_of_skips_when_the_consumer_reaches_them(tmp_path):
+    """on_error="warn": the pool meets a bad sample ahead of the consumer; its warning comes when the
+    consumer reaches the batch, in batch order (with the skip record), as the skip records do."""
+    import time
+    import warnings
+
+    from fastdata import DataLoader, ShardedDataset, SkippedSampleWarning
+    from fastdata.shards.writer import ShardWriter
+
+    with ShardWriter(tmp_path / "ds", max_samples=10) as w:
+        for i in range(20):  # virtual workers: k000-k009, k010-k019
+            w.write({"__key__": f"k{i:03d}", "cls": b"x" if i in (2, 10, 13) else str(i).encode()})
+    ds = ShardedDataset(tmp_path / "ds", on_error="warn")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        it = iter(DataLoader(ds, batch_size=3, num_workers=2, decode_threads=2))
+        next(it)  # k000 k001 k003 (k002 skipped)
+        time.sleep(0.5)  # the pool has loaded ahead (k010, a skip, in worker 1's first batch)
+        keys = lambda: [str(c.message).split("'")[1] for c in caught if issubclass(c.category, SkippedSampleWarning)]
+        assert keys() == ["k002"]
+        list(it)
+        assert keys() == ["k002", "k010", "k013"]
+    assert [r["key"] for r in ds.skipped] == ["k002", "k010", "k013"]

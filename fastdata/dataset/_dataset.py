@@ -843,7 +843,7 @@ class ShardedDataset(IterableDataset):
             with self._skip_lock:
                 self.skipped.append(record)
         cursor.skips.append(record)
-        if self.on_error == "warn":
+        if self.on_error == "warn" and not cursor.defer_skips:  # deferred: warned in record_deferred_skips()
             warnings.warn(f"skipped sample {key!r} of shard {name}: {err}", SkippedSampleWarning, stacklevel=4)
         if not _in_worker() and not cursor.defer_skips:  # a worker's are counted when they reach the main process
             self._count_skips(1)
@@ -861,6 +861,15 @@ class ShardedDataset(IterableDataset):
             with self._skip_lock:
                 self.skipped.extend(records)
             self._count_skips(len(records))
+
+    def record_deferred_skips(self, records: Sequence[dict[str, Any]]) -> None:
+        """Skip records a walk collected ahead of the consumer (``Cursor.defer_skips``), now that the
+        consumer reaches their batch: warn (``on_error="warn"``), in batch order, then :meth:`record_skips`."""
+        if self.on_error == "warn":
+            for r in records:
+                warnings.warn(f"skipped sample {r['key']!r} of shard {r['shard']}: {r['reason']}", SkippedSampleWarning,
+                              stacklevel=2)
+        self.record_skips(records)
 
     def _count_skips(self, n: int) -> None:
         if self.max_skips is None:

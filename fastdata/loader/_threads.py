@@ -124,7 +124,7 @@ def thread_batches(ds: ShardedDataset, start: EpochStart, *, threads: int, batch
     cursors = [ds.cursor(start, w, seq=seq, live=n == 1) for w, seq in enumerate(seqs)]
     batches = ThreadBatches(cursors, first=start.first, threads=threads, batch_size=batch_size, drop_last=drop_last,
                             collate_fn=collate_fn, pin=pin, pin_rows=pin_rows, carry=_CARRY.setdefault(ds, {}),
-                            timeout=timeout, record_skips=ds.record_skips)
+                            timeout=timeout, record_skips=ds.record_deferred_skips)
     return batches
 
 
