@@ -34,6 +34,24 @@ def opts(**kw):
     return ConvertOptions(workers=1, progress=False, **kw)
 
 
+def interrupted_convert(monkeypatch, src, dest, options, after):
+    """``convert`` stopped by a KeyboardInterrupt once ``after`` shard jobs have been written."""
+    import fastdata.shards.convert as convert_mod
+
+    real, done = convert_mod._write_job, []
+
+    def crash_after(task, tick):
+        if len(done) == after:
+            raise KeyboardInterrupt
+        done.append(task.job.name)
+        return real(task, tick)
+
+    monkeypatch.setattr(convert_mod, "_write_job", crash_after)
+    with pytest.raises(KeyboardInterrupt):
+        convert(src, dest, options)
+    monkeypatch.setattr(convert_mod, "_write_job", real)
+
+
 # --------------------------------------------------------------- an unfinished conversion as SRC
 
 def test_unfinished_conversion_is_not_a_source(tmp_path):
@@ -388,21 +406,8 @@ def test_tar_folder_with_compressed_shards_beside_plain_ones_is_refused(tmp_path
 def test_resume_redoes_a_kept_shard_whose_index_is_garbled(tmp_path, monkeypatch):
     """A kept shard's sidecar only had to exist: a garbled one (a crash before the unsynced index
     reached the disk) was kept, and the finished folder failed ``verify`` and every read."""
-    import fastdata.shards.convert as convert_mod
-
     src = image_folder(tmp_path / "src")
-    real, calls = convert_mod._write_job, []
-
-    def crash_after_two(task, tick):
-        if len(calls) == 2:
-            raise KeyboardInterrupt
-        calls.append(task.job.name)
-        return real(task, tick)
-
-    monkeypatch.setattr(convert_mod, "_write_job", crash_after_two)
-    with pytest.raises(KeyboardInterrupt):
-        convert(src, tmp_path / "out", opts(samples_per_shard=2))
-    monkeypatch.setattr(convert_mod, "_write_job", real)
+    interrupted_convert(monkeypatch, src, tmp_path / "out", opts(samples_per_shard=2), after=2)
     index = tmp_path / "out" / "shard-000000.tar.idx"
     index.write_bytes(index.read_bytes()[:-5])
     result = convert(src, tmp_path / "out", opts(samples_per_shard=2))
@@ -431,24 +436,13 @@ def test_overwrite_of_a_url_dest_removes_its_old_manifest_first(tmp_path, monkey
     replaced by the new run, and the rerun without --overwrite refused to resume ("holds a
     finished conversion with different arguments")."""
     pytest.importorskip("fsspec")
-    import fastdata.shards.convert as convert_mod
     from fastdata.shards._remote import remote_size
 
     url = f"memory://fastdata-s5/{tmp_path.name}/ds"
     src = image_folder(tmp_path / "src")
     convert(src, url, opts(samples_per_shard=3, staging=str(tmp_path / "stage")))
-    real, calls = convert_mod._write_job, []
-
-    def crash_after_one(task, tick):
-        if calls:
-            raise KeyboardInterrupt
-        calls.append(task.job.name)
-        return real(task, tick)
-
-    monkeypatch.setattr(convert_mod, "_write_job", crash_after_one)
-    with pytest.raises(KeyboardInterrupt):
-        convert(src, url, opts(samples_per_shard=2, overwrite=True, staging=str(tmp_path / "stage")))
-    monkeypatch.setattr(convert_mod, "_write_job", real)
+    interrupted_convert(monkeypatch, src, url, opts(samples_per_shard=2, overwrite=True, staging=str(tmp_path / "stage")),
+                        after=1)
     assert remote_size(url + "/manifest.json") is None  # no reader takes the mix for a dataset
     result = convert(src, url, opts(samples_per_shard=2, staging=str(tmp_path / "stage")))
     assert (result.kept, result.written) == (1, 2)
@@ -495,22 +489,10 @@ def test_class_folder_without_images_is_listed_and_part_of_the_plan(tmp_path, mo
     """An empty class folder (a macOS '__MACOSX' of hidden files, say) shifts every label after it.
     It was neither listed nor part of the plan: a resume kept shards labelled the old way beside
     new ones labelled the new way, and a finished conversion was reported complete."""
-    import fastdata.shards.convert as convert_mod
     from fastdata.shards.tar import TarShardReader
 
     src = image_folder(tmp_path / "src")
-    real, calls = convert_mod._write_job, []
-
-    def crash_after_one(task, tick):
-        if calls:
-            raise KeyboardInterrupt
-        calls.append(task.job.name)
-        return real(task, tick)
-
-    monkeypatch.setattr(convert_mod, "_write_job", crash_after_one)
-    with pytest.raises(KeyboardInterrupt):
-        convert(src, tmp_path / "out", opts(samples_per_shard=2))
-    monkeypatch.setattr(convert_mod, "_write_job", real)
+    interrupted_convert(monkeypatch, src, tmp_path / "out", opts(samples_per_shard=2), after=1)
     (src / "0-new").mkdir()  # sorts first: every class index moves up by one
     (src / "0-new" / ".hidden.png").write_bytes(png(9))
     with pytest.raises(ConversionError, match="different arguments or inputs"):
