@@ -124,6 +124,12 @@ def _dataset_part(state: Any) -> Any:
     return state["dataset"] if isinstance(state, Mapping) and isinstance(state.get("dataset"), Mapping) else state
 
 
+def _warn_skip(record: Mapping[str, Any], stacklevel: int) -> None:
+    """``on_error="warn"``: the SkippedSampleWarning of a skip record (``stacklevel`` counted from the caller)."""
+    warnings.warn(f"skipped sample {record['key']!r} of shard {record['shard']}: {record['reason']}",
+                  SkippedSampleWarning, stacklevel=stacklevel)
+
+
 def _in_worker() -> bool:
     return get_worker_info() is not None
 
@@ -277,6 +283,7 @@ class ShardedDataset(IterableDataset):
         self._cache_arg = cache
         self._explicit_dist = None if rank is None else (int(rank), int(world_size))  # type: ignore[arg-type]
         self.rank, self.world_size = 0, 1
+        self._warned_uneven = False  # see resolve_dist
         self.resolve_dist()
         self._epoch = 0
         # Shared with DataLoader workers (persistent ones too), so set_epoch reaches them.
@@ -328,7 +335,7 @@ class ShardedDataset(IterableDataset):
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank must be in [0, world_size={self.world_size}), got {self.rank}")
         if (self.world_size > 1 and self.source.streaming and self.samples_per_epoch is None
-                and not self.__dict__.get("_warned_uneven") and torch.utils.data.get_worker_info() is None):
+                and not self._warned_uneven and not _in_worker()):
             self._warned_uneven = True  # once per dataset (workers get the flag with their copy)
             warnings.warn(
                 f"a streaming (URL) source at world_size={self.world_size} without samples_per_epoch: whole shards "
@@ -844,7 +851,7 @@ class ShardedDataset(IterableDataset):
                 self.skipped.append(record)
         cursor.skips.append(record)
         if self.on_error == "warn" and not cursor.defer_skips:  # deferred: warned in record_deferred_skips()
-            warnings.warn(f"skipped sample {key!r} of shard {name}: {err}", SkippedSampleWarning, stacklevel=4)
+            _warn_skip(record, stacklevel=5)
         if not _in_worker() and not cursor.defer_skips:  # a worker's are counted when they reach the main process
             self._count_skips(1)
 
@@ -867,8 +874,7 @@ class ShardedDataset(IterableDataset):
         consumer reaches their batch: warn (``on_error="warn"``), in batch order, then :meth:`record_skips`."""
         if self.on_error == "warn":
             for r in records:
-                warnings.warn(f"skipped sample {r['key']!r} of shard {r['shard']}: {r['reason']}", SkippedSampleWarning,
-                              stacklevel=2)
+                _warn_skip(r, stacklevel=3)
         self.record_skips(records)
 
     def _count_skips(self, n: int) -> None:
