@@ -6,7 +6,6 @@ import json
 import time
 from typing import Any
 
-from fastdata._util import release_frames
 from fastdata.cli._args import byte_size, nonneg_int, positive_int
 from fastdata.errors import CacheError
 
@@ -90,13 +89,7 @@ def cmd_build(args: argparse.Namespace) -> int:
     fields = list(dataset.source.fields)
     if not any(is_image_field(f) for f in fields):  # the store would hold nothing: say so rather than exit 1
         raise ValueError(f"{args.source}: no image field among {fields}: nothing for ResizeCenterCrop to cache")
-    try:
-        info = dataset.build_cache(num_workers=args.workers, progress=not args.quiet)
-    except BaseException as e:
-        # a worker's error: torch's iterator sits in a cycle through the traceback's frames and would stop
-        # its workers only at a later garbage collection, after a 5 s join timeout (see release_frames)
-        release_frames(e)
-        raise
+    info = dataset.build_cache(num_workers=args.workers, progress=not args.quiet)  # stops its workers on errors
     print(f"{info.key}: {info.num_valid}/{info.num_samples} samples ({info.fill_ratio:.1%}), "
           f"{human_bytes(info.size_bytes)} on disk, {human_bytes(info.sample_nbytes)} per sample")
     if info.num_valid != info.num_samples:
