@@ -177,3 +177,26 @@ def test_tune_compares_the_thread_decoder_with_the_chosen_workers(shards, monkey
     batch = next(iter(namespace["batches"]))
     assert batch["jpg"].shape == (8, 3, 48, 48) and loader.last_path == "threads"
     namespace["batches"].close()
+
+
+def test_snippet_for_stored_arrays_has_no_image_preprocess_and_runs(tmp_path):
+    """Stored arrays (img.npy) are not images: the pasted code must not claim a resize that does nothing."""
+    import numpy as np
+
+    from fastdata.manifest import Manifest
+    from fastdata.monitor import DoctorOptions, pick_fields, python_snippet
+    from fastdata.shards.writer import ShardWriter
+
+    with ShardWriter(tmp_path / "arr", max_samples=8) as w:
+        for i in range(16):
+            w.write({"__key__": f"k{i:04d}", "img.npy": np.full((3, 8, 8), i, np.uint8), "cls": i % 3})
+    fields = pick_fields(Manifest.load(tmp_path / "arr"))
+    assert not fields.encoded
+    code = python_snippet(str(tmp_path / "arr"), DoctorOptions(batch_size=4, num_workers=0, size=48, device="cpu"),
+                          fields, torch.device("cpu"))
+    assert "ResizeCenterCrop" not in code and "preprocess" not in code
+    namespace = {}
+    exec(compile(code, "<tune snippet>", "exec"), namespace)  # noqa: S102
+    with namespace["batches"] as batches:
+        batch = next(iter(batches))
+    assert batch[fields.image].shape == (4, 3, 8, 8)

@@ -106,9 +106,11 @@ def python_snippet(source: str, o: DoctorOptions, fields: st.Fields, device: tor
                   "        return decode_image(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB)",
                   ""]
         decode = f", decode={{{fields.image!r}: DecodeRGB()}}"
-    lines += ["",
-              f"ds = fastdata.ShardedDataset({source!r}, shuffle=True, fields={keep!r},",
-              f"                             preprocess=fastdata.ResizeCenterCrop({o.size}){decode})",
+    # preprocess= applies to encoded image fields only: stored arrays (img.npy) go to the batch as stored
+    dataset = ([f"ds = fastdata.ShardedDataset({source!r}, shuffle=True, fields={keep!r},",
+                f"                             preprocess=fastdata.ResizeCenterCrop({o.size}){decode})"]
+               if fields.encoded else [f"ds = fastdata.ShardedDataset({source!r}, shuffle=True, fields={keep!r})"])
+    lines += ["", *dataset,
               f"loader = fastdata.DataLoader(ds, batch_size={o.batch_size}, {workers}, drop_last=True)",
               (f"batches = fastdata.CUDAPrefetcher(loader, depth={o.depth}, "
               f"transform=Normalize(keys=[{fields.image!r}], channels_last={device.type == 'cuda'}))")]
