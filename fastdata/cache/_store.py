@@ -118,9 +118,34 @@ def parse_fields(path: Path, meta: Mapping[str, Any]) -> list[FieldLayout] | Non
     if raw is None:
         return None
     try:
-        return [FieldLayout.from_json(d) for d in raw]
+        fields = [FieldLayout.from_json(d) for d in raw]
     except (KeyError, TypeError, ValueError) as e:
         raise CacheError(f"cache store {path}: {META_NAME} has a malformed 'fields' entry: {e}") from e
+    problem = _layout_problem(fields)
+    if problem is not None:
+        raise CacheError(f"cache store {path}: {META_NAME} has a malformed 'fields' entry: {problem} "
+                         "(a corrupt store; remove it with `fastdata cache rm`)")
+    return fields
+
+
+def _layout_problem(fields: list[FieldLayout]) -> str | None:
+    """What is wrong with a layout read from meta.json (None: it is one ``_create_layout`` writes)."""
+    if not fields:
+        return "no fields"
+    if len({f.name for f in fields}) != len(fields):
+        return f"a field is listed twice ({[f.name for f in fields]})"
+    for k, f in enumerate(fields):
+        if f.file != f"field-{k:03d}.bin":  # never a path outside the store
+            return f"field {f.name!r} has file {f.file!r}, expected 'field-{k:03d}.bin'"
+        try:
+            dtype = np.dtype(f.dtype)
+        except TypeError as e:
+            return f"field {f.name!r} has dtype {f.dtype!r}: {e}"
+        if dtype.kind not in "biufc":
+            return f"field {f.name!r} has dtype {f.dtype!r}, not a numeric or bool dtype"
+        if any(s < 0 for s in f.shape) or f.nbytes < 1:
+            return f"field {f.name!r} has shape {list(f.shape)} ({f.nbytes} bytes per sample)"
+    return None
 
 
 def _readonly_tensor(arr: np.ndarray) -> torch.Tensor:
@@ -283,7 +308,7 @@ class Store:
             pass
 
     def _check_meta(self, meta: Mapping[str, Any]) -> None:
-        expect = {"cache_format": CACHE_FORMAT_VERSION, "fingerprint": self.fingerprint,
+        expect = {"cache_format": CACHE_FORMAT_VERSION, "key": self.key, "fingerprint": self.fingerprint,
                   "num_samples": self.num_samples}
         for name, value in expect.items():
             if meta.get(name) != value:
@@ -348,6 +373,10 @@ class Store:
             if vsize != n:
                 raise CacheError(f"cache store {self.path}: {VALID_NAME} has {vsize} bytes, expected {n}")
             valid = np.frombuffer(mmap.mmap(valid_fd, n, access=mmap.ACCESS_READ), dtype=np.uint8)
+            if int(valid.max()) > 1:  # puts write 0 and 1 only: anything else is not a valid map
+                bad = int(np.flatnonzero(valid > 1)[0])
+                raise CacheError(f"cache store {self.path}: {VALID_NAME} holds byte {int(valid[bad])} for sample {bad} "
+                                 "(only 0 and 1 are written): a corrupt store; remove it with `fastdata cache rm`")
         except OSError as e:
             for fd in fds.values():
                 os.close(fd)
@@ -379,7 +408,10 @@ class Store:
         return i
 
     def _indices(self, indices: Any) -> np.ndarray:
-        idx = np.asarray(indices, dtype=np.int64).reshape(-1)
+        arr = np.asarray(indices)
+        if arr.size and arr.dtype.kind not in "iu":  # a bool mask or floats would be cast to wrong rows
+            raise TypeError(f"cache store {self.path}: indices must be integers, got dtype {arr.dtype}")
+        idx = arr.astype(np.int64, copy=False).reshape(-1)
         if len(idx) and (idx.min() < 0 or idx.max() >= self.num_samples):
             bad = idx[(idx < 0) | (idx >= self.num_samples)][0]
             raise IndexError(f"cache store {self.path}: index {bad} out of range for {self.num_samples} samples")
@@ -560,7 +592,11 @@ class Store:
             if f.nbytes == 0:
                 raise CacheError(f"cache store {self.path}: field {f.name!r} of sample {index} has no bytes "
                                  f"(shape {f.shape})")
-        lock_fd = os.open(self.path / LAYOUT_LOCK, os.O_RDONLY | _O_CLOEXEC)
+        try:
+            lock_fd = os.open(self.path / LAYOUT_LOCK, os.O_RDONLY | _O_CLOEXEC)
+        except OSError as e:
+            raise CacheError(f"cache store {self.path}: cannot open {LAYOUT_LOCK} (damaged; remove it with "
+                             f"`fastdata cache rm`): {e}") from e
         try:
             fcntl.flock(lock_fd, fcntl.LOCK_EX)
             self._meta_stat = None
@@ -574,7 +610,16 @@ class Store:
             meta = dict(read_meta(self.path))
             meta["fields"] = [f.to_json() for f in fields]
             meta["sample_nbytes"] = sum(f.nbytes for f in fields)
-            write_json_atomic(self.path / META_NAME, meta)
+            try:
+                write_json_atomic(self.path / META_NAME, meta)
+            except OSError as e:
+                self._release(fields)
+                full = e.errno in DISK_FULL
+                err = CacheError(f"cache store {self.path}: {'disk full: ' if full else ''}cannot write the layout "
+                                 f"into {META_NAME}: {e}")
+                if full:
+                    self._layout_error = err
+                raise err from e
             self._meta_stat = None
             if not self._refresh_layout():  # pragma: no cover - we just wrote it
                 raise CacheError(f"cache store {self.path}: layout vanished after it was written")
@@ -597,9 +642,13 @@ class Store:
                 finally:
                     os.close(fd)
             except OSError as e:
-                for other, _ in files:  # give the space back
-                    (self.path / other).unlink(missing_ok=True)
+                self._release(fields)  # give the space back
                 if e.errno in DISK_FULL:
                     raise CacheError(f"cache store {self.path}: disk full: cannot reserve {need} bytes "
-                                     f"({n} samples x {need // n} bytes) for {name}") from e
+                                     f"({n} samples x {need // n} bytes) for {name}: {e.strerror}") from e
                 raise CacheError(f"cache store {self.path}: cannot create {name}: {e}") from e
+
+    def _release(self, fields: list[FieldLayout]) -> None:
+        """Delete the files ``_allocate`` made for ``fields`` (a layout that was not written)."""
+        for name in [f.file for f in fields] + [VALID_NAME]:
+            (self.path / name).unlink(missing_ok=True)
