@@ -123,3 +123,24 @@ def test_boolean_or_float_indices_are_refused(tmp_path: Path) -> None:
         with pytest.raises(TypeError, match="integer"):
             store.missing(bad)
     store.close()
+
+
+def test_an_unreadable_store_is_a_cache_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A store another user owns (open.lock not readable) failed with a bare PermissionError, which the
+    dataset took for an error of each sample: under on_error="skip" a whole epoch was skipped."""
+    import os
+
+    src = _tiny_shards(tmp_path / "ds")
+    list(ShardedDataset(src, preprocess=ResizeCenterCrop(8), cache=tmp_path / "c"))
+    real_open = os.open
+
+    def deny_lock(path: Any, flags: int, *args: Any) -> int:
+        if str(path).endswith("open.lock"):
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(os, "open", deny_lock)
+    ds = ShardedDataset(src, preprocess=ResizeCenterCrop(8), cache=tmp_path / "c", on_error="skip")
+    with pytest.raises(CacheError, match=r"cache store .*open\.lock.*Permission denied"):
+        list(ds)
+    assert ds.skipped == []

@@ -263,6 +263,8 @@ class Store:
                     raise CacheError(f"cache store {self.path}: no {OPEN_LOCK} (not made by fastdata, or damaged); "
                                      "remove it with `fastdata cache rm`") from None
                 continue
+            except OSError as e:  # e.g. a store of another user
+                raise CacheError(f"cache store {self.path}: cannot open {OPEN_LOCK}: {e}") from e
             # An evictor holds the exclusive lock only while it renames the store away.
             fcntl.flock(fd, fcntl.LOCK_SH)
             try:
