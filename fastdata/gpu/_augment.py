@@ -8,16 +8,22 @@ no device work); the pixels are resampled once, when the batch is *rendered* int
 resampling, and nothing is rounded in between.
 
 Geometry. Per image and axis, an output pixel coordinate ``u`` maps to the source coordinate
-``a * u + b`` (``a < 0`` after a flip); ``clip`` is the source pixel range the filter may read.
-A crop narrows ``clip`` only while no resampling is pending, which reproduces torchvision in both
-usual chains: ``RandomResizedCrop`` (crop, then resize: the filter sees only the crop) and
-``Resize`` + ``CenterCrop`` (resize the whole image, then crop: the filter sees the whole image).
+``a * u + b`` (``a < 0`` after a flip); ``clip`` is the source pixel range the filter may read, and
+``frame`` (around ``clip``) the range it reads as pixels, zeros outside ``clip``: the padding of a
+``CenterCrop`` larger than the image. A crop sets ``frame`` and narrows ``clip`` only while no
+resampling is pending, which reproduces torchvision in the usual chains: ``RandomResizedCrop``
+(crop, then resize: the filter sees only the crop), ``Resize`` + ``CenterCrop`` (resize the whole
+image, then crop: the filter sees the whole image) and ``CenterCrop`` padding, then ``Resize`` (the
+filter reads the padding's zeros). ``window`` is the source region the view shows: each crop
+narrows it (a crop with no resampling pending sets it, with its padding); output pixels whose
+centre falls outside it are 0 (``Resize``, then a padding ``CenterCrop``: torchvision pads the
+resized image with zeros).
 
 Resampling. Bilinear with antialiasing, the filter of ``torch.nn.functional.interpolate(...,
 antialias=True)`` (PIL's): output pixel ``j`` reads source pixels ``k`` with weight
 ``max(0, 1 - |k + 0.5 - c_j| / s)``, ``c_j = a (j + 0.5) + b``, ``s = max(|a|, 1)``, normalised per
 output pixel. It is separable, so a group of images is resampled with two batched matrix products
-``Wy @ X @ Wx^T`` over a zero-padded canvas ``X`` holding each image's ``clip`` region. Images are
+``Wy @ X @ Wx^T`` over a zero-padded canvas ``X`` holding each image's ``frame`` (its ``clip`` pixels). Images are
 grouped by size so that padding stays bounded (and the canvas under ``max_canvas`` elements).
 Launches per render: the weights of all images at once (about a dozen kernels per axis), then per
 group a zero canvas, the images' ``clip`` regions copied in by one ``torch._foreach_copy_`` call (the
@@ -26,8 +32,8 @@ the host on CUDA), two matmuls, rounding and a scatter into the output rows: no 
 per image. The canvas is float16 on CUDA (integers 0..255 are exact, weights to 2^-11; results
 within a grey level of float32) and float32 on the CPU. A batch is reproduced bit for bit; the same
 image in a batch of other images can differ by one grey level (the padded canvas changes the
-summation order). Output pixels the filter cannot reach (``CenterCrop`` larger than the image) are
-0, as torchvision's padding gives.
+summation order). Output pixels in a ``CenterCrop``'s padding are 0, as
+torchvision's padding gives.
 
 Random parameters come from a counter-based hash of ``(seed, epoch, sample index)`` computed on
 the host (splitmix64, the hash behind the dataset's shuffling): a sample gets the same crop and flip
@@ -83,13 +89,18 @@ class ImageBatch:
         epoch: the epoch of the batch (random parameters differ per epoch).
         geom: float64 ``(n, 4)``: ``ay, by, ax, bx`` (see the module docstring).
         clip: int64 ``(n, 4)``: source rows ``[y0, y1)`` and columns ``[x0, x1)`` the filter may read.
+        frame: int64 ``(n, 4)``: the rows and columns (around ``clip``) it reads as pixels: zeros outside
+            ``clip`` (a padding crop's).
+        window: float64 ``(n, 4)``: the source region ``y0, y1, x0, x1`` the view shows; output pixels
+            whose centre falls outside it are 0 (padding).
         size: int64 ``(n, 2)``: the (virtual) output height and width of each image.
     """
 
-    __slots__ = ("clip", "epoch", "geom", "ids", "images", "size")
+    __slots__ = ("clip", "epoch", "frame", "geom", "ids", "images", "size", "window")
 
     def __init__(self, images: Sequence[torch.Tensor], ids: Any, epoch: int, *, geom: np.ndarray | None = None,
-                 clip: np.ndarray | None = None, size: np.ndarray | None = None) -> None:
+                 clip: np.ndarray | None = None, size: np.ndarray | None = None,
+                 frame: np.ndarray | None = None, window: np.ndarray | None = None) -> None:
         self.images = list(images)
         self.ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         self.epoch = int(epoch)
@@ -110,6 +121,8 @@ class ImageBatch:
         self.clip = clip if clip is not None else np.stack([np.zeros(n, np.int64), hw[:, 0],
                                                             np.zeros(n, np.int64), hw[:, 1]], axis=1)
         self.size = size if size is not None else hw
+        self.frame = frame if frame is not None else self.clip.copy()
+        self.window = window if window is not None else self.frame.astype(np.float64)
 
     @classmethod
     def from_tensor(cls, x: torch.Tensor, ids: Any, epoch: int) -> ImageBatch:
@@ -133,18 +146,22 @@ class ImageBatch:
         return (int(h), int(w)) if bool(np.all(self.size == self.size[0])) else None
 
     def _with(self, geom: np.ndarray, clip: np.ndarray, size: np.ndarray, images: list | None = None,
-              ids: np.ndarray | None = None) -> ImageBatch:
+              ids: np.ndarray | None = None, frame: np.ndarray | None = None,
+              window: np.ndarray | None = None) -> ImageBatch:
         """A batch with new geometry (no re-validation of images already checked)."""
         out = ImageBatch.__new__(ImageBatch)
         out.images = self.images if images is None else images
         out.ids = self.ids if ids is None else ids
         out.epoch, out.geom, out.clip, out.size = self.epoch, geom, clip, size
+        out.frame = self.frame if frame is None else frame
+        out.window = self.window if window is None else window
         return out
 
     def select(self, keep: Sequence[int]) -> ImageBatch:
         """The images at positions ``keep``, with their geometry."""
         k = np.asarray(keep, dtype=np.int64)
-        return self._with(self.geom[k], self.clip[k], self.size[k], [self.images[i] for i in k.tolist()], self.ids[k])
+        return self._with(self.geom[k], self.clip[k], self.size[k], [self.images[i] for i in k.tolist()], self.ids[k],
+                          self.frame[k], self.window[k])
 
     # ----- geometry (host only) --------------------------------------------------------------
     def crop(self, top: np.ndarray, left: np.ndarray, height: np.ndarray, width: np.ndarray,
@@ -155,18 +172,24 @@ class ImageBatch:
         height, width = np.asarray(height, np.int64), np.asarray(width, np.int64)
         oh = height if out_size is None else np.full(len(self), out_size[0], np.int64)
         ow = width if out_size is None else np.full(len(self), out_size[1], np.int64)
-        geom, clip = self.geom.copy(), self.clip.copy()
+        geom, clip, frame, window = self.geom.copy(), self.clip.copy(), self.frame.copy(), self.window.copy()
         for axis, start, length, out in ((0, top, height, oh), (1, left, width, ow)):
             a, b = geom[:, 2 * axis], geom[:, 2 * axis + 1]
-            plain = np.abs(a) == 1.0  # no resampling pending: the filter sees only the crop
+            plain = np.abs(a) == 1.0  # no resampling pending: the filter sees only the crop (and its padding)
             ends = np.stack([a * start + b, a * (start + length) + b])
             lo, hi = np.floor(ends.min(0) + 1e-9).astype(np.int64), np.ceil(ends.max(0) - 1e-9).astype(np.int64)
             c = clip[:, 2 * axis : 2 * axis + 2]
-            c[:, 0] = np.where(plain, np.maximum(c[:, 0], lo), c[:, 0])
+            c[:, 0] = np.where(plain, np.minimum(np.maximum(c[:, 0], lo), hi), c[:, 0])
             c[:, 1] = np.where(plain, np.maximum(np.minimum(c[:, 1], hi), c[:, 0]), c[:, 1])
+            f = frame[:, 2 * axis : 2 * axis + 2]
+            f[:, 0] = np.where(plain, lo, f[:, 0])
+            f[:, 1] = np.where(plain, hi, f[:, 1])
+            v = window[:, 2 * axis : 2 * axis + 2]
+            v[:, 0] = np.where(plain, lo, np.maximum(v[:, 0], ends.min(0)))
+            v[:, 1] = np.where(plain, hi, np.minimum(v[:, 1], ends.max(0)))
             geom[:, 2 * axis + 1] = b + a * start
             geom[:, 2 * axis] = a * length / out
-        return self._with(geom, clip, np.stack([oh, ow], axis=1))
+        return self._with(geom, clip, np.stack([oh, ow], axis=1), frame=frame, window=window)
 
     def resize(self, height: np.ndarray, width: np.ndarray) -> ImageBatch:
         """Resize each image's current view to ``(height[i], width[i])``."""
@@ -207,21 +230,22 @@ class ImageBatch:
         elif rows is None or len(rows) != len(self) or tuple(out.shape[1:]) != (channels, *size):
             raise ValueError(f"ImageBatch.render: out {tuple(out.shape)} / rows do not fit {len(self)} images of "
                              f"{(channels, *size)}")
-        ry, rx = self.clip[:, 1] - self.clip[:, 0], self.clip[:, 3] - self.clip[:, 2]
+        ry, rx = self.frame[:, 1] - self.frame[:, 0], self.frame[:, 3] - self.frame[:, 2]
         groups = _groups(ry, rx, channels, max_canvas)
         order = np.concatenate(groups)
-        # one host->device transfer for every group: ay, by, ax, bx, clip y0, y1, x0, x1, output row
-        params = np.concatenate([self.geom, self.clip.astype(np.float64),
-                                 np.asarray(rows, dtype=np.float64)[:, None]], axis=1)[order]
+        # one host->device transfer for every group: ay, by, ax, bx, frame y0, y1, x0, x1, output row, window
+        params = np.concatenate([self.geom, self.frame.astype(np.float64),
+                                 np.asarray(rows, dtype=np.float64)[:, None], self.window], axis=1)[order]
         p = _to_device(params.astype(np.float32), out.device)
         dtype = torch.float16 if out.device.type == "cuda" else torch.float32
         # the weights of every image at once (one set of launches per call, not per group), sliced per group
-        wy = _weights(p[:, 0], p[:, 1], p[:, 4], p[:, 5], size[0], max(int(ry.max()), 1), dtype)
-        wx = _weights(p[:, 2], p[:, 3], p[:, 6], p[:, 7], size[1], max(int(rx.max()), 1), dtype)
+        wy = _weights(p[:, 0], p[:, 1], p[:, 4], p[:, 5], p[:, 9:11], size[0], max(int(ry.max()), 1), dtype)
+        wx = _weights(p[:, 2], p[:, 3], p[:, 6], p[:, 7], p[:, 11:13], size[1], max(int(rx.max()), 1), dtype)
         start = 0
         for group in groups:
             sl = slice(start, start + len(group))
-            _render_group([self.images[i] for i in group.tolist()], self.clip[group], wy[sl], wx[sl], p[sl, 8], out)
+            _render_group([self.images[i] for i in group.tolist()], self.clip[group], self.frame[group], wy[sl],
+                          wx[sl], p[sl, 8], out)
             start += len(group)
         return out
 
@@ -256,19 +280,19 @@ def _to_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
     return t
 
 
-def _render_group(images: list[torch.Tensor], clip: np.ndarray, wy: torch.Tensor, wx: torch.Tensor,
-                  rows: torch.Tensor, out: torch.Tensor) -> None:
-    """Resample one group of images (their host ``clip`` regions; weights ``(g, out, k)`` of the whole
-    call, cut here to the group's canvas) into ``out[rows]``."""
-    # the zero-padded canvas of the clip regions: one copy per image (torch.nested.to_padded_tensor
+def _render_group(images: list[torch.Tensor], clip: np.ndarray, frame: np.ndarray, wy: torch.Tensor,
+                  wx: torch.Tensor, rows: torch.Tensor, out: torch.Tensor) -> None:
+    """Resample one group of images (their host ``clip`` regions, placed in their ``frame``; weights
+    ``(g, out, k)`` of the whole call, cut here to the group's canvas) into ``out[rows]``."""
+    # the zero-padded canvas of the frames: one copy per image (torch.nested.to_padded_tensor
     # would do it in one kernel but synchronises the host on CUDA: it copies its size metadata blocking)
-    ry, rx = clip[:, 1] - clip[:, 0], clip[:, 3] - clip[:, 2]
+    ry, rx = frame[:, 1] - frame[:, 0], frame[:, 3] - frame[:, 2]
     ky, kx = max(int(ry.max()), 1), max(int(rx.max()), 1)
     canvas = torch.zeros((len(images), images[0].shape[0], ky, kx), dtype=wy.dtype, device=out.device)
     dst, src = [], []
-    for k, (im, (y0, y1, x0, x1)) in enumerate(zip(images, clip.tolist())):
+    for k, (im, (y0, y1, x0, x1), (fy, _, fx, _)) in enumerate(zip(images, clip.tolist(), frame.tolist())):
         if y1 > y0 and x1 > x0:
-            dst.append(canvas[k, :, : y1 - y0, : x1 - x0])
+            dst.append(canvas[k, :, y0 - fy : y1 - fy, x0 - fx : x1 - fx])
             src.append(im[:, y0:y1, x0:x1])
     if _FOREACH_COPY is None:  # torch without _foreach_copy_
         for d, s_ in zip(dst, src):
@@ -285,11 +309,12 @@ def _render_group(images: list[torch.Tensor], clip: np.ndarray, wy: torch.Tensor
     out.index_copy_(0, rows.long(), res)
 
 
-def _weights(a: torch.Tensor, b: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, out: int, k: int,
-             dtype: torch.dtype) -> torch.Tensor:
+def _weights(a: torch.Tensor, b: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, window: torch.Tensor, out: int,
+             k: int, dtype: torch.dtype) -> torch.Tensor:
     """Antialiased bilinear weights ``(g, out, k)`` from canvas positions ``k`` (source pixel ``lo + k``,
-    valid below ``hi``) to output pixels. A mirrored axis (``a < 0``) gets the unmirrored weights in
-    reverse order, so a flip is exact."""
+    valid below ``hi``) to output pixels; 0 for an output pixel whose centre falls outside ``window``
+    (``(g, 2)``: source start and end).
+    A mirrored axis (``a < 0``) gets the unmirrored weights in reverse order, so a flip is exact."""
     j = torch.arange(out, dtype=torch.float32, device=a.device)
     pos = torch.arange(k, dtype=torch.float32, device=a.device)
     mirrored = a < 0
@@ -299,7 +324,10 @@ def _weights(a: torch.Tensor, b: torch.Tensor, lo: torch.Tensor, hi: torch.Tenso
     centre = torch.addcmul((b + 0.5 * a - lo - 0.5)[:, None], a[:, None], j[None, :])
     w = (pos[None, None, :] - centre[:, :, None]).abs_().mul_((1.0 / a.clamp_min(1.0))[:, None, None])
     w = (1.0 - w).clamp_min_(0.0).mul_((pos[None, :] < (hi - lo)[:, None]).to(w.dtype)[:, None, :])
-    w.div_(w.sum(-1, keepdim=True).clamp_min_(1e-12))  # unreachable pixels (outside the image) stay 0
+    shown = window - (lo + 0.5)[:, None]  # in the frame of ``centre``; centres in view are >= a / 2 inside
+    inside = (centre > shown[:, :1]) & (centre < shown[:, 1:])
+    w.mul_(inside.to(w.dtype)[:, :, None])
+    w.div_(w.sum(-1, keepdim=True).clamp_min_(1e-12))  # rows of pixels outside the frame stay 0
     w = torch.where(mirrored[:, None, None], w.flip(1), w)
     return w.to(dtype)
 

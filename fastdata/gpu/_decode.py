@@ -455,10 +455,13 @@ def _concat(parts: list[ImageBatch], rows: list[int]) -> ImageBatch:
     images = [im for p in parts for im in p.images]
     geom = np.concatenate([p.geom for p in parts]).reshape(-1, 4)
     clip = np.concatenate([p.clip for p in parts]).reshape(-1, 4)
+    frame = np.concatenate([p.frame for p in parts]).reshape(-1, 4)
+    window = np.concatenate([p.window for p in parts]).reshape(-1, 4)
     size = np.concatenate([p.size for p in parts]).reshape(-1, 2)
     ids = np.concatenate([p.ids for p in parts]).astype(np.int64)
     return ImageBatch([images[i] for i in order.tolist()], ids[order], parts[0].epoch, geom=geom[order],
-                      clip=clip[order], size=size[order])
+                      clip=clip[order], size=size[order], frame=frame[order],
+                      window=window[order])
 
 
 def _field(path: tuple[Any, ...]) -> str:

@@ -1,0 +1,75 @@
+"""Session 6, decode and augmentation stage checked against torchvision's documented semantics (CPU path).
+
+torchvision does not import here, so its behaviour is transcribed from its source (``center_crop`` of
+``torchvision/transforms/functional.py``, the tensor ``resize``: ``interpolate(..., antialias=True)``).
+"""
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from PIL import Image
+
+from fastdata import gpu
+from fastdata.gpu import CenterCrop, Compose, ImageBatch, RandomHorizontalFlip, RandomResizedCrop, Resize
+
+
+def smooth(h: int, w: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, 256, (1, 3, h, w), generator=g).float()
+    return F.avg_pool2d(x, 5, 1, 2, count_include_pad=False)[0].round().to(torch.uint8)
+
+
+def tv_resize(img: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+    """torchvision's tensor resize (bilinear, antialias), rounded as its uint8 path."""
+    if tuple(img.shape[1:]) == tuple(size):
+        return img.float()
+    y = F.interpolate(img.float()[None], size=size, mode="bilinear", antialias=True, align_corners=False)[0]
+    return y.add(0.5).clamp(0, 255).floor()
+
+
+def tv_center_crop(img: torch.Tensor, ch: int, cw: int) -> torch.Tensor:
+    """torchvision.transforms.functional.center_crop: zero padding where the crop is larger, then a crop."""
+    H, W = img.shape[1:]
+    if cw > W or ch > H:
+        ltrb = ((cw - W) // 2 if cw > W else 0, (ch - H) // 2 if ch > H else 0,
+                (cw - W + 1) // 2 if cw > W else 0, (ch - H + 1) // 2 if ch > H else 0)
+        img = F.pad(img, (ltrb[0], ltrb[2], ltrb[1], ltrb[3]))
+        H, W = img.shape[1:]
+        if (H, W) == (ch, cw):
+            return img
+    top, left = int(round((H - ch) / 2.0)), int(round((W - cw) / 2.0))  # noqa: RUF046
+    return img[:, top : top + ch, left : left + cw]
+
+
+def one(chain: list, img: torch.Tensor) -> torch.Tensor:
+    return Compose(*chain)({"x": ImageBatch([img], [0], 0)})["x"][0].float()
+
+
+def test_center_crop_padding_around_a_resampling_is_torchvision_zero_padding():
+    """A CenterCrop larger than the (resized) image pads with zeros, as torchvision's does, in every order.
+
+    Before: Resize then a padding CenterCrop filled the padding with smeared image pixels (the filter read
+    the image beyond the view: up to 170 grey levels off), and a padding CenterCrop then Resize normalised
+    the filter over the image only, so the padding's zeros were not blended in at the border."""
+    img = smooth(20, 30, seed=1)
+    cases = [
+        ([Resize((10, 12)), CenterCrop(14)], lambda x: tv_center_crop(tv_resize(x, (10, 12)), 14, 14)),  # down
+        ([Resize((40, 50)), CenterCrop((44, 56))], lambda x: tv_center_crop(tv_resize(x, (40, 50)), 44, 56)),  # up
+        ([Resize(16), CenterCrop(20)], lambda x: tv_center_crop(tv_resize(x, (16, 24)), 20, 20)),
+        ([CenterCrop(36), Resize((15, 15))], lambda x: tv_resize(tv_center_crop(x.float(), 36, 36), (15, 15))),
+        # a crop of the resized image, then a padding crop: zeros around that crop, not the image beyond it
+        ([Resize((24, 32)), CenterCrop((6, 10)), CenterCrop((12, 16))],
+         lambda x: tv_center_crop(tv_center_crop(tv_resize(x, (24, 32)), 6, 10), 12, 16)),
+        ([CenterCrop((8, 9)), CenterCrop((14, 15)), RandomHorizontalFlip(1.0)],
+         lambda x: tv_center_crop(tv_center_crop(x.float(), 8, 9), 14, 15).flip(-1)),
+        ([RandomHorizontalFlip(1.0), Resize((9, 11)), CenterCrop((13, 17))],
+         lambda x: tv_center_crop(tv_resize(x.flip(-1), (9, 11)), 13, 17)),
+    ]
+    for chain, ref in cases:
+        out, want = one(chain, img), ref(img)
+        assert out.shape == want.shape, chain
+        assert (out - want).abs().max() <= 1, (chain, (out - want).abs().max())
