@@ -73,3 +73,19 @@ def test_center_crop_padding_around_a_resampling_is_torchvision_zero_padding():
         out, want = one(chain, img), ref(img)
         assert out.shape == want.shape, chain
         assert (out - want).abs().max() <= 1, (chain, (out - want).abs().max())
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_normalize_leaves_masks_alone_whatever_the_batch_size(n):
+    """Normalize() (keys=None) beside a batch of images left (N, H, W) uint8 masks alone, except when
+    N == 3 == len(mean): the last, partial batch of an epoch could turn its masks into floats."""
+    g = torch.Generator().manual_seed(n)
+    batch = {"image": torch.randint(0, 256, (n, 3, 5, 6), dtype=torch.uint8, generator=g),
+             "mask": torch.randint(0, 4, (n, 5, 6), dtype=torch.uint8, generator=g)}
+    out = gpu.Normalize()(batch)
+    assert out["image"].dtype == torch.float32
+    assert out["mask"] is batch["mask"]
+    # on its own, a (3, H, W) tensor is still one image, and two of them in a tuple are two images
+    img = batch["image"][0]
+    assert gpu.Normalize()(img).dtype == torch.float32
+    assert all(t.dtype == torch.float32 for t in gpu.Normalize()((img, img)))

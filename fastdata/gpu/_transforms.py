@@ -8,8 +8,9 @@ float32) and are normalised on the GPU. They are plain torch ops and work on CPU
 
 Which tensors are transformed: those whose path contains one of ``keys`` (dict keys, field names,
 indices), or with ``keys=None`` every image-like tensor: uint8 with at least 3 dimensions (for
-``Normalize`` also with ``len(mean)`` channels at ``channel_dim``; for ``ChannelsLast`` any 4-D or
-5-D tensor). ``keys`` under which no tensor sits, and images left in an ``ImageBatch`` of several
+``Normalize`` also with ``len(mean)`` channels at ``channel_dim``, and 3-D only where the batch holds
+no uint8 tensor of 4 or more dimensions: beside a batch of images, an ``(N, H, W)`` tensor is a stack of
+masks, whatever ``N``; for ``ChannelsLast`` any 4-D or 5-D tensor). ``keys`` under which no tensor sits, and images left in an ``ImageBatch`` of several
 sizes, are a ``ValueError`` rather than a batch passed on untouched.
 """
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Any
 import torch
 
 from fastdata.gpu._augment import ImageBatch, render_images
-from fastdata.prefetch.tree import Path, format_path, keys_matcher, map_tensors
+from fastdata.prefetch.tree import Path, format_path, keys_matcher, map_tensors, tensor_leaves
 
 __all__ = ["IMAGENET_MEAN", "IMAGENET_STD", "ChannelsLast", "Compose", "Normalize", "ToDtype"]
 
@@ -105,7 +106,12 @@ class Normalize:
         object.__setattr__(self, "keys", _check_keys("Normalize", self.keys))
 
     def __call__(self, batch: Any) -> Any:
-        return _apply(batch, self.keys, self._selected, self.apply, "Normalize")
+        selected = self._selected
+        if self.keys is None and any(x.dtype == torch.uint8 and x.dim() >= 4 for _, x in tensor_leaves(batch)):
+            # a batch of images: its 3-D uint8 tensors are (N, H, W) masks, even where N == len(mean)
+            def selected(x: torch.Tensor) -> bool:
+                return x.dim() >= 4 and self._selected(x)
+        return _apply(batch, self.keys, selected, self.apply, "Normalize")
 
     def _selected(self, x: torch.Tensor) -> bool:
         if x.dtype != torch.uint8 or x.dim() < 3:
