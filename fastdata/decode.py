@@ -18,6 +18,12 @@ anything else                             ``bytes`` unchanged
 
 Values that are not bytes (arrays from HDF5 shards) pass through, except that integer
 scalars of ``cls``-like fields become ``int``.
+
+Images wider than 8 bits per sample become uint8 without silent loss: 16-bit greyscale keeps its
+high byte (``value >> 8``, as Pillow reads 16-bit colour PNGs, and as torchvision's
+``to_dtype(uint8, scale=True)`` after ``decode_image``); 32-bit integer and float images (modes I and F)
+keep their values where they are integers in 0..255 and are refused otherwise. For exact 16-bit
+values (label masks) give the field your own decoder.
 """
 from __future__ import annotations
 
@@ -121,6 +127,27 @@ def image_to_tensor(img: Image.Image) -> torch.Tensor:
     out = np.empty((bands, h, w), dtype=np.uint8)
     np.copyto(out, staged.transpose(2, 0, 1)[:bands])
     return torch.from_numpy(out)
+
+
+_WIDE_MODES = frozenset({"I;16", "I;16L", "I;16B", "I;16N", "I", "F"})
+
+
+def _to_8bit(img: Image.Image) -> Image.Image:
+    """An "L" image of a loaded 16-bit, 32-bit integer or float greyscale image (see the module docstring):
+    16-bit by the high byte; I and F only where every value is an integer in 0..255, else ValueError.
+    (Pillow's own conversion clips at 255, and ``np.asarray(img, dtype=np.uint8)`` wraps around.)"""
+    a = np.asarray(img)
+    if img.mode.startswith("I;16"):
+        out = (a >> 8).astype(np.uint8)
+    else:
+        if a.size and not (np.all((a >= 0) & (a <= 255)) and np.array_equal(a, np.floor(a))):
+            kind = "float" if img.mode == "F" else "32-bit integer"
+            raise ValueError(f"a {kind} image (mode {img.mode}) with values in [{a.min()}, {a.max()}]: not integers in "
+                             "0..255, so no uint8 image holds them; give the field its own decoder")
+        out = a.astype(np.uint8)
+    res = Image.fromarray(out, "L")
+    res.info, res.format = dict(img.info), img.format
+    return res
 
 
 def _decode_into_array(img: Image.Image) -> np.ndarray | None:
@@ -358,6 +385,8 @@ class ImageDecoder:
         if img.format == "JPEG":  # the whole file in one read (no chunk copies) and one decode call
             img.decodermaxblock = max(ImageFile.MAXBLOCK, data.nbytes if isinstance(data, memoryview) else len(data))
         arr = _decode_into_array(img)
+        if img.mode in _WIDE_MODES and self.mode not in _WIDE_MODES:  # Pillow would clip at 255
+            img, arr = _to_8bit(img), None
         if self.mode is not None and img.mode != self.mode:
             img = img.convert(self.mode)
             arr = None

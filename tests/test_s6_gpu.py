@@ -89,3 +89,64 @@ def test_normalize_leaves_masks_alone_whatever_the_batch_size(n):
     img = batch["image"][0]
     assert gpu.Normalize()(img).dtype == torch.float32
     assert all(t.dtype == torch.float32 for t in gpu.Normalize()((img, img)))
+
+
+def _png16(values: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    Image.fromarray(values.astype(np.uint16)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def test_sixteen_bit_greyscale_keeps_its_high_byte_on_every_path(monkeypatch):
+    """A 16-bit greyscale PNG came out clipped at 255 (near white) with mode RGB or L, as the low byte
+    (wrapped around) with mode None, while Pillow reads a 16-bit colour PNG by its high byte."""
+    from fastdata.decode import ImageDecoder, SampleDecoder
+    from fastdata.gpu import _codec
+
+    from _images import packed  # tests/_images.py
+
+    values = np.array([[0, 255, 256, 1000, 30000, 65535]])
+    want = (values >> 8).astype(np.uint8)  # torchvision: decode_image -> uint16, to_dtype(uint8, scale=True)
+    data = _png16(values)
+    for mode in ("RGB", "L", None):
+        out = ImageDecoder(mode)(data)
+        assert out.dtype == torch.uint8 and (out.numpy() == want).all(), mode
+    assert (SampleDecoder()({"__key__": "k", "depth.png": data}, shard="s")["depth.png"].numpy() == want).all()
+    batch = gpu.DecodeImages(device="cpu", host_decoder="pillow")({"x": packed([data])})["x"]
+    assert (batch.images[0].numpy() == want).all()
+
+    class FakeTorchvision:  # torchvision >= 0.21: decode_image gives uint16 for a 16-bit PNG
+        class ImageReadMode:
+            RGB = "RGB"
+
+        @staticmethod
+        def decode_image(data, mode):
+            return torch.from_numpy(np.repeat(values[None], 3, 0).astype(np.int32)).to(torch.uint16)
+
+    monkeypatch.setattr(_codec, "torchvision_status", lambda: (FakeTorchvision, "fake"))
+    out = _codec.decode_host(torch.frombuffer(bytearray(data), dtype=torch.uint8), packed([data]).info(0),
+                             "torchvision")
+    assert out.dtype == torch.uint8 and (out.numpy() == want).all()
+
+
+def test_wide_integer_and_float_images_are_exact_or_refused():
+    """Mode I (16-bit PGM, 32-bit TIFF) and F (float TIFF) images were clipped (RGB, L) or wrapped (None)."""
+    from fastdata.decode import ImageDecoder, SampleDecoder
+    from fastdata.errors import DecodeError
+
+    def enc(arr, fmt):
+        buf = io.BytesIO()
+        Image.fromarray(arr).save(buf, format=fmt)
+        return buf.getvalue()
+
+    small = np.array([[0, 3, 255]], dtype=np.int32)
+    assert ImageDecoder()(enc(small, "TIFF"))[0].tolist() == [[0, 3, 255]]  # exact: nothing to lose
+    assert ImageDecoder(None)(enc(small.astype(np.float32), "TIFF"))[0].tolist() == [[0, 3, 255]]
+    for arr, fmt, what in ((np.array([[0, 1000, 65535]], dtype=np.uint16), "PPM", "32-bit integer"),
+                           (np.array([[0.0, 0.5, 1.0]], dtype=np.float32), "TIFF", "float"),
+                           (np.array([[-1, 3, 255]], dtype=np.int32), "TIFF", "32-bit integer")):
+        for mode in ("RGB", "L", None):
+            with pytest.raises(ValueError, match=f"a {what} image .* no uint8 image holds them"):
+                ImageDecoder(mode)(enc(arr, fmt))
+    with pytest.raises(DecodeError, match=r"s: sample 'k' field 'x.tif': ValueError: a float image"):
+        SampleDecoder()({"__key__": "k", "x.tif": enc(np.array([[0.5]], dtype=np.float32), "TIFF")}, shard="s")
