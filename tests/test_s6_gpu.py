@@ -150,3 +150,16 @@ def test_wide_integer_and_float_images_are_exact_or_refused():
                 ImageDecoder(mode)(enc(arr, fmt))
     with pytest.raises(DecodeError, match=r"s: sample 'k' field 'x.tif': ValueError: a float image"):
         SampleDecoder()({"__key__": "k", "x.tif": enc(np.array([[0.5]], dtype=np.float32), "TIFF")}, shard="s")
+
+
+def test_random_resized_crop_fallback_on_a_one_pixel_side_is_not_empty():
+    """The centre-crop fallback rounds a side to 0 for a 1-pixel-wide image when ``ratio`` is far from 1
+    (torchvision then fails in resize); the crop was empty and the image came out black."""
+    row = torch.arange(3 * 1000, dtype=torch.int64).remainder(200).add(30).to(torch.uint8).view(3, 1, 1000)
+    for img, ratio in ((row, (0.1, 0.3)), (row.transpose(1, 2).contiguous(), (3.0, 10.0))):
+        crop = RandomResizedCrop(8, ratio=ratio)
+        ib = ImageBatch([img], [0], 0)
+        top, left, h, w = crop.params(ib.size[:, 0], ib.size[:, 1], ib.ids, 0)
+        assert (h >= 1).all() and (w >= 1).all() and (top + h <= img.shape[1]).all() and (left + w <= img.shape[2]).all()
+        out = crop({"x": ib})["x"]
+        assert out.shape == (1, 3, 8, 8) and out.min() >= 30  # the pixels of the crop, not zeros

@@ -389,7 +389,8 @@ class RandomResizedCrop(_Geometric):
 
     The crop parameters follow ``torchvision.transforms.RandomResizedCrop.get_params``: up to ten
     tries of an area fraction uniform in ``scale`` and a log-uniform aspect ratio in ``ratio``,
-    else a central crop clamped to ``ratio``; drawn from a hash of ``(seed, epoch, sample index)``.
+    else a central crop clamped to ``ratio`` (at least one pixel); drawn from a hash of
+    ``(seed, epoch, sample index)``.
     """
 
     _SALT = 0x52524331
@@ -417,10 +418,12 @@ class RandomResizedCrop(_Geometric):
         h, w = h[rows, first], w[rows, first]
         top = np.minimum(np.floor(u[rows, first, 2] * (H - h + 1)), H - h)
         left = np.minimum(np.floor(u[rows, first, 3] * (W - w + 1)), W - w)
-        # torchvision's fallback: a central crop with the aspect ratio clamped to ``ratio``
+        # torchvision's fallback: a central crop with the aspect ratio clamped to ``ratio``, at least a pixel
+        # (torchvision's rounds to 0 where a side is 1 and ``ratio`` far from 1: it fails; this gave a black image)
         in_ratio = W / H
-        fw = np.where(in_ratio < self.ratio[0], W, np.where(in_ratio > self.ratio[1], np.round(H * self.ratio[1]), W))
-        fh = np.where(in_ratio < self.ratio[0], np.round(W / self.ratio[0]), H)
+        fw = np.where(in_ratio < self.ratio[0], W, np.where(in_ratio > self.ratio[1],
+                                                             np.maximum(np.round(H * self.ratio[1]), 1), W))
+        fh = np.where(in_ratio < self.ratio[0], np.maximum(np.round(W / self.ratio[0]), 1), H)
         h, w = np.where(hit, h, fh), np.where(hit, w, fw)
         top = np.where(hit, top, (H - h) // 2)
         left = np.where(hit, left, (W - w) // 2)
