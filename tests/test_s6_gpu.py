@@ -163,3 +163,17 @@ def test_random_resized_crop_fallback_on_a_one_pixel_side_is_not_empty():
         assert (h >= 1).all() and (w >= 1).all() and (top + h <= img.shape[1]).all() and (left + w <= img.shape[2]).all()
         out = crop({"x": ib})["x"]
         assert out.shape == (1, 3, 8, 8) and out.min() >= 30  # the pixels of the crop, not zeros
+
+
+def test_decode_chunks_joined_keep_their_padding():
+    """DecodeImages joins per-chunk ImageBatches (CUDA, nvImageCodec) with ``_concat``: the padding frame
+    and view window of each image go with it, so the joined batch renders as the parts do."""
+    from fastdata.gpu._decode import _concat
+
+    imgs = [smooth(20, 30, 1), smooth(9, 12, 2), smooth(25, 16, 3)]
+    parts = [CenterCrop(22).apply(CenterCrop((6, 8)).apply(Resize(12).apply(ImageBatch(imgs[:2], [0, 1], 0)))),
+             Resize((22, 22)).apply(CenterCrop(44).apply(ImageBatch(imgs[2:], [2], 0)))]
+    joined = _concat(parts, [2, 0, 1])  # the first part's images were rows 2 and 0, the second's row 1
+    want = torch.cat([p.render() for p in parts])[[1, 2, 0]]
+    assert torch.equal(joined.render(), want)
+    assert joined.ids.tolist() == [1, 2, 0]
