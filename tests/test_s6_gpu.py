@@ -177,3 +177,10 @@ def test_decode_chunks_joined_keep_their_padding():
     want = torch.cat([p.render() for p in parts])[[1, 2, 0]]
     assert torch.equal(joined.render(), want)
     assert joined.ids.tolist() == [1, 2, 0]
+
+
+def test_geometric_transform_after_normalize_says_to_move_it():
+    """torchvision's order (flip after Normalize) pointed to ImageBatch.from_tensor, which takes uint8 only."""
+    batch = {"x": ImageBatch([smooth(10, 12)], [0], 0), "y": torch.zeros(1)}
+    with pytest.raises(ValueError, match="RandomHorizontalFlip: .* put them before Normalize/ToDtype"):
+        Compose(RandomResizedCrop(8), gpu.Normalize(), RandomHorizontalFlip())(batch)
