@@ -23,7 +23,8 @@ Images wider than 8 bits per sample become uint8 without silent loss: 16-bit gre
 high byte (``value >> 8``, as Pillow reads 16-bit colour PNGs, and as torchvision's
 ``to_dtype(uint8, scale=True)`` after ``decode_image``); 32-bit integer and float images (modes I and F)
 keep their values where they are integers in 0..255 and are refused otherwise. For exact 16-bit
-values (label masks) give the field your own decoder.
+values (label masks) give the field your own decoder. EXIF orientation is not applied (pixels as
+stored), as by torchvision's decoders by default and the device decode stage.
 """
 from __future__ import annotations
 
