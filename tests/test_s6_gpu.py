@@ -184,3 +184,28 @@ def test_geometric_transform_after_normalize_says_to_move_it():
     batch = {"x": ImageBatch([smooth(10, 12)], [0], 0), "y": torch.zeros(1)}
     with pytest.raises(ValueError, match="RandomHorizontalFlip: .* put them before Normalize/ToDtype"):
         Compose(RandomResizedCrop(8), gpu.Normalize(), RandomHorizontalFlip())(batch)
+
+
+def test_one_large_image_does_not_pad_every_images_weights(monkeypatch):
+    """The resampling weights of a whole render were (images, out, k) with k the largest image's side: one
+    4000 x 3000 image among 255 of 500 x 375 (RandomResizedCrop(224)) made 1.5 GiB of float32 weights,
+    4x the render time on the CPU, GiBs on a GPU. Runs of groups of similar sizes now get their own."""
+    from fastdata.gpu import _augment
+
+    calls = []
+    real = _augment._weights
+
+    def spy(*args):
+        w = real(*args)
+        calls.append(tuple(w.shape))
+        return w
+
+    monkeypatch.setattr(_augment, "_weights", spy)
+    small = smooth(20, 24)
+    imgs = [small] * 64 + [torch.full((3, 8, 8000), 200, dtype=torch.uint8)]
+    batch = Resize((16, 16)).apply(ImageBatch(imgs, range(65), 0))
+    out = batch.render()
+    assert out.shape == (65, 3, 16, 16) and (out[64] == 200).all()
+    assert max(g * o * k for g, o, k in calls) <= 16 * 8000 * 2  # not 65 x 16 x 8000
+    want = torch.cat([batch.select([i]).render() for i in (0, 1, 63, 64)])
+    assert (out[[0, 1, 63, 64]].int() - want.int()).abs().max() <= 1

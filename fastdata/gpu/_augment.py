@@ -25,7 +25,8 @@ antialias=True)`` (PIL's): output pixel ``j`` reads source pixels ``k`` with wei
 output pixel. It is separable, so a group of images is resampled with two batched matrix products
 ``Wy @ X @ Wx^T`` over a zero-padded canvas ``X`` holding each image's ``frame`` (its ``clip`` pixels). Images are
 grouped by size so that padding stays bounded (and the canvas under ``max_canvas`` elements).
-Launches per render: the weights of all images at once (about a dozen kernels per axis), then per
+Launches per render: the weights of all images at once (about a dozen kernels per axis; of a run of
+groups at a time where one large image would pad every image's weights to its size), then per
 group a zero canvas, the images' ``clip`` regions copied in by one ``torch._foreach_copy_`` call (the
 copies are dispatched in C++; ``torch.nested.to_padded_tensor`` would fuse them but synchronises
 the host on CUDA), two matmuls, rounding and a scatter into the output rows: no resampling launch
@@ -59,6 +60,7 @@ _M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
 _S30, _S27, _S31, _S11 = np.uint64(30), np.uint64(27), np.uint64(31), np.uint64(11)
 MAX_CANVAS = 1 << 28  # elements per resampling group: 512 MiB of float16 on CUDA (2 groups for 256 images of 640 px)
 _WASTE = 3.0  # a group's padded canvas may hold up to this many times its images' pixels (fewer groups, fewer launches)
+_WEIGHTS_SLACK = 1 << 22  # weight elements a run of groups may waste on padding whatever the ratio (fewer launches)
 
 
 def _mix64(x: np.ndarray) -> np.ndarray:
@@ -238,15 +240,23 @@ class ImageBatch:
                                  np.asarray(rows, dtype=np.float64)[:, None], self.window], axis=1)[order]
         p = _to_device(params.astype(np.float32), out.device)
         dtype = torch.float16 if out.device.type == "cuda" else torch.float32
-        # the weights of every image at once (one set of launches per call, not per group), sliced per group
-        wy = _weights(p[:, 0], p[:, 1], p[:, 4], p[:, 5], p[:, 9:11], size[0], max(int(ry.max()), 1), dtype)
-        wx = _weights(p[:, 2], p[:, 3], p[:, 6], p[:, 7], p[:, 11:13], size[1], max(int(rx.max()), 1), dtype)
         start = 0
-        for group in groups:
-            sl = slice(start, start + len(group))
-            _render_group([self.images[i] for i in group.tolist()], self.clip[group], self.frame[group], wy[sl],
-                          wx[sl], p[sl, 8], out)
-            start += len(group)
+        for chunk in _weight_chunks(groups, ry, rx, size):
+            # the weights of a run of groups at once (one set of launches, not one per group), sliced per group
+            n = sum(len(g) for g in chunk)
+            rows_ = np.concatenate(chunk)
+            pc = p[start : start + n]
+            wy = _weights(pc[:, 0], pc[:, 1], pc[:, 4], pc[:, 5], pc[:, 9:11], size[0], max(int(ry[rows_].max()), 1),
+                          dtype)
+            wx = _weights(pc[:, 2], pc[:, 3], pc[:, 6], pc[:, 7], pc[:, 11:13], size[1], max(int(rx[rows_].max()), 1),
+                          dtype)
+            at = 0
+            for group in chunk:
+                sl = slice(at, at + len(group))
+                _render_group([self.images[i] for i in group.tolist()], self.clip[group], self.frame[group], wy[sl],
+                              wx[sl], pc[sl, 8], out)
+                at += len(group)
+            start += n
         return out
 
 
@@ -270,6 +280,28 @@ def _groups(h: np.ndarray, w: np.ndarray, channels: int, max_canvas: int) -> lis
     if cur:
         groups.append(cur)
     return [np.asarray(g, dtype=np.int64) for g in groups]
+
+
+def _weight_chunks(groups: list[np.ndarray], h: np.ndarray, w: np.ndarray,
+                   size: tuple[int, int]) -> list[list[np.ndarray]]:
+    """Consecutive groups whose weights are computed together: all of them unless padding every image's
+    weights to the largest image's would cost more than twice the tight size (one large image in a batch
+    of small ones: 256 x 224 x 4000 float32 weights, 875 MiB per axis, for one 4000 px image)."""
+    chunks: list[list[np.ndarray]] = []
+    cur: list[np.ndarray] = []
+    n = ky = kx = tight = 0
+    for g in groups:
+        gy, gx = max(int(h[g].max()), 1), max(int(w[g].max()), 1)
+        my, mx = max(ky, gy), max(kx, gx)
+        t = tight + len(g) * (size[0] * gy + size[1] * gx)
+        if cur and (n + len(g)) * (size[0] * my + size[1] * mx) > 2 * t + _WEIGHTS_SLACK:
+            chunks.append(cur)
+            cur, n, my, mx, t = [], 0, gy, gx, len(g) * (size[0] * gy + size[1] * gx)
+        cur.append(g)
+        n, ky, kx, tight = n + len(g), my, mx, t
+    if cur:
+        chunks.append(cur)
+    return chunks
 
 
 def _to_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
