@@ -105,6 +105,10 @@ def _map_array(arr: np.ndarray, mode: str) -> Any:
 def image_to_tensor(img: Image.Image) -> torch.Tensor:
     """A PIL image as a contiguous uint8 tensor (C, H, W); the same values as ``np.asarray(img)``.
 
+    Greyscale wider than 8 bits (modes I;16, I, F: e.g. a PIL transform's output) must hold integers
+    in 0..255, else ValueError: ``np.asarray(img, dtype=np.uint8)`` would wrap them around, and their
+    scale is unknown here (16-bit image files are scaled by :class:`ImageDecoder`).
+
     For 8-bit modes (L, P, RGB, RGBA, CMYK, ...) the pixels are copied without holding the GIL:
     Pillow pastes them into a NumPy array that an image maps (``paste`` releases the GIL), and
     NumPy reorders the bands into planes (plain-dtype copies release it too). ``np.asarray``
@@ -112,6 +116,8 @@ def image_to_tensor(img: Image.Image) -> torch.Tensor:
     Other modes (1, I, F, I;16, LA, LAB, ...) go through ``np.asarray``.
     """
     img.load()
+    if img.mode in _WIDE_MODES:  # np.asarray(img, dtype=np.uint8) would wrap around
+        img = _to_8bit(img, scale16=False)
     w, h = img.size
     plain = _PLAIN_MODES.get(img.mode)
     if plain is None or w == 0 or h == 0:
@@ -133,18 +139,19 @@ def image_to_tensor(img: Image.Image) -> torch.Tensor:
 _WIDE_MODES = frozenset({"I;16", "I;16L", "I;16B", "I;16N", "I", "F"})
 
 
-def _to_8bit(img: Image.Image) -> Image.Image:
+def _to_8bit(img: Image.Image, *, scale16: bool = True) -> Image.Image:
     """An "L" image of a loaded 16-bit, 32-bit integer or float greyscale image (see the module docstring):
-    16-bit by the high byte; I and F only where every value is an integer in 0..255, else ValueError.
-    (Pillow's own conversion clips at 255, and ``np.asarray(img, dtype=np.uint8)`` wraps around.)"""
+    16-bit by the high byte (``scale16``: a 16-bit file's full range); otherwise only where every value is
+    an integer in 0..255, else ValueError. (Pillow's own conversion clips at 255, and
+    ``np.asarray(img, dtype=np.uint8)`` wraps around.)"""
     a = np.asarray(img)
-    if img.mode.startswith("I;16"):
+    if scale16 and img.mode.startswith("I;16"):
         out = (a >> 8).astype(np.uint8)
     else:
         if a.size and not (np.all((a >= 0) & (a <= 255)) and np.array_equal(a, np.floor(a))):
-            kind = "float" if img.mode == "F" else "32-bit integer"
+            kind = {"F": "float", "I": "32-bit integer"}.get(img.mode, "16-bit")
             raise ValueError(f"a {kind} image (mode {img.mode}) with values in [{a.min()}, {a.max()}]: not integers in "
-                             "0..255, so no uint8 image holds them; give the field its own decoder")
+                             "0..255, so no uint8 image holds them; convert it to 8 bits yourself or give the field its own decoder")
         out = a.astype(np.uint8)
     res = Image.fromarray(out, "L")
     res.info, res.format = dict(img.info), img.format

@@ -37,6 +37,10 @@ def test_bit_identical_to_asarray_every_mode_and_size(mode):
     rng = np.random.default_rng(len(mode))
     for w, h in SIZES:
         base = Image.fromarray(rng.integers(0, 256, (h, w, 4), dtype=np.uint8), "RGBA")
+        if mode == "F":  # float pixels must be integers in 0..255 (np.asarray(dtype=uint8) truncates, wraps)
+            with pytest.raises(ValueError, match="a float image"):
+                image_to_tensor(Image.fromarray(np.full((h, w), 0.5, dtype=np.float32), "F"))
+            base = base.convert("L")
         _check(base.convert(mode))
 
 

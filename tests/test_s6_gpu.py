@@ -100,7 +100,7 @@ def _png16(values: np.ndarray) -> bytes:
 def test_sixteen_bit_greyscale_keeps_its_high_byte_on_every_path(monkeypatch):
     """A 16-bit greyscale PNG came out clipped at 255 (near white) with mode RGB or L, as the low byte
     (wrapped around) with mode None, while Pillow reads a 16-bit colour PNG by its high byte."""
-    from fastdata.decode import ImageDecoder, SampleDecoder
+    from fastdata.decode import ImageDecoder, SampleDecoder, image_to_tensor
     from fastdata.gpu import _codec
 
     from _images import packed  # tests/_images.py
@@ -112,6 +112,10 @@ def test_sixteen_bit_greyscale_keeps_its_high_byte_on_every_path(monkeypatch):
         out = ImageDecoder(mode)(data)
         assert out.dtype == torch.uint8 and (out.numpy() == want).all(), mode
     assert (SampleDecoder()({"__key__": "k", "depth.png": data}, shard="s")["depth.png"].numpy() == want).all()
+    # a PIL image of unknown provenance (a transform's output): exact where it can be, else an error, not wrapped
+    with pytest.raises(ValueError, match=r"a 16-bit image \(mode I;16\) with values in \[0, 65535\]"):
+        image_to_tensor(Image.open(io.BytesIO(data)))
+    assert image_to_tensor(Image.open(io.BytesIO(_png16(np.array([[0, 7, 255]]))))).tolist() == [[[0, 7, 255]]]
     batch = gpu.DecodeImages(device="cpu", host_decoder="pillow")({"x": packed([data])})["x"]
     assert (batch.images[0].numpy() == want).all()
 
