@@ -144,3 +144,26 @@ def test_an_unreadable_store_is_a_cache_error(tmp_path: Path, monkeypatch: pytes
     with pytest.raises(CacheError, match=r"cache store .*open\.lock.*Permission denied"):
         list(ds)
     assert ds.skipped == []
+
+
+@pytest.mark.parametrize("which", ["open", "layout"])
+def test_a_file_system_without_flock_is_a_cache_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                      which: str) -> None:
+    """On a file system without flock (some FUSE mounts) the store's locks failed with a bare OSError, which
+    the dataset took for an error of each sample (under on_error="skip": a whole epoch skipped)."""
+    import fcntl
+
+    real_flock = fcntl.flock
+    blocking = fcntl.LOCK_SH if which == "open" else fcntl.LOCK_EX
+
+    def no_flock(fd: int, op: int) -> None:
+        if op == blocking:
+            raise OSError(errno.EOPNOTSUPP, "Operation not supported")
+        real_flock(fd, op)
+
+    monkeypatch.setattr(cache_store.fcntl, "flock", no_flock)
+    ds = ShardedDataset(_tiny_shards(tmp_path / "ds"), preprocess=ResizeCenterCrop(8), cache=tmp_path / "c",
+                        on_error="skip")
+    with pytest.raises(CacheError, match=rf"cache store .*cannot lock .*{which}\.lock.*not supported"):
+        list(ds)
+    assert ds.skipped == []

@@ -266,7 +266,12 @@ class Store:
             except OSError as e:  # e.g. a store of another user
                 raise CacheError(f"cache store {self.path}: cannot open {OPEN_LOCK}: {e}") from e
             # An evictor holds the exclusive lock only while it renames the store away.
-            fcntl.flock(fd, fcntl.LOCK_SH)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH)
+            except OSError as e:  # a file system without flock (some FUSE mounts)
+                os.close(fd)
+                raise CacheError(f"cache store {self.path}: cannot lock {OPEN_LOCK}: {e} (the cache needs a "
+                                 "local file system with flock)") from e
             try:
                 st = os.stat(lock_path)
                 same = (st.st_ino, st.st_dev) == (os.fstat(fd).st_ino, os.fstat(fd).st_dev)
@@ -600,7 +605,11 @@ class Store:
             raise CacheError(f"cache store {self.path}: cannot open {LAYOUT_LOCK} (damaged; remove it with "
                              f"`fastdata cache rm`): {e}") from e
         try:
-            fcntl.flock(lock_fd, fcntl.LOCK_EX)
+            try:
+                fcntl.flock(lock_fd, fcntl.LOCK_EX)
+            except OSError as e:
+                raise CacheError(f"cache store {self.path}: cannot lock {LAYOUT_LOCK}: {e} (the cache needs a "
+                                 "local file system with flock)") from e
             self._meta_stat = None
             if self._refresh_layout():  # another process won the race; its layout is the store's
                 return
