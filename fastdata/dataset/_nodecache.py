@@ -32,6 +32,15 @@ shard that pins the space is held by a waiting process and no download is in pro
 move on (e.g. DataLoader workers that each hold the shards the other needs): each waiter sees this
 and raises a RemoteError after ``_DEADLOCK_S``. Registrations of dead processes and ones not
 refreshed for ``_WAIT_FRESH_S`` are ignored, so a process that is merely slow never counts as stuck.
+
+Idle readers give way: a process that holds shards open but does not read them (e.g. a DataLoader
+worker parked by in-order delivery until another worker's batch arrives, or a consumer between
+steps) would keep a waiter waiting forever when the waiter is the one it waits for. So while a
+process with ``max_bytes`` holds open readers (:meth:`ShardCache.watch`), a daemon thread looks in
+``.waits/`` every ``_RELEASE_POLL_S``; when another process waits for space and this one does not,
+it closes this process's readers that no thread has read for ``_RELEASE_IDLE_S`` (their use locks
+go with them, so the waiter can evict those shards). A released reader reopens on its next read,
+through :meth:`ShardCache.acquire` (downloaded and verified again if it was evicted meanwhile).
 """
 from __future__ import annotations
 
@@ -46,6 +55,7 @@ import queue
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -63,6 +73,10 @@ _CHUNK = 4 << 20
 _PREFETCH_IDLE_S = 1.0  # an idle prefetch thread exits after this (no thread lingers, e.g. across a fork)
 _DEADLOCK_S = 1.0  # every holder of the space waiting this long (seen on every poll): nobody can move on
 _WAIT_FRESH_S = 10.0  # a waiter's registration not refreshed for this long no longer counts
+_STALL_S = 120.0  # a demand download waiting this long without progress: RemoteError
+_RELEASE_POLL_S = 0.1  # a process holding open readers looks this often for processes waiting for space
+_RELEASE_IDLE_S = 0.5  # ... and then closes those of its readers no thread has read for this long
+_WAITER_FRESH_S = 2.0  # a waiter refreshes its registration every poll (50 ms): older ones wait no more
 _log = logging.getLogger(__name__)
 
 
@@ -168,6 +182,8 @@ class ShardCache:
         self._token = uuid.uuid4().hex[:12]  # names this handle's registration in .waits/
         self._waits: dict[int, int] = {}  # thread ident -> shard it waits for space for
         self._gave_up = False  # raised the deadlock error: the registration stays until shards are released
+        self._readers: weakref.WeakSet[Any] = weakref.WeakSet()  # open readers that give way (watch())
+        self._releaser: threading.Thread | None = None  # their daemon thread (see the module docstring)
         for sub in (".locks", ".tmp", ".waits"):
             (self.root / sub).mkdir(parents=True, exist_ok=True)
 
@@ -177,7 +193,8 @@ class ShardCache:
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        for name in ("_lock", "_queue", "_pending", "_failed", "_active", "_use", "_waits"):
+        for name in ("_lock", "_queue", "_pending", "_failed", "_active", "_use", "_waits", "_readers",
+                     "_releaser"):
             state.pop(name)
         return state
 
@@ -336,11 +353,92 @@ class ShardCache:
                     with _flock(self.root / ".locks" / "space.lock"):
                         self._write_wait()
 
+    # ----- idle readers give way to processes waiting for space ------------------------------------
+    def watch(self, reader: Any) -> None:
+        """Register an open reader of this process that holds a use lock (of :meth:`acquire`).
+
+        With ``max_bytes``, a daemon thread calls ``reader.release_if_idle(now, idle_s)`` every
+        ``_RELEASE_POLL_S`` (``idle_s`` infinite unless another process waits for space and this
+        one does not): the reader closes itself and releases its shard when no thread has read it
+        for ``idle_s`` (it reopens on its next read). Unregistered by :meth:`unwatch` or when it
+        is garbage."""
+        self._check_pid()
+        if self.max_bytes is None:
+            return  # nothing waits for space
+        with self._lock:
+            self._readers.add(reader)
+            if self._releaser is None:
+                self._releaser = threading.Thread(target=self._release_loop, daemon=True,
+                                                  name="fastdata-nodecache-release")
+                self._releaser.start()
+
+    def unwatch(self, reader: Any) -> None:
+        """Undo :meth:`watch` (the reader closed)."""
+        if self._pid == os.getpid():
+            with self._lock:
+                self._readers.discard(reader)
+
+    def _release_loop(self) -> None:
+        me = threading.current_thread()
+        while True:
+            time.sleep(_RELEASE_POLL_S)
+            with self._lock:
+                if self._releaser is not me:
+                    return  # the cache was reset (fork, close)
+                readers = list(self._readers)
+                if not readers:  # nothing open: exit (the next watch() starts a new thread)
+                    self._releaser = None
+                    return
+            try:
+                # nobody waits, or this process waits too (then the deadlock check decides): the
+                # readers only note their read counts (their idle clocks)
+                idle_s = math.inf if self._waits or not self._others_wait() else _RELEASE_IDLE_S
+                now = time.monotonic()
+                for reader in readers:
+                    if reader.release_if_idle(now, idle_s):
+                        _log.debug("node cache: released idle %s for a process waiting for space", reader)
+            except Exception as e:  # noqa: BLE001 - never dies silently: logged, tried again next poll
+                _log.warning("node cache %s: releasing idle readers failed: %r", self.root, e)
+            finally:
+                del readers
+
+    def _others_wait(self) -> bool:
+        """Another live process (or another handle of this one) waits for space now (``.waits/``)."""
+        mine = self._wait_path()
+        now = time.time()
+        try:
+            paths = list((self.root / ".waits").iterdir())
+        except OSError:
+            return False
+        for path in paths:
+            if path == mine:
+                continue
+            try:
+                if path.stat().st_mtime < now - _WAITER_FRESH_S:
+                    continue
+                entry = json.loads(path.read_text())
+                pid, waits = int(entry["pid"]), entry["waits"]
+            except (OSError, ValueError, KeyError, TypeError):
+                continue  # vanished, or being written
+            if not waits:
+                continue
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                continue
+            except PermissionError:
+                pass  # alive, another user's
+            return True
+        return False
+
     def close(self) -> None:
         """Stop prefetching and release every use lock of this process."""
         if self._pid != os.getpid():
             return
         requests, self._queue = self._queue, None
+        with self._lock:
+            self._readers.clear()
+            self._releaser = None  # its thread exits at its next poll
         if requests is not None:
             with self._lock:
                 pending, self._pending = dict(self._pending), {}
@@ -511,11 +609,11 @@ class ShardCache:
                 time.sleep(0.05)
                 if self._stalled_since is None:
                     self._stalled_since = time.monotonic()
-                elif time.monotonic() - self._stalled_since > 120:
+                elif time.monotonic() - self._stalled_since > _STALL_S:
                     self._stalled_since = None
                     raise RemoteError(f"node cache {self.root}: max_bytes={self.max_bytes} cannot hold shard "
                                       f"{shard.name} ({shard.bytes} bytes) next to the shards in use on this host "
-                                      "for 120 s; raise the limit or read fewer shards at once (open_shards, workers)")
+                                      f"for {_STALL_S:g} s; raise the limit or read fewer shards at once (open_shards, workers)")
         finally:
             if self._waits.pop(threading.get_ident(), None) is not None:
                 with _flock(self.root / ".locks" / "space.lock"):

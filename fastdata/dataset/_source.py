@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import threading
 import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -23,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from fastdata._util import parse_size
+from fastdata.dataset._readers import _LOCK_FREE
 from fastdata.errors import ManifestError, RemoteError, ShardError, SourceError, SourceNotFoundError
 from fastdata.manifest import MANIFEST_NAME, Manifest
 from fastdata.shards import RemoteStream, RetryPolicy, env_retry, is_url, read_bytes, url_join
@@ -187,33 +189,80 @@ def _host_ranks(rank: int, world_size: int) -> list[int]:
 class _CachedShard:
     """Lazy reader of shard ``i`` of a remote manifest: fetched into the node cache on first use.
 
-    ``len()`` comes from the manifest (no download); everything else reads the local copy.
+    ``len()`` comes from the manifest (no download); everything else reads the local copy, under
+    the shard's use lock (:meth:`ShardCache.acquire`). Open, it is watched by the cache
+    (:meth:`ShardCache.watch`): when another process waits for space, a reader no thread has read
+    for a while closes itself and releases its shard (:meth:`release_if_idle`); its next read
+    reopens it.
+
+    A read takes no lock (under the GIL): it appends to ``_busy`` before it reads ``_inner``, and
+    :meth:`release_if_idle` sets ``_inner`` to None before it reads ``_busy`` (putting it back when
+    a read is under way), so either the releaser sees the read or the read sees None and reopens
+    under the lock, which the releaser holds until it is done. An ``iter_range`` counts as one read
+    until it ends. ``_reads`` counts finished reads (the releaser's idle clock).
     """
 
     def __init__(self, cache: Any, i: int, fmt: str):
         self._cache, self._i, self._fmt = cache, i, fmt
         self.path = cache.url(i)
+        self._reset()
+
+    def _reset(self) -> None:
+        """Fresh process-local state (a new reader, or one inherited through fork or unpickled:
+        the parent's reader, use lock and thread lock stay the parent's)."""
         self._inner: Any = None
-        self._pid: int | None = None
+        self._pid: int | None = None  # the process that opened _inner (and holds its use lock)
+        self._lock = threading.Lock()
+        self._lock_pid = os.getpid()
+        self._busy: list[None] = []  # one entry per read in progress
+        self._reads = 0
+        self._seen = (-1, 0.0)  # (_reads, when the releaser first saw that count)
+
+    def __repr__(self) -> str:
+        return f"<remote shard reader {self.path}>"
+
+    def _begin_read(self) -> Any:
+        """The open inner reader, counted busy until :meth:`_end_read`."""
+        if self._lock_pid != os.getpid():
+            self._reset()
+        busy = self._busy
+        if _LOCK_FREE:
+            busy.append(None)
+            inner = self._inner
+            if inner is not None:
+                return inner
+        try:
+            with self._lock:
+                if not _LOCK_FREE:
+                    busy.append(None)
+                return self._open()
+        except BaseException:
+            busy.pop()
+            raise
+
+    def _end_read(self) -> None:
+        self._busy.pop()
+        self._reads += 1
 
     def _open(self) -> Any:
-        if self._inner is not None and self._pid != os.getpid():
-            self._inner = None  # inherited through fork: the parent's reader and use lock stay the parent's
+        """The inner reader, opened if needed (under ``_lock``)."""
         if self._inner is None:
             local = self._cache.acquire(self._i)
-            self._pid = os.getpid()
             try:
                 if self._fmt == "tar":
                     from fastdata.shards.tar import TarShardReader
 
-                    self._inner = TarShardReader(local, index=self._cache.index_path(self._i))
+                    inner = TarShardReader(local, index=self._cache.index_path(self._i))
                 else:
                     from fastdata.shards.hdf5 import HDF5ShardReader
 
-                    self._inner = HDF5ShardReader(local)
+                    inner = HDF5ShardReader(local)
             except BaseException:
                 self._cache.release(self._i)
                 raise
+            self._pid = os.getpid()
+            self._inner = inner
+            self._cache.watch(self)
         return self._inner
 
     def __len__(self) -> int:
@@ -221,21 +270,66 @@ class _CachedShard:
 
     @property
     def keys(self) -> tuple[str, ...]:
-        return self._open().keys
+        inner = self._begin_read()
+        try:
+            return inner.keys
+        finally:
+            self._end_read()
 
     def read(self, i: int, fields: Any = None) -> dict[str, Any]:
-        return self._open().read(i, fields=fields)
+        inner = self._begin_read()
+        try:
+            return inner.read(i, fields=fields)
+        finally:
+            self._end_read()
 
     def iter_range(self, start: int = 0, stop: int | None = None, fields: Any = None) -> Iterator[dict[str, Any]]:
-        return self._open().iter_range(start, stop, fields=fields)
+        inner = self._begin_read()
+        try:
+            yield from inner.iter_range(start, stop, fields=fields)
+        finally:
+            self._end_read()
 
-    def close(self) -> None:
-        inner, self._inner = self._inner, None
+    def release_if_idle(self, now: float, idle_s: float) -> bool:
+        """Close the inner reader and release the shard's use lock when no read is under way and
+        none finished in the ``idle_s`` seconds before ``now`` (as seen by earlier calls: the node
+        cache's releaser calls this every poll); the next read reopens it. Never waits for a
+        thread that is opening it. True when released."""
+        reads = self._reads
+        if reads != self._seen[0]:
+            self._seen = (reads, now)
+            return False
+        if now - self._seen[1] < idle_s or self._inner is None or self._lock_pid != os.getpid():
+            return False
+        if not self._lock.acquire(blocking=False):
+            return False
+        try:
+            inner = self._inner
+            self._inner = None  # before _busy is read (see the class docstring)
+            if inner is None or self._busy or self._reads != reads:
+                self._inner = inner  # a read is under way (one that saw None waits for the lock)
+                return False
+            self._close_inner(inner)
+            return True
+        finally:
+            self._lock.release()
+
+    def _close_inner(self, inner: Any) -> None:
+        """Close ``inner`` (taken out of ``_inner``), then release its use lock (under ``_lock``)."""
         if inner is not None and self._pid == os.getpid():
             try:
-                inner.close()
+                inner.close()  # the memory map goes before the use lock: eviction deletes a file nobody maps
             finally:
+                self._cache.unwatch(self)
                 self._cache.release(self._i)
+
+    def close(self) -> None:
+        if self._lock_pid != os.getpid():
+            self._reset()
+            return
+        with self._lock:
+            inner, self._inner = self._inner, None
+            self._close_inner(inner)
 
     def __enter__(self) -> _CachedShard:
         return self
@@ -244,8 +338,11 @@ class _CachedShard:
         self.close()
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"_cache": self._cache, "_i": self._i, "_fmt": self._fmt, "path": self.path, "_inner": None,
-                "_pid": None}
+        return {"_cache": self._cache, "_i": self._i, "_fmt": self._fmt, "path": self.path}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._reset()
 
 
 class _NodeCacheOpener:

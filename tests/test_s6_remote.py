@@ -1,0 +1,129 @@
+"""Remote shards and the node-local cache (session 6): a process that holds shards open but does not
+read them (a DataLoader worker parked by in-order delivery) gives them up to a process waiting for
+space, and reads them again, correctly, when it resumes."""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+from loopback_server import LoopbackServer, make_shard_set
+
+from fastdata.dataset import RemoteShards, ShardedDataset
+from fastdata.dataset import _nodecache
+from fastdata.manifest import Manifest
+from fastdata.shards.tar import TarShardReader
+
+pytestmark = pytest.mark.filterwarnings("ignore:Unclosed:ResourceWarning")
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    root = tmp_path_factory.mktemp("www")
+    make_shard_set(root / "ds", 24, 4, payload=2000, seed=1)  # 6 shards of ~8 KB
+    return root
+
+
+def _expected(served: Path, shard: int, i: int) -> dict:
+    with TarShardReader(served / "ds" / f"shard-{shard:06d}.tar") as r:
+        return {k: bytes(v) if not isinstance(v, str) else v for k, v in r.read(i).items()}
+
+
+def _same(got: dict, want: dict) -> bool:
+    return {k: bytes(v) if not isinstance(v, str) else v for k, v in got.items()} == want
+
+
+def _parked_holder(source, shards, ready, go, out: Path, served: Path) -> None:
+    """Read a sample of each shard (their readers stay open, holding the cache), then sit idle until
+    ``go`` like a DataLoader worker waiting for its next index; then read the next sample of each."""
+    try:
+        readers = [source.reader(s) for s in shards]
+        ok = all(_same(r.read(0), _expected(served, s, 0)) for r, s in zip(readers, shards))
+        ready.set()
+        if not go.wait(30):
+            out.write_text("never resumed")
+            return
+        ok = ok and all(_same(r.read(1), _expected(served, s, 1)) for r, s in zip(readers, shards))
+        for r in readers:
+            r.close()
+        out.write_text("ok" if ok else "wrong data")
+    except BaseException as e:  # noqa: BLE001 - reported to the test
+        out.write_text(f"{type(e).__name__}: {e}")
+    finally:
+        os._exit(0)
+
+
+def test_idle_holder_gives_way_to_a_process_waiting_for_space(served, tmp_path, monkeypatch):
+    # The stall of session 5: process A holds the whole cache through readers it does not read now
+    # (parked); process B needs space for another shard; A waits for B (in the loader: the main
+    # process waits for B's batch before A gets its next index). Before: B waited until the
+    # no-progress limit (120 s; here 8 s) and raised a RemoteError.
+    monkeypatch.setattr(_nodecache, "_STALL_S", 8.0)
+    manifest = Manifest.load(served / "ds")
+    held = [0, 1, 2]
+    limit = sum(manifest.shards[s].bytes for s in held)
+    want = min(range(3, 6), key=lambda s: manifest.shards[s].bytes)
+    with LoopbackServer(served, ranges=False, max_requests=200, lifetime=60) as srv:
+        ds = ShardedDataset(RemoteShards(srv.url + "/ds", cache_dir=tmp_path / "nc", max_bytes=limit, prefetch=0),
+                            decode=False)
+        ctx = mp.get_context("fork")
+        ready, go = ctx.Event(), ctx.Event()
+        out = tmp_path / "a.txt"
+        proc = ctx.Process(target=_parked_holder, args=(ds.source, held, ready, go, out, served))
+        proc.start()
+        try:
+            assert ready.wait(30), out.read_text() if out.exists() else "the holder did not start"
+            cache = ds.source.node_cache
+            assert cache.used_bytes() == limit
+            reader = ds.source.reader(want)
+            t0 = time.monotonic()
+            sample = reader.read(0)  # waits for space: A's idle readers must give way
+            took = time.monotonic() - t0
+            assert _same(sample, _expected(served, want, 0))
+            assert cache.used_bytes() <= limit
+            reader.close()
+        finally:
+            go.set()
+            proc.join(30)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5)
+        assert out.read_text() == "ok"  # A read its shards again (downloaded again where evicted), right data
+        assert took < 6.0, took
+        assert srv.counts.get(f"/ds/shard-{want:06d}.tar") == 1
+        assert cache.used_bytes() <= limit
+
+
+def test_only_idle_readers_are_released(served, tmp_path):
+    manifest = Manifest.load(served / "ds")
+    with LoopbackServer(served, ranges=False, max_requests=200, lifetime=60) as srv:
+        ds = ShardedDataset(RemoteShards(srv.url + "/ds", cache_dir=tmp_path / "nc",
+                                         max_bytes=3 * max(s.bytes for s in manifest.shards), prefetch=0),
+                            decode=False)
+        cache = ds.source.node_cache
+        reader = ds.source.reader(0)
+        assert _same(reader.read(0), _expected(served, 0, 0))
+        t = time.monotonic()
+        assert not reader.release_if_idle(t, 5.0)  # first look at its read count: idle since now
+        assert not reader.release_if_idle(t + 1, 5.0)  # idle for 1 s only
+        assert _same(reader.read(1), _expected(served, 0, 1))
+        assert not reader.release_if_idle(t + 10, 5.0)  # read since: idle since t + 10
+        assert not reader.release_if_idle(t + 12, 5.0)
+        it = reader.iter_range(2, 4)
+        assert _same(next(it), _expected(served, 0, 2))
+        assert not reader.release_if_idle(t + 60, 5.0)  # an iter_range is reading it
+        assert 0 in cache._use
+        assert _same(next(it), _expected(served, 0, 3))
+        it.close()
+        assert not reader.release_if_idle(t + 61, 5.0)  # the iter_range's end counts as a read
+        assert reader.release_if_idle(t + 70, 5.0)
+        assert 0 not in cache._use and not cache._readers  # the use lock went with the reader
+        assert _same(reader.read(3), _expected(served, 0, 3))  # reopened on its next read
+        assert 0 in cache._use and reader in cache._readers
+        reader.close()
+        assert 0 not in cache._use and not cache._readers
