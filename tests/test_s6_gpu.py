@@ -213,3 +213,23 @@ def test_one_large_image_does_not_pad_every_images_weights(monkeypatch):
     assert max(g * o * k for g, o, k in calls) <= 16 * 8000 * 2  # not 65 x 16 x 8000
     want = torch.cat([batch.select([i]).render() for i in (0, 1, 63, 64)])
     assert (out[[0, 1, 63, 64]].int() - want.int()).abs().max() <= 1
+
+
+def test_padding_a_small_image_costs_no_large_canvas(monkeypatch):
+    """With padding as pixels, CenterCrop(224) of 32 px images resampled a 224 x 224 canvas per image (3x
+    the time); only the padding the filter can blend with the image (2 filter radii) goes on the canvas."""
+    from fastdata.gpu import _augment
+
+    frames = []
+    real = _augment._render_group
+
+    def spy(images, clip, frame, *rest):
+        frames.append(frame.copy())
+        return real(images, clip, frame, *rest)
+
+    monkeypatch.setattr(_augment, "_render_group", spy)
+    img = smooth(32, 30)
+    out = CenterCrop(224)({"x": ImageBatch([img, img], [0, 1], 0)})["x"]
+    assert torch.equal(out[0, :, 96:128, 97:127], img) and out.sum() == 2 * img.sum()
+    f = np.concatenate(frames)
+    assert (f[:, 1] - f[:, 0]).max() <= 32 + 6 and (f[:, 3] - f[:, 2]).max() <= 30 + 6

@@ -232,11 +232,12 @@ class ImageBatch:
         elif rows is None or len(rows) != len(self) or tuple(out.shape[1:]) != (channels, *size):
             raise ValueError(f"ImageBatch.render: out {tuple(out.shape)} / rows do not fit {len(self)} images of "
                              f"{(channels, *size)}")
-        ry, rx = self.frame[:, 1] - self.frame[:, 0], self.frame[:, 3] - self.frame[:, 2]
+        frame = _reach(self.frame, self.clip, self.geom)
+        ry, rx = frame[:, 1] - frame[:, 0], frame[:, 3] - frame[:, 2]
         groups = _groups(ry, rx, channels, max_canvas)
         order = np.concatenate(groups)
         # one host->device transfer for every group: ay, by, ax, bx, frame y0, y1, x0, x1, output row, window
-        params = np.concatenate([self.geom, self.frame.astype(np.float64),
+        params = np.concatenate([self.geom, frame.astype(np.float64),
                                  np.asarray(rows, dtype=np.float64)[:, None], self.window], axis=1)[order]
         p = _to_device(params.astype(np.float32), out.device)
         dtype = torch.float16 if out.device.type == "cuda" else torch.float32
@@ -253,7 +254,7 @@ class ImageBatch:
             at = 0
             for group in chunk:
                 sl = slice(at, at + len(group))
-                _render_group([self.images[i] for i in group.tolist()], self.clip[group], self.frame[group], wy[sl],
+                _render_group([self.images[i] for i in group.tolist()], self.clip[group], frame[group], wy[sl],
                               wx[sl], pc[sl, 8], out)
                 at += len(group)
             start += n
@@ -280,6 +281,18 @@ def _groups(h: np.ndarray, w: np.ndarray, channels: int, max_canvas: int) -> lis
     if cur:
         groups.append(cur)
     return [np.asarray(g, dtype=np.int64) for g in groups]
+
+
+def _reach(frame: np.ndarray, clip: np.ndarray, geom: np.ndarray) -> np.ndarray:
+    """``frame`` cut to the padding the filter can blend with the image: an output pixel whose filter
+    (radius ``s = max(|a|, 1)``) reaches an image pixel reads no further than ``2 s`` beyond the image;
+    one that reaches none is 0 either way. So padding a small image costs no large canvas."""
+    out = frame.copy()
+    for axis in (0, 1):
+        m = 2 * np.ceil(np.maximum(np.abs(geom[:, 2 * axis]), 1.0)).astype(np.int64) + 1
+        out[:, 2 * axis] = np.maximum(frame[:, 2 * axis], clip[:, 2 * axis] - m)
+        out[:, 2 * axis + 1] = np.minimum(frame[:, 2 * axis + 1], clip[:, 2 * axis + 1] + m)
+    return out
 
 
 def _weight_chunks(groups: list[np.ndarray], h: np.ndarray, w: np.ndarray,
