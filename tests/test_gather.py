@@ -147,3 +147,38 @@ def test_uncached_fields_read_once(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     assert not _cached._memoizable({"__key__": "k", "big": b"x" * 1000})
     assert not _cached._memoizable({"t": torch.zeros(2)})
     assert _cached._memoizable({"__key__": "k", "cls": 3, "w": 0.5, "none": None})
+
+
+def test_a_ring_lock_held_at_fork_does_not_hang_the_child() -> None:
+    """Another thread holds the ring's lock while this one forks: the child's take() must not wait forever."""
+    import multiprocessing as mp
+
+    ring = gather.BufferRing()
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with ring._lock:
+            held.set()
+            release.wait(10)
+
+    t = threading.Thread(target=hold)
+    t.start()
+    held.wait(10)
+    try:
+        ctx = mp.get_context("fork")
+        q = ctx.Queue()
+        p = ctx.Process(target=_take_in_child, args=(ring, q))
+        p.start()
+        p.join(10)
+        alive = p.is_alive()
+        if alive:
+            p.kill()
+            p.join()
+    finally:
+        release.set()
+        t.join()
+    assert not alive and p.exitcode == 0 and q.get(timeout=5) == (2, 3)
+
+
+def _take_in_child(ring: gather.BufferRing, q) -> None:
+    q.put(ring.take(2, (3,), np.dtype(np.uint8), pinned=False).shape)

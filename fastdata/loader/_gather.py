@@ -50,6 +50,20 @@ def check_gather_threads(value: Any) -> int | None:
     return value
 
 
+_live_rings: weakref.WeakSet[BufferRing] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    # A ring lock held by another thread of the parent at fork time (a batch given back by a prefetch
+    # thread's drop) would stay held forever in the child: its first take() would hang.
+    for ring in list(_live_rings):
+        ring._lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):  # pragma: no branch
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 class BufferRing:
     """Reusable batch buffers, returned to the ring only when no tensor views them any more."""
 
@@ -57,6 +71,7 @@ class BufferRing:
         self._free: dict[tuple, deque[np.ndarray]] = {}
         self._lock = threading.Lock()
         self.allocated = 0  # buffers ever allocated (for tests and statistics)
+        _live_rings.add(self)
 
     def take(self, rows: int, shape: tuple[int, ...], dtype: np.dtype, *, pinned: bool) -> np.ndarray:
         key = (rows, tuple(shape), np.dtype(dtype).str, pinned)
