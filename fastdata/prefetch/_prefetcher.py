@@ -204,16 +204,26 @@ class _Epochs:
         return self.api[0]() if self.api is not None else None
 
     def begin(self, on_started: Callable[[Any], None] | None = None) -> tuple[Iterator[Any], Any, Any]:
-        """(iterator, loader state before its first batch, the loader's epoch value)."""
+        """(iterator, loader state before its first batch, the loader's epoch value).
+
+        The epoch value is read before ``iter()``: a loader epoch changed behind the prefetcher while
+        (or after) ``iter()`` reads it then differs from it, and the consumer discards that epoch
+        (``_ahead_still_valid``) instead of taking the old epoch's iterator for the new epoch."""
         with self.lock:
             if self.driven and self.api is not None:
-                value = self.next_value if self.next_value is not None else (self.last_value or 0) + 1
-                if self.current() != value:
+                now = self.current()
+                if self.next_value is not None:
+                    value = self.next_value
+                elif self.last_value is not None and now is not None and now != self.last_value:
+                    value = now  # set on the loader behind the prefetcher: honoured, then + 1 from there
+                else:
+                    value = (self.last_value or 0) + 1
+                if now != value:
                     self.api[1](value)
                 self.next_value, self.last_value = None, value
+            value = self.current()
             source = iter(self.iterable)  # DataLoader starts/resets its workers here
             state = self._snap()
-            value = self.current()
             if on_started is not None:
                 on_started(value)
             return source, state, value
@@ -506,7 +516,8 @@ class CUDAPrefetcher:
     def set_epoch(self, epoch: int) -> None:
         """Set the wrapped loader's epoch for the next epoch (``loader.set_epoch``, else its sampler's or
         dataset's), and from then on start every epoch with the previous epoch + 1 unless this is
-        called again. An epoch already started ahead with another number is discarded."""
+        called again (an epoch set on the loader itself meanwhile is kept, and + 1 goes on from it).
+        An epoch already started ahead with another number is discarded."""
         if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
             raise ValueError(f"epoch must be an int >= 0, got {epoch!r}")
         ep = self._epochs
