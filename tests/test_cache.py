@@ -546,3 +546,26 @@ def test_damaged_store_is_reported_and_removable(tmp_path: Path) -> None:
     with pytest.raises(CacheError, match="no open.lock .*remove it with `fastdata cache rm`"):
         cache.open_store(fingerprint="dmg", num_samples=2)
     assert [i.fingerprint for i in cache.remove("dmg")] == ["dmg"] and not store.path.exists()
+
+
+def test_cli_list_marks_a_damaged_store(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A store whose meta.json layout was damaged is listed as such, with the reason, not as an empty store."""
+    import json as _json
+
+    from fastdata.cli import main
+
+    store = Cache(tmp_path).open_store(fingerprint="damaged", num_samples=4)
+    store.put(0, expected(0))
+    path = store.path
+    store.close()
+    meta = _json.loads((path / "meta.json").read_text())
+    meta["fields"][0]["dtype"] = "object"
+    (path / "meta.json").write_text(_json.dumps(meta))
+    assert main(["cache", "list", "--cache", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "damaged" in out and "DAMAGED" in out and "malformed 'fields'" in out and "1 damaged" in out
+    assert main(["cache", "list", "--json", "--cache", str(tmp_path)]) == 0
+    (row,) = _json.loads(capsys.readouterr().out)
+    assert row["fingerprint"] == "damaged" and row["num_samples"] == 4 and "malformed" in row["problem"]
+    (info,) = Cache(tmp_path).list()
+    assert info.problem is not None and info.fields is None

@@ -20,6 +20,7 @@ import shutil
 import time
 import uuid
 from dataclasses import dataclass
+from typing import Any
 from pathlib import Path
 
 import numpy as np
@@ -58,6 +59,7 @@ class StoreInfo:
     last_used: float  # seconds since the epoch
     fields: tuple[FieldLayout, ...] | None
     in_use: bool  # open in some process right now
+    problem: str | None = None  # why the store cannot be opened (damaged metadata), None when it can
 
     @property
     def fill_ratio(self) -> float:
@@ -66,6 +68,11 @@ class StoreInfo:
     @property
     def sample_nbytes(self) -> int:
         return sum(f.nbytes for f in self.fields) if self.fields else 0
+
+
+def _as_int(value: Any) -> int:
+    """An integer of meta.json for listing; 0 when a damaged store holds something else there."""
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
 
 
 def store_key(fingerprint: str, num_samples: int) -> str:
@@ -154,11 +161,19 @@ class Cache:
         try:
             meta = read_meta(path)
             fields = parse_fields(path, meta)
-        except CacheError:
+        except CacheError as e:
             if not path.exists():
                 return None
-            meta, fields = {}, None
-        num_samples = int(meta.get("num_samples") or 0)
+            try:
+                meta = read_meta(path)  # the layout is damaged, the rest may still say what the store was
+            except CacheError:
+                meta = {}
+            if not isinstance(meta, dict):
+                meta = {}
+            fields, problem = None, str(e)
+        else:
+            problem = None
+        num_samples = _as_int(meta.get("num_samples"))
         num_valid = 0
         if fields is not None:
             try:
@@ -171,9 +186,9 @@ class Cache:
             last_used = 0.0
         return StoreInfo(
             path=path, key=path.name, fingerprint=str(meta.get("fingerprint", "")),
-            format_version=int(meta.get("cache_format") or 0), num_samples=num_samples, num_valid=num_valid,
+            format_version=_as_int(meta.get("cache_format")), num_samples=num_samples, num_valid=num_valid,
             size_bytes=disk_usage(path), last_used=last_used,
-            fields=tuple(fields) if fields is not None else None, in_use=self._in_use(path),
+            fields=tuple(fields) if fields is not None else None, in_use=self._in_use(path), problem=problem,
         )
 
     @staticmethod

@@ -40,7 +40,7 @@ def _store_json(i: Any) -> dict[str, Any]:
     return {"key": i.key, "fingerprint": i.fingerprint, "path": str(i.path), "format_version": i.format_version,
             "num_samples": i.num_samples, "num_valid": i.num_valid, "fill_ratio": i.fill_ratio,
             "size_bytes": i.size_bytes, "sample_nbytes": i.sample_nbytes, "last_used": i.last_used,
-            "in_use": i.in_use,
+            "in_use": i.in_use, "problem": i.problem,
             "fields": None if i.fields is None else [
                 {"name": f.name, "dtype": np.dtype(f.dtype).name, "shape": list(f.shape)} for f in i.fields]}
 
@@ -62,13 +62,17 @@ def cmd_list(args: argparse.Namespace) -> int:
         print(f"{i.fingerprint[:24]:<24} {i.num_samples:>9d} {i.fill_ratio:>7.1%} {human_bytes(i.size_bytes):>10} "
               f"{human_bytes(i.sample_nbytes):>11} {_age(now - i.last_used):>10}  {'yes' if i.in_use else 'no':<4} "
               f"{i.key}")
+        if i.problem is not None:
+            print(f"    DAMAGED     {i.problem}")
         if args.long:
             print(f"    fingerprint {i.fingerprint}")
             print(f"    path        {i.path}")
             for f in i.fields or ():
                 print(f"    field       {f.name} {np.dtype(f.dtype).name} {tuple(f.shape)}")
     total = sum(i.size_bytes for i in infos)
-    print(f"{len(infos)} store(s), {human_bytes(total)} in {args.cache}")
+    damaged = sum(i.problem is not None for i in infos)
+    print(f"{len(infos)} store(s), {human_bytes(total)} in {args.cache}"
+          + (f"; {damaged} damaged (remove with `fastdata cache rm KEY`)" if damaged else ""))
     return 0
 
 
