@@ -702,10 +702,12 @@ class ShardedDataset(IterableDataset):
         return self._store
 
     def build_cache(self, *, num_workers: int = 0, progress: bool = False) -> StoreInfo:
-        """Fill the cache store ahead of time by reading every sample once; returns its info.
+        """Fill the cache store ahead of time by reading one epoch of this dataset; returns its info.
 
-        ``num_workers`` DataLoader processes fill in parallel;
-        check ``fill_ratio`` of the result (samples skipped by ``on_error`` stay unfilled).
+        One epoch is what this object reads: with ``rank``/``world_size`` only this rank's share (call it
+        on every rank, or build from a dataset made without them), with ``samples_per_epoch`` only that
+        many samples. ``num_workers`` DataLoader processes fill in parallel; check ``fill_ratio`` of the
+        result (samples skipped by ``on_error`` stay unfilled).
         """
         from fastdata.dataset._fill import build_dataset
 
