@@ -233,3 +233,17 @@ def test_padding_a_small_image_costs_no_large_canvas(monkeypatch):
     assert torch.equal(out[0, :, 96:128, 97:127], img) and out.sum() == 2 * img.sum()
     f = np.concatenate(frames)
     assert (f[:, 1] - f[:, 0]).max() <= 32 + 6 and (f[:, 3] - f[:, 2]).max() <= 30 + 6
+
+
+def test_normalize_after_to_dtype_is_not_a_silent_no_op():
+    """torchvision's order, ToDtype(float32, scale=True) then Normalize(), returned the [0, 1] floats
+    unnormalised: Normalize() without keys picks uint8 images only, and found none."""
+    x = torch.randint(0, 256, (4, 3, 6, 5), dtype=torch.uint8)
+    batch = {"img": x, "y": torch.arange(4)}
+    with pytest.raises(ValueError, match=r"Normalize: the batch holds no uint8 images, but batch\['img'\] is a "
+                                         r"torch.float32 batch .*put it before ToDtype"):
+        Compose(gpu.ToDtype(torch.float32, scale=True), gpu.Normalize())(batch)
+    want = gpu.Normalize()(batch)["img"]  # the order that works, and keys= for floats in [0, 1]
+    got = Compose(gpu.ToDtype(torch.float32, scale=True), gpu.Normalize(keys=["img"]))(batch)["img"]
+    torch.testing.assert_close(got, want)
+    assert gpu.Normalize()({"y": torch.arange(4), "f": torch.rand(4, 7)})["f"].dtype == torch.float32  # no images

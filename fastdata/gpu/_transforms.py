@@ -10,8 +10,9 @@ Which tensors are transformed: those whose path contains one of ``keys`` (dict k
 indices), or with ``keys=None`` every image-like tensor: uint8 with at least 3 dimensions (for
 ``Normalize`` also with ``len(mean)`` channels at ``channel_dim``, and 3-D only where the batch holds
 no uint8 tensor of 4 or more dimensions: beside a batch of images, an ``(N, H, W)`` tensor is a stack of
-masks, whatever ``N``; for ``ChannelsLast`` any 4-D or 5-D tensor). ``keys`` under which no tensor sits, and images left in an ``ImageBatch`` of several
-sizes, are a ``ValueError`` rather than a batch passed on untouched.
+masks, whatever ``N``; for ``ChannelsLast`` any 4-D or 5-D tensor). ``keys`` under which no tensor sits, images left in an ``ImageBatch`` of several
+sizes, and ``Normalize()`` over a batch whose only images are floating-point (torchvision's order:
+``ToDtype(float32, scale=True)`` first) are a ``ValueError`` rather than a batch passed on untouched.
 """
 from __future__ import annotations
 
@@ -106,12 +107,25 @@ class Normalize:
         object.__setattr__(self, "keys", _check_keys("Normalize", self.keys))
 
     def __call__(self, batch: Any) -> Any:
-        selected = self._selected
-        if self.keys is None and any(x.dtype == torch.uint8 and x.dim() >= 4 for _, x in tensor_leaves(batch)):
-            # a batch of images: its 3-D uint8 tensors are (N, H, W) masks, even where N == len(mean)
-            def selected(x: torch.Tensor) -> bool:
-                return x.dim() >= 4 and self._selected(x)
-        return _apply(batch, self.keys, selected, self.apply, "Normalize")
+        if self.keys is not None:
+            return _apply(batch, self.keys, self._selected, self.apply, "Normalize")
+        leaves = tensor_leaves(batch)
+        images = any(x.dtype == torch.uint8 and x.dim() >= 4 for _, x in leaves)
+        # in a batch of images, 3-D uint8 tensors are (N, H, W) masks, even where N == len(mean)
+        chosen = {id(x) for _, x in leaves if self._selected(x) and (x.dim() >= 4 or not images)}
+        if not chosen and not _image_batch_paths(batch, ()):  # nothing to do: say so where float images show
+            self._refuse_float_images(leaves)                 # that the user meant them
+        return _apply(batch, None, lambda x: id(x) in chosen, self.apply, "Normalize")
+
+    def _refuse_float_images(self, leaves: list[tuple[Path, torch.Tensor]]) -> None:
+        """torchvision's order, ``ToDtype(float32, scale=True)`` then ``Normalize``, left the floats untouched."""
+        for path, x in leaves:
+            if (x.dtype.is_floating_point and x.dim() >= 4 and -x.dim() <= self.channel_dim < x.dim()
+                    and (len(self.mean) == 1 or x.shape[self.channel_dim] == len(self.mean))):
+                raise ValueError(
+                    f"Normalize: the batch holds no uint8 images, but {format_path(path)} is a {x.dtype} batch of "
+                    f"shape {tuple(x.shape)}; without keys, Normalize takes uint8 images ((x / 255 - mean) / std): "
+                    "put it before ToDtype, or name the tensor in keys= to normalise floats as (x - mean) / std")
 
     def _selected(self, x: torch.Tensor) -> bool:
         if x.dtype != torch.uint8 or x.dim() < 3:
