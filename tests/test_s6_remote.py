@@ -127,3 +127,34 @@ def test_only_idle_readers_are_released(served, tmp_path):
         assert 0 in cache._use and reader in cache._readers
         reader.close()
         assert 0 not in cache._use and not cache._readers
+
+
+def _all_samples(url: str, cache_dir: Path) -> dict:
+    ds = ShardedDataset(RemoteShards(url, cache_dir=cache_dir, prefetch=0), decode=False)
+    return {s["__key__"]: bytes(s["bin"]) for s in ds}
+
+
+def test_damaged_local_copies_are_replaced_not_trusted(served, tmp_path):
+    # The node cache trusted any file under a shard's name (and any sidecar index) for ever: a copy
+    # left truncated or empty by a host crash (nothing is fsynced) or by hand failed every later job on
+    # the host with "the shard was changed or truncated (rebuild the index)".
+    want = {k: v["bin"] for k, v in ((f"k{i:05d}", _expected(served, i // 4, i % 4)) for i in range(24))}
+    with LoopbackServer(served, ranges=False, max_requests=500, lifetime=60) as srv:
+        url = srv.url + "/ds"
+        assert _all_samples(url, tmp_path / "nc") == want
+        root = ShardedDataset(RemoteShards(url, cache_dir=tmp_path / "nc"), decode=False).source.node_cache.root
+        shard = lambda s: root / f"shard-{s:06d}.tar"  # noqa: E731
+        shard(0).write_bytes(shard(0).read_bytes()[:-512])  # truncated
+        shard(1).write_bytes(b"")  # empty
+        Path(str(shard(2)) + ".idx").write_bytes(b"")  # index left empty
+        Path(str(shard(3)) + ".idx").unlink()  # index gone
+        Path(str(shard(4)) + ".idx").write_bytes(b"garbage")
+        shard(5).write_bytes(bytes(shard(5).stat().st_size))  # right size, not a tar: its index rebuild fails
+        Path(str(shard(5)) + ".idx").unlink()
+        srv.reset_counts()
+        assert _all_samples(url, tmp_path / "nc") == want
+        gets = {p: n for p, n in srv.counts.items() if p.endswith(".tar")}
+        assert gets == {"/ds/shard-000000.tar": 1, "/ds/shard-000001.tar": 1, "/ds/shard-000005.tar": 1}, gets
+        srv.reset_counts()
+        assert _all_samples(url, tmp_path / "nc") == want  # repaired for good
+        assert not [p for p in srv.counts if p.endswith(".tar")]

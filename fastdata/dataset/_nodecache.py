@@ -217,7 +217,12 @@ class ShardCache:
         return self.root / ".locks" / f"{i}.{kind}"
 
     def is_local(self, i: int) -> bool:
-        return self.path(i).is_file()
+        """Shard ``i`` is in the cache: its file has the manifest's size (a file of another size, e.g.
+        left truncated by a host crash, is no copy: the next fetch replaces it)."""
+        try:
+            return self.path(i).stat().st_size == self.manifest.shards[i].bytes
+        except OSError:
+            return False
 
     # ----- plan (what the dataset will read) ---------------------------------------------------
     def plan(self, order: Sequence[int], schedule: dict[int, float], now: float) -> None:
@@ -305,7 +310,7 @@ class ShardCache:
         """Local path of verified shard ``i``, downloading it first if needed (blocks)."""
         self._check_pid()
         path = self.path(i)
-        if path.is_file():
+        if self.is_local(i):
             self.stats.hits += 1
             _touch(path)
         else:
@@ -319,9 +324,9 @@ class ShardCache:
                 pending.wait()  # a prefetch thread is downloading it
             with self._lock:
                 failed = self._failed.pop(i, None)
-            if failed is not None and not path.is_file():  # the prefetch used up every retry already
+            if failed is not None and not self.is_local(i):  # the prefetch used up every retry already
                 raise failed
-            if path.is_file():
+            if self.is_local(i):
                 self.stats.hits += 1
             else:
                 self._fetch(i, demand=True)
@@ -335,7 +340,7 @@ class ShardCache:
             path = self.ensure(i)
             fd = os.open(self._lock_path(i, "use"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
             fcntl.flock(fd, fcntl.LOCK_SH)
-            if path.is_file():  # not evicted between ensure and the lock
+            if self.is_local(i):  # not evicted between ensure and the lock
                 self._use.setdefault(i, []).append(fd)
                 return path
             _unlock(fd)
@@ -455,9 +460,14 @@ class ShardCache:
         path = self.path(i)
         t0 = time.perf_counter()
         with _flock(self._lock_path(i, "lock")):
-            if path.is_file():  # another process or thread downloaded it while we waited
+            if self.is_local(i):  # another process or thread downloaded it while we waited
                 self.stats.waited += 1
                 return
+            if path.exists():  # a damaged copy (host crash, edits): never read, replaced below
+                _log.warning("node cache: %s has %s bytes, the manifest says %d: downloading it again", path,
+                             _size(path), self.manifest.shards[i].bytes)
+                path.unlink(missing_ok=True)
+                self.index_path(i).unlink(missing_ok=True)
             for stale in (self.root / ".tmp").glob(f"{i}-*.part"):  # a killed downloader's leftovers
                 stale.unlink(missing_ok=True)
             shard = self.manifest.shards[i]
@@ -531,6 +541,21 @@ class ShardCache:
             err = RemoteError(f"downloading {url}: content does not match the manifest ({what})")
             err.url, err.status, err.transient, err.checksum = url, None, False, True  # type: ignore[attr-defined]
             raise err
+
+    def repair_index(self, i: int, error: Exception) -> None:
+        """The sidecar index of local shard ``i`` (held by :meth:`acquire`) failed to load with
+        ``error`` (a host crash left it empty, or it was edited): rebuild it from the shard, whose
+        size matches the manifest; when that fails too the copy is damaged: download it again."""
+        _log.warning("node cache: %s: %s; rebuilding it", self.index_path(i), error)
+        with _flock(self._lock_path(i, "lock")):
+            try:
+                self._build_index(i, self.path(i))
+                return
+            except Exception as e:  # noqa: BLE001 - a damaged copy: replaced below
+                _log.warning("node cache: %s is damaged (%s): downloading it again", self.path(i), e)
+                self.path(i).unlink(missing_ok=True)
+                self.index_path(i).unlink(missing_ok=True)
+        self._fetch(i, demand=True)
 
     def _build_index(self, i: int, tmp: Path) -> None:
         from fastdata.shards.tar import TarIndex
@@ -741,6 +766,13 @@ class ShardCache:
     def used_bytes(self) -> int:
         """Bytes of verified shards in the cache folder now."""
         return sum((self.root / s.name).stat().st_size for s in self.manifest.shards if (self.root / s.name).is_file())
+
+
+def _size(path: Path) -> int | None:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return None
 
 
 def _touch(path: Path) -> None:

@@ -253,6 +253,12 @@ class _CachedShard:
                     from fastdata.shards.tar import TarShardReader
 
                     inner = TarShardReader(local, index=self._cache.index_path(self._i))
+                    try:
+                        _ = inner.index  # the sidecar is a local file like any other: checked here
+                    except ShardError as e:  # empty after a host crash, edited: rebuilt (or the shard fetched again)
+                        self._cache.repair_index(self._i, e)
+                        inner = TarShardReader(local, index=self._cache.index_path(self._i))
+                        _ = inner.index
                 else:
                     from fastdata.shards.hdf5 import HDF5ShardReader
 
