@@ -247,3 +247,18 @@ def test_normalize_after_to_dtype_is_not_a_silent_no_op():
     got = Compose(gpu.ToDtype(torch.float32, scale=True), gpu.Normalize(keys=["img"]))(batch)["img"]
     torch.testing.assert_close(got, want)
     assert gpu.Normalize()({"y": torch.arange(4), "f": torch.rand(4, 7)})["f"].dtype == torch.float32  # no images
+
+
+def test_random_resized_crop_scale_and_ratio_must_be_pairs_of_numbers():
+    """scale="01" was read as (0.0, 1.0) and ("0.1", "1") as numbers."""
+    for bad in ("01", ("0.1", "1"), (0.1,), (0.1, 0.5, 1.0), 0.5):
+        with pytest.raises(ValueError, match=r"RandomResizedCrop: scale must be a \(min, max\) pair of numbers"):
+            RandomResizedCrop(8, scale=bad)
+    for bad in ((float("nan"), 1.0), (0.5, float("inf")), (0.9, 0.1), (-0.1, 1.0)):
+        with pytest.raises(ValueError, match="RandomResizedCrop: scale must be finite with 0 <= min <= max"):
+            RandomResizedCrop(8, scale=bad)
+    for bad in ((0.0, 1.0), (4 / 3, 3 / 4), (1.0, float("inf"))):
+        with pytest.raises(ValueError, match="RandomResizedCrop: ratio must be finite with 0 < min <= max"):
+            RandomResizedCrop(8, ratio=bad)
+    ok = RandomResizedCrop(8, scale=np.array([0.5, 1.0]), ratio=(torch.tensor(1.0), 1))
+    assert ok.scale == (0.5, 1.0) and ok.ratio == (1.0, 1.0)

@@ -399,9 +399,11 @@ def _check_size(owner: str, size: Any, *, allow_int_short: bool = False) -> tupl
 
 def _check_range(owner: str, name: str, value: Any, *, positive: bool) -> tuple[float, float]:
     try:
+        if isinstance(value, (str, bytes)) or any(isinstance(v, (str, bytes)) for v in value):
+            raise TypeError(name)  # "01" or ("0.1", "1") would pass float()
         lo, hi = (float(v) for v in value)
     except (TypeError, ValueError):
-        raise ValueError(f"{owner}: {name} must be a (min, max) pair, got {value!r}") from None
+        raise ValueError(f"{owner}: {name} must be a (min, max) pair of numbers, got {value!r}") from None
     if not (math.isfinite(lo) and math.isfinite(hi)) or lo > hi or (positive and lo <= 0) or lo < 0:
         raise ValueError(f"{owner}: {name} must be finite with 0 {'<' if positive else '<='} min <= max, got {value!r}")
     return lo, hi
