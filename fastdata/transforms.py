@@ -55,7 +55,8 @@ class ResizeCenterCrop:
 
     Args:
         size: output side, or ``(height, width)``.
-        resize: shorter side before cropping; default ``round(min(size) * 256 / 224)``.
+        resize: shorter side before cropping; default ``round(min(size) * 256 / 224)``, at least
+            ``max(size)`` (the crop must fit: no padding).
         interpolation: "bilinear" (default, antialiased like torchvision on PIL), "bicubic",
             "lanczos" or "nearest".
     """
@@ -64,14 +65,14 @@ class ResizeCenterCrop:
     accepts_pil = True
 
     def __init__(self, size: int | tuple[int, int], *, resize: int | None = None, interpolation: str = "bilinear"):
-        if isinstance(size, int):
+        if isinstance(size, int) and not isinstance(size, bool):
             size = (size, size)
         if (not isinstance(size, tuple) or len(size) != 2
-                or not all(isinstance(s, int) and s >= 1 for s in size)):
+                or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 1 for s in size)):
             raise ValueError(f"size must be an int >= 1 or a (height, width) tuple of them, got {size!r}")
-        if resize is None:
-            resize = round(min(size) * 256 / 224)
-        if not isinstance(resize, int) or resize < max(size):
+        if resize is None:  # a non-square crop's longer side must fit in the shorter side too
+            resize = max(round(min(size) * 256 / 224), max(size))
+        if not isinstance(resize, int) or isinstance(resize, bool) or resize < max(size):
             raise ValueError(f"resize must be an int >= max(size)={max(size)}, got {resize!r}")
         if interpolation not in _RESAMPLE:
             raise ValueError(f"interpolation must be one of {sorted(_RESAMPLE)}, got {interpolation!r}")

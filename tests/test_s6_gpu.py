@@ -262,3 +262,20 @@ def test_random_resized_crop_scale_and_ratio_must_be_pairs_of_numbers():
             RandomResizedCrop(8, ratio=bad)
     ok = RandomResizedCrop(8, scale=np.array([0.5, 1.0]), ratio=(torch.tensor(1.0), 1))
     assert ok.scale == (0.5, 1.0) and ok.ratio == (1.0, 1.0)
+
+
+def test_resize_center_crop_default_resize_fits_a_non_square_crop():
+    """ResizeCenterCrop((100, 120)) failed with "resize must be an int >= max(size)=120, got 114", an
+    argument the user had not given; True was taken as a size of 1."""
+    from fastdata.transforms import ResizeCenterCrop
+
+    t = ResizeCenterCrop((100, 120))
+    assert t.resize == 120
+    tall = Image.fromarray(np.random.default_rng(0).integers(0, 256, (300, 200, 3), dtype=np.uint8))
+    assert t(tall).shape == (3, 100, 120)
+    assert ResizeCenterCrop((200, 224)).resize == 229 and ResizeCenterCrop(224).resize == 256  # as before
+    for bad in (True, (True, 4)):
+        with pytest.raises(ValueError, match="size must be an int >= 1"):
+            ResizeCenterCrop(bad)
+    with pytest.raises(ValueError, match="resize must be an int"):
+        ResizeCenterCrop(1, resize=True)
