@@ -158,3 +158,21 @@ def test_damaged_local_copies_are_replaced_not_trusted(served, tmp_path):
         srv.reset_counts()
         assert _all_samples(url, tmp_path / "nc") == want  # repaired for good
         assert not [p for p in srv.counts if p.endswith(".tar")]
+
+
+def test_signed_folder_url_keeps_its_query_on_every_url(served, tmp_path):
+    # A folder URL with a token in its query (an Azure SAS token, a CDN token) gave
+    # ".../ds?sig=abc/manifest.json" (HTTP 404), and ".../manifest.json?sig=abc" read the manifest as
+    # each shard ("body ended at byte 1465 of 20480").
+    with LoopbackServer(served, ranges=False, max_requests=200, lifetime=60) as srv:
+        ds = ShardedDataset(RemoteShards(srv.url + "/ds/?sig=abc&se=1", cache_dir=tmp_path / "nc", prefetch=0),
+                            decode=False)
+        assert ds.source.names[0] == srv.url + "/ds/shard-000000.tar?sig=abc&se=1"
+        assert sorted(s["__key__"] for s in ds) == [f"k{i:05d}" for i in range(24)]
+        srv.reset_counts()
+        # a new token (and the manifest's own URL) finds the same node-local copies
+        again = ShardedDataset(RemoteShards(srv.url + "/ds/manifest.json?sig=new", cache_dir=tmp_path / "nc"),
+                               decode=False)
+        assert again.source.node_cache.root == ds.source.node_cache.root
+        assert again.source.names[5] == srv.url + "/ds/shard-000005.tar?sig=new"
+        assert len(list(again)) == 24 and not [p for p in srv.counts if p.endswith(".tar")]

@@ -80,6 +80,15 @@ _WAITER_FRESH_S = 2.0  # a waiter refreshes its registration every poll (50 ms):
 _log = logging.getLogger(__name__)
 
 
+def split_query(url: str) -> tuple[str, str]:
+    """(``url`` without its query and fragment, ``"?query#fragment"``) for ``http(s)://`` URLs (a
+    signed folder URL carries a token there, as :func:`fastdata.shards.url_join` knows); else (url, "")."""
+    if url.split("://", 1)[0].lower() not in ("http", "https"):
+        return url, ""
+    cut = min((k for k in (url.find("?"), url.find("#")) if k >= 0), default=len(url))
+    return url[:cut], url[cut:]
+
+
 def default_cache_dir() -> Path:
     """``$FASTDATA_NODE_CACHE``, else ``$XDG_CACHE_HOME/fastdata/shards`` (``~/.cache/...``)."""
     env = os.environ.get("FASTDATA_NODE_CACHE")
@@ -154,13 +163,15 @@ class ShardCache:
         if max_bytes is not None and max_bytes < biggest:
             raise ValueError(f"node cache max_bytes={max_bytes} is smaller than the largest shard of {base_url} "
                              f"({biggest} bytes)")
-        self.base_url = base_url.rstrip("/")
+        path, query = split_query(base_url)
+        self.base_url = path.rstrip("/") + query
         self.manifest = manifest
         self.max_bytes = max_bytes
         self.prefetch = prefetch
         self.eviction = eviction
         self.retry = retry or RetryPolicy()
-        ident = hashlib.sha256(f"{self.base_url}\n{manifest.fingerprint()}".encode()).hexdigest()[:24]
+        # not the query: a signed URL's token changes, the shards (the manifest's fingerprint) do not
+        ident = hashlib.sha256(f"{path.rstrip('/')}\n{manifest.fingerprint()}".encode()).hexdigest()[:24]
         self.root = Path(directory if directory is not None else default_cache_dir()) / ident
         self._index = {s.name: i for i, s in enumerate(manifest.shards)}
         self.stats = _Stats()

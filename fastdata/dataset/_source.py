@@ -70,8 +70,11 @@ class RemoteShards:
 
     @property
     def base_url(self) -> str:
-        url = self.url.rstrip("/")
-        return url[: -len(MANIFEST_NAME) - 1] if url.endswith("/" + MANIFEST_NAME) else url
+        from fastdata.dataset._nodecache import split_query
+
+        url, query = split_query(self.url)  # a signed folder URL's token stays on every URL made from it
+        url = url.rstrip("/")
+        return (url[: -len(MANIFEST_NAME) - 1] if url.endswith("/" + MANIFEST_NAME) else url) + query
 
 
 def _expand(pattern: str) -> list[str]:

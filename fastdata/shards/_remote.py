@@ -41,9 +41,20 @@ def is_url(path: str) -> bool:
     return "://" in path and not path.startswith("file://")
 
 
+def _split_query(url: str) -> tuple[str, str]:
+    """(``url`` without its query and fragment, ``"?query#fragment"``) for ``http(s)://`` URLs (a
+    signed folder URL, e.g. an Azure SAS token or a CDN token, carries them); other URLs: (url, "")."""
+    if url.split("://", 1)[0].lower() not in ("http", "https"):
+        return url, ""
+    cut = min((k for k in (url.find("?"), url.find("#")) if k >= 0), default=len(url))
+    return url[:cut], url[cut:]
+
+
 def url_join(base: str, name: str) -> str:
-    """``base/name`` for a folder URL (``base`` may end with ``/``)."""
-    return base.rstrip("/") + "/" + name
+    """``base/name`` for a folder URL (``base`` may end with ``/``; the query of an ``http(s)``
+    folder URL goes to the end: ``https://h/ds?sig=x`` + ``a.tar`` is ``https://h/ds/a.tar?sig=x``)."""
+    path, query = _split_query(base)
+    return path.rstrip("/") + "/" + name + query
 
 
 @dataclass(frozen=True)
