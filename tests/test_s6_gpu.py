@@ -6,6 +6,7 @@ torchvision does not import here, so its behaviour is transcribed from its sourc
 from __future__ import annotations
 
 import io
+import warnings
 
 import numpy as np
 import pytest
@@ -279,3 +280,38 @@ def test_resize_center_crop_default_resize_fits_a_non_square_crop():
             ResizeCenterCrop(bad)
     with pytest.raises(ValueError, match="resize must be an int"):
         ResizeCenterCrop(1, resize=True)
+
+
+def _failing_device_decode(stage, monkeypatch):
+    """``stage``'s device decode (CUDA or nvImageCodec) replaced by one that fails as torchvision's batched call
+    does: a RuntimeError for the whole chunk (here: every image of the field routed to it)."""
+    from concurrent.futures import Future
+
+    def start(packed, views, device, ahead):
+        fut: Future = Future()
+        fut.set_exception(RuntimeError("no CUDA image decoding in this torchvision build"))
+        rows = list(range(len(packed)))
+        return device, rows, [(rows, fut)]
+
+    monkeypatch.setattr(stage, "_start", start)
+
+
+def test_a_device_decoder_that_fails_on_good_images_is_reported(monkeypatch):
+    """A device decoder failing on every call (torchvision without working CUDA image ops) sent every batch
+    to the host, many times slower, with a debug log line only: a batched call's RuntimeError is taken for
+    a corrupt image in the chunk. Now a RuntimeWarning, once, when the host finds no corrupt image."""
+    from _images import jpeg, packed  # tests/_images.py
+
+    stage = gpu.DecodeImages(device="cpu", host_decoder="pillow")
+    _failing_device_decode(stage, monkeypatch)
+    with pytest.warns(RuntimeWarning, match=r"device decoder \(auto\) failed on 2 images that decode fine on the "
+                                            r"host \(RuntimeError: no CUDA image decoding"):
+        out = stage({"x": packed([jpeg(1), jpeg(2)])})
+    assert len(out["x"]) == 2
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        stage({"x": packed([jpeg(3)])})  # once per stage
+        # a corrupt image explains the failed call: no warning, the image skipped as asked
+        skip = gpu.DecodeImages(device="cpu", host_decoder="pillow", on_error="skip")
+        _failing_device_decode(skip, monkeypatch)
+        assert len(skip({"x": packed([jpeg(4), b"\xff\xd8\xffjunk"])})["x"]) == 1 and skip.num_skipped == 1

@@ -123,6 +123,7 @@ class DecodeImages:
         self._executor: ThreadPoolExecutor | None = None
         self._executor_pid: int | None = None
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
+        self._warned_device = False
 
     def _device(self) -> torch.device:
         if self.device is not None:
@@ -204,6 +205,8 @@ class DecodeImages:
                 except RuntimeError as e:  # torchvision: one bad image fails the call: find it on the host
                     _log.debug("batched device decode failed (%s); decoding its %d images on the host", e, len(rows))
                     images = self._host(packed, rows, views, field, device, backend, bad)
+                    if not any(r in bad for r in rows):  # no bad image explains it: the device decoder fails
+                        self._device_failed(e, len(rows))
                 else:
                     missing = [k for k, im in enumerate(images) if im is None]
                     if missing:  # nvImageCodec: the images it could not decode, on the host
@@ -318,6 +321,16 @@ class DecodeImages:
                 img = img.pin_memory().to(device, non_blocking=True)
             out.append(img)
         return out
+
+    def _device_failed(self, error: BaseException, n: int) -> None:
+        """Warn (once per stage) that the device decoder failed on images that all decode on the host: every
+        batch then goes to the host, many times slower, which a debug log line alone would hide."""
+        if not self._warned_device:
+            self._warned_device = True
+            warnings.warn(f"DecodeImages: the device decoder ({self.device_decoder}) failed on {n} images that decode "
+                          f"fine on the host ({type(error).__name__}: {str(error)[:300]}); they, and any others it "
+                          "fails on, are decoded on the host, many times slower (see decode.host_decoded)",
+                          RuntimeWarning, stacklevel=4)
 
     def _pool(self) -> ThreadPoolExecutor:
         if self._executor is None or self._executor_pid != os.getpid():  # not inherited across fork
