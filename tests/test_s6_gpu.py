@@ -315,3 +315,14 @@ def test_a_device_decoder_that_fails_on_good_images_is_reported(monkeypatch):
         skip = gpu.DecodeImages(device="cpu", host_decoder="pillow", on_error="skip")
         _failing_device_decode(skip, monkeypatch)
         assert len(skip({"x": packed([jpeg(4), b"\xff\xd8\xffjunk"])})["x"]) == 1 and skip.num_skipped == 1
+
+
+@pytest.mark.skipif(__import__("fastdata.gpu._codec", fromlist=["x"]).torchvision_status()[0] is not None,
+                    reason="torchvision works here")
+def test_host_decoder_torchvision_without_torchvision_fails_when_built():
+    """DecodeImages(host_decoder="torchvision") without a working torchvision failed at the first batch, in the
+    prefetcher's thread, with a plain RuntimeError; device_decoder="nvimgcodec" already failed when built."""
+    from fastdata.gpu._codec import DecoderUnavailableError
+
+    with pytest.raises(DecoderUnavailableError, match="host decoder 'torchvision' requested but torchvision"):
+        gpu.DecodeImages(device="cpu", host_decoder="torchvision")

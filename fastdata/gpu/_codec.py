@@ -100,7 +100,7 @@ def host_backend(name: str = "auto") -> str:
     tv, reason = torchvision_status()
     if tv is None:
         if name == "torchvision":
-            raise RuntimeError(f"host decoder 'torchvision' requested but {reason}")
+            raise DecoderUnavailableError(f"host decoder 'torchvision' requested but {reason}")
         return "pillow"
     return "torchvision"
 

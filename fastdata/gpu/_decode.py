@@ -101,6 +101,8 @@ class DecodeImages:
         if device_decoder not in DEVICE_BACKENDS:
             raise ValueError(f"DecodeImages: device_decoder must be one of {DEVICE_BACKENDS}, got {device_decoder!r}")
         device_backend(device_decoder)  # a missing nvImageCodec (or a bad FASTDATA_DEVICE_DECODER) fails here
+        if host_decoder == "torchvision":  # so does a torchvision asked for by name that does not work here
+            host_backend(host_decoder)
         if device is not None:
             try:
                 device = torch.device(device)
