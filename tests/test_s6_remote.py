@@ -16,6 +16,7 @@ from loopback_server import LoopbackServer, make_shard_set
 
 from fastdata.dataset import RemoteShards, ShardedDataset
 from fastdata.dataset import _nodecache
+from fastdata.errors import RemoteError
 from fastdata.manifest import Manifest
 from fastdata.shards.tar import TarShardReader
 
@@ -176,3 +177,40 @@ def test_signed_folder_url_keeps_its_query_on_every_url(served, tmp_path):
         assert again.source.node_cache.root == ds.source.node_cache.root
         assert again.source.names[5] == srv.url + "/ds/shard-000005.tar?sig=new"
         assert len(list(again)) == 24 and not [p for p in srv.counts if p.endswith(".tar")]
+
+
+def test_cache_dir_that_is_a_file_is_a_remote_error_naming_it(served, tmp_path):
+    not_a_dir = tmp_path / "afile"
+    not_a_dir.write_text("x")
+    with LoopbackServer(served, ranges=False, max_requests=50, lifetime=60) as srv:
+        with pytest.raises(RemoteError, match="node cache folder .*afile.*cache_dir") as info:
+            ShardedDataset(RemoteShards(srv.url + "/ds", cache_dir=not_a_dir), decode=False)
+    assert isinstance(info.value, OSError)  # it was a bare NotADirectoryError
+
+
+def _download_on_a_full_disk(source, out: Path) -> None:
+    import resource
+    import signal
+
+    try:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # then a write past the limit fails with EFBIG
+        resource.setrlimit(resource.RLIMIT_FSIZE, (4096, resource.RLIM_INFINITY))
+        source.reader(0).read(0)
+        out.write_text("read")
+    except BaseException as e:  # noqa: BLE001 - reported to the test
+        out.write_text(f"{type(e).__name__}: {e}")
+    finally:
+        os._exit(0)
+
+
+def test_a_full_disk_names_the_node_cache_folder(served, tmp_path):
+    with LoopbackServer(served, ranges=False, max_requests=50, lifetime=60) as srv:
+        ds = ShardedDataset(RemoteShards(srv.url + "/ds", cache_dir=tmp_path / "nc", prefetch=0), decode=False)
+        out = tmp_path / "out.txt"
+        proc = mp.get_context("fork").Process(target=_download_on_a_full_disk, args=(ds.source, out))
+        proc.start()
+        proc.join(30)
+        msg = out.read_text()
+        assert msg.startswith("RemoteError"), msg
+        assert str(ds.source.node_cache.root) in msg and "shard-000000.tar" in msg and "free space" in msg, msg
+        assert not list((ds.source.node_cache.root / ".tmp").iterdir())  # nothing half-written left

@@ -195,8 +195,12 @@ class ShardCache:
         self._gave_up = False  # raised the deadlock error: the registration stays until shards are released
         self._readers: weakref.WeakSet[Any] = weakref.WeakSet()  # open readers that give way (watch())
         self._releaser: threading.Thread | None = None  # their daemon thread (see the module docstring)
-        for sub in (".locks", ".tmp", ".waits"):
-            (self.root / sub).mkdir(parents=True, exist_ok=True)
+        try:
+            for sub in (".locks", ".tmp", ".waits"):
+                (self.root / sub).mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise RemoteError(f"node cache folder {self.root} (RemoteShards.cache_dir or $FASTDATA_NODE_CACHE) "
+                              f"cannot be created: {e}") from e
 
     def _check_pid(self) -> None:
         if self._pid != os.getpid():
@@ -498,6 +502,10 @@ class ShardCache:
                     self.index_path(i).unlink(missing_ok=True)
                     if not isinstance(e, Exception):
                         raise
+                    if isinstance(e, OSError) and not isinstance(e, RemoteError):  # the network's are RemoteErrors
+                        raise RemoteError(f"node cache {self.root}: cannot store {shard.name} downloaded from "
+                                          f"{self.url(i)}: {e} (free space on that disk, lower "
+                                          "RemoteShards.max_bytes, or choose another cache_dir)") from e
                     if getattr(e, "checksum", False):  # maybe a bad proxy or a torn write: try again
                         if attempt < self.retry.attempts:
                             self.stats.retries += 1

@@ -370,12 +370,19 @@ def _load_remote_manifest(spec: RemoteShards) -> tuple[Manifest, Path]:
     data = read_bytes(url, retry=RetryPolicy(attempts=spec.retries), what="fetching manifest")
     root = Path(spec.cache_dir) if spec.cache_dir is not None else default_cache_dir()
     folder = root / "manifests"
-    folder.mkdir(parents=True, exist_ok=True)
     local = folder / (hashlib.sha256(data).hexdigest()[:24] + ".json")
-    if not local.is_file():
-        tmp = folder / f".{local.name}.{os.getpid()}.{uuid.uuid4().hex}.tmp"
-        tmp.write_bytes(data)
-        os.replace(tmp, local)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        if not local.is_file():
+            tmp = folder / f".{local.name}.{os.getpid()}.{uuid.uuid4().hex}.tmp"
+            try:
+                tmp.write_bytes(data)
+                os.replace(tmp, local)
+            finally:
+                tmp.unlink(missing_ok=True)
+    except OSError as e:
+        raise RemoteError(f"node cache folder {root} (RemoteShards.cache_dir or $FASTDATA_NODE_CACHE): cannot "
+                          f"keep the manifest of {url} there: {e}") from e
     try:
         return Manifest.load(local), root
     except ManifestError as e:
