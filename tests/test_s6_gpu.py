@@ -326,3 +326,15 @@ def test_host_decoder_torchvision_without_torchvision_fails_when_built():
 
     with pytest.raises(DecoderUnavailableError, match="host decoder 'torchvision' requested but torchvision"):
         gpu.DecodeImages(device="cpu", host_decoder="torchvision")
+
+
+def test_normalize_of_images_with_another_channel_count_is_not_a_silent_no_op():
+    """Greyscale (or RGBA) uint8 batches under Normalize() with ImageNet's 3-value mean passed on as uint8."""
+    gray = {"img": torch.zeros(4, 1, 5, 5, dtype=torch.uint8), "y": torch.arange(4)}
+    with pytest.raises(ValueError, match=r"Normalize: batch\['img'\] has shape \(4, 1, 5, 5\): 1 channels at dim -3, "
+                                         r"but mean/std have 3 values"):
+        gpu.Normalize()(gray)
+    assert gpu.Normalize([0.5], [0.25])(gray)["img"].dtype == torch.float32
+    rgb_and_mask = {"img": torch.zeros(4, 3, 5, 5, dtype=torch.uint8), "m": torch.zeros(4, 1, 5, 5, dtype=torch.uint8)}
+    out = gpu.Normalize()(rgb_and_mask)  # images found: other uint8 tensors pass, as documented
+    assert out["img"].dtype == torch.float32 and out["m"] is rgb_and_mask["m"]

@@ -11,8 +11,9 @@ indices), or with ``keys=None`` every image-like tensor: uint8 with at least 3 d
 ``Normalize`` also with ``len(mean)`` channels at ``channel_dim``, and 3-D only where the batch holds
 no uint8 tensor of 4 or more dimensions: beside a batch of images, an ``(N, H, W)`` tensor is a stack of
 masks, whatever ``N``; for ``ChannelsLast`` any 4-D or 5-D tensor). ``keys`` under which no tensor sits, images left in an ``ImageBatch`` of several
-sizes, and ``Normalize()`` over a batch whose only images are floating-point (torchvision's order:
-``ToDtype(float32, scale=True)`` first) are a ``ValueError`` rather than a batch passed on untouched.
+sizes, and ``Normalize()`` over a batch whose only images it cannot take (floating-point ones, as
+after torchvision's order ``ToDtype(float32, scale=True)``, or a channel count other than ``len(mean)``)
+are a ``ValueError`` rather than a batch passed on untouched.
 """
 from __future__ import annotations
 
@@ -113,12 +114,19 @@ class Normalize:
         images = any(x.dtype == torch.uint8 and x.dim() >= 4 for _, x in leaves)
         # in a batch of images, 3-D uint8 tensors are (N, H, W) masks, even where N == len(mean)
         chosen = {id(x) for _, x in leaves if self._selected(x) and (x.dim() >= 4 or not images)}
-        if not chosen and not _image_batch_paths(batch, ()):  # nothing to do: say so where float images show
-            self._refuse_float_images(leaves)                 # that the user meant them
+        if not chosen and not _image_batch_paths(batch, ()):  # nothing to do: say so where images show
+            self._refuse_unselected_images(leaves)            # that the user meant them
         return _apply(batch, None, lambda x: id(x) in chosen, self.apply, "Normalize")
 
-    def _refuse_float_images(self, leaves: list[tuple[Path, torch.Tensor]]) -> None:
-        """torchvision's order, ``ToDtype(float32, scale=True)`` then ``Normalize``, left the floats untouched."""
+    def _refuse_unselected_images(self, leaves: list[tuple[Path, torch.Tensor]]) -> None:
+        """Images Normalize() would pass on untouched: torchvision's order (``ToDtype(float32, scale=True)``
+        first) left floats unnormalised, and greyscale images with ImageNet's 3-value mean stayed uint8."""
+        for path, x in leaves:
+            if x.dtype == torch.uint8 and x.dim() >= 4 and -x.dim() <= self.channel_dim < x.dim():
+                raise ValueError(
+                    f"Normalize: {format_path(path)} has shape {tuple(x.shape)}: {x.shape[self.channel_dim]} channels "
+                    f"at dim {self.channel_dim}, but mean/std have {len(self.mean)} values; give mean/std one value "
+                    "per channel (or one for all), or name the images in keys=")
         for path, x in leaves:
             if (x.dtype.is_floating_point and x.dim() >= 4 and -x.dim() <= self.channel_dim < x.dim()
                     and (len(self.mean) == 1 or x.shape[self.channel_dim] == len(self.mean))):
