@@ -350,7 +350,8 @@ class ImageDecoder:
     """
 
     def __init__(self, mode: str | None = "RGB", *, draft_size: int | None = None, max_pixels: int | None = None):
-        if draft_size is not None and (not isinstance(draft_size, int) or draft_size < 1):
+        if draft_size is not None and (not isinstance(draft_size, int) or isinstance(draft_size, bool)
+                                       or draft_size < 1):
             raise ValueError(f"draft_size must be an int >= 1 or None, got {draft_size!r}")
         self.mode = mode
         self.draft_size = draft_size

@@ -133,7 +133,8 @@ class Deterministic:
             raise TypeError(f"fn must be callable, got {fn!r}")
         if not isinstance(version, str) or not version.strip():
             raise ValueError(f"version must be a non-empty string, got {version!r}")
-        if target_size is not None and (not isinstance(target_size, int) or target_size < 1):
+        if target_size is not None and (not isinstance(target_size, int) or isinstance(target_size, bool)
+                                        or target_size < 1):
             raise ValueError(f"target_size must be an int >= 1 or None, got {target_size!r}")
         self.fn = fn
         self.version = version

@@ -15,7 +15,14 @@ import torch.nn.functional as F
 from PIL import Image
 
 from fastdata import gpu
-from fastdata.gpu import CenterCrop, Compose, ImageBatch, RandomHorizontalFlip, RandomResizedCrop, Resize
+from fastdata.gpu import (
+    CenterCrop,
+    Compose,
+    ImageBatch,
+    RandomHorizontalFlip,
+    RandomResizedCrop,
+    Resize,
+)
 
 
 def smooth(h: int, w: int, seed: int = 0) -> torch.Tensor:
@@ -101,10 +108,10 @@ def _png16(values: np.ndarray) -> bytes:
 def test_sixteen_bit_greyscale_keeps_its_high_byte_on_every_path(monkeypatch):
     """A 16-bit greyscale PNG came out clipped at 255 (near white) with mode RGB or L, as the low byte
     (wrapped around) with mode None, while Pillow reads a 16-bit colour PNG by its high byte."""
+    from _images import packed  # tests/_images.py
+
     from fastdata.decode import ImageDecoder, SampleDecoder, image_to_tensor
     from fastdata.gpu import _codec
-
-    from _images import packed  # tests/_images.py
 
     values = np.array([[0, 255, 256, 1000, 30000, 65535]])
     want = (values >> 8).astype(np.uint8)  # torchvision: decode_image -> uint16, to_dtype(uint8, scale=True)
@@ -165,7 +172,8 @@ def test_random_resized_crop_fallback_on_a_one_pixel_side_is_not_empty():
         crop = RandomResizedCrop(8, ratio=ratio)
         ib = ImageBatch([img], [0], 0)
         top, left, h, w = crop.params(ib.size[:, 0], ib.size[:, 1], ib.ids, 0)
-        assert (h >= 1).all() and (w >= 1).all() and (top + h <= img.shape[1]).all() and (left + w <= img.shape[2]).all()
+        assert (h >= 1).all() and (w >= 1).all()
+        assert (top + h <= img.shape[1]).all() and (left + w <= img.shape[2]).all()
         out = crop({"x": ib})["x"]
         assert out.shape == (1, 3, 8, 8) and out.min() >= 30  # the pixels of the crop, not zeros
 
@@ -338,3 +346,16 @@ def test_normalize_of_images_with_another_channel_count_is_not_a_silent_no_op():
     rgb_and_mask = {"img": torch.zeros(4, 3, 5, 5, dtype=torch.uint8), "m": torch.zeros(4, 1, 5, 5, dtype=torch.uint8)}
     out = gpu.Normalize()(rgb_and_mask)  # images found: other uint8 tensors pass, as documented
     assert out["img"].dtype == torch.float32 and out["m"] is rgb_and_mask["m"]
+
+
+def test_sizes_given_as_bools_are_refused():
+    """draft_size=True / target_size=True were taken as 1: JPEGs decoded at 1/8 scale for a cache."""
+    from fastdata.decode import ImageDecoder, SampleDecoder
+    from fastdata.transforms import Deterministic
+
+    with pytest.raises(ValueError, match="draft_size must be an int >= 1 or None, got True"):
+        ImageDecoder(draft_size=True)
+    with pytest.raises(ValueError, match="draft_size must be an int >= 1 or None, got True"):
+        SampleDecoder(draft_size=True)
+    with pytest.raises(ValueError, match="target_size must be an int >= 1 or None, got True"):
+        Deterministic(lambda x: x, version="1", target_size=True)

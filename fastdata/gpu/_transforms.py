@@ -25,7 +25,13 @@ from typing import Any
 import torch
 
 from fastdata.gpu._augment import ImageBatch, render_images
-from fastdata.prefetch.tree import Path, format_path, keys_matcher, map_tensors, tensor_leaves
+from fastdata.prefetch.tree import (
+    Path,
+    format_path,
+    keys_matcher,
+    map_tensors,
+    tensor_leaves,
+)
 
 __all__ = ["IMAGENET_MEAN", "IMAGENET_STD", "ChannelsLast", "Compose", "Normalize", "ToDtype"]
 
