@@ -69,7 +69,7 @@ class DecodeImages:
             available, else the CPU), ``"cpu"``, ``"cuda"``, ``"cuda:N"``. Use the prefetcher's device.
         on_error: ``"raise"`` (default), ``"skip"`` or ``"warn"`` for images that cannot be decoded.
         host_decoder: ``"auto"`` (torchvision when it works here, else Pillow), ``"torchvision"``
-            (:class:`~fastdata.gpu._codec.DecoderUnavailableError` here if it does not work) or
+            (a ``RuntimeError`` here, when built, if it does not work) or
             ``"pillow"``: the decoder for host-side images. 16-bit images keep their high byte.
         device_decoder: ``"auto"`` (torchvision, unless the environment variable
             ``FASTDATA_DEVICE_DECODER`` names another), ``"torchvision"`` or ``"nvimgcodec"``
