@@ -214,3 +214,42 @@ def test_a_full_disk_names_the_node_cache_folder(served, tmp_path):
         assert msg.startswith("RemoteError"), msg
         assert str(ds.source.node_cache.root) in msg and "shard-000000.tar" in msg and "free space" in msg, msg
         assert not list((ds.source.node_cache.root / ".tmp").iterdir())  # nothing half-written left
+
+
+def test_a_prefetch_failure_of_an_abandoned_walk_is_not_raised_by_a_later_one(served, tmp_path):
+    # A prefetch that failed (server down for a moment) was remembered for good: the next walk's
+    # demand fetch of that shard raised the old error without a request, although the server was back.
+    down = {"shard-000001.tar": True}
+    fault = lambda path, nth: 503 if down.get(path.rsplit("/", 1)[-1]) else None  # noqa: E731
+    with LoopbackServer(served, ranges=False, fault=fault, max_requests=200, lifetime=60) as srv:
+        ds = ShardedDataset(RemoteShards(srv.url + "/ds", cache_dir=tmp_path / "nc", prefetch=2, retries=1),
+                            decode=False)
+        cache = ds.source.node_cache
+        it = iter(ds)
+        next(it)  # reads shard 0 and prefetches shards 1 and 2: shard 1 fails
+        deadline = time.monotonic() + 20
+        while 1 not in cache._failed and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert 1 in cache._failed
+        it.close()  # the walk is abandoned (an early exit)
+        down.clear()  # the server is back
+        assert sorted(s["__key__"] for s in ds) == [f"k{i:05d}" for i in range(24)]
+        assert srv.counts["/ds/shard-000001.tar"] == 2
+
+
+def test_an_old_prefetch_failure_is_retried_by_the_demand_fetch(served, tmp_path, monkeypatch):
+    monkeypatch.setattr(_nodecache, "_FAILED_FRESH_S", 0.0)  # every failure is old by the time it is needed
+    down = {"shard-000001.tar": True}
+    fault = lambda path, nth: 503 if down.get(path.rsplit("/", 1)[-1]) else None  # noqa: E731
+    with LoopbackServer(served, ranges=False, fault=fault, max_requests=200, lifetime=60) as srv:
+        ds = ShardedDataset(RemoteShards(srv.url + "/ds", cache_dir=tmp_path / "nc", prefetch=2, retries=1),
+                            decode=False)
+        cache = ds.source.node_cache
+        it = iter(ds)
+        keys = [next(it)["__key__"]]
+        deadline = time.monotonic() + 20
+        while 1 not in cache._failed and time.monotonic() < deadline:
+            time.sleep(0.01)
+        down.clear()
+        keys += [s["__key__"] for s in it]  # the same walk reaches shard 1
+        assert sorted(keys) == [f"k{i:05d}" for i in range(24)]

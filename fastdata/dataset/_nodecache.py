@@ -73,6 +73,7 @@ _CHUNK = 4 << 20
 _PREFETCH_IDLE_S = 1.0  # an idle prefetch thread exits after this (no thread lingers, e.g. across a fork)
 _DEADLOCK_S = 1.0  # every holder of the space waiting this long (seen on every poll): nobody can move on
 _WAIT_FRESH_S = 10.0  # a waiter's registration not refreshed for this long no longer counts
+_FAILED_FRESH_S = 30.0  # a prefetch's failure older than this is not handed to the demand fetch
 _STALL_S = 120.0  # a demand download waiting this long without progress: RemoteError
 _RELEASE_POLL_S = 0.1  # a process holding open readers looks this often for processes waiting for space
 _RELEASE_IDLE_S = 0.5  # ... and then closes those of its readers no thread has read for this long
@@ -187,7 +188,9 @@ class ShardCache:
         self._lock = threading.Lock()
         self._queue: queue.Queue[int | None] | None = None  # prefetch requests for the daemon threads
         self._pending: dict[int, threading.Event] = {}
-        self._failed: dict[int, Exception] = {}  # prefetches that failed after every retry
+        # prefetches that failed after every retry: (time.monotonic(), error); raised by the shard's
+        # demand fetch when at most _FAILED_FRESH_S old and of this plan (else that fetch tries again)
+        self._failed: dict[int, tuple[float, Exception]] = {}
         self._active: set[int] = set()  # shards a prefetch thread is fetching now
         self._use: dict[int, list[int]] = {}  # shard -> fds holding its shared use lock
         self._token = uuid.uuid4().hex[:12]  # names this handle's registration in .waits/
@@ -252,6 +255,7 @@ class ShardCache:
             self._pos_in_order = {s: k for k, s in enumerate(self._order)}
             self._schedule = dict(schedule)
             self._now = float(now)
+            self._failed.clear()  # a new walk: its fetches try again (an abandoned walk's failures are old news)
         self._prefetch_after(-1)
 
     def _advance(self, i: int) -> None:
@@ -312,7 +316,7 @@ class ShardCache:
             except Exception as e:  # noqa: BLE001 - handed to the demand fetch of shard i, which raises it
                 _log.debug("node cache: prefetch of %s failed: %s", self.url(i), e)
                 with self._lock:
-                    self._failed[i] = e
+                    self._failed[i] = (time.monotonic(), e)
             finally:
                 with self._lock:
                     self._active.discard(i)
@@ -338,7 +342,9 @@ class ShardCache:
             if pending is not None:
                 pending.wait()  # a prefetch thread is downloading it
             with self._lock:
-                failed = self._failed.pop(i, None)
+                when, failed = self._failed.pop(i, (0.0, None))
+            if failed is not None and time.monotonic() - when > _FAILED_FRESH_S:
+                failed = None  # the network may be back: the demand fetch tries again
             if failed is not None and not self.is_local(i):  # the prefetch used up every retry already
                 raise failed
             if self.is_local(i):
