@@ -429,7 +429,9 @@ class ShardCache:
                 del readers
 
     def _others_wait(self) -> bool:
-        """Another live process (or another handle of this one) waits for space now (``.waits/``)."""
+        """Another process (or another handle of this one) waits for space now: its ``.waits/``
+        entry names a shard it waits for and was refreshed within ``_WAITER_FRESH_S`` (a waiter
+        refreshes it every poll; a dead one's goes stale, in any pid namespace)."""
         mine = self._wait_path()
         now = time.time()
         try:
@@ -446,15 +448,8 @@ class ShardCache:
                 pid, waits = int(entry["pid"]), entry["waits"]
             except (OSError, ValueError, KeyError, TypeError):
                 continue  # vanished, or being written
-            if not waits:
-                continue
-            try:
-                os.kill(pid, 0)
-            except ProcessLookupError:
-                continue
-            except PermissionError:
-                pass  # alive, another user's
-            return True
+            if waits and pid >= 0:  # fresh: refreshed every 50 ms by a live waiter (whatever its pid namespace)
+                return True
         return False
 
     def close(self) -> None:
