@@ -15,7 +15,9 @@ take the shard's download lock; if the verified file exists, reuse it (whoever w
 lock now finds it); else reserve space (evicting under ``space.lock``), stream the download into
 a uniquely named temporary file while hashing it, compare size and sha256 with the manifest,
 ``os.replace`` it into place, release the lock. A process killed mid-download leaves a ``.part``
-that the next holder of that shard's lock (or the next cache opened) removes.
+that the next holder of that shard's lock (or a process waiting for space) removes. A shard file
+whose size is not the manifest's (left by a host crash: nothing is fsynced) is no copy and is
+replaced; a sidecar index that does not load is rebuilt (:meth:`ShardCache.repair_index`).
 
 Eviction (``eviction="future"``, the default): the shard whose next use lies furthest in the
 future goes first (Belady's rule). Each process knows the epoch's shard order in advance: the
