@@ -359,3 +359,24 @@ def test_sizes_given_as_bools_are_refused():
         SampleDecoder(draft_size=True)
     with pytest.raises(ValueError, match="target_size must be an int >= 1 or None, got True"):
         Deterministic(lambda x: x, version="1", target_size=True)
+
+
+def test_a_skipped_sample_leaves_the_other_image_fields_too():
+    """DecodeImages(keys=["jpg"], on_error="skip") dropped a bad sample from the tensors and lists of the batch
+    but not from its other image fields (packed, or decoded by an earlier stage): 3 png images, 2 labels."""
+    from _images import jpeg, packed  # tests/_images.py
+
+    bad = b"\xff\xd8\xffjunk"
+    batch = {"jpg": packed([jpeg(1), bad, jpeg(3)]), "png": packed([jpeg(k, format="PNG") for k in (4, 5, 6)]),
+             "depth": ImageBatch([smooth(4 + k, 5, k) for k in range(3)], [100, 101, 102], 0), "cls": torch.arange(3)}
+    skip = gpu.DecodeImages(keys=["jpg"], device="cpu", host_decoder="pillow", on_error="skip")
+    out = Compose(skip, CenterCrop(8))(batch)
+    assert out["jpg"].shape[0] == 2 and out["cls"].tolist() == [0, 2]
+    assert out["png"].keys == ("k0", "k2") and out["png"].indices.tolist() == [100, 102]
+    assert [out["png"].tobytes(i) for i in range(2)] == [batch["png"].tobytes(0), batch["png"].tobytes(2)]
+    assert out["depth"].ids.tolist() == [100, 102]
+    png = gpu.DecodeImages(keys=["png"], device="cpu", host_decoder="pillow")(out)["png"]
+    assert len(png) == 2  # decoded later, still one image per label
+    # every sample bad: the other fields are empty too
+    none = Compose(skip, CenterCrop(8))({"jpg": packed([bad, bad]), "png": packed([jpeg(7), jpeg(8)])})
+    assert none["jpg"].shape[0] == 0 and len(none["png"]) == 0

@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from fastdata.dataset import ON_ERROR, PackedImages, SkippedSampleWarning
+from fastdata.dataset import ON_ERROR, EncodedImage, PackedImages, SkippedSampleWarning
 from fastdata.decode import check_max_pixels
 from fastdata.errors import DecodeError
 from fastdata.gpu._augment import ImageBatch
@@ -508,10 +508,25 @@ def _rebuild(obj: Any, path: tuple[Any, ...], replace: dict[tuple[Any, ...], Any
     return obj
 
 
+def _select_packed(packed: PackedImages, keep: list[int]) -> PackedImages:
+    """The images ``keep`` of ``packed``, packed anew (a decode started ahead for it is dropped)."""
+    if not keep:
+        return PackedImages(torch.empty(0, dtype=torch.uint8), torch.zeros(1, dtype=torch.int64), shards=[], keys=[],
+                            epoch=packed.epoch)
+    views, index = packed.views(), packed.indices.tolist()
+    return PackedImages.pack([EncodedImage(views[i].numpy(), shard=packed.shards[i], key=packed.keys[i],
+                                           index=index[i], epoch=packed.epoch) for i in keep])
+
+
 def _drop_rows(obj: Any, n: int, keep: list[int], done: set, path: tuple[Any, ...] = ()) -> Any:
-    """Keep rows ``keep`` of every per-sample entry: tensors with first dim ``n``, lists of ``n`` leaves."""
+    """Keep rows ``keep`` of every per-sample entry: tensors with first dim ``n``, lists of ``n`` leaves, and
+    the packed or decoded images of other fields (another stage's ``keys``)."""
     if path in done:
         return obj
+    if isinstance(obj, ImageBatch):
+        return obj.select(keep) if len(obj) == n else obj
+    if isinstance(obj, PackedImages):
+        return _select_packed(obj, keep) if len(obj) == n else obj
     if isinstance(obj, torch.Tensor):
         if obj.dim() >= 1 and obj.shape[0] == n:
             idx = torch.from_numpy(np.asarray(keep, dtype=np.int64))
