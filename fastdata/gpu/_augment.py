@@ -23,8 +23,9 @@ Resampling. Bilinear with antialiasing, the filter of ``torch.nn.functional.inte
 antialias=True)`` (PIL's): output pixel ``j`` reads source pixels ``k`` with weight
 ``max(0, 1 - |k + 0.5 - c_j| / s)``, ``c_j = a (j + 0.5) + b``, ``s = max(|a|, 1)``, normalised per
 output pixel. It is separable, so a group of images is resampled with two batched matrix products
-``Wy @ X @ Wx^T`` over a zero-padded canvas ``X`` holding each image's ``frame`` (its ``clip`` pixels). Images are
-grouped by size so that padding stays bounded (and the canvas under ``max_canvas`` elements).
+``Wy @ X @ Wx^T`` over a zero-padded canvas ``X`` holding each image's ``clip`` pixels in its ``frame``
+(cut to the padding the filter can blend in). Images are grouped by size so that padding stays
+bounded (and the canvas under ``max_canvas`` elements).
 Launches per render: the weights of all images at once (about a dozen kernels per axis; of a run of
 groups at a time where one large image would pad every image's weights to its size), then per
 group a zero canvas, the images' ``clip`` regions copied in by one ``torch._foreach_copy_`` call (the
@@ -33,8 +34,7 @@ the host on CUDA), two matmuls, rounding and a scatter into the output rows: no 
 per image. The canvas is float16 on CUDA (integers 0..255 are exact, weights to 2^-11; results
 within a grey level of float32) and float32 on the CPU. A batch is reproduced bit for bit; the same
 image in a batch of other images can differ by one grey level (the padded canvas changes the
-summation order). Output pixels in a ``CenterCrop``'s padding are 0, as
-torchvision's padding gives.
+summation order). Output pixels in a ``CenterCrop``'s padding are 0, as torchvision's padding gives.
 
 Random parameters come from a counter-based hash of ``(seed, epoch, sample index)`` computed on
 the host (splitmix64, the hash behind the dataset's shuffling): a sample gets the same crop and flip
@@ -328,7 +328,7 @@ def _to_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
 def _render_group(images: list[torch.Tensor], clip: np.ndarray, frame: np.ndarray, wy: torch.Tensor,
                   wx: torch.Tensor, rows: torch.Tensor, out: torch.Tensor) -> None:
     """Resample one group of images (their host ``clip`` regions, placed in their ``frame``; weights
-    ``(g, out, k)`` of the whole call, cut here to the group's canvas) into ``out[rows]``."""
+    ``(g, out, k)`` computed for its run of groups, cut here to the group's canvas) into ``out[rows]``."""
     # the zero-padded canvas of the frames: one copy per image (torch.nested.to_padded_tensor
     # would do it in one kernel but synchronises the host on CUDA: it copies its size metadata blocking)
     ry, rx = frame[:, 1] - frame[:, 0], frame[:, 3] - frame[:, 2]
