@@ -151,7 +151,8 @@ def _to_8bit(img: Image.Image, *, scale16: bool = True) -> Image.Image:
         if a.size and not (np.all((a >= 0) & (a <= 255)) and np.array_equal(a, np.floor(a))):
             kind = {"F": "float", "I": "32-bit integer"}.get(img.mode, "16-bit")
             raise ValueError(f"a {kind} image (mode {img.mode}) with values in [{a.min()}, {a.max()}]: not integers in "
-                             "0..255, so no uint8 image holds them; convert it to 8 bits yourself or give the field its own decoder")
+                             "0..255, so no uint8 image holds them; convert it to 8 bits yourself or give the field "
+                             "its own decoder")
         out = a.astype(np.uint8)
     res = Image.fromarray(np.ascontiguousarray(out))  # uint8 (H, W): mode L
     res.info, res.format = dict(img.info), img.format

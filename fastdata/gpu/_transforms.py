@@ -9,11 +9,12 @@ float32) and are normalised on the GPU. They are plain torch ops and work on CPU
 Which tensors are transformed: those whose path contains one of ``keys`` (dict keys, field names,
 indices), or with ``keys=None`` every image-like tensor: uint8 with at least 3 dimensions (for
 ``Normalize`` also with ``len(mean)`` channels at ``channel_dim``, and 3-D only where the batch holds
-no uint8 tensor of 4 or more dimensions: beside a batch of images, an ``(N, H, W)`` tensor is a stack of
-masks, whatever ``N``; for ``ChannelsLast`` any 4-D or 5-D tensor). ``keys`` under which no tensor sits, images left in an ``ImageBatch`` of several
-sizes, and ``Normalize()`` over a batch whose only images it cannot take (floating-point ones, as
-after torchvision's order ``ToDtype(float32, scale=True)``, or a channel count other than ``len(mean)``)
-are a ``ValueError`` rather than a batch passed on untouched.
+no uint8 tensor of 4 or more dimensions: beside a batch of images, an ``(N, H, W)`` tensor is a stack
+of masks, whatever ``N``; for ``ChannelsLast`` any 4-D or 5-D tensor). ``keys`` under which no tensor
+sits, images left in an ``ImageBatch`` of several sizes, and ``Normalize()`` over a batch whose only
+images it cannot take (floating-point ones, as after torchvision's order ``ToDtype(float32,
+scale=True)``, or a channel count other than ``len(mean)``) are a ``ValueError`` rather than a batch
+passed on untouched.
 """
 from __future__ import annotations
 
