@@ -20,10 +20,10 @@ Values that are not bytes (arrays from HDF5 shards) pass through, except that in
 scalars of ``cls``-like fields become ``int``.
 
 Images wider than 8 bits per sample become uint8 without silent loss: 16-bit greyscale keeps its
-high byte (``value >> 8``, as Pillow reads 16-bit colour PNGs, and as torchvision's
-``to_dtype(uint8, scale=True)`` after ``decode_image``); 32-bit integer and float images (modes I and F)
-keep their values where they are integers in 0..255 and are refused otherwise. For exact 16-bit
-values (label masks) give the field your own decoder. EXIF orientation is not applied (pixels as
+values where none exceeds 255 (label masks), else its high byte (``value >> 8``: the full 16-bit range,
+as Pillow reads 16-bit colour PNGs and as torchvision's ``to_dtype(uint8, scale=True)`` after
+``decode_image``); 32-bit integer and float images (modes I and F) keep their values where they are
+integers in 0..255 and are refused otherwise. For 16-bit labels above 255 give the field your own decoder. EXIF orientation is not applied (pixels as
 stored), as by torchvision's decoders by default and the device decode stage.
 """
 from __future__ import annotations
@@ -141,11 +141,11 @@ _WIDE_MODES = frozenset({"I;16", "I;16L", "I;16B", "I;16N", "I", "F"})
 
 def _to_8bit(img: Image.Image, *, scale16: bool = True) -> Image.Image:
     """An "L" image of a loaded 16-bit, 32-bit integer or float greyscale image (see the module docstring):
-    16-bit by the high byte (``scale16``: a 16-bit file's full range); otherwise only where every value is
-    an integer in 0..255, else ValueError. (Pillow's own conversion clips at 255, and
+    exact where every value is an integer in 0..255; else, with ``scale16``, 16-bit by the high byte (a
+    16-bit file's full range), and otherwise a ValueError. (Pillow's own conversion clips at 255, and
     ``np.asarray(img, dtype=np.uint8)`` wraps around.)"""
     a = np.asarray(img)
-    if scale16 and img.mode.startswith("I;16"):
+    if scale16 and img.mode.startswith("I;16") and a.size and a.max() > 255:
         out = (a >> 8).astype(np.uint8)
     else:
         if a.size and not (np.all((a >= 0) & (a <= 255)) and np.array_equal(a, np.floor(a))):

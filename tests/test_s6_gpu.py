@@ -107,7 +107,8 @@ def _png16(values: np.ndarray) -> bytes:
 
 def test_sixteen_bit_greyscale_keeps_its_high_byte_on_every_path(monkeypatch):
     """A 16-bit greyscale PNG came out clipped at 255 (near white) with mode RGB or L, as the low byte
-    (wrapped around) with mode None, while Pillow reads a 16-bit colour PNG by its high byte."""
+    (wrapped around) with mode None, while Pillow reads a 16-bit colour PNG by its high byte. Values above
+    255 now mean the full 16-bit range (the high byte); label masks (none above 255) keep their values."""
     from _images import packed  # tests/_images.py
 
     from fastdata.decode import ImageDecoder, SampleDecoder, image_to_tensor
@@ -139,6 +140,15 @@ def test_sixteen_bit_greyscale_keeps_its_high_byte_on_every_path(monkeypatch):
     out = _codec.decode_host(torch.frombuffer(bytearray(data), dtype=torch.uint8), packed([data]).info(0),
                              "torchvision")
     assert out.dtype == torch.uint8 and (out.numpy() == want).all()
+    # 16-bit label masks (no value above 255) keep their values, as they did when clipped, on every path
+    labels = np.array([[0, 3, 7, 255]])
+    mask = _png16(labels)
+    for mode in ("RGB", "L", None):
+        assert (ImageDecoder(mode)(mask).numpy() == labels).all(), mode
+    values = labels
+    out = _codec.decode_host(torch.frombuffer(bytearray(mask), dtype=torch.uint8), packed([mask]).info(0),
+                             "torchvision")
+    assert (out.numpy() == labels).all()
 
 
 def test_wide_integer_and_float_images_are_exact_or_refused():

@@ -244,7 +244,7 @@ def _decode_nvimgcodec(views: Sequence[torch.Tensor], device: torch.device) -> l
 
 def decode_host(data: torch.Tensor, info: ImageInfo, backend: str) -> torch.Tensor:
     """Decode one image (host uint8 tensor of its bytes) into an RGB uint8 ``(3, H, W)`` CPU tensor
-    (16-bit images by their high byte, as :mod:`fastdata.decode`).
+    (16-bit images as :mod:`fastdata.decode` converts them: exact up to 255, else their high byte).
 
     Raises whatever the library raises for a corrupt image; :mod:`fastdata.gpu._decode` names shard and key.
     """
@@ -254,8 +254,9 @@ def decode_host(data: torch.Tensor, info: ImageInfo, backend: str) -> torch.Tens
             out = tv.decode_jpeg(data, mode=tv.ImageReadMode.RGB)
         else:
             out = tv.decode_image(data, mode=tv.ImageReadMode.RGB)
-        if out.dtype != torch.uint8:  # a 16-bit PNG: uint16 (torchvision >= 0.21): its high byte, as with Pillow
-            out = out.to(torch.int32).bitwise_right_shift_(8).to(torch.uint8)
+        if out.dtype != torch.uint8:  # a 16-bit PNG: uint16 (torchvision >= 0.21): as fastdata.decode does
+            wide = out.to(torch.int32)
+            out = (wide.bitwise_right_shift_(8) if wide.numel() and int(wide.max()) > 255 else wide).to(torch.uint8)
         return out if out.dim() == 3 else out[0]  # gif: first frame
     return _pillow_rgb(data)
 

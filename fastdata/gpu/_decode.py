@@ -70,7 +70,8 @@ class DecodeImages:
         on_error: ``"raise"`` (default), ``"skip"`` or ``"warn"`` for images that cannot be decoded.
         host_decoder: ``"auto"`` (torchvision when it works here, else Pillow), ``"torchvision"``
             (a ``RuntimeError`` here, when built, if it does not work) or
-            ``"pillow"``: the decoder for host-side images. 16-bit images keep their high byte.
+            ``"pillow"``: the decoder for host-side images. 16-bit images become 8-bit as
+            :mod:`fastdata.decode` says.
         device_decoder: ``"auto"`` (torchvision, unless the environment variable
             ``FASTDATA_DEVICE_DECODER`` names another), ``"torchvision"`` or ``"nvimgcodec"``
             (nvImageCodec, optional: ``pip install nvidia-nvimgcodec-cu13 nvidia-nvjpeg``; its
