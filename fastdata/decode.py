@@ -23,8 +23,9 @@ Images wider than 8 bits per sample become uint8 without silent loss: 16-bit gre
 values where none exceeds 255 (label masks), else its high byte (``value >> 8``: the full 16-bit range,
 as Pillow reads 16-bit colour PNGs and as torchvision's ``to_dtype(uint8, scale=True)`` after
 ``decode_image``); 32-bit integer and float images (modes I and F) keep their values where they are
-integers in 0..255 and are refused otherwise. For 16-bit labels above 255 give the field your own decoder. EXIF orientation is not applied (pixels as
-stored), as by torchvision's decoders by default and the device decode stage.
+integers in 0..255 and are refused otherwise. For 16-bit labels above 255 give the field your own
+decoder. EXIF orientation is not applied (pixels as stored), as by torchvision's decoders by default
+and the device decode stage.
 """
 from __future__ import annotations
 
