@@ -2,7 +2,11 @@
 one regression test per defect found."""
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import threading
+import time
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -80,3 +84,52 @@ def test_loader_epoch_set_behind_a_driven_prefetcher_is_honoured(seamless: bool)
         assert _epochs_of(list(p)) == {6}
     finally:
         p.close()
+
+
+def _wait_exit(pid: int, seconds: float) -> int | None:
+    """The exit status of child ``pid`` once it has ended within ``seconds``, else None."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.02)
+    return None
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_worker_ends_when_the_loaders_process_is_killed_though_its_parent_lives() -> None:
+    """A forkserver worker's parent is the fork server, which outlives a kill -9 of the training
+    process (every forkserver child holds the server's "alive" pipe), and torch's workers check only
+    their parent: after the kill, the workers and the server lived on for good (a spawn worker that
+    started after the kill did too). Here the "loader's process" is a forked child killed with
+    SIGKILL and the worker a sibling whose parent (this process) lives on, as the fork server does."""
+    from fastdata.loader import _watchdog
+
+    owner = os.fork()
+    if owner == 0:  # the loader's process
+        time.sleep(30)
+        os._exit(0)
+    worker = None
+    try:
+        init = _watchdog.WorkerInit(None, None)
+        init.parent, init.parent_start = owner, _watchdog._start_time(owner)  # made in the loader's process
+        worker = os.fork()
+        if worker == 0:
+            try:
+                init(0)
+                time.sleep(30)
+            finally:
+                os._exit(0)
+        time.sleep(0.1)
+        assert _wait_exit(worker, 0) is None  # running while the loader's process lives
+        os.kill(owner, signal.SIGKILL)
+        assert _wait_exit(owner, 10) is not None
+        assert _wait_exit(worker, 10) == 1  # ended by its watch, within a poll or two
+        worker = None
+    finally:
+        for pid in (owner, worker):
+            if pid:
+                with contextlib.suppress(ProcessLookupError, ChildProcessError):
+                    os.kill(pid, signal.SIGKILL)
+                    os.waitpid(pid, 0)

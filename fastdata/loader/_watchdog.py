@@ -111,17 +111,80 @@ def _install(folder: str, worker_id: int) -> None:
     os.replace(tmp, final)  # now the handler is in place: the main process may signal
 
 
+_PARENT_POLL_S = 0.5  # how often a worker checks that the loader's process is still there
+PARENT_WATCH_THREAD = "fastdata-worker-parent-watch"
+
+
+def _start_time(pid: int) -> str | None:
+    """The process's start time (Linux ``/proc``; tells a pid reused by another process apart), or None."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read().decode("ascii", "replace")
+        return stat[stat.rindex(")") + 2 :].split()[19]
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _process_gone(pid: int, start: str | None) -> bool:
+    """True once process ``pid`` (started at ``start``) has ended: no such process, a zombie, or the pid
+    now names a process started at another time."""
+    if _PROC:
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                stat = f.read().decode("ascii", "replace")
+        except FileNotFoundError:
+            return True
+        except OSError:
+            return False
+        tail = stat[stat.rindex(")") + 2 :].split()
+        return tail[0] in ("Z", "X") or (start is not None and len(tail) > 19 and tail[19] != start)
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        return False
+    return False
+
+
+def _watch_parent(pid: int, start: str | None, ppid: int) -> None:
+    """Thread body in a worker: end the worker at once when the loader's process ``pid`` is gone.
+
+    torch's workers check only their parent process, and only between two tasks: a forkserver
+    worker's parent is the fork server, which outlives the loader's process (each of its children
+    holds its "alive" pipe open), so after a ``kill -9`` of the training process such workers lived
+    on for good; a fork or spawn worker blocked in a write to the result pipe at exit (the reading
+    process is gone, but the other workers keep the pipe open) did too."""
+    while True:
+        time.sleep(_PARENT_POLL_S)
+        if (ppid == pid and os.getppid() != ppid) or _process_gone(pid, start):
+            os._exit(1)
+
+
+def _arm_parent_watch(pid: int, start: str | None, ppid: int) -> None:
+    if os.name == "nt" or pid == os.getpid():  # Windows: os.kill(pid, 0) would send CTRL_C_EVENT
+        return
+    if _process_gone(pid, start):  # gone before the worker got here
+        os._exit(1)
+    threading.Thread(target=_watch_parent, args=(pid, start, ppid), name=PARENT_WATCH_THREAD, daemon=True).start()
+
+
 class WorkerInit:
     """``worker_init_fn`` of fastdata.DataLoader's workers: arms the worker's exit through ``os._exit``
-    (:mod:`fastdata.loader._exit`), installs the stack dump handler when the stall watchdog is on
-    (``folder``), then calls the user's ``worker_init_fn`` (if any). Picklable (spawn, forkserver)."""
+    (:mod:`fastdata.loader._exit`) and its end when the loader's process dies (a daemon thread that
+    checks it twice a second, ``_watch_parent``), installs the stack dump handler when the stall
+    watchdog is on (``folder``), then calls the user's ``worker_init_fn`` (if any). Made in the
+    loader's process; picklable (spawn, forkserver)."""
 
     def __init__(self, folder: str | None, user_fn: Callable[[int], Any] | None):
         self.folder = folder
         self.user_fn = user_fn
+        self.parent = os.getpid()  # the loader's process: the workers end with it
+        self.parent_start = _start_time(self.parent)
 
     def __call__(self, worker_id: int) -> None:
         _exit.arm()
+        _arm_parent_watch(self.parent, self.parent_start, os.getppid())
         if self.folder is not None:
             try:
                 _install(self.folder, worker_id)
