@@ -9,11 +9,15 @@ import threading
 import time
 import warnings
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+from fastdata.dataset import ShardedDataset
+from fastdata.loader import DataLoader
 from fastdata.prefetch import CUDAPrefetcher
+from fastdata.shards.writer import ShardWriter
 
 
 class _Epochal:
@@ -133,3 +137,53 @@ def test_a_worker_ends_when_the_loaders_process_is_killed_though_its_parent_live
                 with contextlib.suppress(ProcessLookupError, ChildProcessError):
                     os.kill(pid, signal.SIGKILL)
                     os.waitpid(pid, 0)
+
+
+def _keyed(dest: Path, n: int = 12, per_shard: int = 4) -> Path:
+    with ShardWriter(dest, max_samples=per_shard) as w:
+        for i in range(n):
+            w.write({"__key__": f"k{i:03d}", "cls": str(i).encode()})
+    return dest
+
+
+class _Blocking:
+    """sample_transform that blocks on ``release`` from the sample ``first`` on, counting its blocked calls."""
+
+    def __init__(self, first: str) -> None:
+        self.first = first
+        self.release = threading.Event()
+        self.lock = threading.Lock()
+        self.blocked = 0
+
+    def __call__(self, sample: dict[str, Any]) -> dict[str, Any]:
+        if sample["__key__"] >= self.first:
+            with self.lock:
+                self.blocked += 1
+            self.release.wait(30)
+        return sample
+
+
+def test_closing_a_thread_decoder_with_stuck_threads_waits_once_not_once_per_thread(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """close() (and so a break, Ctrl-C or the pause before a fork) joined each pool thread stuck in a
+    transform for _JOIN_S (10 s) in turn: 4 threads stuck on a slow remote read held the consumer
+    40 s. One deadline now covers them all, and one warning names them."""
+    from fastdata.loader import _threads
+
+    monkeypatch.setattr(_threads, "_JOIN_S", 0.5)
+    block = _Blocking("k004")
+    loader = DataLoader(ShardedDataset(_keyed(tmp_path / "ds"), sample_transform=block), batch_size=4,
+                        num_workers=1, decode_threads=4)
+    it = iter(loader)
+    try:
+        assert list(next(it)["__key__"]) == ["k000", "k001", "k002", "k003"]
+        deadline = time.monotonic() + 10
+        while block.blocked < 4 and time.monotonic() < deadline:  # every pool thread is stuck
+            time.sleep(0.01)
+        assert block.blocked == 4
+        t0 = time.monotonic()
+        with pytest.warns(RuntimeWarning, match=r"fastdata-decode-0, .*did not finish their task within 0.5 s"):
+            it.close()
+        assert time.monotonic() - t0 < 1.6  # was 4 x 0.5 s
+    finally:
+        block.release.set()

@@ -202,12 +202,15 @@ class _Pool:
             self._stopping = True
             self._cv.notify_all()
             threads = list(self._threads)
+        deadline = time.monotonic() + _JOIN_S  # one wait for all of them: not _JOIN_S per stuck thread
         for t in threads:
             if t is not me:
-                t.join(_JOIN_S)
-                if t.is_alive():
-                    warnings.warn(f"fastdata decode thread {t.name} did not finish its task within {_JOIN_S:.0f} s "
-                                  "(a transform that blocks?); left running as a daemon", RuntimeWarning, stacklevel=3)
+                t.join(max(0.0, deadline - time.monotonic()))
+        stuck = [t.name for t in threads if t is not me and t.is_alive()]
+        if stuck:
+            warnings.warn(f"fastdata decode thread(s) {', '.join(stuck)} did not finish their task within "
+                          f"{_JOIN_S:g} s (a transform that blocks?); left running as daemons", RuntimeWarning,
+                          stacklevel=3)
         with self._cv:
             self._threads = [t for t in self._threads if t.is_alive()]
 
