@@ -187,3 +187,24 @@ def test_closing_a_thread_decoder_with_stuck_threads_waits_once_not_once_per_thr
         assert time.monotonic() - t0 < 1.6  # was 4 x 0.5 s
     finally:
         block.release.set()
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_close_ends_a_worker_path_iterator_and_stops_its_workers(tmp_path: Path, workers: int) -> None:
+    """close() on a worker-path iterator stopped only the watchdog: its worker processes ran on (and
+    loaded ahead) until a garbage collection, and next() went on yielding batches; on the thread
+    decoder close() ends the iteration. Now it does on every path."""
+    import multiprocessing
+
+    loader = DataLoader(ShardedDataset(_keyed(tmp_path / "ds"), shuffle=False), batch_size=2, num_workers=workers,
+                        multiprocessing_context="fork" if workers else None)
+    it = iter(loader)
+    assert list(next(it)["__key__"]) == ["k000", "k001"]
+    state = loader.state_dict()
+    it.close()
+    assert multiprocessing.active_children() == []
+    with pytest.raises(StopIteration):
+        next(it)
+    it.close()  # twice is fine
+    assert loader.state_dict() == state  # the batches received, as before
+    assert len(list(loader)) == len(loader)  # the next iteration is whole

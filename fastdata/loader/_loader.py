@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import types
 import warnings
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -121,12 +122,17 @@ class _LoaderIter:
         return len(self._inner) if self._length is None else self._length
 
     def close(self) -> None:
-        """Stop the in-process thread decoder's threads and the stall watchdog's thread now."""
+        """End this iteration now (later ``next()``: StopIteration): stop the stall watchdog's thread,
+        the thread decoder's threads and worker processes that are not persistent (persistent
+        workers stay with the loader). Safe to call twice."""
+        self._ended = True
         if self._watch is not None:
             self._watch.stop()
-        close = getattr(self._inner, "close", None)
-        if isinstance(self._inner, _thread_loader.ThreadBatches) and close is not None:
-            close()
+        inner = self._inner
+        if isinstance(inner, (_thread_loader.ThreadBatches, types.GeneratorType)):  # threads; the cached path
+            inner.close()
+        elif not getattr(inner, "_persistent_workers", True) and callable(getattr(inner, "_shutdown_workers", None)):
+            inner._shutdown_workers()  # torch's worker processes stop now, not at a later garbage collection
 
     def _end_pass(self) -> None:
         """The pass is over (``SkipBudgetError``): stop its worker processes now, while torch's queues
