@@ -253,3 +253,48 @@ def test_an_old_prefetch_failure_is_retried_by_the_demand_fetch(served, tmp_path
         down.clear()
         keys += [s["__key__"] for s in it]  # the same walk reaches shard 1
         assert sorted(keys) == [f"k{i:05d}" for i in range(24)]
+
+
+def _use_locks_open() -> int:
+    fds = Path("/proc/self/fd")
+    n = 0
+    for fd in fds.iterdir():
+        try:
+            n += os.readlink(fd).endswith(".use")
+        except OSError:
+            pass
+    return n
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="needs /proc")
+def test_a_dropped_dataset_gives_its_use_locks_back(served, tmp_path):
+    # Every remote dataset object let go of kept a descriptor and a use lock per shard it had open for
+    # the life of the process: 12 more per dataset here (EMFILE in a sweep or a notebook; with
+    # max_bytes, shards pinned in the node cache that nothing could release).
+    import gc
+
+    import threading
+
+    releasers = lambda: sum(t.name == "fastdata-nodecache-release" for t in threading.enumerate())  # noqa: E731
+    with LoopbackServer(served, ranges=False, max_requests=500, lifetime=60) as srv:
+        spec = RemoteShards(srv.url + "/ds", cache_dir=tmp_path / "nc", prefetch=0, max_bytes=10**9)
+        before = _use_locks_open()
+        held = []
+        for seed in range(3):
+            ds = ShardedDataset(spec, shuffle=True, seed=seed, decode=False)
+            assert len(list(ds)) == 24
+            del ds
+            deadline = time.monotonic() + 10  # a dropped cache's idle-reader thread ends within its next poll
+            while True:
+                gc.collect()
+                n = _use_locks_open() - before
+                if n <= 6 or time.monotonic() > deadline:
+                    break
+                time.sleep(0.15)
+            held.append(n)
+        # the last walk's dataset stays referenced (current_cursor) until the next walk: its 6 shards at most
+        assert max(held) <= 6, held
+        deadline = time.monotonic() + 10
+        while releasers() > 1 and time.monotonic() < deadline:  # the dropped caches' idle-reader threads end
+            time.sleep(0.05)
+        assert releasers() <= 1

@@ -195,6 +195,8 @@ class ShardCache:
         self._failed: dict[int, tuple[float, Exception]] = {}
         self._active: set[int] = set()  # shards a prefetch thread is fetching now
         self._use: dict[int, list[int]] = {}  # shard -> fds holding its shared use lock
+        # a handle dropped with shards open (a dataset object let go of) gives their use locks back
+        self._finalizer = weakref.finalize(self, _release_all, self._use, self._pid)
         self._token = uuid.uuid4().hex[:12]  # names this handle's registration in .waits/
         self._waits: dict[int, int] = {}  # thread ident -> shard it waits for space for
         self._gave_up = False  # raised the deadlock error: the registration stays until shards are released
@@ -214,7 +216,7 @@ class ShardCache:
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         for name in ("_lock", "_queue", "_pending", "_failed", "_active", "_use", "_waits", "_readers",
-                     "_releaser"):
+                     "_releaser", "_finalizer"):
             state.pop(name)
         return state
 
@@ -413,22 +415,26 @@ class ShardCache:
             with self._lock:
                 if self._releaser is not me:
                     return  # the cache was reset (fork, close)
-                readers = list(self._readers)
-                if not readers:  # nothing open: exit (the next watch() starts a new thread)
+                if not self._readers:  # nothing open: exit (the next watch() starts a new thread)
                     self._releaser = None
                     return
             try:
-                # nobody waits, or this process waits too (then the deadlock check decides): the
-                # readers only note their read counts (their idle clocks)
-                idle_s = math.inf if self._waits or not self._others_wait() else _RELEASE_IDLE_S
-                now = time.monotonic()
-                for reader in readers:
-                    if reader.release_if_idle(now, idle_s):
-                        _log.debug("node cache: released idle %s for a process waiting for space", reader)
+                self._release_idle()
             except Exception as e:  # noqa: BLE001 - never dies silently: logged, tried again next poll
                 _log.warning("node cache %s: releasing idle readers failed: %r", self.root, e)
-            finally:
-                del readers
+
+    def _release_idle(self) -> None:
+        """One poll of the releaser (its own frame: no reader outlives it here, so the readers that
+        nobody else holds can be collected, and then this cache)."""
+        with self._lock:
+            readers = list(self._readers)
+        # nobody waits, or this process waits too (then the deadlock check decides): the readers
+        # only note their read counts (their idle clocks)
+        idle_s = math.inf if self._waits or not self._others_wait() else _RELEASE_IDLE_S
+        now = time.monotonic()
+        for reader in readers:
+            if reader.release_if_idle(now, idle_s):
+                _log.debug("node cache: released idle %s for a process waiting for space", reader)
 
     def _others_wait(self) -> bool:
         """Another process (or another handle of this one) waits for space now: its ``.waits/``
@@ -788,6 +794,20 @@ class ShardCache:
     def used_bytes(self) -> int:
         """Bytes of verified shards in the cache folder now."""
         return sum((self.root / s.name).stat().st_size for s in self.manifest.shards if (self.root / s.name).is_file())
+
+
+def _release_all(use: dict[int, list[int]], pid: int) -> None:
+    """The use locks of a collected :class:`ShardCache` (its finalizer: no lock taken, no Python
+    object of the cache touched). A forked child leaves its parent's descriptors alone."""
+    if os.getpid() != pid:
+        return
+    for fds in list(use.values()):
+        while fds:
+            try:
+                _unlock(fds.pop())
+            except OSError:  # pragma: no cover - already closed
+                pass
+    use.clear()
 
 
 def _size(path: Path) -> int | None:
