@@ -302,7 +302,9 @@ class DataLoader(torch.utils.data.DataLoader):
         Everything else: as ``torch.utils.data.DataLoader``, except that worker processes (over a
         ``ShardedDataset``) leave through ``os._exit`` under every start method, as fork children do
         (spawn workers otherwise run finalization and C++ static destructors, which aborted some at
-        an early stop; see ``fastdata.loader._exit``): ``atexit`` handlers in workers do not run.
+        an early stop; see ``fastdata.loader._exit``): ``atexit`` handlers in workers do not run;
+        and they end within a second when this process dies (``kill -9`` included), whatever their
+        parent process (a ``forkserver`` worker's is the fork server; see ``_watchdog.WorkerInit``).
 
     ``fast_path_pinned`` (attribute, default False): gather the cached fast path's batches straight
     into page-locked buffers even without ``pin_memory``; ``CUDAPrefetcher`` sets it on the loader it
