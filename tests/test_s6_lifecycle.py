@@ -208,3 +208,21 @@ def test_close_ends_a_worker_path_iterator_and_stops_its_workers(tmp_path: Path,
     it.close()  # twice is fine
     assert loader.state_dict() == state  # the batches received, as before
     assert len(list(loader)) == len(loader)  # the next iteration is whole
+
+
+def test_a_new_iteration_over_persistent_workers_ends_the_previous_iterator(tmp_path: Path) -> None:
+    """torch resets its one persistent-worker iterator at every iter(); fastdata's previous iterator
+    still wrapped it, so its next() silently took a batch of the new iteration (counted in its own
+    state), the new iterator missed that batch and the loader's state_dict() replayed it on resume.
+    The previous iterator now ends (StopIteration), as torch's own reset one has moved on."""
+    loader = DataLoader(ShardedDataset(_keyed(tmp_path / "ds"), shuffle=False), batch_size=2, num_workers=1,
+                        persistent_workers=True, multiprocessing_context="fork")
+    first = iter(loader)
+    next(first)
+    second = iter(loader)
+    keys = list(next(second)["__key__"])
+    with pytest.raises(StopIteration):
+        next(first)
+    keys += [k for batch in second for k in batch["__key__"]]
+    assert keys == [f"k{i:03d}" for i in range(12)]
+    assert loader.state_dict()["batches"] == len(loader) == 6

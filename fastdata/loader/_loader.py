@@ -333,6 +333,7 @@ class DataLoader(torch.utils.data.DataLoader):
             if why is not None:
                 raise ValueError(f"decode_threads={decode_threads}: {why}")
         self._run: _Run | None = None
+        self._live: weakref.ref[_LoaderIter] | None = None  # the latest worker-path iterator
         self.cached_fast_path = mode
         self.last_path: str | None = None  # "cached", "threads" or "workers": the path the latest iteration took
         self.fallback_reason: str | None = None  # why the latest iteration did not take the fast path
@@ -407,7 +408,14 @@ class DataLoader(torch.utils.data.DataLoader):
             ds.preload_next_epoch(0)
         ds.consume_resume()
         self._run = _Run(start, list(start.consumed))
-        return _loader_iter(self, inner, self._run, None, _worker_helpers)
+        previous = self._live() if self._live is not None else None
+        if previous is not None and previous._inner is inner:  # persistent workers: torch reset that iterator
+            previous._ended = True  # it would take this iteration's batches (and count them as its own)
+            if previous._watch is not None:
+                previous._watch.stop(join=False)
+        it = _loader_iter(self, inner, self._run, None, _worker_helpers)
+        self._live = weakref.ref(it)
+        return it
 
     def _get_iterator(self) -> Any:
         """torch's iterator, its workers started through ``_watchdog.WorkerInit`` (it stands in for
