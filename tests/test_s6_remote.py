@@ -298,3 +298,38 @@ def test_a_dropped_dataset_gives_its_use_locks_back(served, tmp_path):
         while releasers() > 1 and time.monotonic() < deadline:  # the dropped caches' idle-reader threads end
             time.sleep(0.05)
         assert releasers() <= 1
+
+
+def test_threads_acquiring_and_releasing_one_shard_keep_count(served, tmp_path):
+    # ShardCache.release checked and deleted _use[i] without a lock: two threads releasing the same
+    # shard raised KeyError (and an acquire between the check and the delete lost track of its lock).
+    # The idle-reader thread releases while the process's readers acquire, so this now happens.
+    import threading
+
+    with LoopbackServer(served, ranges=False, max_requests=50, lifetime=60) as srv:
+        cache = ShardedDataset(RemoteShards(srv.url + "/ds", cache_dir=tmp_path / "nc", prefetch=0),
+                               decode=False).source.node_cache
+        cache.acquire(0)
+        cache.release(0)  # downloaded; from here on the threads empty and refill its list of locks
+        errors: list[str] = []
+
+        def churn() -> None:
+            try:
+                for _ in range(1000):
+                    cache.acquire(0)
+                    cache.release(0)
+            except Exception as e:  # noqa: BLE001 - reported below
+                errors.append(repr(e))
+
+        interval = sys.getswitchinterval()
+        sys.setswitchinterval(1e-6)
+        try:
+            threads = [threading.Thread(target=churn) for _ in range(3)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(60)
+        finally:
+            sys.setswitchinterval(interval)
+        assert errors == []
+        assert cache._use == {}  # nothing lost or left over

@@ -366,7 +366,8 @@ class ShardCache:
             fd = os.open(self._lock_path(i, "use"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
             fcntl.flock(fd, fcntl.LOCK_SH)
             if self.is_local(i):  # not evicted between ensure and the lock
-                self._use.setdefault(i, []).append(fd)
+                with self._lock:  # _use is shared by this process's threads (readers, the idle-reader thread)
+                    self._use.setdefault(i, []).append(fd)
                 return path
             _unlock(fd)
 
@@ -374,14 +375,18 @@ class ShardCache:
         """Undo one :meth:`acquire` of shard ``i`` (in this process)."""
         if self._pid != os.getpid():
             return  # the parent's locks are not ours to release
-        fds = self._use.get(i)
-        if fds:
-            _unlock(fds.pop())
+        with self._lock:
+            fds = self._use.get(i)
             if not fds:
+                return
+            fd = fds.pop()
+            emptied = not fds
+            if emptied:
                 del self._use[i]
-                if self._gave_up:  # others may count this process as stuck: tell them what it holds now
-                    with _flock(self.root / ".locks" / "space.lock"):
-                        self._write_wait()
+        _unlock(fd)
+        if emptied and self._gave_up:  # others may count this process as stuck: tell them what it holds now
+            with _flock(self.root / ".locks" / "space.lock"):
+                self._write_wait()
 
     # ----- idle readers give way to processes waiting for space ------------------------------------
     def watch(self, reader: Any) -> None:
@@ -475,7 +480,7 @@ class ShardCache:
                 event.set()  # nobody waits for these any more
             for _ in range(min(4, self.prefetch)):
                 requests.put(None)
-        for i in list(self._use):
+        for i in self._held():
             while self._use.get(i):
                 self.release(i)
 
@@ -636,7 +641,7 @@ class ShardCache:
                 if downloading:
                     others_hold = True  # downloads in progress (any process or thread) become evictable when done
                 if not others_hold:  # only this process's own open readers pin the space: waiting cannot help
-                    mine_open = sorted(self._use)
+                    mine_open = self._held()
                     raise RemoteError(
                         f"node cache {self.root}: max_bytes={self.max_bytes} cannot hold shard {shard.name} "
                         f"({shard.bytes} bytes) next to the {len(mine_open)} shards this process has open "
@@ -672,6 +677,11 @@ class ShardCache:
                 with _flock(self.root / ".locks" / "space.lock"):
                     self._write_wait()
 
+    def _held(self) -> list[int]:
+        """The shards this process holds open (a snapshot: other threads acquire and release)."""
+        with self._lock:
+            return sorted(self._use)
+
     def _wait_path(self) -> Path:
         return self.root / ".waits" / f"{os.getpid()}-{self._token}"
 
@@ -682,7 +692,7 @@ class ShardCache:
             self._gave_up = False
             path.unlink(missing_ok=True)
             return
-        entry = {"pid": os.getpid(), "held": sorted(self._use), "waits": sorted(set(self._waits.values())),
+        entry = {"pid": os.getpid(), "held": self._held(), "waits": sorted(set(self._waits.values())),
                  "gave_up": self._gave_up}
         try:
             path.write_text(json.dumps(entry))
@@ -717,7 +727,7 @@ class ShardCache:
         if not pinned:
             return None
         want = set(pinned)
-        waiting: set[int] = set(self._use)
+        waiting: set[int] = set(self._held())
         procs = int(bool(want & waiting))
         now = time.time()
         mine = self._wait_path()
