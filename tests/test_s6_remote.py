@@ -333,3 +333,16 @@ def test_threads_acquiring_and_releasing_one_shard_keep_count(served, tmp_path):
             sys.setswitchinterval(interval)
         assert errors == []
         assert cache._use == {}  # nothing lost or left over
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"eviction": "LRU"}, r"RemoteShards\.eviction must be one of"),
+    ({"prefetch": -1}, r"RemoteShards\.prefetch must be an int >= 0"),
+    ({"prefetch": True}, r"RemoteShards\.prefetch must be an int >= 0"),
+    ({"cache_dir": 123}, r"RemoteShards\.cache_dir must be a path"),
+])
+def test_remote_shards_arguments_are_checked_before_any_request(kwargs, match):
+    # They were checked only after the manifest was fetched: with the server down the user got the
+    # RemoteError of five retried requests (seconds) instead; with it up, a message not naming RemoteShards.
+    with pytest.raises((ValueError, TypeError), match=match):
+        RemoteShards("http://127.0.0.1:9/ds", **kwargs)

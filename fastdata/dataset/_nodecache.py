@@ -671,7 +671,8 @@ class ShardCache:
                     self._stalled_since = None
                     raise RemoteError(f"node cache {self.root}: max_bytes={self.max_bytes} cannot hold shard "
                                       f"{shard.name} ({shard.bytes} bytes) next to the shards in use on this host "
-                                      f"for {_STALL_S:g} s; raise the limit or read fewer shards at once (open_shards, workers)")
+                                      f"for {_STALL_S:g} s; raise the limit or read fewer shards at once "
+                                      "(open_shards, workers)")
         finally:
             if self._waits.pop(threading.get_ident(), None) is not None:
                 with _flock(self.root / ".locks" / "space.lock"):

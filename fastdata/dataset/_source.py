@@ -66,6 +66,17 @@ class RemoteShards:
             object.__setattr__(self, "max_bytes", parse_size(self.max_bytes, name="RemoteShards.max_bytes"))
         if isinstance(self.retries, bool) or not isinstance(self.retries, int) or self.retries < 1:
             raise ValueError(f"RemoteShards.retries must be an int >= 1 (attempts per request), got {self.retries!r}")
+        # checked here, before the manifest is fetched (a network round trip, retried when the server is down)
+        if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) or self.prefetch < 0:
+            raise ValueError(f"RemoteShards.prefetch must be an int >= 0 (shards downloaded ahead), "
+                             f"got {self.prefetch!r}")
+        from fastdata.dataset._nodecache import EVICTION_POLICIES
+
+        if self.eviction not in EVICTION_POLICIES:
+            raise ValueError(f"RemoteShards.eviction must be one of {EVICTION_POLICIES}, got {self.eviction!r}")
+        if self.cache_dir is not None and not isinstance(self.cache_dir, (str, os.PathLike)):
+            raise TypeError(f"RemoteShards.cache_dir must be a path (str or os.PathLike) or None, "
+                            f"got {self.cache_dir!r}")
         RetryPolicy(attempts=self.retries)  # validates
 
     @property
