@@ -346,3 +346,35 @@ def test_remote_shards_arguments_are_checked_before_any_request(kwargs, match):
     # RemoteError of five retried requests (seconds) instead; with it up, a message not naming RemoteShards.
     with pytest.raises((ValueError, TypeError), match=match):
         RemoteShards("http://127.0.0.1:9/ds", **kwargs)
+
+
+def _download_past_a_size_limit(url: str, dest: Path, out: Path) -> None:
+    import resource
+    import signal
+
+    from fastdata.shards import download
+
+    try:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (4096, resource.RLIM_INFINITY))
+        download(url, dest)
+        out.write_text("downloaded")
+    except BaseException as e:  # noqa: BLE001 - reported to the test
+        out.write_text(f"{type(e).__name__}: {e}")
+    finally:
+        os._exit(0)
+
+
+def test_download_that_cannot_be_written_names_the_destination(served, tmp_path):
+    # fastdata.shards.download (a URL SRC of `fastdata shard`) let a local write error out bare:
+    # "OSError: [Errno 27] File too large", naming neither the file nor the URL (and not a RemoteError,
+    # which the conversion turns into a ConversionError naming SRC).
+    with LoopbackServer(served, ranges=False, max_requests=50, lifetime=60) as srv:
+        out, dest = tmp_path / "out.txt", tmp_path / "copy.tar"
+        proc = mp.get_context("fork").Process(target=_download_past_a_size_limit,
+                                              args=(srv.url + "/ds/shard-000000.tar", dest, out))
+        proc.start()
+        proc.join(30)
+    msg = out.read_text()
+    assert msg.startswith("RemoteError") and str(dest) in msg and "shard-000000.tar" in msg, msg
+    assert not list(tmp_path.glob("copy.tar*"))  # nothing half-written left

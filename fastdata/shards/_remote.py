@@ -350,11 +350,16 @@ def download(url: str, dest: str | os.PathLike[str], *, size: int | None = None,
     digest = hashlib.sha256()
     got = 0
     try:
-        with RemoteStream(url, size=size, retry=retry, what="downloading") as src, open(tmp, "wb") as out:
-            while chunk := src.read(_CHUNK):
-                digest.update(chunk)
-                out.write(chunk)
-                got += len(chunk)
+        try:
+            with RemoteStream(url, size=size, retry=retry, what="downloading") as src, open(tmp, "wb") as out:
+                while chunk := src.read(_CHUNK):
+                    digest.update(chunk)
+                    out.write(chunk)
+                    got += len(chunk)
+        except OSError as e:
+            if isinstance(e, RemoteError):  # the network's failures are RemoteErrors already
+                raise
+            raise RemoteError(f"downloading {url}: cannot write {dest}: {e}") from e  # disk full, no permission
         if size is not None and got != size:
             raise RemoteError(f"downloading {url}: {got} bytes, the manifest says {size}")
         if sha256 is not None and digest.hexdigest() != sha256:
