@@ -50,6 +50,16 @@ def _split_query(url: str) -> tuple[str, str]:
     return url[:cut], url[cut:]
 
 
+def folder_url(url: str) -> str:
+    """The folder URL of a folder URL or of its ``manifest.json`` URL, a signed URL's query kept at the
+    end (``https://h/ds/manifest.json?sig=x`` is ``https://h/ds?sig=x``)."""
+    path, query = _split_query(url)
+    path = path.rstrip("/")
+    if path.endswith("/manifest.json"):
+        path = path[: -len("/manifest.json")]
+    return path + query
+
+
 def url_join(base: str, name: str) -> str:
     """``base/name`` for a folder URL (``base`` may end with ``/``; the query of an ``http(s)``
     folder URL goes to the end: ``https://h/ds?sig=x`` + ``a.tar`` is ``https://h/ds/a.tar?sig=x``)."""

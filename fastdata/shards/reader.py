@@ -9,7 +9,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from fastdata.errors import FastdataError, ManifestError, RemoteError
 from fastdata.manifest import MANIFEST_NAME, FieldInfo, Manifest, ShardInfo, sha256_file
-from fastdata.shards._remote import RemoteStream, is_url, read_bytes, url_join
+from fastdata.shards._remote import RemoteStream, folder_url, is_url, read_bytes, url_join
 
 __all__ = ["ShardReader", "load_manifest", "open_shard", "verify", "verify_remote_shard", "verify_shard"]
 
@@ -88,10 +88,7 @@ def load_manifest(folder: str | os.PathLike[str]) -> Manifest:
     text = os.fspath(folder)
     if not is_url(text):
         return Manifest.load(folder)
-    base = text.rstrip("/")
-    if base.endswith("/" + MANIFEST_NAME):
-        base = base[: -len(MANIFEST_NAME) - 1]
-    url = url_join(base, MANIFEST_NAME)
+    url = url_join(folder_url(text), MANIFEST_NAME)
     try:
         data = read_bytes(url, what="fetching manifest")
     except RemoteError as e:
@@ -108,9 +105,7 @@ def load_manifest(folder: str | os.PathLike[str]) -> Manifest:
 def verify_remote_shard(base_url: str, manifest: Manifest, shard: ShardInfo) -> list[str]:
     """:func:`verify_shard` of one shard at folder URL ``base_url``: downloaded to a temporary
     folder (with its index), checked there, deleted. Problems name the shard; fetch failures the URL."""
-    base = base_url.rstrip("/")
-    if base.endswith("/" + MANIFEST_NAME):
-        base = base[: -len(MANIFEST_NAME) - 1]
+    base = folder_url(base_url)
     with tempfile.TemporaryDirectory(prefix="fastdata-verify-") as tmp:
         for name in (shard.name, shard.index):
             if not name:
