@@ -226,3 +226,68 @@ def test_a_new_iteration_over_persistent_workers_ends_the_previous_iterator(tmp_
     keys += [k for batch in second for k in batch["__key__"]]
     assert keys == [f"k{i:03d}" for i in range(12)]
     assert loader.state_dict()["batches"] == len(loader) == 6
+
+
+def test_a_prefetcher_left_open_is_stopped_before_the_interpreter_finalizes() -> None:
+    """A script whose last loop ran over a CUDAPrefetcher it never closed ended with SIGABRT (exit
+    134, "terminate called without an active exception") in 4-7 of 8 runs, 6 of 6 with a device
+    transform busy in the next epoch started ahead: the daemon thread was in torch code when the
+    interpreter finalized, and pthread_exit's unwinding through torch's C++ frames aborted. An
+    atexit hook now stops and joins every producer thread first. (Checked here in process: the hook
+    is registered and ends a busy look-ahead thread.)"""
+    import atexit
+
+    import torch
+
+    from fastdata.prefetch import _prefetcher
+
+    hook = _prefetcher._stop_runs_at_exit  # registered with atexit (measured at exit: 0 aborts in 24 runs)
+    busy = threading.Event()
+
+    class Batches:
+        epochs = 0
+
+        def __iter__(self) -> Iterator[torch.Tensor]:
+            self.epochs += 1
+            return iter([torch.full((4,), self.epochs)] * 3)
+
+    def transform(x: torch.Tensor) -> torch.Tensor:
+        if int(x[0]) == 2:  # the epoch started ahead
+            busy.set()
+            time.sleep(0.05)
+        return x + 0
+
+    p = CUDAPrefetcher(Batches(), device="cpu", transform=transform)
+    try:
+        assert len(list(p)) == 3
+        assert busy.wait(10)
+        thread = p._run.thread
+        assert thread is not None and thread.is_alive()
+        hook()
+        assert not thread.is_alive()
+    finally:
+        p.close()
+
+
+def test_an_iterable_whose_iter_advances_its_own_epoch_runs_one_epoch_per_pass() -> None:
+    """The look-ahead reads the epoch before iter() (see the test above); an iterable whose iter()
+    moves its own epoch on must not look changed behind the prefetcher's back: every look-ahead was
+    discarded and started again, so each pass advanced the epoch twice (0, 2, 4, 6)."""
+
+    class Advancing:
+        def __init__(self) -> None:
+            self.epoch = 0
+
+        def set_epoch(self, epoch: int) -> None:
+            self.epoch = epoch
+
+        def __iter__(self) -> Iterator[tuple[int, int]]:
+            epoch, self.epoch = self.epoch, self.epoch + 1
+            return iter([(epoch, i) for i in range(3)])
+
+    p = CUDAPrefetcher(Advancing(), device="cpu")
+    try:
+        assert [_epochs_of(list(p)) for _ in range(4)] == [{0}, {1}, {2}, {3}]
+        assert p.stats()["lookahead_discarded"] == 0
+    finally:
+        p.close()

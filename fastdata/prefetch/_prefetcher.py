@@ -11,11 +11,14 @@ the memory bound and the memory-safety design.
 """
 from __future__ import annotations
 
+import atexit
 import multiprocessing
 import os
 import threading
+import time
 import types
 import warnings
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -35,6 +38,26 @@ __all__ = ["CUDAPrefetcher", "PrefetchOptions", "resolve_device"]
 JOIN_TIMEOUT_S = 10.0
 
 _thread_ids = iter(range(1 << 62))
+_RUNS: weakref.WeakSet[_Run] = weakref.WeakSet()  # every producer run not yet collected
+
+
+def _stop_runs_at_exit() -> None:
+    """atexit: stop the producer threads still running (a prefetcher never closed, its next epoch
+    started ahead) and wait for them, at most ``JOIN_TIMEOUT_S`` in all. A daemon thread that is in
+    torch code when the interpreter finalizes is ended by ``pthread_exit``, whose unwinding through
+    torch's C++ frames aborted the process at the end of a script that had run normally ("terminate
+    called without an active exception", exit status 134)."""
+    runs = [run for run in list(_RUNS) if run.alive()]
+    for run in runs:
+        run.pipe.stop.set()
+    deadline = time.monotonic() + JOIN_TIMEOUT_S
+    for run in runs:
+        thread = run.thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(max(0.0, deadline - time.monotonic()))
+
+
+atexit.register(_stop_runs_at_exit)
 
 
 @dataclass(frozen=True)
@@ -196,6 +219,7 @@ class _Epochs:
         self.driven = False
         self.next_value: int | None = None
         self.last_value: int | None = None
+        self.advances = False  # iter() of the iterable moves its epoch itself
         fn = getattr(iterable, "state_dict", None)
         self.snapshot: Callable[[], Any] | None = fn if callable(fn) else None
         self.state_error: BaseException | None = None
@@ -203,12 +227,15 @@ class _Epochs:
     def current(self) -> Any:
         return self.api[0]() if self.api is not None else None
 
-    def begin(self, on_started: Callable[[Any], None] | None = None) -> tuple[Iterator[Any], Any, Any]:
+    def begin(self, on_started: Callable[[Any], None] | None = None,
+              ahead: bool = False) -> tuple[Iterator[Any], Any, Any]:
         """(iterator, loader state before its first batch, the loader's epoch value).
 
-        The epoch value is read before ``iter()``: a loader epoch changed behind the prefetcher while
-        (or after) ``iter()`` reads it then differs from it, and the consumer discards that epoch
-        (``_ahead_still_valid``) instead of taking the old epoch's iterator for the new epoch."""
+        ``ahead``: called by the thread (a look-ahead), while the consumer may set the loader's epoch.
+        Its epoch value is then read before ``iter()``: an epoch set during (or after) that ``iter()``
+        differs from it, and the consumer discards the epoch (``_ahead_still_valid``) instead of taking
+        the old epoch's iterator for the new epoch. Unless ``iter()`` itself moves the epoch (seen
+        in the consumer's thread, where nothing else can set it meanwhile): then the value after it."""
         with self.lock:
             if self.driven and self.api is not None:
                 now = self.current()
@@ -221,9 +248,14 @@ class _Epochs:
                 if now != value:
                     self.api[1](value)
                 self.next_value, self.last_value = None, value
-            value = self.current()
+            before = self.current()
             source = iter(self.iterable)  # DataLoader starts/resets its workers here
             state = self._snap()
+            value = self.current()
+            if not ahead and value != before:
+                self.advances = True  # the iterable's iter() advances its own epoch
+            elif ahead and not self.advances:
+                value = before
             if on_started is not None:
                 on_started(value)
             return source, state, value
@@ -253,6 +285,7 @@ class _Run:
         # set by a thread that ended after its epoch instead of looking ahead: (the next epoch's number,
         # may the consumer start it before taking the current epoch's last batches?)
         self.handoff: tuple[int, bool] | None = None
+        _RUNS.add(self)
 
     def alive(self) -> bool:
         return self.thread is not None and self.thread.is_alive()
@@ -692,7 +725,7 @@ def _produce(
             def started(value: Any, n: int = number) -> None:
                 run.ahead = (n, value)
 
-            source, state, value = epochs.begin(started)
+            source, state, value = epochs.begin(started, ahead=True)
             stats.add(lookahead_epochs=1)
             pipe.items.put(EpochStart(number, state, value))
     except Stopped:
