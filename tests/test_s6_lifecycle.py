@@ -234,9 +234,7 @@ def test_a_prefetcher_left_open_is_stopped_before_the_interpreter_finalizes() ->
     transform busy in the next epoch started ahead: the daemon thread was in torch code when the
     interpreter finalized, and pthread_exit's unwinding through torch's C++ frames aborted. An
     atexit hook now stops and joins every producer thread first. (Checked here in process: the hook
-    is registered and ends a busy look-ahead thread.)"""
-    import atexit
-
+    ends a busy look-ahead thread.)"""
     import torch
 
     from fastdata.prefetch import _prefetcher
