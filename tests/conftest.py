@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import pytest
 
+import fork_probe  # noqa: F401  registers its fork hook before fastdata's, so it runs after them
+
 
 def _cuda_available() -> bool:
     try:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import io
 import multiprocessing as mp
 import os
-import threading
 
 import numpy as np
 import pytest
@@ -92,27 +91,19 @@ def test_early_stops_do_not_abort_workers(folder, method, capfd):
     assert "terminate called" not in err and "Aborted" not in err and "killed by signal" not in err
 
 
-_FORKS: list[list[str]] | None = None
-
-
-def _before_fork() -> None:
-    if _FORKS is not None:  # the forking thread, then fastdata's other threads alive (torch's queue feeders aside)
-        _FORKS.append([threading.current_thread().name] + sorted(
-            t.name for t in threading.enumerate()
-            if t is not threading.current_thread() and t.name.startswith(("fastdata", "MainThread"))))
 
 
 def test_no_fork_while_a_prefetch_thread_is_alive(folder):
     """Non-persistent fork workers behind a CUDAPrefetcher: no other thread may run when a worker
     forks (Python 3.12 warns "This process is multi-threaded, use of fork() may lead to deadlocks
     in the child", and a child can inherit a lock held by another thread)."""
-    global _FORKS
+    import fork_probe  # its hook runs after fastdata's own fork hooks (which pause their threads)
+
     import fastdata
 
     if "fork" not in METHODS:
         pytest.skip("no fork on this platform")
-    os.register_at_fork(before=_before_fork)  # cannot be unregistered: inert while _FORKS is None
-    _FORKS = []
+    fork_probe.forks = []
     try:
         ds = ShardedDataset(folder, on_error="skip")
         pf = fastdata.CUDAPrefetcher(DataLoader(ds, batch_size=8, num_workers=2, multiprocessing_context="fork"),
@@ -121,7 +112,7 @@ def test_no_fork_while_a_prefetch_thread_is_alive(folder):
             assert sum(len(b["__key__"]) for b in pf) == 64 - len(BAD)
         pf.close()
     finally:
-        recorded, _FORKS = _FORKS, None
+        recorded, fork_probe.forks = fork_probe.forks, None
     assert len(recorded) >= 6  # 2 workers x 3 epochs
     alive = [names for names in recorded if names != ["MainThread"]]
     assert not alive, f"{len(alive)} of {len(recorded)} forks: [forking thread, other threads] = {alive[:3]}"

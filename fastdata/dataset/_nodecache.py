@@ -43,6 +43,7 @@ process with ``max_bytes`` holds open readers (:meth:`ShardCache.watch`), a daem
 it closes this process's readers that no thread has read for ``_RELEASE_IDLE_S`` (their use locks
 go with them, so the waiter can evict those shards). A released reader reopens on its next read,
 through :meth:`ShardCache.acquire` (downloaded and verified again if it was evicted meanwhile).
+The thread is stopped while the process forks (fork workers start) and started again after it.
 """
 from __future__ import annotations
 
@@ -80,6 +81,28 @@ _STALL_S = 120.0  # a demand download waiting this long without progress: Remote
 _RELEASE_POLL_S = 0.1  # a process holding open readers looks this often for processes waiting for space
 _RELEASE_IDLE_S = 0.5  # ... and then closes those of its readers no thread has read for this long
 _WAITER_FRESH_S = 2.0  # a waiter refreshes its registration every poll (50 ms): older ones wait no more
+_FORK_JOIN_S = 2.0  # the longest a fork waits for releaser threads to stop (they stop within a poll)
+
+# Caches whose releaser thread may run in this process. No releaser runs while the process forks
+# (a DataLoader starting fork workers): a thread alive at fork time can leave a lock held in the child
+# forever, and Python 3.12 warns about it. Stopped before the fork, restarted after it in the parent.
+_RELEASING: weakref.WeakSet[ShardCache] = weakref.WeakSet()
+
+
+def _pause_releasers_before_fork() -> None:
+    threads = []
+    for cache in list(_RELEASING):
+        thread = cache._stop_releaser()
+        if thread is not None:
+            threads.append(thread)
+    deadline = time.monotonic() + _FORK_JOIN_S
+    for thread in threads:
+        thread.join(max(0.0, deadline - time.monotonic()))
+
+
+def _resume_releasers_after_fork() -> None:
+    for cache in list(_RELEASING):
+        cache._resume_releaser()
 _log = logging.getLogger(__name__)
 
 
@@ -202,6 +225,8 @@ class ShardCache:
         self._gave_up = False  # raised the deadlock error: the registration stays until shards are released
         self._readers: weakref.WeakSet[Any] = weakref.WeakSet()  # open readers that give way (watch())
         self._releaser: threading.Thread | None = None  # their daemon thread (see the module docstring)
+        self._releaser_wake = threading.Event()  # ends the releaser's sleep early (a fork, a close)
+        self._releaser_paused = False  # stopped for a fork: restart it after
         try:
             for sub in (".locks", ".tmp", ".waits"):
                 (self.root / sub).mkdir(parents=True, exist_ok=True)
@@ -216,7 +241,7 @@ class ShardCache:
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         for name in ("_lock", "_queue", "_pending", "_failed", "_active", "_use", "_waits", "_readers",
-                     "_releaser", "_finalizer"):
+                     "_releaser", "_releaser_wake", "_releaser_paused", "_finalizer"):
             state.pop(name)
         return state
 
@@ -403,9 +428,37 @@ class ShardCache:
         with self._lock:
             self._readers.add(reader)
             if self._releaser is None:
-                self._releaser = threading.Thread(target=self._release_loop, daemon=True,
-                                                  name="fastdata-nodecache-release")
-                self._releaser.start()
+                self._start_releaser()
+
+    def _start_releaser(self) -> None:
+        """Start the releaser thread (``self._lock`` held)."""
+        self._releaser_wake.clear()
+        self._releaser_paused = False
+        self._releaser = threading.Thread(target=self._release_loop, daemon=True, name="fastdata-nodecache-release")
+        _RELEASING.add(self)
+        self._releaser.start()
+
+    def _stop_releaser(self) -> threading.Thread | None:
+        """Before a fork: tell the releaser thread to stop; the thread to join (None if none runs)."""
+        if self._pid != os.getpid():
+            return None
+        with self._lock:
+            thread, self._releaser = self._releaser, None
+            if thread is None:
+                return None
+            self._releaser_paused = True
+            self._releaser_wake.set()
+        return thread
+
+    def _resume_releaser(self) -> None:
+        """After a fork, in the parent: restart a releaser stopped for it while readers are still open."""
+        if self._pid != os.getpid():
+            return
+        with self._lock:
+            if self._releaser_paused and self._releaser is None:
+                self._releaser_paused = False
+                if self._readers:
+                    self._start_releaser()
 
     def unwatch(self, reader: Any) -> None:
         """Undo :meth:`watch` (the reader closed)."""
@@ -416,7 +469,7 @@ class ShardCache:
     def _release_loop(self) -> None:
         me = threading.current_thread()
         while True:
-            time.sleep(_RELEASE_POLL_S)
+            self._releaser_wake.wait(_RELEASE_POLL_S)
             with self._lock:
                 if self._releaser is not me:
                     return  # the cache was reset (fork, close)
@@ -473,6 +526,8 @@ class ShardCache:
         with self._lock:
             self._readers.clear()
             self._releaser = None  # its thread exits at its next poll
+            self._releaser_paused = False
+            self._releaser_wake.set()
         if requests is not None:
             with self._lock:
                 pending, self._pending = dict(self._pending), {}
@@ -833,3 +888,7 @@ def _touch(path: Path) -> None:
         os.utime(path)  # mtime = last use, for LRU order
     except OSError:
         pass
+
+
+if hasattr(os, "register_at_fork"):  # pragma: no branch
+    os.register_at_fork(before=_pause_releasers_before_fork, after_in_parent=_resume_releasers_after_fork)
