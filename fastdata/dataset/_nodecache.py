@@ -65,7 +65,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fastdata.shards import RemoteStream, RetryPolicy, remote_error, url_join
+from fastdata.shards import RemoteStream, RetryPolicy, remote_error, split_query, url_join
 from fastdata.errors import RemoteError
 from fastdata.manifest import Manifest, ShardInfo
 
@@ -104,15 +104,6 @@ def _resume_releasers_after_fork() -> None:
     for cache in list(_RELEASING):
         cache._resume_releaser()
 _log = logging.getLogger(__name__)
-
-
-def split_query(url: str) -> tuple[str, str]:
-    """(``url`` without its query and fragment, ``"?query#fragment"``) for ``http(s)://`` URLs (a
-    signed folder URL carries a token there, as :func:`fastdata.shards.url_join` knows); else (url, "")."""
-    if url.split("://", 1)[0].lower() not in ("http", "https"):
-        return url, ""
-    cut = min((k for k in (url.find("?"), url.find("#")) if k >= 0), default=len(url))
-    return url[:cut], url[cut:]
 
 
 def default_cache_dir() -> Path:

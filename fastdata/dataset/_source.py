@@ -27,7 +27,7 @@ from fastdata._util import parse_size
 from fastdata.dataset._readers import _LOCK_FREE
 from fastdata.errors import ManifestError, RemoteError, ShardError, SourceError, SourceNotFoundError
 from fastdata.manifest import MANIFEST_NAME, Manifest
-from fastdata.shards import RemoteStream, RetryPolicy, env_retry, is_url, read_bytes, url_join
+from fastdata.shards import RemoteStream, RetryPolicy, env_retry, folder_url, is_url, read_bytes, url_join
 
 __all__ = ["RemoteShards", "Source", "resolve_source"]
 
@@ -81,11 +81,7 @@ class RemoteShards:
 
     @property
     def base_url(self) -> str:
-        from fastdata.dataset._nodecache import split_query
-
-        url, query = split_query(self.url)  # a signed folder URL's token stays on every URL made from it
-        url = url.rstrip("/")
-        return (url[: -len(MANIFEST_NAME) - 1] if url.endswith("/" + MANIFEST_NAME) else url) + query
+        return folder_url(self.url)  # a signed folder URL's token stays on every URL made from it
 
 
 def _expand(pattern: str) -> list[str]:

@@ -41,7 +41,7 @@ def is_url(path: str) -> bool:
     return "://" in path and not path.startswith("file://")
 
 
-def _split_query(url: str) -> tuple[str, str]:
+def split_query(url: str) -> tuple[str, str]:
     """(``url`` without its query and fragment, ``"?query#fragment"``) for ``http(s)://`` URLs (a
     signed folder URL, e.g. an Azure SAS token or a CDN token, carries them); other URLs: (url, "")."""
     if url.split("://", 1)[0].lower() not in ("http", "https"):
@@ -53,7 +53,7 @@ def _split_query(url: str) -> tuple[str, str]:
 def folder_url(url: str) -> str:
     """The folder URL of a folder URL or of its ``manifest.json`` URL, a signed URL's query kept at the
     end (``https://h/ds/manifest.json?sig=x`` is ``https://h/ds?sig=x``)."""
-    path, query = _split_query(url)
+    path, query = split_query(url)
     path = path.rstrip("/")
     if path.endswith("/manifest.json"):
         path = path[: -len("/manifest.json")]
@@ -63,7 +63,7 @@ def folder_url(url: str) -> str:
 def url_join(base: str, name: str) -> str:
     """``base/name`` for a folder URL (``base`` may end with ``/``; the query of an ``http(s)``
     folder URL goes to the end: ``https://h/ds?sig=x`` + ``a.tar`` is ``https://h/ds/a.tar?sig=x``)."""
-    path, query = _split_query(base)
+    path, query = split_query(base)
     return path.rstrip("/") + "/" + name + query
 
 
