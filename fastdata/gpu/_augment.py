@@ -50,6 +50,7 @@ import numpy as np
 import torch
 
 from fastdata.dataset import rng_key
+from fastdata.prefetch.tree import tensor_leaves
 
 __all__ = [
     "CenterCrop", "ImageBatch", "RandomHorizontalFlip", "RandomResizedCrop", "Resize", "render_images", "uniforms",
@@ -552,22 +553,13 @@ def _map_images(batch: Any, fn: Callable[[ImageBatch], Any], owner: str, _found:
     found: list[int] = [] if _found is None else _found
     out = _walk(batch, fn, found)
     if _found is None and not found:
-        if _has_float_images(batch):  # Compose(..., Normalize(), RandomHorizontalFlip()): torchvision's order
+        # Compose(..., Normalize(), RandomHorizontalFlip()): torchvision's order
+        if any(x.dtype.is_floating_point and x.dim() >= 4 for _, x in tensor_leaves(batch)):
             raise ValueError(f"{owner}: the batch holds no ImageBatch, only floating-point image tensors; geometric "
                              "transforms act on uint8 images: put them before Normalize/ToDtype in the Compose")
         raise ValueError(f"{owner}: the batch holds no ImageBatch; decode packed images first "
                          "(fastdata.gpu.DecodeImages), or wrap tensors with ImageBatch.from_tensor")
     return out
-
-
-def _has_float_images(obj: Any) -> bool:
-    if isinstance(obj, torch.Tensor):
-        return obj.dtype.is_floating_point and obj.dim() >= 4
-    if isinstance(obj, dict):
-        return any(_has_float_images(v) for v in obj.values())
-    if isinstance(obj, (list, tuple)):
-        return any(_has_float_images(v) for v in obj)
-    return False
 
 
 def _walk(obj: Any, fn: Callable[[ImageBatch], Any], found: list[int]) -> Any:
