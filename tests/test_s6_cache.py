@@ -3,13 +3,11 @@ from __future__ import annotations
 
 import errno
 import json
-import warnings
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
-import torch
 
 import fastdata.cache._store as cache_store
 from fastdata.cache import Cache, Store

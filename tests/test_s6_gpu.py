@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
+from test_augment import reference, smooth_images  # the same smooth images and torchvision resize reference
+
 from fastdata import gpu
 from fastdata.gpu import (
     CenterCrop,
@@ -26,17 +28,12 @@ from fastdata.gpu import (
 
 
 def smooth(h: int, w: int, seed: int = 0) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randint(0, 256, (1, 3, h, w), generator=g).float()
-    return F.avg_pool2d(x, 5, 1, 2, count_include_pad=False)[0].round().to(torch.uint8)
+    return smooth_images([(h, w)], seed)[0]
 
 
 def tv_resize(img: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
     """torchvision's tensor resize (bilinear, antialias), rounded as its uint8 path."""
-    if tuple(img.shape[1:]) == tuple(size):
-        return img.float()
-    y = F.interpolate(img.float()[None], size=size, mode="bilinear", antialias=True, align_corners=False)[0]
-    return y.add(0.5).clamp(0, 255).floor()
+    return img.float() if tuple(img.shape[1:]) == tuple(size) else reference(img, size)
 
 
 def tv_center_crop(img: torch.Tensor, ch: int, cw: int) -> torch.Tensor:

@@ -188,29 +188,34 @@ def test_cache_dir_that_is_a_file_is_a_remote_error_naming_it(served, tmp_path):
     assert isinstance(info.value, OSError)  # it was a bare NotADirectoryError
 
 
-def _download_on_a_full_disk(source, out: Path) -> None:
-    import resource
-    import signal
+def _under_a_size_limit(action, out: Path) -> str:
+    """Run ``action()`` in a fork child whose files cannot grow past 4 KB (a full disk); its outcome:
+    "done", or the exception's type and message."""
 
-    try:
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # then a write past the limit fails with EFBIG
-        resource.setrlimit(resource.RLIMIT_FSIZE, (4096, resource.RLIM_INFINITY))
-        source.reader(0).read(0)
-        out.write_text("read")
-    except BaseException as e:  # noqa: BLE001 - reported to the test
-        out.write_text(f"{type(e).__name__}: {e}")
-    finally:
-        os._exit(0)
+    def child() -> None:
+        import resource
+        import signal
+
+        try:
+            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # then a write past the limit fails with EFBIG
+            resource.setrlimit(resource.RLIMIT_FSIZE, (4096, resource.RLIM_INFINITY))
+            action()
+            out.write_text("done")
+        except BaseException as e:  # noqa: BLE001 - reported to the test
+            out.write_text(f"{type(e).__name__}: {e}")
+        finally:
+            os._exit(0)
+
+    proc = mp.get_context("fork").Process(target=child)
+    proc.start()
+    proc.join(30)
+    return out.read_text()
 
 
 def test_a_full_disk_names_the_node_cache_folder(served, tmp_path):
     with LoopbackServer(served, ranges=False, max_requests=50, lifetime=60) as srv:
         ds = ShardedDataset(RemoteShards(srv.url + "/ds", cache_dir=tmp_path / "nc", prefetch=0), decode=False)
-        out = tmp_path / "out.txt"
-        proc = mp.get_context("fork").Process(target=_download_on_a_full_disk, args=(ds.source, out))
-        proc.start()
-        proc.join(30)
-        msg = out.read_text()
+        msg = _under_a_size_limit(lambda: ds.source.reader(0).read(0), tmp_path / "out.txt")
         assert msg.startswith("RemoteError"), msg
         assert str(ds.source.node_cache.root) in msg and "shard-000000.tar" in msg and "free space" in msg, msg
         assert not list((ds.source.node_cache.root / ".tmp").iterdir())  # nothing half-written left
@@ -348,33 +353,14 @@ def test_remote_shards_arguments_are_checked_before_any_request(kwargs, match):
         RemoteShards("http://127.0.0.1:9/ds", **kwargs)
 
 
-def _download_past_a_size_limit(url: str, dest: Path, out: Path) -> None:
-    import resource
-    import signal
-
-    from fastdata.shards import download
-
-    try:
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-        resource.setrlimit(resource.RLIMIT_FSIZE, (4096, resource.RLIM_INFINITY))
-        download(url, dest)
-        out.write_text("downloaded")
-    except BaseException as e:  # noqa: BLE001 - reported to the test
-        out.write_text(f"{type(e).__name__}: {e}")
-    finally:
-        os._exit(0)
-
-
 def test_download_that_cannot_be_written_names_the_destination(served, tmp_path):
     # fastdata.shards.download (a URL SRC of `fastdata shard`) let a local write error out bare:
     # "OSError: [Errno 27] File too large", naming neither the file nor the URL (and not a RemoteError,
     # which the conversion turns into a ConversionError naming SRC).
+    from fastdata.shards import download
+
+    dest = tmp_path / "copy.tar"
     with LoopbackServer(served, ranges=False, max_requests=50, lifetime=60) as srv:
-        out, dest = tmp_path / "out.txt", tmp_path / "copy.tar"
-        proc = mp.get_context("fork").Process(target=_download_past_a_size_limit,
-                                              args=(srv.url + "/ds/shard-000000.tar", dest, out))
-        proc.start()
-        proc.join(30)
-    msg = out.read_text()
+        msg = _under_a_size_limit(lambda: download(srv.url + "/ds/shard-000000.tar", dest), tmp_path / "out.txt")
     assert msg.startswith("RemoteError") and str(dest) in msg and "shard-000000.tar" in msg, msg
     assert not list(tmp_path.glob("copy.tar*"))  # nothing half-written left

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import io
 import multiprocessing as mp
-import os
 
 import numpy as np
 import pytest

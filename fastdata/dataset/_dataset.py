@@ -936,7 +936,6 @@ class ShardedDataset(IterableDataset):
         self._check_stream_stages(cursor.stages)
         nwe = cursor.stages[-1][0]
         slots, slot = self.world_size * nwe, self.rank * nwe + cursor.worker
-        names = self.source.names
         quota = None if self.samples_per_epoch is None else split_sizes(self._per_rank(), nwe)[cursor.worker]
         key = rng_key(self.seed, 2, cursor.epoch, self.rank, nwe, cursor.worker)
         raw = self._stream_raw(cursor.epoch, slot, slots, quota is not None)
