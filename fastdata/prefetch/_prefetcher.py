@@ -398,6 +398,8 @@ class CUDAPrefetcher:
         else:
             self._stager = CpuStager(transform, skip)
         self._run: _Run | None = None
+        # __iter__ and _stop_run from several consumer threads: one run at a time on the staging slots
+        self._run_lock = threading.RLock()
         self._recent: deque[Any] = deque(maxlen=depth)  # credits of the last hand-overs
         self._closed = False
         self._state: Any = None  # the wrapped loader's state after the last batch handed over
@@ -414,18 +416,19 @@ class CUDAPrefetcher:
     # --- epochs --------------------------------------------------------------------------------
 
     def __iter__(self) -> Iterator[Any]:
-        if self._closed:
-            raise RuntimeError("CUDAPrefetcher is closed")
-        run = self._run
-        if run is not None and self._continues(run):
-            number = run.finished + 1
-            run.claimed = number
-            run.request(number)
-            if run.handoff is not None and run.handoff[0] == number:  # the thread left it to us
-                self._begin_next(run)
-        else:
-            self._stop_run()
-            run, number = self._start_run(), 0
+        with self._run_lock:  # another thread's iter() waits until this run has started, then ends it
+            if self._closed:
+                raise RuntimeError("CUDAPrefetcher is closed")
+            run = self._run
+            if run is not None and self._continues(run):
+                number = run.finished + 1
+                run.claimed = number
+                run.request(number)
+                if run.handoff is not None and run.handoff[0] == number:  # the thread left it to us
+                    self._begin_next(run)
+            else:
+                self._stop_run()
+                run, number = self._start_run(), 0
         return self._consume(run, number)
 
     def _continues(self, run: _Run) -> bool:
@@ -609,6 +612,10 @@ class CUDAPrefetcher:
     # --- shutdown --------------------------------------------------------------------------------
 
     def _stop_run(self, *, wait: bool = True) -> None:
+        with self._run_lock:
+            self._stop_run_locked(wait)
+
+    def _stop_run_locked(self, wait: bool) -> None:
         run, self._run = self._run, None
         if run is None:
             return
@@ -625,7 +632,7 @@ class CUDAPrefetcher:
                 f"{thread.name}: the wrapped iterable's next() has not returned after {JOIN_TIMEOUT_S:.0f} s;"
                 " the daemon thread will exit when it does",
                 RuntimeWarning,
-                stacklevel=3,
+                stacklevel=4,
             )
         self._stager.fold()
 
@@ -647,7 +654,7 @@ class CUDAPrefetcher:
         if getattr(self, "_closed", True):
             return
         try:
-            self._stop_run(wait=False)
+            self._stop_run_locked(False)  # no lock: nothing else refers to this object any more
         except Exception:  # noqa: BLE001  interpreter shutdown: nothing left to report to
             pass
 

@@ -86,6 +86,8 @@ class Pipe:
                     try:  # it may have put its last item right before exiting
                         return self.items.get_nowait()
                     except queue.Empty:
+                        if self.stop.is_set():  # stopped (by another thread) while we waited
+                            return CLOSED
                         raise RuntimeError("fastdata prefetch thread exited without finishing the epoch") from None
 
     def take_credit(self) -> Any:
