@@ -65,7 +65,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fastdata.shards import RemoteStream, RetryPolicy, remote_error, split_query, url_join
+from fastdata.shards import RemoteStream, RetryPolicy, redact_url, remote_error, split_query, url_join
 from fastdata.errors import RemoteError
 from fastdata.manifest import Manifest, ShardInfo
 
@@ -178,8 +178,8 @@ class ShardCache:
             raise ValueError(f"prefetch must be an int >= 0, got {prefetch!r}")
         biggest = max((s.bytes for s in manifest.shards), default=0)
         if max_bytes is not None and max_bytes < biggest:
-            raise ValueError(f"node cache max_bytes={max_bytes} is smaller than the largest shard of {base_url} "
-                             f"({biggest} bytes)")
+            raise ValueError(f"node cache max_bytes={max_bytes} is smaller than the largest shard of "
+                             f"{redact_url(base_url)} ({biggest} bytes)")
         path, query = split_query(base_url)
         self.base_url = path.rstrip("/") + query
         self.manifest = manifest
@@ -334,7 +334,7 @@ class ShardCache:
             try:
                 self._fetch(i, demand=False)
             except Exception as e:  # noqa: BLE001 - handed to the demand fetch of shard i, which raises it
-                _log.debug("node cache: prefetch of %s failed: %s", self.url(i), e)
+                _log.debug("node cache: prefetch of %s failed: %s", redact_url(self.url(i)), e)
                 with self._lock:
                     self._failed[i] = (time.monotonic(), e)
             finally:
@@ -564,7 +564,7 @@ class ShardCache:
                         raise
                     if isinstance(e, OSError) and not isinstance(e, RemoteError):  # the network's are RemoteErrors
                         raise RemoteError(f"node cache {self.root}: cannot store {shard.name} downloaded from "
-                                          f"{self.url(i)}: {e} (free space on that disk, lower "
+                                          f"{redact_url(self.url(i))}: {e} (free space on that disk, lower "
                                           "RemoteShards.max_bytes, or choose another cache_dir)") from e
                     if getattr(e, "checksum", False):  # maybe a bad proxy or a torn write: try again
                         if attempt < self.retry.attempts:
@@ -575,7 +575,7 @@ class ShardCache:
                     raise remote_error(self.url(i), e, "downloading") from e  # RemoteStream retried already
         self.stats.downloads += 1
         self.stats.downloaded_bytes += shard.bytes
-        _log.debug("node cache: %s downloaded in %.2fs", self.url(i), time.perf_counter() - t0)
+        _log.debug("node cache: %s downloaded in %.2fs", redact_url(self.url(i)), time.perf_counter() - t0)
 
     def _download(self, i: int, shard: ShardInfo, tmp: Path) -> None:
         """Stream shard ``i`` into ``tmp``; a second thread hashes and writes while this one receives
@@ -617,8 +617,9 @@ class ShardCache:
         if size != shard.bytes or digest.hexdigest() != shard.sha256:
             what = (f"size {size} bytes, manifest says {shard.bytes}" if size != shard.bytes
                     else f"sha256 {digest.hexdigest()}, manifest says {shard.sha256}")
-            err = RemoteError(f"downloading {url}: content does not match the manifest ({what})")
-            err.url, err.status, err.transient, err.checksum = url, None, False, True  # type: ignore[attr-defined]
+            shown = redact_url(url)
+            err = RemoteError(f"downloading {shown}: content does not match the manifest ({what})")
+            err.url, err.status, err.transient, err.checksum = shown, None, False, True  # type: ignore[attr-defined]
             raise err
 
     def repair_index(self, i: int, error: Exception) -> None:
@@ -641,7 +642,7 @@ class ShardCache:
 
         index = TarIndex.build(tmp)
         if len(index) != self.manifest.shards[i].num_samples:
-            raise RemoteError(f"{self.url(i)}: has {len(index)} samples, manifest says "
+            raise RemoteError(f"{redact_url(self.url(i))}: has {len(index)} samples, manifest says "
                               f"{self.manifest.shards[i].num_samples}")
         self.index_path(i).parent.mkdir(parents=True, exist_ok=True)
         index.save(self.index_path(i))

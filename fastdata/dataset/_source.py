@@ -27,7 +27,8 @@ from fastdata._util import parse_size
 from fastdata.dataset._readers import _LOCK_FREE
 from fastdata.errors import ManifestError, RemoteError, ShardError, SourceError, SourceNotFoundError
 from fastdata.manifest import MANIFEST_NAME, Manifest
-from fastdata.shards import RemoteStream, RetryPolicy, env_retry, folder_url, is_url, read_bytes, url_join
+from fastdata.shards import (RemoteStream, RetryPolicy, env_retry, folder_url, is_url, read_bytes, redact_url,
+                             split_query, url_join)
 
 __all__ = ["RemoteShards", "Source", "resolve_source"]
 
@@ -83,6 +84,11 @@ class RemoteShards:
     def base_url(self) -> str:
         return folder_url(self.url)  # a signed folder URL's token stays on every URL made from it
 
+    def __repr__(self) -> str:  # a signed URL's token stays out of logs
+        return (f"RemoteShards(url={redact_url(self.url)!r}, cache_dir={self.cache_dir!r}, "
+                f"max_bytes={self.max_bytes!r}, prefetch={self.prefetch!r}, eviction={self.eviction!r}, "
+                f"retries={self.retries!r})")
+
 
 def _expand(pattern: str) -> list[str]:
     if "{" not in pattern:
@@ -96,7 +102,7 @@ def _expand(pattern: str) -> list[str]:
 class Source:
     """Shards of a dataset and how to read them."""
 
-    names: list[str]  # display names (paths or URLs), in manifest order
+    names: list[str]  # display names (paths, or URLs with a signed URL's tokens hidden), in manifest order
     sizes: list[int] | None  # samples per shard; None for streaming sources
     fingerprint: str  # identifies the content (manifest) or the files (path, size, mtime)
     streaming: bool = False
@@ -104,6 +110,7 @@ class Source:
     _opener: Any = field(default=None, repr=False)
     node_cache: Any = field(default=None, repr=False)  # ShardCache of a remote manifest
     retry: RetryPolicy | None = field(default=None, repr=False)  # streaming sources
+    urls: list[str] | None = field(default=None, repr=False)  # streaming sources: the URLs read (tokens kept)
     # tar members that give no sample data, found while indexing (a symlink out of the archive, ...):
     # {"shard", "key", "member", "index": None, "reason"}
     skipped: list[dict[str, Any]] = field(default_factory=list)
@@ -116,16 +123,16 @@ class Source:
         """Samples of shard ``i`` in file order (streaming sources)."""
         from fastdata.shards.tar import iter_tar_stream
 
-        url = self.names[i]
+        url, name = (self.urls or self.names)[i], self.names[i]
         try:
             with RemoteStream(url, retry=self.retry or env_retry()) as raw:
-                if url.endswith((".gz", ".tgz")):
+                if split_query(url)[0].endswith((".gz", ".tgz")):
                     import gzip
 
                     with gzip.GzipFile(fileobj=raw, mode="rb") as f:  # type: ignore[arg-type]
-                        yield from iter_tar_stream(f, url)  # type: ignore[arg-type]
+                        yield from iter_tar_stream(f, name)  # type: ignore[arg-type]
                 else:
-                    yield from iter_tar_stream(raw, url)  # type: ignore[arg-type]
+                    yield from iter_tar_stream(raw, name)  # type: ignore[arg-type]
         except ShardError as e:
             if isinstance(e.__cause__, RemoteError):  # the network failed, not the tar: say so
                 raise e.__cause__ from None
@@ -214,7 +221,7 @@ class _CachedShard:
 
     def __init__(self, cache: Any, i: int, fmt: str):
         self._cache, self._i, self._fmt = cache, i, fmt
-        self.path = cache.url(i)
+        self.path = redact_url(cache.url(i))  # a display name, as Source.names
         self._reset()
 
     def _reset(self) -> None:
@@ -389,11 +396,11 @@ def _load_remote_manifest(spec: RemoteShards) -> tuple[Manifest, Path]:
                 tmp.unlink(missing_ok=True)
     except OSError as e:
         raise RemoteError(f"node cache folder {root} (RemoteShards.cache_dir or $FASTDATA_NODE_CACHE): cannot "
-                          f"keep the manifest of {url} there: {e}") from e
+                          f"keep the manifest of {redact_url(url)} there: {e}") from e
     try:
         return Manifest.load(local), root
     except ManifestError as e:
-        raise ManifestError(str(e).replace(str(local), url)) from None
+        raise ManifestError(str(e).replace(str(local), redact_url(url))) from None
 
 
 def _from_remote_manifest(spec: RemoteShards) -> Source:
@@ -403,7 +410,7 @@ def _from_remote_manifest(spec: RemoteShards) -> Source:
     cache = ShardCache(spec.base_url, manifest, directory=root, max_bytes=spec.max_bytes,  # type: ignore[arg-type]
                        prefetch=spec.prefetch, eviction=spec.eviction, retry=RetryPolicy(attempts=spec.retries))
     return Source(
-        names=[url_join(spec.base_url, s.name) for s in manifest.shards],
+        names=[redact_url(url_join(spec.base_url, s.name)) for s in manifest.shards],
         sizes=[s.num_samples for s in manifest.shards],
         fingerprint=manifest.fingerprint(),
         fields=tuple(f.name for f in manifest.fields),
@@ -500,5 +507,6 @@ def resolve_source(source: str | os.PathLike[str] | RemoteShards | Sequence[str 
         if not all(remote):
             raise ValueError("source mixes local paths and URLs; pass one kind")
         digest = hashlib.sha256(json.dumps(paths).encode("utf-8")).hexdigest()
-        return Source(names=list(paths), sizes=None, fingerprint=f"urls:{digest}", streaming=True)
+        return Source(names=[redact_url(p) for p in paths], sizes=None, fingerprint=f"urls:{digest}", streaming=True,
+                      urls=list(paths))
     return _from_local_tars(paths)

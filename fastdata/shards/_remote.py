@@ -9,6 +9,8 @@
 * :class:`RemoteStream` reads a file sequentially with one GET per attempt (no ``Range``
   requests over HTTP), so servers without Range support work for files of any size; after a
   drop it reopens and skips what it had already delivered (seeks where the file allows it).
+* Messages, warnings and logs show URLs through :func:`redact_url`: a signed URL's tokens (its
+  query values) and passwords never appear, its path (the shard name) does.
 """
 from __future__ import annotations
 
@@ -26,8 +28,8 @@ from typing import Any, TypeVar
 from fastdata.errors import RemoteError
 
 __all__ = [
-    "RemoteStream", "RetryPolicy", "env_retry", "filesystem", "is_transient", "is_url", "read_bytes", "remote_error",
-    "download", "remote_size", "upload", "url_join", "with_retries",
+    "RemoteStream", "RetryPolicy", "env_retry", "filesystem", "is_transient", "is_url", "read_bytes", "redact",
+    "redact_url", "remote_error", "download", "remote_size", "safe_cause", "upload", "url_join", "with_retries",
 ]
 
 T = TypeVar("T")
@@ -58,6 +60,83 @@ def folder_url(url: str) -> str:
     if path.endswith("/manifest.json"):
         path = path[: -len("/manifest.json")]
     return path + query
+
+
+_HIDDEN = "***"
+
+
+def redact_url(url: str) -> str:
+    """``url`` as messages, warnings and logs show it: the value of each query parameter (the tokens
+    of a signed URL: an Azure SAS ``sig``, an S3 presigned ``X-Amz-Signature``, a CDN token), the
+    fragment and a password in the user info become ``***``; scheme, host, path (the shard name)
+    and the parameter names stay (``https://h/ds/a.tar?sv=***&sig=***``)."""
+    if not isinstance(url, str) or "://" not in url:
+        return url
+    scheme, rest = url.split("://", 1)
+    cut = min((k for k in (rest.find("?"), rest.find("#")) if k >= 0), default=len(rest))
+    head, tail = rest[:cut], rest[cut:]
+    slash = head.find("/")
+    netloc, path = (head, "") if slash < 0 else (head[:slash], head[slash:])
+    if "@" in netloc:
+        user, host = netloc.rsplit("@", 1)
+        if ":" in user:
+            netloc = f"{user.split(':', 1)[0]}:{_HIDDEN}@{host}"
+    query, _, fragment = tail.partition("#")
+    if query:
+        query = "?" + "&".join(
+            (f"{k}={_HIDDEN}" if v else k + "=") if sep else (_HIDDEN if k else "")
+            for k, sep, v in (item.partition("=") for item in query[1:].split("&")))
+    return f"{scheme}://{netloc}{path}{query}" + (f"#{_HIDDEN}" if fragment or tail.find("#") >= 0 else "")
+
+
+def _secrets(url: str) -> list[str]:
+    """The parts of ``url`` that :func:`redact_url` hides and that may show up in other text: the whole
+    query, long parameter values (raw and decoded), the password; longest first."""
+    import urllib.parse
+
+    if not isinstance(url, str) or "://" not in url:
+        return []
+    rest = url.split("://", 1)[1]
+    cut = min((k for k in (rest.find("?"), rest.find("#")) if k >= 0), default=len(rest))
+    head, tail = rest[:cut], rest[cut:]
+    found = [tail] if len(tail) > 1 else []
+    netloc = head.split("/", 1)[0]
+    if "@" in netloc and ":" in netloc.rsplit("@", 1)[0]:
+        found.append(netloc.rsplit("@", 1)[0].split(":", 1)[1])
+    for item in tail[1:].replace("#", "&").split("&"):
+        value = item.partition("=")[2] if "=" in item else item
+        for v in (value, urllib.parse.unquote(value), urllib.parse.unquote_plus(value)):
+            if len(v) >= 8:  # short values ("r", "2021") are no secret and would garble the text
+                found.append(v)
+    return sorted(set(found), key=len, reverse=True)
+
+
+def redact(text: str, url: str) -> str:
+    """``text`` (an error message, a library's exception text) with ``url`` and its secret parts
+    (see :func:`redact_url`) hidden."""
+    secrets = _secrets(url)
+    if not secrets:
+        return text
+    text = text.replace(url, redact_url(url))
+    for s in secrets:  # the whole query first (longest), shown with its names as redact_url shows it
+        text = text.replace(s, redact_url("x://h" + s)[5:] if s[:1] in "?#" else _HIDDEN)
+    return text
+
+
+def safe_cause(e: BaseException, url: str) -> BaseException | None:
+    """``e`` as the cause of an error about ``url`` (``raise ... from safe_cause(e, url)``), or None
+    when the text of ``e`` or of its causes shows a secret part of ``url`` (see :func:`redact_url`):
+    a traceback prints the whole chain (an ``InvalidURL`` quotes the query, aiohttp the URL)."""
+    secrets = _secrets(url)
+    seen: set[int] = set()
+    cur: BaseException | None = e
+    while cur is not None and id(cur) not in seen and secrets:
+        seen.add(id(cur))
+        text = f"{cur} {cur.args!r}"
+        if any(s in text for s in secrets):
+            return None
+        cur = cur.__cause__ or cur.__context__
+    return e
 
 
 def url_join(base: str, name: str) -> str:
@@ -154,8 +233,8 @@ def remote_error(url: str, e: BaseException, what: str = "reading", *, attempts:
     status, _ = _status(e)
     where = f" at byte {at}" if at else ""
     tries = f" after {attempts} attempts" if attempts and attempts > 1 else ""
-    err = RemoteError(f"{what} {url} failed{where}{tries}: {_reason(e)}")
-    err.url, err.status, err.transient = url, status, is_transient(e)  # type: ignore[attr-defined]
+    err = RemoteError(f"{what} {redact_url(url)} failed{where}{tries}: {redact(_reason(e), url)}")
+    err.url, err.status, err.transient = redact_url(url), status, is_transient(e)  # type: ignore[attr-defined]
     return err
 
 
@@ -168,7 +247,7 @@ def with_retries(fn: Callable[[], T], url: str, policy: RetryPolicy, what: str =
             raise
         except Exception as e:  # noqa: BLE001 - classified and re-raised as RemoteError below
             if not is_transient(e) or attempt == policy.attempts:
-                raise remote_error(url, e, what, attempts=attempt) from e
+                raise remote_error(url, e, what, attempts=attempt) from safe_cause(e, url)
             time.sleep(policy.delay(attempt))
     raise AssertionError("unreachable")  # pragma: no cover
 
@@ -179,12 +258,12 @@ def filesystem(url: str) -> tuple[Any, str]:
     try:
         import fsspec.core
     except ImportError as e:  # pragma: no cover - depends on the environment
-        raise ImportError(f"reading {url} needs fsspec: pip install 'fastdata[remote]'") from e
+        raise ImportError(f"reading {redact_url(url)} needs fsspec: pip install 'fastdata[remote]'") from e
     try:
         return fsspec.core.url_to_fs(url)
     except ImportError as e:
         extra = {"http": "http", "https": "http", "s3": "s3", "gs": "gcs", "gcs": "gcs"}.get(scheme, "remote")
-        raise ImportError(f"reading {url} needs a package fsspec could not import ({e}); "
+        raise ImportError(f"reading {redact_url(url)} needs a package fsspec could not import ({e}); "
                           f"pip install 'fastdata[{extra}]'") from e
 
 
@@ -269,7 +348,7 @@ class RemoteStream(io.RawIOBase):
 
     def read(self, n: int | None = -1) -> bytes:
         if self.closed:
-            raise ValueError(f"read of closed RemoteStream {self.url}")
+            raise ValueError(f"read of closed RemoteStream {redact_url(self.url)}")
         if n is None or n < 0:  # to the end, in chunks (each one retried on its own)
             parts = []
             while chunk := self.read(_CHUNK):
@@ -293,7 +372,8 @@ class RemoteStream(io.RawIOBase):
                 self._close_inner()
                 self._failures += 1
                 if not is_transient(e) or self._failures >= self.retry.attempts:
-                    raise remote_error(self.url, e, self.what, attempts=self._failures, at=self._pos) from e
+                    raise remote_error(self.url, e, self.what, attempts=self._failures,
+                                       at=self._pos) from safe_cause(e, self.url)
                 time.sleep(self.retry.delay(self._failures))
 
     def readinto(self, b: Any) -> int:
@@ -313,7 +393,7 @@ def upload(local: str | os.PathLike[str], url: str, *, retry: RetryPolicy | None
     """Copy local file ``local`` to ``url`` (whole-object put), with retries; RemoteError on failure."""
     scheme = url.split("://", 1)[0].lower()
     if scheme in ("http", "https"):
-        raise RemoteError(f"writing {url}: HTTP(S) URLs are read-only here; write to s3://, gs://, another "
+        raise RemoteError(f"writing {redact_url(url)}: HTTP(S) URLs are read-only here; write to s3://, gs://, another "
                           "fsspec filesystem, or a local folder served over HTTP")
     fs, path = filesystem(url)
     with_retries(lambda: fs.put_file(os.fspath(local), path), url, retry or RetryPolicy(), "uploading to")
@@ -340,7 +420,7 @@ def remote_size(url: str) -> int | None:
     except FileNotFoundError:
         return None
     except Exception as e:  # noqa: BLE001 - classified below
-        raise remote_error(url, e, "checking") from e
+        raise remote_error(url, e, "checking") from safe_cause(e, url)
     size = info.get("size")
     return int(size) if size is not None else None
 
@@ -369,11 +449,12 @@ def download(url: str, dest: str | os.PathLike[str], *, size: int | None = None,
         except OSError as e:
             if isinstance(e, RemoteError):  # the network's failures are RemoteErrors already
                 raise
-            raise RemoteError(f"downloading {url}: cannot write {dest}: {e}") from e  # disk full, no permission
+            # disk full, no permission
+            raise RemoteError(f"downloading {redact_url(url)}: cannot write {dest}: {e}") from e
         if size is not None and got != size:
-            raise RemoteError(f"downloading {url}: {got} bytes, the manifest says {size}")
+            raise RemoteError(f"downloading {redact_url(url)}: {got} bytes, the manifest says {size}")
         if sha256 is not None and digest.hexdigest() != sha256:
-            raise RemoteError(f"downloading {url}: sha256 {digest.hexdigest()}, the manifest says {sha256}")
+            raise RemoteError(f"downloading {redact_url(url)}: sha256 {digest.hexdigest()}, the manifest says {sha256}")
         os.replace(tmp, dest)
     finally:
         if os.path.exists(tmp):

@@ -9,7 +9,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from fastdata.errors import FastdataError, ManifestError, RemoteError
 from fastdata.manifest import MANIFEST_NAME, FieldInfo, Manifest, ShardInfo, sha256_file
-from fastdata.shards._remote import RemoteStream, folder_url, is_url, read_bytes, url_join
+from fastdata.shards._remote import RemoteStream, folder_url, is_url, read_bytes, redact_url, url_join
 
 __all__ = ["ShardReader", "load_manifest", "open_shard", "verify", "verify_remote_shard", "verify_shard"]
 
@@ -99,7 +99,7 @@ def load_manifest(folder: str | os.PathLike[str]) -> Manifest:
         try:
             return Manifest.load(local)
         except ManifestError as e:
-            raise ManifestError(str(e).replace(str(local), url)) from None
+            raise ManifestError(str(e).replace(str(local), redact_url(url))) from None
 
 
 def verify_remote_shard(base_url: str, manifest: Manifest, shard: ShardInfo) -> list[str]:
@@ -119,7 +119,7 @@ def verify_remote_shard(base_url: str, manifest: Manifest, shard: ShardInfo) -> 
                         out.write(chunk)
             except RemoteError as e:
                 if isinstance(e.__cause__, FileNotFoundError) or "not found" in str(e):
-                    return [f"{name}: {'shard' if name == shard.name else 'index'} file is missing ({url})"]
+                    return [f"{name}: {'shard' if name == shard.name else 'index'} file is missing ({redact_url(url)})"]
                 return [f"{name}: {e}"]
         return verify_shard(tmp, manifest, shard)
 

@@ -1,0 +1,71 @@
+"""Remote shards and the node-local cache (session 7): signed URLs (their tokens stay out of messages,
+and a rotated token keeps the dataset's identity), the prefetch threads around fork."""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import traceback
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+from loopback_server import LoopbackServer, make_shard_set
+
+from fastdata.dataset import RemoteShards, ShardedDataset
+from fastdata.errors import FastdataError
+from fastdata.shards import RetryPolicy, read_bytes, redact_url
+
+pytestmark = pytest.mark.filterwarnings("ignore:Unclosed:ResourceWarning")
+
+SECRET = "SeCrEtSiGnAtUrE0123456789"
+TOKEN = f"sv=2021-08-06&se=2030-01-01T00%3A00Z&sp=r&sig={SECRET}"
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    root = tmp_path_factory.mktemp("www")
+    make_shard_set(root / "ds", 16, 4, payload=500, seed=1)  # 4 shards
+    return root
+
+
+def _shown(e: BaseException) -> str:
+    return "".join(traceback.format_exception(e))  # the message and every cause a traceback prints
+
+
+def test_redact_url_hides_query_values_and_passwords_keeps_the_path():
+    assert redact_url(f"https://acct.blob.core.windows.net/c/ds/shard-000001.tar?{TOKEN}") == \
+        "https://acct.blob.core.windows.net/c/ds/shard-000001.tar?sv=***&se=***&sp=***&sig=***"
+    assert redact_url("https://user:pw@h:8080/ds/a.tar") == "https://user:***@h:8080/ds/a.tar"
+    assert redact_url("https://h/a.tar?tokenonly#frag") == "https://h/a.tar?***#***"
+    assert redact_url("s3://bucket/ds/a.tar") == "s3://bucket/ds/a.tar"
+
+
+def test_signed_url_tokens_stay_out_of_errors_names_and_logs(served, tmp_path, caplog):
+    # Azure SAS / presigned / CDN-token URLs: every RemoteError, Source.names (the shard names in the
+    # dataset's errors), RemoteShards' repr and the debug log showed the signature in full.
+    def fault(path: str, nth: int):
+        return {"/ds/shard-000000.tar": 404, "/ds/shard-000001.tar": 500, "/ds/shard-000002.tar": "corrupt",
+                "/ds/shard-000003.tar": "drop"}.get(path)
+
+    caplog.set_level(logging.DEBUG, logger="fastdata")
+    with LoopbackServer(served, ranges=False, fault=fault, max_requests=300, lifetime=60) as srv:
+        spec = RemoteShards(f"{srv.url}/ds?{TOKEN}", cache_dir=tmp_path / "nc", retries=2, prefetch=1)
+        assert SECRET not in repr(spec)
+        ds = ShardedDataset(spec, decode=False)
+        assert ds.source.names[1] == f"{srv.url}/ds/shard-000001.tar?sv=***&se=***&sp=***&sig=***"
+        ds.source.node_cache.plan([3, 2, 1, 0], {}, 0.0)  # prefetch (its failures are logged)
+        for s in range(4):
+            with pytest.raises(FastdataError) as info:
+                ds.source.reader(s).read(0)
+            assert f"shard-{s:06d}.tar" in str(info.value) and SECRET not in _shown(info.value), _shown(info.value)
+        stream = ShardedDataset([f"{srv.url}/ds/shard-{s:06d}.tar?{TOKEN}" for s in range(4)], decode=False)
+        assert not any(SECRET in n for n in stream.source.names)
+        with pytest.raises(FastdataError) as info:
+            list(stream)
+        assert "shard-000000.tar" in str(info.value) and SECRET not in _shown(info.value)
+        with pytest.raises(FastdataError) as info:  # the standard library quotes the query in its own error
+            read_bytes(f"{srv.url}/ds/a b.tar?{TOKEN}", retry=RetryPolicy(1))
+        assert "a b.tar" in str(info.value) and SECRET not in _shown(info.value)
+    assert caplog.records and not [r for r in caplog.records if SECRET in r.getMessage()]
