@@ -69,3 +69,20 @@ def test_signed_url_tokens_stay_out_of_errors_names_and_logs(served, tmp_path, c
             read_bytes(f"{srv.url}/ds/a b.tar?{TOKEN}", retry=RetryPolicy(1))
         assert "a b.tar" in str(info.value) and SECRET not in _shown(info.value)
     assert caplog.records and not [r for r in caplog.records if SECRET in r.getMessage()]
+
+
+def test_a_signed_tar_url_streams_gzipped_or_not(served, tmp_path):
+    # One signed tar URL given as a string was taken for a folder URL (".../shard-000000.tar/manifest.json?sig=..."
+    # HTTP 404), and a signed .tar.gz URL was read as a plain tar ("truncated tar: header at byte offset 0").
+    import gzip
+    import shutil
+
+    www = tmp_path / "www"
+    shutil.copytree(served / "ds", www / "ds")
+    with open(www / "ds" / "shard-000001.tar", "rb") as f, gzip.open(www / "ds" / "one.tar.gz", "wb") as g:
+        shutil.copyfileobj(f, g)
+    with LoopbackServer(www, ranges=False, max_requests=50, lifetime=60) as srv:
+        plain = ShardedDataset(f"{srv.url}/ds/shard-000000.tar?{TOKEN}", decode=False)
+        assert plain.source.streaming and [s["__key__"] for s in plain] == [f"k{i:05d}" for i in range(4)]
+        gz = ShardedDataset([f"{srv.url}/ds/one.tar.gz?{TOKEN}"], decode=False)
+        assert [s["__key__"] for s in gz] == [f"k{i:05d}" for i in range(4, 8)]

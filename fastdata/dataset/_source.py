@@ -482,7 +482,8 @@ def resolve_source(source: str | os.PathLike[str] | RemoteShards | Sequence[str 
     """Turn the ``source`` argument of ShardedDataset into a :class:`Source`."""
     if isinstance(source, RemoteShards):
         return _from_remote_manifest(source)
-    if isinstance(source, str) and is_url(source) and "{" not in source and not source.endswith(_TAR_SUFFIXES):
+    if (isinstance(source, str) and is_url(source) and "{" not in source
+            and not split_query(source)[0].endswith(_TAR_SUFFIXES)):  # a signed tar URL is a tar URL
         return _from_remote_manifest(RemoteShards(source))
     if isinstance(source, (str, os.PathLike)):
         text = os.fspath(source)
