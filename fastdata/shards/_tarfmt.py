@@ -151,6 +151,7 @@ def walk(header: HeaderFn, payload: PayloadFn, shard: str, *, want_data: bool) -
             raise ShardError(f"{shard}: truncated tar: header at byte offset {pos} is cut off "
                              f"after {len(buf)} of {BLOCK} bytes")
         if buf == ZERO_BLOCK:
+            _check_end(header, pos, shard)
             return
         name, size, typ = parse_header(buf, pos, shard)
         start = pos + BLOCK
@@ -189,6 +190,28 @@ def walk(header: HeaderFn, payload: PayloadFn, shard: str, *, want_data: bool) -
         else:  # unknown type: data is skipped, the member is reported
             yield Member(name, pos, start, size, None, f"other (type {typ.decode('latin-1')!r})")
         pos = start + size + pad(size)
+
+
+def _check_end(header: HeaderFn, pos: int, shard: str) -> None:
+    """After the first zero block at ``pos``: only zero blocks (record padding) or bytes that are no
+    tar header may follow. A valid header after them is a second archive appended with ``cat a.tar
+    b.tar``, whose members tar and webdataset silently leave out: a ShardError, not a shorter shard."""
+    end = pos
+    while True:
+        pos += BLOCK
+        buf = header(pos)
+        if len(buf) < BLOCK:
+            return
+        if buf == ZERO_BLOCK:
+            continue
+        try:
+            name = parse_header(buf, pos, shard)[0]
+        except (ShardError, ValueError):
+            return  # trailing bytes that are no header: ignored, as tar ignores them
+        raise ShardError(f"{shard}: holds another tar archive after the end of the first (a header for {name!r} "
+                         f"at byte offset {pos}, after the end-of-archive zero blocks at byte offset {end}): "
+                         "concatenated tars (cat a.tar b.tar) are not read past their first end; "
+                         "merge them with tar --concatenate or write one tar per shard")
 
 
 def mmap_source(mm: bytes | memoryview, shard: str) -> tuple[HeaderFn, PayloadFn]:

@@ -1,0 +1,60 @@
+"""Session-7 bug hunt of the shard formats, the manifest and the converter: each test failed before its fix."""
+from __future__ import annotations
+
+import io
+import tarfile
+
+import numpy as np
+import pytest
+
+from fastdata.errors import FastdataError, ShardError, SourceError
+from fastdata.shards.convert import ConversionError, ConvertOptions, convert
+
+
+def opts(**kw):
+    return ConvertOptions(workers=1, progress=False, **kw)
+
+
+def small_tar(path, keys, fields=("cls", "txt")):
+    """A tar written by Python's tarfile (GNU format), one member per field, samples in order."""
+    with tarfile.open(path, "w", format=tarfile.GNU_FORMAT) as tar:
+        for i, key in enumerate(keys):
+            for field in fields:
+                data = str(i).encode()
+                info = tarfile.TarInfo(f"{key}.{field}")
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+    return path
+
+
+# --------------------------------------------------------------------- concatenated tar archives
+
+def test_concatenated_tars_are_refused_not_read_as_the_first(tmp_path):
+    """`cat a.tar b.tar > ab.tar` leaves a.tar's end-of-archive blocks in the middle: readers
+    stopped there and served a.tar's samples only, silently losing b.tar's (tar and webdataset
+    stop there too). It is now a ShardError naming the tar and the offset."""
+    from fastdata.shards.tar import TarIndex, iter_tar_stream
+
+    a = small_tar(tmp_path / "a.tar", ["a0", "a1"])
+    b = small_tar(tmp_path / "b.tar", ["b0", "b1"])
+    ab = tmp_path / "ab.tar"
+    ab.write_bytes(a.read_bytes() + b.read_bytes())
+    with pytest.raises(ShardError, match=r"ab\.tar: .*byte offset \d+.*concatenated"):
+        TarIndex.build(ab)
+    with pytest.raises(ShardError, match=r"ab\.tar: .*concatenated"):
+        list(iter_tar_stream(io.BytesIO(ab.read_bytes()), "ab.tar"))
+    with pytest.raises(FastdataError, match=r"ab\.tar"):
+        convert(ab, tmp_path / "out", opts())
+    # a plain tar (zero padding to a whole record after its end) still reads in full
+    assert TarIndex.build(a).keys == ("a0", "a1")
+    assert [s["__key__"] for s in iter_tar_stream(io.BytesIO(a.read_bytes()), "a.tar")] == ["a0", "a1"]
+
+
+def test_bytes_after_the_end_of_a_tar_that_are_not_a_header_are_ignored(tmp_path):
+    """Trailing garbage that is no tar header is ignored, as tar ignores it."""
+    from fastdata.shards.tar import TarIndex
+
+    a = small_tar(tmp_path / "a.tar", ["a0"])
+    t = tmp_path / "t.tar"
+    t.write_bytes(a.read_bytes() + b"not a tar header".ljust(512, b"x"))
+    assert TarIndex.build(t).keys == ("a0",)
