@@ -58,3 +58,16 @@ def test_bytes_after_the_end_of_a_tar_that_are_not_a_header_are_ignored(tmp_path
     t = tmp_path / "t.tar"
     t.write_bytes(a.read_bytes() + b"not a tar header".ljust(512, b"x"))
     assert TarIndex.build(t).keys == ("a0",)
+
+
+# ------------------------------------------------------------------------------- value encoding
+
+def test_bool_values_are_stored_as_the_ints_the_manifest_records(tmp_path):
+    """A bool is recorded as kind 'int' (HDF5 stores 1/0), but tar members held 'True'/'False':
+    a bool label in 'cls' then failed every read with a DecodeError (webdataset's too)."""
+    import fastdata
+
+    with fastdata.ShardWriter(tmp_path / "t") as w:
+        w.write({"__key__": "a", "cls": True, "flag.cls": np.bool_(False)})
+    assert fastdata.Manifest.load(tmp_path / "t").field("cls").kind == "int"
+    assert list(fastdata.ShardedDataset(tmp_path / "t")) == [{"__key__": "a", "cls": 1, "flag.cls": 0}]

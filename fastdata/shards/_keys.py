@@ -109,7 +109,8 @@ def member_name(key: str, field: str) -> str:
 def encode_value(field: str, value: Any, *, key: str = "") -> bytes:
     """Encode one field value to the bytes stored in a tar member.
 
-    bytes-like as is; str as UTF-8; bool/int/float as ``str(value)``; ``np.ndarray`` as ``.npy``
+    bytes-like as is; str as UTF-8; int/float as ``str(value)``, bool as ``1``/``0`` (an int, the kind
+    the manifest records for it, so that ``cls`` decoders read it); ``np.ndarray`` as ``.npy``
     when the field's last suffix is ``npy``; dict/list as JSON when it is ``json``.
     """
     if isinstance(value, bytes):
@@ -118,7 +119,9 @@ def encode_value(field: str, value: Any, *, key: str = "") -> bytes:
         return bytes(value)
     if isinstance(value, str):
         return value.encode("utf-8")
-    if isinstance(value, (bool, int, float, np.integer, np.floating, np.bool_)):
+    if isinstance(value, (bool, np.bool_)):
+        return b"1" if value else b"0"
+    if isinstance(value, (int, float, np.integer, np.floating)):
         return str(value).encode("utf-8")
     suffix = field.rsplit(".", 1)[-1]
     if isinstance(value, np.ndarray) and suffix == "npy":
