@@ -71,3 +71,13 @@ def test_bool_values_are_stored_as_the_ints_the_manifest_records(tmp_path):
         w.write({"__key__": "a", "cls": True, "flag.cls": np.bool_(False)})
     assert fastdata.Manifest.load(tmp_path / "t").field("cls").kind == "int"
     assert list(fastdata.ShardedDataset(tmp_path / "t")) == [{"__key__": "a", "cls": 1, "flag.cls": 0}]
+
+
+# ------------------------------------------------------------------------------------ npz source
+
+def test_npz_keys_that_are_not_utf8_are_a_source_error_naming_the_row(tmp_path):
+    """A bytes `__key__` array with a non-UTF-8 entry failed with a bare UnicodeDecodeError."""
+    src = tmp_path / "k.npz"
+    np.savez(src, x=np.zeros((2, 3)), __key__=np.array([b"a", b"\xff"], dtype="S2"))
+    with pytest.raises(SourceError, match=r"k\.npz: __key__\[1\] .*not UTF-8"):
+        convert(src, tmp_path / "out", opts())

@@ -424,7 +424,12 @@ def _list_npz(path: Path) -> Listing:
                               f"got {key_member.dtype} {key_member.shape}")
         with np.load(path, allow_pickle=False) as z:
             raw_keys = z["__key__"]
-        keys = [k.decode("utf-8") if isinstance(k, bytes) else str(k) for k in raw_keys.tolist()]
+        keys = []
+        for i, k in enumerate(raw_keys.tolist()):
+            try:
+                keys.append(k.decode("utf-8") if isinstance(k, bytes) else str(k))
+            except UnicodeDecodeError:
+                raise SourceError(f"SRC {path}: __key__[{i}] {k!r} is not UTF-8 text") from None
         for k in keys:
             try:
                 check_key(k)
