@@ -36,9 +36,9 @@ class StallReport:
     steps: int
     wall_s: float
     wait_s: float
-    wait_p50_s: float
+    wait_p50_s: float  # percentiles of the waits after the first batch (as the share, they leave start-up out)
     wait_p99_s: float
-    first_wait_s: float  # the first batch (worker start-up), excluded from the share
+    first_wait_s: float  # the first batch (worker start-up), excluded from the share and the percentiles
     gpu_util_mean: float | None = None  # percent, when sampled
     gpu_util_samples: int = 0
     advice: tuple[str, ...] = field(default_factory=tuple)
@@ -168,7 +168,8 @@ class StallMeter:
 
     def report(self) -> StallReport:
         """What the waits measured so far say: share, percentiles, periodic stalls and advice."""
-        waits = sorted(self.waits)
+        waits = sorted(self.waits[1:])  # the first wait is start-up, reported apart: with fewer than 100 steps
+        # it would be the p99 itself, and "waits are spiky" advice would rest on worker start-up
         gpu = self._gpu_samples
         n = self._stage_batches
         stages: tuple[tuple[str, float], ...] = ()
@@ -227,16 +228,27 @@ def advise(report: StallReport, loader: Any) -> list[str]:
             break
     cores = _cores()
     workers = getattr(dl, "num_workers", None)
-    if workers is not None and workers < cores:
+    threads = getattr(dl, "decode_threads", 0)
+    if isinstance(threads, int) and threads > 0:  # fastdata's thread decoder: no worker processes, threads decode
+        if threads < cores:
+            out.append(f"decode_threads={threads} on {cores} cores: raise it (at most {cores}; "
+                       "`fastdata doctor SHARDS` measures how it scales)")
+    elif workers is not None and workers < cores:
         out.append(f"num_workers={workers} on {cores} cores: raise it (at most {cores}; "
                    "`fastdata doctor SHARDS` measures how it scales)")
-    if workers and not getattr(dl, "persistent_workers", False):
+    if workers and not threads and not getattr(dl, "persistent_workers", False):
         out.append("persistent_workers=False restarts workers every epoch: set it to True")
     if type(loader).__name__ != "CUDAPrefetcher":
         out.append("wrap the loader in fastdata.CUDAPrefetcher so copies overlap compute")
     dataset = getattr(dl, "dataset", None)
-    if dataset is not None and getattr(dataset, "cache", None) is None and hasattr(dataset, "preprocess"):
-        out.append("decoding and resizing repeat every epoch: pass cache= to ShardedDataset")
+    preprocess = getattr(dataset, "preprocess", None)
+    if (dataset is not None and getattr(dataset, "cache", None) is None and preprocess is not None
+            and not getattr(getattr(dataset, "source", None), "streaming", False)):  # cache= needs random access
+        if isinstance(getattr(preprocess, "fingerprint", None), str):
+            out.append("decoding and resizing repeat every epoch: pass cache= to ShardedDataset")
+        else:  # cache= refuses a preprocess without a fingerprint
+            out.append("preprocess= repeats every epoch: wrap it in fastdata.Deterministic(fn, version=...) "
+                       "and pass cache= to ShardedDataset")
     p = report.periodic
     if p is not None:
         burst = " (= num_workers: the workers deliver in bursts)" if workers and p.period == workers else ""
