@@ -126,6 +126,18 @@ def copy_subset(source: str | os.PathLike[str], dest: Path, fields: Fields, samp
     return ReadResult(count, cpu, wall, nbytes)
 
 
+def check_one_batch(source: Any, read: ReadResult, samples: int, batch_size: int) -> None:
+    """Refuse a subset smaller than one batch: every batch would have fewer images than the ``batch_size``
+    that the step's rate (and so the verdict) is computed for."""
+    if read.samples >= batch_size:
+        return
+    if read.samples < samples:
+        raise FastdataError(f"{source} has only {read.samples} samples, fewer than one batch (batch_size="
+                            f"{batch_size}, --batch-size): lower the batch size")
+    raise FastdataError(f"samples={samples} (--samples) is fewer than one batch (batch_size={batch_size}, "
+                        "--batch-size): raise samples or lower the batch size")
+
+
 # ------------------------------------------------------------------------------- per-image CPU costs
 
 def raw_samples(subset: Path, fields: Fields, n: int) -> list[dict[str, Any]]:

@@ -162,7 +162,8 @@ def tune(source: str | Path, start: DoctorOptions, *, batch_limit: int = 2048) -
     batch: BatchSearch | None = None
     with tempfile.TemporaryDirectory(prefix="fastdata-tune-") as tmp:
         subset = Path(tmp) / "subset"
-        st.copy_subset(source, subset, fields, start.samples)
+        st.check_one_batch(source, st.copy_subset(source, subset, fields, start.samples), start.samples,
+                           start.batch_size)
 
         def rate(o: DoctorOptions, *, through_prefetcher: bool = False, threads: int = 0) -> float:
             """The job's images/s; without a step the loader's (through the prefetcher and its transforms
