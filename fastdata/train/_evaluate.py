@@ -137,6 +137,8 @@ def evaluate(
             inputs = prepare(inputs, device, dtype)
             targets = prepare(targets, device, None)
             n = _batch_size(targets, inputs)
+            if n == 0:  # an empty batch adds nothing; its batch-mean loss (nan) times 0 samples would be nan
+                continue
             with autocast(mode, device):
                 outputs = model(inputs)
                 values = [_batch_sum("loss", loss_fn(outputs, targets), n)] if loss_fn is not None else []

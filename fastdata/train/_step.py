@@ -176,6 +176,24 @@ class TrainStep:
         return loss
 
     def _step(self) -> None:
+        try:
+            self._clip_and_step()
+        except BaseException:
+            # A failed step (an error in the optimiser or in clipping, Ctrl-C) ends the accumulation: without this
+            # the micro-batch count stayed at grad_accum, no later call was ever the last one, and the optimiser
+            # never stepped again while gradients piled up (and state_dict() could not be loaded back).
+            self.optimizer.zero_grad(set_to_none=True)
+            self._micro = 0
+            if self.scaler is not None:  # a scaler left between unscale_/step and update() refuses the next step
+                fresh = torch.amp.GradScaler(self.device.type)
+                fresh.load_state_dict(self.scaler.state_dict())
+                self.scaler = fresh
+            raise
+        self.optimizer.zero_grad(set_to_none=True)
+        self._micro = 0
+        self.steps += 1
+
+    def _clip_and_step(self) -> None:
         if self.options.clip_norm is not None:
             if self.scaler is not None:
                 self.scaler.unscale_(self.optimizer)
@@ -187,9 +205,6 @@ class TrainStep:
             self.scaler.update()
         else:
             self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self._micro = 0
-        self.steps += 1
 
     def state_dict(self) -> dict[str, Any]:
         """Scaler state and counters (model and optimizer state are saved by their owners, or
