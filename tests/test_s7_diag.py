@@ -1,0 +1,142 @@
+"""Session 7, helper "diag": defects found using TrainStep, evaluate, StallMeter, doctor, tune and the CLI."""
+import numpy as np
+import pytest
+import torch
+
+import fastdata
+from fastdata.cli import main
+from fastdata.monitor import DoctorOptions, StallMeter, StallReport, advise, diagnose
+
+
+@pytest.fixture
+def array_shards(tmp_path):
+    """16 samples of a stored uint8 (3, 8, 8) image and a class label, in 2 tar shards."""
+    with fastdata.ShardWriter(tmp_path / "s", max_samples=8) as w:
+        for i in range(16):
+            w.write({"__key__": f"k{i:03d}", "img.npy": np.full((3, 8, 8), i, np.uint8), "cls": i % 2})
+    return tmp_path / "s"
+
+
+def _loader_bound() -> StallReport:
+    return StallReport(steps=30, wall_s=1.0, wait_s=0.6, wait_p50_s=0.02, wait_p99_s=0.03, first_wait_s=0.0)
+
+
+# ----------------------------------------------------------------------------------------------- StallMeter
+
+def test_stall_percentiles_leave_out_the_first_batch_as_the_share_does():
+    # 30 steps: worker start-up 0.5 s, then 4 ms waits against 6 ms steps. The p99 of a run under 100 steps
+    # was the start-up wait itself, and the report advised "waits are spiky" on it.
+    meter = StallMeter()
+    meter.waits = [0.5] + [0.004] * 30
+    meter.wall_s = 0.5 + 30 * 0.010
+    rep = meter.report()
+    assert rep.loader_bound and rep.first_wait_s == 0.5
+    assert rep.wait_p99_s == pytest.approx(0.004) and rep.wait_p50_s == pytest.approx(0.004)
+    assert not any("spiky" in a for a in rep.advice), rep.advice
+    assert "p99 4.00 ms" in rep.summary()
+
+
+def test_stall_advice_on_a_thread_decoder_loader_names_decode_threads(array_shards, monkeypatch):
+    from fastdata.monitor import _stall
+
+    monkeypatch.setattr(_stall, "_cores", lambda: 4)
+    loader = fastdata.DataLoader(fastdata.ShardedDataset(array_shards), batch_size=4, decode_threads=2)
+    advice = advise(_loader_bound(), loader)
+    assert not any("num_workers" in a for a in advice), advice  # it said "num_workers=0 on 4 cores: raise it"
+    assert any(a.startswith("decode_threads=2 on 4 cores: raise it") for a in advice), advice
+    monkeypatch.setattr(_stall, "_cores", lambda: 2)
+    assert not any("decode_threads" in a or "num_workers" in a for a in advise(_loader_bound(), loader))
+
+
+def test_stall_advice_suggests_cache_only_where_cache_can_be_passed(array_shards):
+    def advice(**kw):
+        loader = fastdata.DataLoader(fastdata.ShardedDataset(array_shards, **kw), batch_size=4)
+        return [a for a in advise(_loader_bound(), loader) if "cache=" in a]
+
+    assert advice() == []  # no preprocess=: cache= would raise "cache= needs preprocess= with a fingerprint"
+    assert advice(preprocess=lambda x: x) == [
+        ("preprocess= repeats every epoch: wrap it in fastdata.Deterministic(fn, version=...) and pass cache= "
+         "to ShardedDataset")]
+    assert advice(preprocess=fastdata.ResizeCenterCrop(8)) == [
+        "decoding and resizing repeat every epoch: pass cache= to ShardedDataset"]
+
+
+# ----------------------------------------------------------------------------------------------- doctor/tune
+
+def test_doctor_refuses_fewer_samples_than_one_batch(array_shards, capsys):
+    # --samples 10 --batch-size 32 measured 10-image batches, but the step rate was 32 / step time: the
+    # verdict said "7.5x slower than it could" for a job that was not
+    for cmd in ("doctor", "tune"):
+        for samples, message in (("64", "has only 16 samples, fewer than one batch (batch_size=32, --batch-size)"),
+                                 ("10", "samples=10 (--samples) is fewer than one batch (batch_size=32, --batch-size)")):
+            rc = main([cmd, str(array_shards), "--samples", samples, "--batch-size", "32", "--step-ms", "1",
+                       "--device", "cpu"])
+            err = capsys.readouterr().err
+            assert rc == 1 and message in err and err.startswith(f"fastdata {cmd}: error:"), err
+    with pytest.raises(fastdata.FastdataError, match="fewer than one batch"):
+        diagnose(array_shards, DoctorOptions(samples=16, batch_size=32, step_ms=1, device="cpu"))
+
+
+# ----------------------------------------------------------------------------------------------- TrainStep
+
+class _FailOnce(Exception):
+    pass
+
+
+def _flaky_sgd(model, fail_on=1):
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    calls = []
+    step = opt.step
+
+    def flaky(*a, **k):
+        calls.append(1)
+        if len(calls) == fail_on:
+            raise _FailOnce("optimizer step failed")
+        return step(*a, **k)
+
+    opt.step = flaky
+    return opt, calls
+
+
+def test_trainstep_recovers_from_a_failed_optimizer_step():
+    # The micro-batch count stayed at grad_accum after the optimiser raised: no later call was ever the
+    # last of an accumulation, so the optimiser never stepped again and gradients piled up for good.
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    opt, calls = _flaky_sgd(model)
+    step = fastdata.TrainStep(model, opt, torch.nn.functional.cross_entropy, grad_accum=2)
+    batch = (torch.randn(5, 4), torch.randint(0, 3, (5,)))
+    step(batch)
+    with pytest.raises(_FailOnce):
+        step(batch)
+    assert step.micro_step == 0 and step.steps == 0
+    assert all(p.grad is None for p in model.parameters())  # the failed accumulation's gradients are dropped
+    for _ in range(4):
+        step(batch)
+    assert step.steps == 2 and len(calls) == 3 and step.micro_step == 0
+    step.load_state_dict(step.state_dict())  # it refused micro=6 for grad_accum=2
+
+
+def test_trainstep_failed_step_leaves_the_grad_scaler_usable():
+    # with clipping the scaler unscales before the optimiser step; a failure there left it "already unscaled"
+    model = torch.nn.Linear(4, 3)
+    opt, calls = _flaky_sgd(model)
+    step = fastdata.TrainStep(model, opt, torch.nn.functional.cross_entropy, clip_norm=1.0)
+    step.scaler = torch.amp.GradScaler("cpu")  # fp16 needs CUDA: the same code path with a CPU scaler
+    batch = (torch.randn(5, 4), torch.randint(0, 3, (5,)))
+    with pytest.raises(_FailOnce):
+        step(batch)
+    assert torch.isfinite(step(batch)) and step.steps == 1 and len(calls) == 2
+
+
+# ----------------------------------------------------------------------------------------------- evaluate
+
+def test_evaluate_ignores_an_empty_batch():
+    # an empty batch's mean loss is nan, and nan * 0 samples made the whole result nan
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    full = (torch.randn(5, 4), torch.randint(0, 3, (5,)))
+    empty = (torch.randn(0, 4), torch.randint(0, 3, (0,)))
+    kw = {"loss_fn": torch.nn.functional.cross_entropy,
+          "metrics": {"acc": lambda o, t: fastdata.train.accuracy(o, t).mean()}}
+    assert fastdata.evaluate(model, [full, empty], **kw) == fastdata.evaluate(model, [full], **kw)
