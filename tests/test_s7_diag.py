@@ -1,4 +1,6 @@
 """Session 7, helper "diag": defects found using TrainStep, evaluate, StallMeter, doctor, tune and the CLI."""
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -140,3 +142,21 @@ def test_evaluate_ignores_an_empty_batch():
     kw = {"loss_fn": torch.nn.functional.cross_entropy,
           "metrics": {"acc": lambda o, t: fastdata.train.accuracy(o, t).mean()}}
     assert fastdata.evaluate(model, [full, empty], **kw) == fastdata.evaluate(model, [full], **kw)
+
+
+def test_stall_report_inside_the_loop_counts_the_time_so_far():
+    # report() ("what the waits measured so far say") inside the loop, e.g. to log every N steps, said
+    # "not loader-bound: waited 0% of 0.00 s": the wall time was added only when the loop ended
+    def slow():
+        for i in range(12):
+            time.sleep(0.01)
+            yield i
+
+    meter = StallMeter()
+    for i, _ in enumerate(meter.wrap(slow())):
+        if i == 9:
+            rep = meter.report()
+    assert rep.steps == 10 and rep.wall_s >= 0.09 and rep.loader_bound, rep.summary()
+    assert rep.wait_share > 0.5 and "of 0.00 s" not in rep.summary()
+    end = meter.report()
+    assert end.steps == 12 and end.wall_s > rep.wall_s and end.loader_bound

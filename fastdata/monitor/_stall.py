@@ -115,7 +115,8 @@ class StallMeter:
         self.sample_gpu = sample_gpu
         self.gpu_interval_s = float(gpu_interval_s)
         self.waits: list[float] = []
-        self.wall_s = 0.0
+        self.wall_s = 0.0  # of the finished wraps; report() adds the time of those still iterating
+        self._open: dict[object, float] = {}  # wraps in progress -> their start (report() inside the loop)
         self._loader: Any = None
         self._gpu_samples: list[int] = []
         self._stage_totals: dict[str, float] = {}
@@ -127,6 +128,8 @@ class StallMeter:
         sampler = self._start_sampler(loader)
         before = _prefetch_stats(loader)
         start = time.perf_counter()
+        token = object()
+        self._open[token] = start
         try:
             it = iter(loader)
             while True:
@@ -138,6 +141,7 @@ class StallMeter:
                 self.waits.append(time.perf_counter() - t0)
                 yield batch
         finally:
+            del self._open[token]
             self.wall_s += time.perf_counter() - start
             if sampler is not None:
                 self._gpu_samples.extend(sampler.stop())
@@ -167,7 +171,10 @@ class StallMeter:
         self._stage_batches += int(after.get("batches", 0) - before.get("batches", 0))
 
     def report(self) -> StallReport:
-        """What the waits measured so far say: share, percentiles, periodic stalls and advice."""
+        """What the waits measured so far say: share, percentiles, periodic stalls and advice (also inside the
+        loop: the wall time then runs to now)."""
+        now = time.perf_counter()
+        wall = self.wall_s + sum(now - start for start in list(self._open.values()))
         waits = sorted(self.waits[1:])  # the first wait is start-up, reported apart: with fewer than 100 steps
         # it would be the p99 itself, and "waits are spiky" advice would rest on worker start-up
         gpu = self._gpu_samples
@@ -175,11 +182,11 @@ class StallMeter:
         stages: tuple[tuple[str, float], ...] = ()
         if n > 0:
             steps = max(len(self.waits), 1)
-            loop = max(self.wall_s - sum(self.waits), 0.0) / steps
+            loop = max(wall - sum(self.waits), 0.0) / steps
             stages = (*((label, self._stage_totals[key] / n) for key, label in _STAGE_KEYS.items()
                         if key in self._stage_totals), ("step (loop body)", loop))
         rep = StallReport(
-            steps=len(self.waits), wall_s=self.wall_s, wait_s=sum(self.waits),
+            steps=len(self.waits), wall_s=wall, wait_s=sum(self.waits),
             wait_p50_s=quantile(waits, 0.5), wait_p99_s=quantile(waits, 0.99),
             first_wait_s=self.waits[0] if self.waits else 0.0,
             gpu_util_mean=sum(gpu) / len(gpu) if gpu else None, gpu_util_samples=len(gpu),
