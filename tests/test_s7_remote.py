@@ -86,3 +86,44 @@ def test_a_signed_tar_url_streams_gzipped_or_not(served, tmp_path):
         assert plain.source.streaming and [s["__key__"] for s in plain] == [f"k{i:05d}" for i in range(4)]
         gz = ShardedDataset([f"{srv.url}/ds/one.tar.gz?{TOKEN}"], decode=False)
         assert [s["__key__"] for s in gz] == [f"k{i:05d}" for i in range(4, 8)]
+
+
+def test_a_rotated_token_resumes_a_streaming_dataset_another_dataset_does_not(served):
+    # Signed URLs expire: the restarted job gets new tokens. The fingerprint of a URL list hashed the tokens,
+    # so load_state_dict refused the checkpoint ("fingerprint='urls:...' in the state, ... here").
+    def urls(base: str, token: str, shards=(0, 1, 2, 3), extra: str = "") -> list[str]:
+        return [f"{base}/ds/shard-{s:06d}.tar?{extra}{token}" for s in shards]
+
+    with LoopbackServer(served, ranges=False, max_requests=100, lifetime=60) as srv:
+        first = ShardedDataset(urls(srv.url, TOKEN), decode=False)
+        it = iter(first)
+        seen = [next(it)["__key__"] for _ in range(6)]
+        state = first.state_dict()
+        rotated = TOKEN.replace(SECRET, "AnOtHeRsIgNaTuRe987654321").replace("2030", "2031")
+        again = ShardedDataset(urls(srv.url, rotated), decode=False)
+        again.load_state_dict(state)
+        rest = [s["__key__"] for s in again]
+        assert sorted(seen + rest) == [f"k{i:05d}" for i in range(16)] and not set(seen) & set(rest)
+        for other in (urls(srv.url, rotated, shards=(0, 1, 3, 2)), urls(srv.url, rotated, shards=(0, 1, 2)),
+                      urls(srv.url, TOKEN, extra="versionId=2&")):
+            with pytest.raises(ValueError, match="fingerprint"):
+                ShardedDataset(other, decode=False).load_state_dict(state)
+
+
+def test_a_rotated_token_keeps_a_remote_manifests_identity(served, tmp_path):
+    # A folder URL's identity is its manifest's content (resume states, preprocessing-cache keys) and its
+    # node-cache folder is the URL's path plus that content: neither depends on the token.
+    import shutil
+
+    www = tmp_path / "www"
+    shutil.copytree(served / "ds", www / "ds")
+    make_shard_set(www / "other", 16, 4, payload=500, seed=2)
+    with LoopbackServer(www, ranges=False, max_requests=50, lifetime=60) as srv:
+        def source(path: str, token: str):
+            return ShardedDataset(RemoteShards(f"{srv.url}/{path}?{token}", cache_dir=tmp_path / "nc", prefetch=0),
+                                  decode=False).source
+
+        a, b = source("ds", TOKEN), source("ds", TOKEN.replace(SECRET, "RoTaTeD0123456789"))
+        assert a.fingerprint == b.fingerprint and a.node_cache.root == b.node_cache.root
+        c = source("other", TOKEN)
+        assert c.fingerprint != a.fingerprint and c.node_cache.root != a.node_cache.root

@@ -28,7 +28,7 @@ from fastdata.dataset._readers import _LOCK_FREE
 from fastdata.errors import ManifestError, RemoteError, ShardError, SourceError, SourceNotFoundError
 from fastdata.manifest import MANIFEST_NAME, Manifest
 from fastdata.shards import (RemoteStream, RetryPolicy, env_retry, folder_url, is_url, read_bytes, redact_url,
-                             split_query, url_join)
+                             split_query, url_identity, url_join)
 
 __all__ = ["RemoteShards", "Source", "resolve_source"]
 
@@ -104,7 +104,7 @@ class Source:
 
     names: list[str]  # display names (paths, or URLs with a signed URL's tokens hidden), in manifest order
     sizes: list[int] | None  # samples per shard; None for streaming sources
-    fingerprint: str  # identifies the content (manifest) or the files (path, size, mtime)
+    fingerprint: str  # identifies the content (manifest), the files (path, size, mtime) or the URLs (url_identity)
     streaming: bool = False
     fields: tuple[str, ...] | None = None  # all fields: the manifest's, or those the tar indexes hold
     _opener: Any = field(default=None, repr=False)
@@ -507,7 +507,9 @@ def resolve_source(source: str | os.PathLike[str] | RemoteShards | Sequence[str 
     if any(remote):
         if not all(remote):
             raise ValueError("source mixes local paths and URLs; pass one kind")
-        digest = hashlib.sha256(json.dumps(paths).encode("utf-8")).hexdigest()
+        # the dataset's identity (resume states are checked against it): a rotated token or password
+        # (signed URLs expire) names the same shards, another object or another order does not
+        digest = hashlib.sha256(json.dumps([url_identity(p) for p in paths]).encode("utf-8")).hexdigest()
         return Source(names=[redact_url(p) for p in paths], sizes=None, fingerprint=f"urls:{digest}", streaming=True,
                       urls=list(paths))
     return _from_local_tars(paths)

@@ -27,6 +27,7 @@ from fastdata.shards._remote import (  # noqa: E402
     safe_cause,
     split_query,
     upload,
+    url_identity,
     url_join,
     with_retries,
 )

@@ -29,7 +29,8 @@ from fastdata.errors import RemoteError
 
 __all__ = [
     "RemoteStream", "RetryPolicy", "env_retry", "filesystem", "is_transient", "is_url", "read_bytes", "redact",
-    "redact_url", "remote_error", "download", "remote_size", "safe_cause", "upload", "url_join", "with_retries",
+    "redact_url", "remote_error", "download", "remote_size", "safe_cause", "upload", "url_identity", "url_join",
+    "with_retries",
 ]
 
 T = TypeVar("T")
@@ -121,6 +122,42 @@ def redact(text: str, url: str) -> str:
     for s in secrets:  # the whole query first (longest), shown with its names as redact_url shows it
         text = text.replace(s, redact_url("x://h" + s)[5:] if s[:1] in "?#" else _HIDDEN)
     return text
+
+
+# Query parameters of signed-URL schemes: they authorize a request, they do not choose the content
+# (Azure SAS; S3, GCS and OSS presigned URLs, also their V2 forms; CloudFront; Akamai; generic tokens)
+_SIGNING_PARAMS = frozenset({
+    "sv", "ss", "srt", "sp", "se", "st", "spr", "sig", "si", "sr", "sdd", "ses", "skoid", "sktid", "skt", "ske",
+    "sks", "skv", "saoid", "suoid", "scid", "rscc", "rscd", "rsce", "rscl", "rsct",
+    "awsaccesskeyid", "googleaccessid", "ossaccesskeyid", "signature", "expires", "policy", "key-pair-id",
+    "hdnts", "hdnea", "__token__", "token", "access_token", "auth", "sas", "exp",
+})
+_SIGNING_PREFIXES = ("x-amz-", "x-goog-", "x-oss-")
+
+
+def url_identity(url: str) -> str:
+    """What names the object at ``url`` whatever its credentials: ``url`` without a password and
+    without the query parameters of signed-URL schemes (Azure SAS, S3/GCS presigned, CloudFront,
+    Akamai, ``token=``...), which change when a token is rotated; other parameters (an object
+    version, a file chosen by the query) are kept. Other URLs and local paths are returned as is."""
+    if not isinstance(url, str) or "://" not in url:
+        return url
+    scheme, rest = url.split("://", 1)
+    cut = min((k for k in (rest.find("?"), rest.find("#")) if k >= 0), default=len(rest))
+    head, tail = rest[:cut], rest[cut:]
+    netloc, slash, path = head.partition("/")
+    if "@" in netloc:
+        netloc = netloc.rsplit("@", 1)[1]
+    query = tail.partition("#")[0][1:]
+    kept = [item for item in query.split("&") if item and not _signing(item.partition("=")[0])]
+    return f"{scheme}://{netloc}{slash}{path}" + ("?" + "&".join(kept) if kept else "")
+
+
+def _signing(name: str) -> bool:
+    import urllib.parse
+
+    name = urllib.parse.unquote_plus(name).lower()
+    return name in _SIGNING_PARAMS or name.startswith(_SIGNING_PREFIXES)
 
 
 def safe_cause(e: BaseException, url: str) -> BaseException | None:
