@@ -81,3 +81,30 @@ def test_npz_keys_that_are_not_utf8_are_a_source_error_naming_the_row(tmp_path):
     np.savez(src, x=np.zeros((2, 3)), __key__=np.array([b"a", b"\xff"], dtype="S2"))
     with pytest.raises(SourceError, match=r"k\.npz: __key__\[1\] .*not UTF-8"):
         convert(src, tmp_path / "out", opts())
+
+
+# ------------------------------------------------------------------------- --shard-size for HDF5
+
+def test_hdf5_shard_size_is_estimated_without_tar_headers(tmp_path):
+    """--format hdf5 --shard-size counted every value as a tar member (512-byte header, padding to
+    512 bytes): rows of 256 bytes gave shards 6x smaller than asked, and 6x as many of them."""
+    from fastdata import Manifest
+
+    src = tmp_path / "v.npz"
+    np.savez(src, x=np.ones((2000, 64), np.float32), y=np.arange(2000))  # 264 data bytes per row
+    target = 128 << 10
+    convert(src, tmp_path / "h5", opts(format="hdf5", shard_size=target))
+    shards = Manifest.load(tmp_path / "h5").shards
+    assert all(s.bytes <= target for s in shards)
+    assert len(shards) <= 6  # 2000 rows * ~330 bytes stored = 660 KB: 6 shards at most, 30 before
+    assert min(s.bytes for s in shards[:-1]) >= target // 2
+
+
+def test_hdf5_shard_size_of_a_tar_source(tmp_path):
+    from fastdata import Manifest
+
+    src = small_tar(tmp_path / "s.tar", [f"k{i:04d}" for i in range(400)])
+    target = 16 << 10
+    convert(src, tmp_path / "h5", opts(format="hdf5", shard_size=target))
+    shards = Manifest.load(tmp_path / "h5").shards
+    assert all(s.bytes <= target for s in shards) and len(shards) <= 12  # 100 before

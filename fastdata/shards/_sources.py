@@ -79,6 +79,9 @@ class Listing:
     refs: list[tuple] = field(default_factory=list)
     sizes: list[int] = field(default_factory=list)  # estimated tar bytes of the sample as is
     image_sizes: list[int] = field(default_factory=list)  # ... of its image fields
+    # the sample's data bytes as HDF5 holds them (no tar headers, ints as int64), and of its image fields
+    data_sizes: list[int] = field(default_factory=list)
+    image_data_sizes: list[int] = field(default_factory=list)
     fields: tuple[FieldInfo, ...] = ()
     skipped: list[dict[str, str]] = field(default_factory=list)
     stamp: str = ""  # sha256 over input names, sizes and mtimes (part of the plan fingerprint)
@@ -233,6 +236,8 @@ def _list_images(root: Path) -> Listing:
         image = member_bytes(f"{key}.{ext}", st.st_size)
         listing.image_sizes.append(image)
         listing.sizes.append(image + (member_bytes(f"{key}.cls", len(str(cls))) if cls is not None else 0))
+        listing.image_data_sizes.append(st.st_size)
+        listing.data_sizes.append(st.st_size + (8 if cls is not None else 0))
     if not listing.keys:
         what = "is empty" if not candidates and not top_files else "holds no image files"
         raise SourceError(f"SRC {root}: {what} (expected class subfolders of images "
@@ -278,15 +283,19 @@ def _list_tar(root: Path, files: Sequence[Path], indexes: Sequence[str | None],
             _check_source_key(key, path, j)
             listing.keys.append(key)
             listing.refs.append((i, j))
-            total = image = 0
+            total = image = data = image_data = 0
             for fld, a, b in members:
                 size = member_bytes(f"{key}.{fld}", b - a)
                 total += size
+                data += b - a
                 if fld.rsplit(".", 1)[-1].lower() in IMAGE_EXTENSIONS:
                     image += size
+                    image_data += b - a
                 names.add(fld)
             listing.sizes.append(total)
             listing.image_sizes.append(image)
+            listing.data_sizes.append(data)
+            listing.image_data_sizes.append(image_data)
     if not listing.keys:
         raise SourceError(f"SRC {root}: the tar shards hold no samples")
     listing.fields = tuple(FieldInfo(n, "bytes") for n in sorted(names))
@@ -314,7 +323,8 @@ def _list_hdf5(root: Path, files: Sequence[Path], manifest: Manifest | None = No
                 infos.append(FieldInfo(name, kind, _dtype_name(ds.dtype) if fixed else None,
                                        tuple(ds.shape[1:]) if fixed else None))
         # vlen data lives in the file's heap, not in the datasets: estimate from the file size
-        per_sample = os.path.getsize(path) // max(1, len(keys)) + 1024 * len(infos)
+        stored = os.path.getsize(path) // max(1, len(keys))
+        per_sample = stored + 1024 * len(infos)
         for info in infos:
             merged[info.name] = merge_field(merged.get(info.name), info, path)
         for j, key in enumerate(keys):
@@ -323,6 +333,8 @@ def _list_hdf5(root: Path, files: Sequence[Path], manifest: Manifest | None = No
             listing.refs.append((i, j))
             listing.sizes.append(per_sample)
             listing.image_sizes.append(0)
+            listing.data_sizes.append(stored)
+            listing.image_data_sizes.append(0)
         if set(merged) != {x.name for x in infos}:
             raise SourceError(f"{path}: has fields {sorted(x.name for x in infos)} but earlier HDF5 files have "
                               f"{sorted(merged)}; every file of SRC needs the same fields")
@@ -442,6 +454,7 @@ def _list_npz(path: Path) -> Listing:
     sizes = [sum(member_bytes(f"{k}.{name}.npy", size) for name, size in data) for k in keys]
     listing = Listing(kind="npz", root=str(path), files=(str(path),), indexes=(None,), keys=keys,
                       refs=[(0, i) for i in range(n)], sizes=sizes, image_sizes=[0] * n,
+                      data_sizes=[sum(size - 128 for _, size in data)] * n, image_data_sizes=[0] * n,
                       fields=tuple(sorted(fields, key=lambda f: f.name)))
     listing.extra["arrays"] = [m.name for m in arrays]
     listing.stamp = _file_stamp(path.parent, [path])

@@ -103,10 +103,11 @@ def plan_conversion(src: str | os.PathLike[str], options: ConvertOptions | None 
     fields = _output_fields(listing, opts)
     n = len(listing.keys)
     order = np.random.default_rng(opts.seed).permutation(n) if opts.shuffle else np.arange(n)
-    sizes = _estimated_sizes(listing, opts)
+    sizes = _estimated_sizes(listing, opts, fields)
     jobs = []
     suffix = _SUFFIX[opts.format]
-    for number, (a, b) in enumerate(_boundaries([sizes[i] for i in order.tolist()], opts)):
+    fixed = _TAR_END if opts.format == "tar" else _H5_FILE_BYTES + _H5_DATASET_BYTES * (len(fields) + 1)
+    for number, (a, b) in enumerate(_boundaries([sizes[i] for i in order.tolist()], opts, fixed)):
         items = tuple((listing.keys[i], listing.refs[i]) for i in order[a:b].tolist())
         jobs.append(ShardJob(number, f"shard-{number:06d}{suffix}", items))
     extra: dict[str, Any] = {"source": {"kind": listing.kind, "path": listing.root, **listing.extra},
@@ -160,7 +161,22 @@ def _output_fields(listing: Listing, opts: ConvertOptions) -> tuple[FieldInfo, .
     return tuple(sorted(fields, key=lambda f: f.name))
 
 
-def _estimated_sizes(listing: Listing, opts: ConvertOptions) -> list[int]:
+# HDF5 bytes besides the data (measured with h5py 3): per variable-length value (and key) of a row, its
+# descriptor (16 bytes) and heap object (16 bytes of header, data padded to 16); per file, the
+# superblock and a heap collection; per dataset, its header and chunk index
+_H5_VALUE_BYTES = 48
+_H5_FILE_BYTES = 4096
+_H5_DATASET_BYTES = 2048
+
+
+def _estimated_sizes(listing: Listing, opts: ConvertOptions, fields: tuple[FieldInfo, ...]) -> list[int]:
+    if opts.format == "hdf5":  # the data, with no tar headers or block padding
+        vlen = [f for f in fields if f.kind not in ("int", "float") and (f.dtype is None or f.shape is None)]
+        row = _H5_VALUE_BYTES * (len(vlen) + 1)  # the key too
+        if not opts.resize:
+            return [d + row for d in listing.data_sizes]
+        side = 3 * opts.resize * opts.resize
+        return [d - img + side + row for d, img in zip(listing.data_sizes, listing.image_data_sizes)]
     if not opts.resize:
         return listing.sizes
     npy = 128 + 3 * opts.resize * opts.resize
@@ -168,16 +184,17 @@ def _estimated_sizes(listing: Listing, opts: ConvertOptions) -> list[int]:
             for s, img, k in zip(listing.sizes, listing.image_sizes, listing.keys)]
 
 
-def _boundaries(sizes: list[int], opts: ConvertOptions) -> Iterator[tuple[int, int]]:
-    """``(start, stop)`` of each shard: a shard ends before the next sample would pass a limit."""
+def _boundaries(sizes: list[int], opts: ConvertOptions, fixed: int = _TAR_END) -> Iterator[tuple[int, int]]:
+    """``(start, stop)`` of each shard: a shard ends before the next sample would pass a limit
+    (``fixed``: a shard file's bytes besides its samples)."""
     max_bytes, max_samples = opts.max_bytes, opts.samples_per_shard
-    start, total = 0, _TAR_END
+    start, total = 0, fixed
     for i, size in enumerate(sizes):
         count = i - start
         if count and ((max_samples is not None and count >= max_samples)
                       or (max_bytes is not None and total + size > max_bytes)):
             yield start, i
-            start, total = i, _TAR_END
+            start, total = i, fixed
         total += size
     yield start, len(sizes)
 
