@@ -160,3 +160,23 @@ def test_stall_report_inside_the_loop_counts_the_time_so_far():
     assert rep.wait_share > 0.5 and "of 0.00 s" not in rep.summary()
     end = meter.report()
     assert end.steps == 12 and end.wall_s > rep.wall_s and end.loader_bound
+
+
+def test_trainstep_and_evaluate_keep_a_frozen_batchnorm_in_eval_mode():
+    # fine-tuning with frozen BatchNorm statistics (model.train(); bn.eval()): every step called model.train(),
+    # which put the BatchNorm back in train mode and updated its running statistics; evaluate restored only
+    # the top-level mode, which did the same
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 3))
+    model.train()
+    model[1].eval()
+    frozen = model[1].running_mean.clone()
+    step = fastdata.TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.nn.functional.cross_entropy)
+    batch = (torch.randn(8, 4) + 5, torch.randint(0, 3, (8,)))
+    step(batch)
+    assert model.training and not model[1].training and torch.equal(model[1].running_mean, frozen)
+    fastdata.evaluate(model, [batch])
+    assert model.training and not model[1].training and model[0].training
+    model.eval()  # a model left in eval() mode as a whole is still trained in train() mode
+    step(batch)
+    assert model.training and model[1].training

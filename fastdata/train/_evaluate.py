@@ -88,7 +88,7 @@ def evaluate(
     """Mean loss and metrics of ``model`` over ``batches``, e.g. ``{"loss": 0.93, "accuracy": 0.71}``.
 
     Args:
-        model: evaluated in ``eval()`` mode (its previous mode is restored afterwards).
+        model: evaluated in ``eval()`` mode (every submodule's previous mode is restored afterwards).
         batches: a ``CUDAPrefetcher``, or any loader, which is then wrapped in one on the model's
             device with ``transform`` (e.g. ``Normalize``).
         loss_fn: a loss returning the batch mean (``cross_entropy``) or per-sample values
@@ -129,7 +129,7 @@ def evaluate(
     source = CUDAPrefetcher(batches, device=device, transform=transform, seamless=False) if owned else batches
     sums = torch.zeros(len(names), dtype=torch.float64, device=device)
     samples = 0
-    was_training = model.training
+    modes = [(m, m.training) for m in model.modules()]  # each module's: a frozen BatchNorm stays in eval()
     model.eval()
     try:
         for batch in source if max_batches is None else itertools.islice(source, max_batches):
@@ -147,7 +147,8 @@ def evaluate(
                 sums += torch.stack(values).to(torch.float64)
             samples += n
     finally:
-        model.train(was_training)
+        for module, training in modes:
+            module.training = training
         if owned:
             source.close()  # type: ignore[union-attr]
     totals = torch.cat([sums, torch.tensor([float(samples)], dtype=torch.float64, device=device)])

@@ -96,6 +96,10 @@ class TrainStep:
     model's parameter dtype without autocast, and inputs/targets on another device are moved to the
     model's (``non_blocking``). fp16 uses a ``GradScaler``, whose overflow check is torch's one sync
     per optimiser step; bf16 and fp32 need none.
+
+    A model in ``eval()`` mode is put in ``train()`` mode; one already in train mode is left as it is, so
+    submodules set to ``eval()`` (frozen BatchNorm statistics) stay so. An error in the optimiser step
+    (or in clipping) drops the gradients accumulated for it: the next call starts a new accumulation.
     """
 
     def __init__(
@@ -149,7 +153,8 @@ class TrainStep:
         inputs, targets = split_batch(batch, self.input_key, self.target_key)
         inputs = prepare(inputs, self.device, self.input_dtype)
         targets = prepare(targets, self.device, None)
-        self.model.train()
+        if not unwrap(self.model).training:  # after model.eval() (evaluate restores the mode itself); a model in
+            self.model.train()  # train mode is left as it is, so submodules the user put in eval() (frozen BN) stay so
         last = self._micro + 1 == self.options.grad_accum
         with self._rng:
             if last or self._no_sync is None:
