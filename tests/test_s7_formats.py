@@ -108,3 +108,31 @@ def test_hdf5_shard_size_of_a_tar_source(tmp_path):
     convert(src, tmp_path / "h5", opts(format="hdf5", shard_size=target))
     shards = Manifest.load(tmp_path / "h5").shards
     assert all(s.bytes <= target for s in shards) and len(shards) <= 12  # 100 before
+
+
+# ---------------------------------------------------------------- tar SRC mixing image types
+
+def test_hdf5_from_a_tar_mixing_image_types_is_refused_at_planning(tmp_path):
+    """Tar samples holding a 'jpg' or a 'png' (either satisfies the sample's image) passed planning
+    for --format hdf5, whose every sample needs every field; the first shard job then failed with
+    a ValueError naming a DEST shard. Now refused before anything is written, naming SRC and the
+    fields, as for an image folder. Tar output and samples holding both still convert."""
+    from fastdata.shards.convert import plan_conversion
+
+    def tar(path, members):
+        with tarfile.open(path, "w", format=tarfile.GNU_FORMAT) as t:
+            for name in members:
+                info = tarfile.TarInfo(name)
+                info.size = 1
+                t.addfile(info, io.BytesIO(b"1"))
+        return path
+
+    mixed = tar(tmp_path / "mixed.tar", ["a.cls", "a.jpg", "b.cls", "b.png"])
+    with pytest.raises(ConversionError, match=r"mixed\.tar.*\['jpg', 'png'\].*--format tar or --resize"):
+        convert(mixed, tmp_path / "h5", opts(format="hdf5", check="header"))
+    assert not (tmp_path / "h5").exists()
+    both = tar(tmp_path / "both.tar", ["a.jpg", "a.png", "b.jpg", "b.png"])
+    assert [f.name for f in plan_conversion(both, opts(format="hdf5")).fields] == ["jpg", "png"]
+    # a second image field of its own (not an alternative) may be absent: those samples are skipped, listed
+    seg = tar(tmp_path / "seg.tar", ["a.jpg", "a.seg.png", "b.jpg"])
+    assert [f.name for f in plan_conversion(seg, opts(format="hdf5")).fields] == ["jpg", "seg.png"]

@@ -82,6 +82,7 @@ class Listing:
     # the sample's data bytes as HDF5 holds them (no tar headers, ints as int64), and of its image fields
     data_sizes: list[int] = field(default_factory=list)
     image_data_sizes: list[int] = field(default_factory=list)
+    field_counts: dict[str, int] = field(default_factory=dict)  # samples holding each field (tar SRC)
     fields: tuple[FieldInfo, ...] = ()
     skipped: list[dict[str, str]] = field(default_factory=list)
     stamp: str = ""  # sha256 over input names, sizes and mtimes (part of the plan fingerprint)
@@ -292,6 +293,7 @@ def _list_tar(root: Path, files: Sequence[Path], indexes: Sequence[str | None],
                     image += size
                     image_data += b - a
                 names.add(fld)
+                listing.field_counts[fld] = listing.field_counts.get(fld, 0) + 1
             listing.sizes.append(total)
             listing.image_sizes.append(image)
             listing.data_sizes.append(data)

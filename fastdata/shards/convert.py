@@ -155,9 +155,14 @@ def _output_fields(listing: Listing, opts: ConvertOptions) -> tuple[FieldInfo, .
             raise ConversionError(f"--resize: SRC {listing.root} already has a field 'img.npy'")
         size = opts.resize
         fields = [f for f in fields if f.name not in images] + [FieldInfo("img.npy", "array", "uint8", (3, size, size))]
-    elif opts.format == "hdf5" and listing.kind == "images" and len(images) > 1:
-        raise ConversionError(f"--format hdf5 needs the same fields in every sample, but SRC {listing.root} mixes "
-                              f"image types {images}; use --format tar or --resize")
+    elif opts.format == "hdf5" and len(images) > 1:
+        # an image stored in one format or another (jpg|png) satisfies a sample; an HDF5 row needs every field
+        n = len(listing.keys)
+        for group in required_fields(images):
+            mixed = sorted(group)
+            if len(group) > 1 and (listing.kind == "images" or any(listing.field_counts.get(f, n) < n for f in group)):
+                raise ConversionError(f"--format hdf5 needs the same fields in every sample, but SRC {listing.root} "
+                                      f"mixes image types {mixed}; use --format tar or --resize")
     return tuple(sorted(fields, key=lambda f: f.name))
 
 
