@@ -180,3 +180,26 @@ def test_trainstep_and_evaluate_keep_a_frozen_batchnorm_in_eval_mode():
     model.eval()  # a model left in eval() mode as a whole is still trained in train() mode
     step(batch)
     assert model.training and model[1].training
+
+
+def test_doctor_tune_bench_accept_the_manifest_file_as_shards(array_shards, monkeypatch, capsys):
+    # Manifest.load and ShardedDataset take the folder or its manifest.json; doctor, tune and bench read the
+    # manifest and then failed with "shards/manifest.json/shard-000000.tar.idx: ... Not a directory"
+    from fastdata.monitor import _stages, tune
+
+    class Copied(Exception):
+        pass
+
+    def stop(source, read, samples, batch_size):
+        assert read.samples == 16 and str(source) == str(array_shards)
+        raise Copied
+
+    monkeypatch.setattr(_stages, "check_one_batch", stop)  # called once the subset is copied: stop there
+    opts = DoctorOptions(samples=16, batch_size=4, num_workers=0, step_ms=1, device="cpu")
+    for run in (diagnose, tune):
+        with pytest.raises(Copied):
+            run(array_shards / "manifest.json", opts)
+    argv = ["bench", str(array_shards / "manifest.json"), "--samples", "16", "--size", "8", "--repeats", "1",
+            "--workers", "0", "--json"]
+    assert main(argv) == 0, capsys.readouterr().err
+    assert '"samples": 16' in capsys.readouterr().out

@@ -167,6 +167,8 @@ def run_bench(*, source: str | None, workdir: str | None, num_images: int, sampl
                                          show_paths=workdir is not None)  # a temporary folder is gone afterwards
         else:
             shards = Path(source)
+            if shards.name == "manifest.json" and shards.is_file():  # the shards are read from its folder
+                shards = shards.parent
         results = measure(shards, samples=samples, workers=num_workers, repeats=repeats, size=size, workdir=root)
     if as_json:
         print(json.dumps(results, indent=1))

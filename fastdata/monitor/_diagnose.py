@@ -225,6 +225,7 @@ def diagnose(source: str | Path, opts: DoctorOptions) -> Diagnosis:
         raise ValueError("doctor measures a CPU decode pipeline (decode 'pil' or 'torchvision'); decoding on the "
                          "device is measured beside it where CUDA is available")
     device = resolve_device(opts.device)
+    source = st.shard_folder(source)  # the shards are read from the folder, also when given its manifest.json
     ncores = st.cores()
     workers = opts.num_workers
     par = max(1, min(workers, ncores))

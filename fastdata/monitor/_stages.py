@@ -79,6 +79,15 @@ def pick_fields(manifest: Any, image: str | None = None, label: str | None = Non
 
 # ------------------------------------------------------------------------------- subset and read
 
+def shard_folder(source: str | os.PathLike[str]) -> str | os.PathLike[str]:
+    """The shard folder of ``source``: its folder when it names the ``manifest.json`` file (as ``Manifest.load``
+    and ``ShardedDataset`` accept), else ``source`` as given."""
+    from fastdata.manifest import MANIFEST_NAME
+
+    path = Path(source)
+    return path.parent if path.name == MANIFEST_NAME and path.is_file() else source
+
+
 @dataclass(frozen=True)
 class ReadResult:
     samples: int

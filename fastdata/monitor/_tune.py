@@ -145,6 +145,7 @@ def tune(source: str | Path, start: DoctorOptions, *, batch_limit: int = 2048) -
     from fastdata.transforms import ResizeCenterCrop
 
     device = resolve_device(start.device)
+    source = st.shard_folder(source)  # the shards are read from the folder, also when given its manifest.json
     ncores = st.cores()
     fields = st.pick_fields(Manifest.load(source), start.field, start.label)
     pre = ResizeCenterCrop(start.size)
