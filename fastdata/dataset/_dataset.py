@@ -35,6 +35,7 @@ from fastdata.dataset._split import (
     iteration_stages,
     num_batches,
     permutation,
+    rest_counts,
     random_floats,
     rng_key,
     elastic_remaining,
@@ -122,6 +123,11 @@ def _code_digest(code: types.CodeType) -> str:
 def _dataset_part(state: Any) -> Any:
     """The dataset's state inside a ``fastdata.DataLoader`` state (``{"dataset": ..., ...}``), else ``state``."""
     return state["dataset"] if isinstance(state, Mapping) and isinstance(state.get("dataset"), Mapping) else state
+
+
+def _state_field(name: str) -> str:
+    """The argument a state field stands for, in messages."""
+    return "shuffle" if name == "shuffle_options" else name
 
 
 def _warn_skip(record: Mapping[str, Any], stacklevel: int) -> None:
@@ -485,6 +491,9 @@ class ShardedDataset(IterableDataset):
             "version": STATE_VERSION, "epoch": epoch, "seed": self.seed, "rank": self.rank,
             "world_size": self.world_size, "num_samples": self.num_samples, "shuffle": self.shuffle is not None,
             "even": self.even, "samples_per_epoch": self.samples_per_epoch, "fingerprint": self.source.fingerprint,
+            "shuffle_options": None if self.shuffle is None else {
+                "open_shards": self.shuffle.open_shards, "buffer_size": self.shuffle.buffer_size,
+                "within_shard": self.shuffle.within_shard},  # they fix the order as much as the seed does
             "stages": [[n, list(c)] for n, c in stages], "next_worker": next_worker,
             **self._elastic_state(epoch),
         }
@@ -533,10 +542,13 @@ class ShardedDataset(IterableDataset):
             raise ValueError(f"state_dict does not match this dataset: world_size={state.get('world_size')!r} in the "
                              f"state, {self.world_size} here; pass the states of all ranks as a list (gathered "
                              "with torch.distributed.all_gather_object) to resume at another world size")
-        for name in ("seed", "num_samples", "shuffle", "even", "samples_per_epoch", "fingerprint"):
-            if state.get(name) != mine[name]:
-                raise ValueError(f"state_dict does not match this dataset: {name}={state.get(name)!r} in the state, "
-                                 f"{mine[name]!r} here")
+        for name in ("seed", "num_samples", "shuffle", "even", "samples_per_epoch", "fingerprint", "shuffle_options"):
+            if name in state and state[name] != mine[name]:
+                raise ValueError(f"state_dict does not match this dataset: {_state_field(name)}={state[name]!r} in the "
+                                 f"state, {mine[name]!r} here")
+        if state.get("rank") != self.rank:
+            raise ValueError(f"state_dict is rank {state.get('rank')!r}'s state (world_size={self.world_size}), this "
+                             f"is rank {self.rank}: each rank loads its own state, or the list of every rank's")
         stages = [(int(n), tuple(int(c) for c in cons)) for n, cons in state["stages"]]
         next_worker = int(state.get("next_worker", 0))
         if stages and not 0 <= next_worker < stages[-1][0]:
@@ -553,6 +565,26 @@ class ShardedDataset(IterableDataset):
         self._resume = (int(state["epoch"]), stages, next_worker)
         self._live = None
 
+    def _lockstep(self, states: Sequence[Mapping[str, Any]], batch_size: int | None, num_workers: int,
+                  drop_last: bool) -> bool:
+        """Whether every rank, continuing its own state (same world size) with ``num_workers``,
+        ``batch_size`` and ``drop_last``, yields the same number of batches. After an elastic resume the
+        ranks' sample counts differ (equal batch counts for the loader it was split for): another
+        batch size or worker count then needs a new split of the rest."""
+        split = states[0].get("split") if states[0].get("eras") else None
+        batches = set()
+        try:
+            for r, st in enumerate(states):
+                stages = [(int(n), tuple(int(c) for c in cons)) for n, cons in st["stages"]]
+                if split is not None:
+                    first = [int(x) for x in split[r]]
+                else:
+                    first = self._plan().worker_counts(stages[0][0] if stages else num_workers)
+                batches.add(num_batches(rest_counts(first, stages, num_workers), batch_size, drop_last))
+        except (KeyError, TypeError, ValueError, IndexError):
+            return True  # malformed: load_state_dict says what is wrong
+        return len(batches) <= 1
+
     def _load_states(self, states: list[Mapping[str, Any]], batch_size: int | None, num_workers: int,
                      drop_last: bool) -> None:
         """:meth:`load_state_dict` from every rank's state (see there)."""
@@ -567,15 +599,15 @@ class ShardedDataset(IterableDataset):
                 raise ValueError(f"rank states must be the {w1} states of one job in rank order; entry {r} is rank "
                                  f"{st.get('rank')!r} of world_size={st.get('world_size')!r}")
         mine = self._state(0, [])
-        for name in ("epoch", "seed", "num_samples", "shuffle", "even", "samples_per_epoch", "fingerprint", "eras",
-                     "split"):
+        for name in ("epoch", "seed", "num_samples", "shuffle", "even", "samples_per_epoch", "fingerprint",
+                     "shuffle_options", "eras", "split"):
             values = {repr(st.get(name)) for st in states}
             if len(values) > 1:
-                raise ValueError(f"rank states disagree on {name}: {sorted(values)}")
-            if name not in ("epoch", "eras", "split") and states[0].get(name) != mine[name]:
-                raise ValueError(f"state_dict does not match this dataset: {name}={states[0].get(name)!r} in the "
-                                 f"state, {mine[name]!r} here")
-        if w1 == self.world_size:
+                raise ValueError(f"rank states disagree on {_state_field(name)}: {sorted(values)}")
+            if name not in ("epoch", "eras", "split") and name in states[0] and states[0][name] != mine[name]:
+                raise ValueError(f"state_dict does not match this dataset: {_state_field(name)}={states[0][name]!r} in "
+                                 f"the state, {mine[name]!r} here")
+        if w1 == self.world_size and self._lockstep(states, batch_size, num_workers, drop_last):
             self.load_state_dict(states[self.rank])  # same world size: continue in exactly the same order
             return
         epoch = int(states[0]["epoch"])

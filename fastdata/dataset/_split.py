@@ -579,6 +579,17 @@ def _rank_remaining(seqs: list[np.ndarray], stages: Sequence[Stage]) -> np.ndarr
     return np.concatenate([s[c:] for s, c in zip(seqs, consumed)]) if seqs else np.zeros(0, np.int64)
 
 
+def rest_counts(first: Sequence[int], stages: Sequence[Stage], num_workers: int) -> list[int]:
+    """Per worker, the samples a rank still yields when it resumes its ``stages`` with ``num_workers``
+    (``first``: its workers' counts at the start of the era, as its plan gives them for stage 0)."""
+    stages = iteration_stages(stages, num_workers)
+    n0 = stages[0][0]
+    counts = list(first) if n0 == len(first) else split_sizes(sum(first), n0)
+    for (_, consumed), (n_next, _) in zip(stages[:-1], stages[1:]):
+        counts = split_sizes(sum(c - k for c, k in zip(counts, consumed)), n_next)
+    return [c - k for c, k in zip(counts, stages[-1][1])]
+
+
 def _rank_remaining_count(counts: list[int], stages: Sequence[Stage]) -> int:
     stages = list(stages) or [(len(counts), (0,) * len(counts))]
     for (_, consumed), (n_next, _) in zip(stages[:-1], stages[1:]):
@@ -663,7 +674,7 @@ def elastic_split(remaining: int, world_size: int, num_workers: int, batch_size:
     least = (total_b - k) * bs + k  # fewest samples that make total_b batches on k workers
     if remaining < w * least and even == "pad":
         return elastic_split(w * least, w, num_workers, batch_size)
-    if remaining < w * least and even == "drop" and total_b > 1:
+    if remaining < w * least and even == "drop":  # total_b == 1: fewer than w samples remain, all left out
         return elastic_split(w * (total_b - 1) * bs, w, num_workers, batch_size)
     if remaining < w * least:
         raise ValueError(

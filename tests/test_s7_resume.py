@@ -1,0 +1,107 @@
+"""Session 7, resume: defects found by fuzzing exactly-once epochs, exact resume and elastic resume."""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+
+from fastdata.dataset import ShardedDataset, ShuffleOptions
+from fastdata.loader import DataLoader
+from fastdata.shards.tar import write_tar_shard
+
+pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
+
+
+@pytest.fixture(scope="module")
+def seven(tmp_path_factory) -> list[str]:
+    """7 samples in shards of 4 and 3 (cls = global index)."""
+    dest = tmp_path_factory.mktemp("s7resume")
+    paths, i = [], 0
+    for j, size in enumerate([4, 3]):
+        path = dest / f"s{j}.tar"
+        write_tar_shard(path, [{"__key__": f"k{i + k:04d}", "cls": str(i + k).encode()} for k in range(size)])
+        paths.append(str(path))
+        i += size
+    return paths
+
+
+def _ids(samples) -> list[int]:
+    return [int(s["cls"]) for s in samples]
+
+
+def _loader(shards, rank, world, *, batch_size, num_workers=0, **kw) -> DataLoader:
+    ds = ShardedDataset(shards, rank=rank, world_size=world, **kw)
+    return DataLoader(ds, batch_size=batch_size, num_workers=num_workers, collate_fn=_ids)
+
+
+def test_a_state_saved_with_other_shuffle_options_is_refused(seven):
+    """The shuffle options fix the order: resuming under other ones skipped the wrong samples
+    (the consumed prefix of the old order), silently losing some and repeating others."""
+    a = ShardedDataset(seven, shuffle=ShuffleOptions(buffer_size=4))
+    it = iter(a)
+    for _ in range(3):
+        next(it)
+    state = a.state_dict()
+    for other in (True, ShuffleOptions(buffer_size=5), ShuffleOptions(buffer_size=4, open_shards=2),
+                  ShuffleOptions(buffer_size=4, within_shard=False)):
+        with pytest.raises(ValueError, match="state_dict does not match this dataset: shuffle="):
+            ShardedDataset(seven, shuffle=other).load_state_dict(state)
+        with pytest.raises(ValueError, match="state_dict does not match this dataset: shuffle="):
+            ShardedDataset(seven, shuffle=other).load_state_dict([state])
+    b = ShardedDataset(seven, shuffle=ShuffleOptions(buffer_size=4))
+    b.load_state_dict(state)  # the same options: accepted, the rest comes out
+    assert len(list(b)) == 4
+
+
+def test_a_state_of_another_rank_is_refused(seven):
+    a = ShardedDataset(seven, rank=0, world_size=2, shuffle=True)
+    it = iter(a)
+    next(it)
+    with pytest.raises(ValueError, match="rank 0's state.*this is rank 1"):
+        ShardedDataset(seven, rank=1, world_size=2, shuffle=True).load_state_dict(a.state_dict())
+
+
+def test_same_world_size_after_an_elastic_resume_keeps_equal_batch_counts(seven):
+    """An elastic rest gives ranks unequal sample counts (equal batch counts for the batch size it
+    was split for); resuming it at the same world size with another batch size (or num_workers)
+    continued each rank's own rest, so ranks yielded different batch counts: a DDP hang."""
+    first = _loader(seven, 0, 1, batch_size=1)
+    states = [first.state_dict()]  # saved before any batch: all 7 samples remain
+    resized = [_loader(seven, r, 4, batch_size=2) for r in range(4)]
+    for dl in resized:
+        dl.load_state_dict(states)
+    assert [len(list(dl)) for dl in resized] == [1, 1, 1, 1]  # the elastic rest: 2+2+2+1 samples
+    for dl in resized:
+        dl.load_state_dict(states)
+    states = [dl.state_dict() for dl in resized]  # the elastic era, nothing consumed yet
+    for batch_size in (2, 1):  # 2: the split's own batch size, continued exactly; 1: a new split
+        again = [_loader(seven, r, 4, batch_size=batch_size) for r in range(4)]
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for dl in again:
+                dl.load_state_dict(states)
+        got = [list(dl) for dl in again]
+        counts = [len(b) for b in got]
+        assert len(set(counts)) == 1, (batch_size, counts)  # was [2, 2, 2, 1] with batch_size=1
+        assert [len(dl) for dl in again] == counts
+        ids = sorted(x for b in got for batch in b for x in batch)
+        if batch_size == 2:
+            assert ids == list(range(7)) and not caught
+        else:  # one worker per rank, 7 samples, 4 ranks: README's exception 5, even="pad" repeats one
+            assert sorted(set(ids)) == list(range(7)) and len(ids) == 8
+            assert any("repeats 1 of them" in str(w.message) for w in caught)
+
+
+def test_elastic_resume_with_even_drop_and_fewer_samples_left_than_ranks(seven):
+    """README, elastic exception 5: with one worker per rank and fewer than W2 samples left,
+    even="drop" leaves them out with a warning (it raised ValueError)."""
+    first = _loader(seven, 0, 1, batch_size=1, even="drop")
+    it = iter(first)
+    for _ in range(6):
+        next(it)
+    states = [first.state_dict()]  # 1 sample left
+    resized = [_loader(seven, r, 4, batch_size=2, even="drop") for r in range(4)]
+    with pytest.warns(UserWarning, match="leaves 1 of them out"):
+        for dl in resized:
+            dl.load_state_dict(states)
+    assert [list(dl) for dl in resized] == [[], [], [], []]
