@@ -44,6 +44,12 @@ it closes this process's readers that no thread has read for ``_RELEASE_IDLE_S``
 go with them, so the waiter can evict those shards). A released reader reopens on its next read,
 through :meth:`ShardCache.acquire` (downloaded and verified again if it was evicted meanwhile).
 The thread is stopped while the process forks (fork workers start) and started again after it.
+
+Prefetch threads are stopped while the process forks too: a download under way stops at its next
+chunk (its ``.part`` removed) and the parent prefetches the shards still wanted again after the fork.
+A fork waits ``_FORK_JOIN_S`` at most for these threads; one still blocked then (a server that has not
+answered, a retry's back-off, another process's download of the same shard) waits in a system call,
+where it holds no lock of the process (only its own socket and files), and goes on in the parent.
 """
 from __future__ import annotations
 
@@ -81,28 +87,37 @@ _STALL_S = 120.0  # a demand download waiting this long without progress: Remote
 _RELEASE_POLL_S = 0.1  # a process holding open readers looks this often for processes waiting for space
 _RELEASE_IDLE_S = 0.5  # ... and then closes those of its readers no thread has read for this long
 _WAITER_FRESH_S = 2.0  # a waiter refreshes its registration every poll (50 ms): older ones wait no more
-_FORK_JOIN_S = 2.0  # the longest a fork waits for releaser threads to stop (they stop within a poll)
+_FORK_JOIN_S = 2.0  # the longest a fork waits for the cache's threads to stop (a poll, a chunk, a request)
 
-# Caches whose releaser thread may run in this process. No releaser runs while the process forks
-# (a DataLoader starting fork workers): a thread alive at fork time can leave a lock held in the child
+# Caches whose releaser or prefetch threads may run in this process. None of them runs while the process
+# forks (a DataLoader starting fork workers): a thread alive at fork time can leave a lock held in the child
 # forever, and Python 3.12 warns about it. Stopped before the fork, restarted after it in the parent.
 _RELEASING: weakref.WeakSet[ShardCache] = weakref.WeakSet()
+_PREFETCHING: weakref.WeakSet[ShardCache] = weakref.WeakSet()
 
 
-def _pause_releasers_before_fork() -> None:
+class _Interrupted(Exception):
+    """A prefetch's download stopped because the process forks (not a failure: fetched again after)."""
+
+
+def _pause_threads_before_fork() -> None:
     threads = []
     for cache in list(_RELEASING):
         thread = cache._stop_releaser()
         if thread is not None:
             threads.append(thread)
+    for cache in list(_PREFETCHING):
+        threads.extend(cache._stop_prefetch())
     deadline = time.monotonic() + _FORK_JOIN_S
     for thread in threads:
         thread.join(max(0.0, deadline - time.monotonic()))
 
 
-def _resume_releasers_after_fork() -> None:
+def _resume_threads_after_fork() -> None:
     for cache in list(_RELEASING):
         cache._resume_releaser()
+    for cache in list(_PREFETCHING):
+        cache._resume_prefetch()
 _log = logging.getLogger(__name__)
 
 
@@ -208,6 +223,9 @@ class ShardCache:
         # demand fetch when at most _FAILED_FRESH_S old and of this plan (else that fetch tries again)
         self._failed: dict[int, tuple[float, Exception]] = {}
         self._active: set[int] = set()  # shards a prefetch thread is fetching now
+        self._prefetchers: list[tuple[threading.Thread, queue.Queue[int | None]]] = []  # threads, their queue
+        self._interrupt = threading.Event()  # set while the process forks: prefetch downloads stop
+        self._requeue: list[int] = []  # prefetches stopped for a fork: queued again after it
         self._use: dict[int, list[int]] = {}  # shard -> fds holding its shared use lock
         # a handle dropped with shards open (a dataset object let go of) gives their use locks back
         self._finalizer = weakref.finalize(self, _release_all, self._use, self._pid)
@@ -232,7 +250,8 @@ class ShardCache:
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         for name in ("_lock", "_queue", "_pending", "_failed", "_active", "_use", "_waits", "_readers",
-                     "_releaser", "_releaser_wake", "_releaser_paused", "_finalizer"):
+                     "_releaser", "_releaser_wake", "_releaser_paused", "_finalizer", "_prefetchers", "_interrupt",
+                     "_requeue"):
             state.pop(name)
         return state
 
@@ -299,16 +318,26 @@ class ShardCache:
         if not self.prefetch or not self._order:
             return
         want = [s for s in self._order[k + 1 : k + 1 + self.prefetch] if not self.is_local(s)]
-        if not want:
-            return
+        if want:
+            self._enqueue(want)
+
+    def _enqueue(self, want: list[int]) -> None:
+        """Queue prefetches of ``want`` for the prefetch threads (started if none run)."""
         with self._lock:
+            if self._interrupt.is_set():
+                self._requeue.extend(s for s in want if s not in self._requeue)  # forking now: after it
+                return
             if self._queue is None:
                 # daemon threads: a download in flight never keeps the interpreter from exiting (a
                 # killed download leaves a .part file that the next holder of the shard's lock removes)
                 self._queue = queue.Queue()
+                self._prefetchers = [(t, q) for t, q in self._prefetchers if t.is_alive()]
                 for k in range(min(4, self.prefetch)):
-                    threading.Thread(target=self._prefetch_loop, args=(self._queue,), daemon=True,
-                                     name=f"fastdata-nodecache-{k}").start()
+                    thread = threading.Thread(target=self._prefetch_loop, args=(self._queue,), daemon=True,
+                                              name=f"fastdata-nodecache-{k}")
+                    self._prefetchers.append((thread, self._queue))
+                    thread.start()
+                _PREFETCHING.add(self)
             for s in want:
                 if s not in self._pending and s not in self._failed:  # a failed one waits for its demand fetch
                     self._pending[s] = threading.Event()
@@ -333,6 +362,8 @@ class ShardCache:
                 self._active.add(i)
             try:
                 self._fetch(i, demand=False)
+            except _Interrupted:
+                pass  # the process forks: fetched again after it (a demand fetch meanwhile fetches it itself)
             except Exception as e:  # noqa: BLE001 - handed to the demand fetch of shard i, which raises it
                 _log.debug("node cache: prefetch of %s failed: %s", redact_url(self.url(i)), e)
                 with self._lock:
@@ -451,6 +482,36 @@ class ShardCache:
                 if self._readers:
                     self._start_releaser()
 
+    def _stop_prefetch(self) -> list[threading.Thread]:
+        """Before a fork: stop the prefetch threads (a download under way stops at its next chunk and
+        is dropped); the threads to join. The shards still wanted are queued again after the fork."""
+        if self._pid != os.getpid():
+            return []
+        with self._lock:
+            prefetchers, self._prefetchers = self._prefetchers, []
+            self._queue = None
+            self._interrupt.set()
+            queued = [s for s in self._pending if s not in self._active]  # taken by no thread: dropped here
+            self._requeue = [s for s in self._order if s in self._pending] + [
+                s for s in self._pending if s not in self._order]
+            events = [self._pending.pop(s) for s in queued]
+        for event in events:
+            event.set()  # a demand fetch waiting for it fetches it itself
+        for thread, requests in prefetchers:
+            requests.put(None)  # one per thread of that queue: each takes one and exits
+        return [t for t, _ in prefetchers if t.is_alive()]
+
+    def _resume_prefetch(self) -> None:
+        """After a fork, in the parent: prefetch again what :meth:`_stop_prefetch` stopped."""
+        if self._pid != os.getpid():
+            return
+        with self._lock:
+            self._interrupt.clear()
+            want, self._requeue = self._requeue, []
+        want = [s for s in want if not self.is_local(s)]
+        if want:
+            self._enqueue(want)
+
     def unwatch(self, reader: Any) -> None:
         """Undo :meth:`watch` (the reader closed)."""
         if self._pid == os.getpid():
@@ -551,7 +612,7 @@ class ShardCache:
                 if tmp is None:
                     return  # prefetch without room: leave it to the demand fetch
                 try:
-                    self._download(i, shard, tmp)
+                    self._download(i, shard, tmp, interruptible=not demand)
                     if self.manifest.format == "tar":
                         self._build_index(i, tmp)
                     path.parent.mkdir(parents=True, exist_ok=True)
@@ -560,7 +621,7 @@ class ShardCache:
                 except BaseException as e:
                     tmp.unlink(missing_ok=True)
                     self.index_path(i).unlink(missing_ok=True)
-                    if not isinstance(e, Exception):
+                    if not isinstance(e, Exception) or isinstance(e, _Interrupted):
                         raise
                     if isinstance(e, OSError) and not isinstance(e, RemoteError):  # the network's are RemoteErrors
                         raise RemoteError(f"node cache {self.root}: cannot store {shard.name} downloaded from "
@@ -577,9 +638,10 @@ class ShardCache:
         self.stats.downloaded_bytes += shard.bytes
         _log.debug("node cache: %s downloaded in %.2fs", redact_url(self.url(i)), time.perf_counter() - t0)
 
-    def _download(self, i: int, shard: ShardInfo, tmp: Path) -> None:
+    def _download(self, i: int, shard: ShardInfo, tmp: Path, *, interruptible: bool = False) -> None:
         """Stream shard ``i`` into ``tmp``; a second thread hashes and writes while this one receives
-        (sha256 and the network each take a core: pipelined, a download costs the slower of the two)."""
+        (sha256 and the network each take a core: pipelined, a download costs the slower of the two).
+        ``interruptible`` (a prefetch): :class:`_Interrupted` at the next chunk once the process forks."""
         url = self.url(i)
         digest = hashlib.sha256()
         chunks: queue.Queue[bytes | None] = queue.Queue(maxsize=4)
@@ -602,6 +664,8 @@ class ShardCache:
             try:
                 with RemoteStream(url, size=shard.bytes, retry=self.retry, what="downloading") as src:
                     while not failed:
+                        if interruptible and self._interrupt.is_set():
+                            raise _Interrupted(f"prefetch of {shard.name} stopped: the process forks")
                         chunk = src.read(_CHUNK)
                         if not chunk:
                             break
@@ -883,4 +947,4 @@ def _touch(path: Path) -> None:
 
 
 if hasattr(os, "register_at_fork"):  # pragma: no branch
-    os.register_at_fork(before=_pause_releasers_before_fork, after_in_parent=_resume_releasers_after_fork)
+    os.register_at_fork(before=_pause_threads_before_fork, after_in_parent=_resume_threads_after_fork)
