@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import io
+import os
 import tarfile
 
 import numpy as np
@@ -9,6 +10,17 @@ import pytest
 
 from fastdata.errors import FastdataError, ShardError, SourceError
 from fastdata.shards.convert import ConversionError, ConvertOptions, convert
+
+
+def _png() -> bytes:
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (4, 3), (200, 10, 10)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+PNG = _png()
 
 
 def opts(**kw):
@@ -136,3 +148,19 @@ def test_hdf5_from_a_tar_mixing_image_types_is_refused_at_planning(tmp_path):
     # a second image field of its own (not an alternative) may be absent: those samples are skipped, listed
     seg = tar(tmp_path / "seg.tar", ["a.jpg", "a.seg.png", "b.jpg"])
     assert [f.name for f in plan_conversion(seg, opts(format="hdf5")).fields] == ["jpg", "seg.png"]
+
+
+# -------------------------------------------------------------------------------- image folders
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs mkfifo")
+def test_a_fifo_named_like_an_image_is_skipped_not_opened(tmp_path):
+    """A FIFO (or device) named `x.jpg` in an image folder was planned as an image, and reading it
+    blocked the conversion forever. It is now skipped and listed at planning."""
+    from fastdata.shards.convert import plan_conversion
+
+    (tmp_path / "src" / "cat").mkdir(parents=True)
+    (tmp_path / "src" / "cat" / "a.png").write_bytes(PNG)
+    os.mkfifo(tmp_path / "src" / "cat" / "b.jpg")
+    plan = plan_conversion(tmp_path / "src", opts())
+    assert plan.listing.keys == ["cat/a"]
+    assert plan.listing.skipped == [{"source": "cat/b.jpg", "reason": "not a regular file (a fifo)"}]

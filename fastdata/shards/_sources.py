@@ -26,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import stat
 import struct
 import zipfile
 from collections.abc import Iterator, Sequence
@@ -198,6 +199,14 @@ def _image_key(rel: str) -> tuple[str, str]:
     return (f"{directory}/{key_base}" if directory else key_base), ext.lower()
 
 
+def _file_kind(mode: int) -> str:
+    for test, kind in ((stat.S_ISFIFO, "a fifo"), (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device")):
+        if test(mode):
+            return kind
+    return f"file type {stat.S_IFMT(mode):o}"
+
+
 def _list_images(root: Path) -> Listing:
     entries = sorted(os.scandir(root), key=lambda e: e.name)
     classes = [e.name for e in entries if e.is_dir() and not e.name.startswith(".")]
@@ -225,6 +234,9 @@ def _list_images(root: Path) -> Listing:
             continue
         if isinstance(st, OSError):
             listing.skipped.append({"source": rel, "reason": f"cannot read file: {st.strerror}"})
+            continue
+        if not stat.S_ISREG(st.st_mode):  # a fifo would block the reader forever
+            listing.skipped.append({"source": rel, "reason": f"not a regular file ({_file_kind(st.st_mode)})"})
             continue
         try:
             check_key(key)
