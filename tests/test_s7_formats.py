@@ -164,3 +164,24 @@ def test_a_fifo_named_like_an_image_is_skipped_not_opened(tmp_path):
     plan = plan_conversion(tmp_path / "src", opts())
     assert plan.listing.keys == ["cat/a"]
     assert plan.listing.skipped == [{"source": "cat/b.jpg", "reason": "not a regular file (a fifo)"}]
+
+
+def test_tar_folder_lists_a_broken_symlink_and_a_fifo_it_does_not_read(tmp_path):
+    """A folder of tar shards (here symlinks to them, one broken: its disk is not mounted) converted
+    without the broken one and the fifo, and listed neither: samples lost without a word."""
+    from fastdata.shards.convert import plan_conversion
+
+    src = tmp_path / "src"
+    src.mkdir()
+    small_tar(tmp_path / "a.tar", ["a0", "a1"])
+    (src / "a.tar").symlink_to(tmp_path / "a.tar")
+    (src / "b.tar").symlink_to(tmp_path / "gone" / "b.tar")
+    if hasattr(os, "mkfifo"):
+        os.mkfifo(src / "c.tar")
+    plan = plan_conversion(src, opts())
+    assert plan.listing.keys == ["a0", "a1"]
+    skipped = {s["source"]: s["reason"] for s in plan.listing.skipped}
+    assert "b.tar" in skipped and "broken symlink" in skipped["b.tar"]
+    assert not hasattr(os, "mkfifo") or "fifo" in skipped["c.tar"]
+    with pytest.raises(ConversionError, match=r"b\.tar: .*broken symlink.*--strict"):
+        convert(src, tmp_path / "out", opts(strict=True))

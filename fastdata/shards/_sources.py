@@ -137,9 +137,21 @@ def list_source(src: str | os.PathLike[str]) -> Listing:
     others = [n for n in names if n not in tars and n not in h5s and n not in sidecars]
     others += sorted(e.name + "/" for e in entries if e.is_dir())
     kind = "tar" if tars else "HDF5"
+    unread = [{"source": e.name, "reason": _not_a_file(e)} for e in entries if not e.is_file() and not e.is_dir()]
     listing.skipped[:0] = [{"source": n, "reason": f"not read: SRC is a folder of {kind} shards (only its "
-                            "top-level shard files are read)"} for n in others]
+                            "top-level shard files are read)"} for n in others] + sorted(unread, key=lambda s: s["source"])
     return listing
+
+
+def _not_a_file(entry: os.DirEntry) -> str:
+    """Why a folder entry that is neither a file nor a folder is not read (a shard on a disk that is
+    not mounted must not vanish without a word)."""
+    try:
+        mode = entry.stat().st_mode
+    except OSError as e:
+        link = f" to {os.readlink(entry.path)!r}" if entry.is_symlink() else ""
+        return f"cannot read: broken symlink{link} ({e.strerror})" if link else f"cannot read: {e.strerror}"
+    return f"not read: not a regular file ({_file_kind(mode)})"
 
 
 def _stamp(items: Sequence[tuple[str, int, int]]) -> str:
