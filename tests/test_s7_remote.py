@@ -175,3 +175,20 @@ def test_no_prefetch_thread_runs_while_the_process_forks(served, tmp_path):
         srv.reset_counts()
         assert sorted(s["__key__"] for s in ds) == [f"k{i:05d}" for i in range(16)]
         assert not [p for p in srv.counts if p.endswith(".tar")]
+
+
+def test_a_url_with_user_and_password_is_read_with_basic_auth(served, tmp_path):
+    # https://user:password@host/... (a private mirror): the standard-library client sent the user info to
+    # DNS as part of the host name ("Name or service not known", retried 5 times); fsspec's client takes
+    # it as basic auth. The password also named a new node-cache folder whenever it changed.
+    with LoopbackServer(served, ranges=False, max_requests=100, lifetime=60) as srv:
+        def url(password: str) -> str:
+            return srv.url.replace("http://", f"http://reader:{password}@") + "/ds"
+
+        assert read_bytes(url("pw%2F1") + "/manifest.json", retry=RetryPolicy(1)).startswith(b"{")
+        a = ShardedDataset(RemoteShards(url("pw%2F1"), cache_dir=tmp_path / "nc", prefetch=0), decode=False)
+        assert len(list(a)) == 16 and "pw%2F1" not in " ".join(a.source.names)
+        b = ShardedDataset(RemoteShards(url("new"), cache_dir=tmp_path / "nc", prefetch=0), decode=False)
+        assert b.source.node_cache.root == a.source.node_cache.root
+        stream = ShardedDataset([url("pw") + "/shard-000000.tar"], decode=False)
+        assert len(list(stream)) == 4

@@ -71,7 +71,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fastdata.shards import RemoteStream, RetryPolicy, redact_url, remote_error, split_query, url_join
+from fastdata.shards import (RemoteStream, RetryPolicy, redact_url, remote_error, split_query, url_identity,
+                            url_join)
 from fastdata.errors import RemoteError
 from fastdata.manifest import Manifest, ShardInfo
 
@@ -202,8 +203,8 @@ class ShardCache:
         self.prefetch = prefetch
         self.eviction = eviction
         self.retry = retry or RetryPolicy()
-        # not the query: a signed URL's token changes, the shards (the manifest's fingerprint) do not
-        ident = hashlib.sha256(f"{path.rstrip('/')}\n{manifest.fingerprint()}".encode()).hexdigest()[:24]
+        # not the query nor a password: a signed URL's token changes, the shards (the manifest's fingerprint) do not
+        ident = hashlib.sha256(f"{url_identity(path.rstrip('/'))}\n{manifest.fingerprint()}".encode()).hexdigest()[:24]
         self.root = Path(directory if directory is not None else default_cache_dir()) / ident
         self._index = {s.name: i for i, s in enumerate(manifest.shards)}
         self.stats = _Stats()

@@ -319,9 +319,28 @@ def _stdlib_http(url: str) -> bool:
     return not (fsspec.config.conf.get("http") or fsspec.config.conf.get("https"))
 
 
+def _basic_auth(url: str) -> tuple[str, str | None]:
+    """(``url`` without its user info, the ``Authorization`` header it asks for or None): the standard
+    library's client would take ``user:password@host`` for a host name (fsspec's sends basic auth)."""
+    import base64
+    import urllib.parse
+
+    scheme, rest = url.split("://", 1)
+    netloc, slash, path = rest.partition("/")
+    if "@" not in netloc:
+        return url, None
+    userinfo, host = netloc.rsplit("@", 1)
+    user, _, password = userinfo.partition(":")
+    token = f"{urllib.parse.unquote(user)}:{urllib.parse.unquote(password)}".encode()
+    return f"{scheme}://{host}{slash}{path}", "Basic " + base64.b64encode(token).decode("ascii")
+
+
 def _open_raw(url: str, size: int | None) -> Any:
     if _stdlib_http(url):  # one GET, no Range; HTTPError (status, reason) and URLError are classified
+        url, auth = _basic_auth(url)
         request = urllib.request.Request(url, headers={"Accept-Encoding": "identity", "User-Agent": "fastdata"})
+        if auth:
+            request.add_unredirected_header("Authorization", auth)  # not sent on to where a redirect points
         return urllib.request.urlopen(request, timeout=_TIMEOUT_S)  # noqa: S310 - URLs the user gave
     fs, path = filesystem(url)
     kwargs: dict[str, Any] = {}
