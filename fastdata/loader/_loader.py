@@ -109,10 +109,16 @@ class _Run:
         return [*stages[:-1], (stages[-1][0], tuple(self.pos))]
 
 
+# orders a persistent-worker loader's iter() (torch resets the one iterator it shares) against next()
+# of the iterator it ends; held for flag updates only, never while waiting for a batch
+_RESET_LOCK = threading.Lock()
+
+
 class _LoaderIter:
     def __init__(self, loader: DataLoader, inner: Any, run: _Run, length: int | None = None):
         self._loader, self._inner, self._run, self._length = loader, inner, run, length
         self._ended = False
+        self._busy: threading.Thread | None = None  # the thread inside next() now
         self._watch: _watchdog.Watch | None = None
 
     def __iter__(self) -> _LoaderIter:
@@ -146,8 +152,16 @@ class _LoaderIter:
             inner._shutdown_workers()
 
     def __next__(self) -> Any:
-        if self._ended:
-            raise StopIteration
+        with _RESET_LOCK:
+            if self._ended:
+                raise StopIteration
+            self._busy = threading.current_thread()
+        try:
+            return self._next()
+        finally:
+            self._busy = None
+
+    def _next(self) -> Any:
         while True:
             try:
                 item = next(self._inner)
@@ -371,6 +385,17 @@ class DataLoader(torch.utils.data.DataLoader):
         ds = self.dataset
         if not isinstance(ds, ShardedDataset):
             return super().__iter__()
+        previous = self._live() if self._live is not None else None
+        if previous is not None and previous._inner is getattr(self, "_iterator", None):
+            with _RESET_LOCK:  # persistent workers: torch resets the iterator `previous` reads from
+                busy = previous._busy
+                if busy is not None and busy is not threading.current_thread():
+                    raise RuntimeError(
+                        f"this DataLoader (persistent_workers=True) is being iterated in thread {busy.name!r} "
+                        "(a CUDAPrefetcher's, if it wraps the loader) while iter() was called on it here: "
+                        "its workers serve one iteration at a time. Iterate the prefetcher, not the loader, "
+                        "or give this loop its own DataLoader")
+                previous._ended = True  # it would take this iteration's batches (and count them as its own)
         ds.resolve_dist()
         ds.begin_skip_budget()
         start = ds.epoch_start(self.num_workers)
@@ -408,9 +433,7 @@ class DataLoader(torch.utils.data.DataLoader):
             ds.preload_next_epoch(0)
         ds.consume_resume()
         self._run = _Run(start, list(start.consumed))
-        previous = self._live() if self._live is not None else None
         if previous is not None and previous._inner is inner:  # persistent workers: torch reset that iterator
-            previous._ended = True  # it would take this iteration's batches (and count them as its own)
             if previous._watch is not None:
                 previous._watch.stop(join=False)
         it = _loader_iter(self, inner, self._run, None, _worker_helpers)
