@@ -203,3 +203,11 @@ def test_doctor_tune_bench_accept_the_manifest_file_as_shards(array_shards, monk
             "--workers", "0", "--json"]
     assert main(argv) == 0, capsys.readouterr().err
     assert '"samples": 16' in capsys.readouterr().out
+
+
+def test_bench_does_not_claim_to_decode_and_resize_stored_arrays(array_shards, capsys):
+    # `fastdata shard --resize` output (img.npy arrays) is read as stored; the row said "decode + ResizeCenterCrop(8)"
+    argv = ["bench", str(array_shards), "--samples", "16", "--size", "8", "--repeats", "1", "--workers", "0"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "ResizeCenterCrop" not in out and "stored arrays, read as stored: no decode or resize" in out, out
