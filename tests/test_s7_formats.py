@@ -185,3 +185,17 @@ def test_tar_folder_lists_a_broken_symlink_and_a_fifo_it_does_not_read(tmp_path)
     assert not hasattr(os, "mkfifo") or "fifo" in skipped["c.tar"]
     with pytest.raises(ConversionError, match=r"b\.tar: .*broken symlink.*--strict"):
         convert(src, tmp_path / "out", opts(strict=True))
+
+
+def test_a_broken_class_folder_symlink_is_an_error_not_a_label_shift(tmp_path):
+    """`src/b -> /mnt/other/b` with that disk not mounted: class b was dropped without a word and
+    class c took its label 1. Whether it is a class cannot be told: a SourceError naming it."""
+    from fastdata.shards.convert import plan_conversion
+
+    src = tmp_path / "src"
+    for cls in ("a", "c"):
+        (src / cls).mkdir(parents=True)
+        (src / cls / "x.png").write_bytes(PNG)
+    (src / "b").symlink_to(tmp_path / "unmounted" / "b")
+    with pytest.raises(SourceError, match=r"src/b: .*broken symlink.*labels"):
+        plan_conversion(src, opts())

@@ -223,6 +223,15 @@ def _list_images(root: Path) -> Listing:
     entries = sorted(os.scandir(root), key=lambda e: e.name)
     classes = [e.name for e in entries if e.is_dir() and not e.name.startswith(".")]
     top_files = [e.name for e in entries if e.is_file() and not e.name.startswith(".")]
+    if classes:  # a class folder that cannot be read would shift the labels of the classes after it
+        for e in entries:
+            if not (e.name.startswith(".") or e.is_dir() or e.is_file()):
+                reason = _not_a_file(e)
+                if reason.startswith("cannot read"):
+                    raise SourceError(f"{root / e.name}: {reason}; it may be a class folder, and leaving it out "
+                                      "would shift the labels (cls) of the classes after it: fix or remove it")
+                top_files.append(e.name)
+        top_files.sort()
     listing = Listing(kind="images", root=str(root))
     stamps: list[tuple[str, int, int]] = []
     exts: set[str] = set()
