@@ -211,3 +211,33 @@ def test_bench_does_not_claim_to_decode_and_resize_stored_arrays(array_shards, c
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "ResizeCenterCrop" not in out and "stored arrays, read as stored: no decode or resize" in out, out
+
+
+def test_stall_meter_counts_a_nested_loop_once(monkeypatch):
+    # a validation loop wrapped by the same meter inside the training loop: its time was added to the wall
+    # time twice (inside the outer wrap and again as its own), so the wait share came out too low
+    def slow(n):
+        for i in range(n):
+            time.sleep(0.01)
+            yield i
+
+    class Train:
+        num_workers = 1
+
+        def __iter__(self):
+            return slow(6)
+
+    from fastdata.monitor import _stall
+
+    monkeypatch.setattr(_stall, "_cores", lambda: 4)
+    meter = StallMeter()
+    t0 = time.perf_counter()
+    for i, _ in enumerate(meter.wrap(Train())):
+        if i % 3 == 2:
+            for _ in meter.wrap(slow(3)):
+                pass
+    wall = time.perf_counter() - t0
+    rep = meter.report()
+    assert rep.steps == 12 and rep.wall_s <= wall, (rep.wall_s, wall)
+    assert rep.wait_share > 0.8, rep.summary()  # every step of both loops only waits
+    assert any(a.startswith("num_workers=1 on 4 cores") for a in rep.advice), rep.advice  # the outer loader's

@@ -115,21 +115,27 @@ class StallMeter:
         self.sample_gpu = sample_gpu
         self.gpu_interval_s = float(gpu_interval_s)
         self.waits: list[float] = []
-        self.wall_s = 0.0  # of the finished wraps; report() adds the time of those still iterating
-        self._open: dict[object, float] = {}  # wraps in progress -> their start (report() inside the loop)
+        self.wall_s = 0.0  # time inside wrap() so far, once over nested or interleaved wraps; report() adds the open span
+        self._open = 0  # wraps in progress (a validation loop inside the training loop, or report() inside the loop)
+        self._span_start = 0.0  # when the first of the wraps in progress started
         self._loader: Any = None
         self._gpu_samples: list[int] = []
         self._stage_totals: dict[str, float] = {}
         self._stage_batches = 0
 
     def wrap(self, loader: Iterable[T]) -> Iterator[T]:
-        """Iterate ``loader``, timing each wait for the next batch."""
-        self._loader = loader
+        """Iterate ``loader``, timing each wait for the next batch.
+
+        A wrap inside another (a validation loop inside the training loop) adds its waits; its time is
+        counted once, inside the outer loop's, and the advice stays about the outer loop's loader.
+        """
+        if self._open == 0:
+            self._loader = loader
         sampler = self._start_sampler(loader)
         before = _prefetch_stats(loader)
-        start = time.perf_counter()
-        token = object()
-        self._open[token] = start
+        if self._open == 0:
+            self._span_start = time.perf_counter()
+        self._open += 1
         try:
             it = iter(loader)
             while True:
@@ -141,8 +147,9 @@ class StallMeter:
                 self.waits.append(time.perf_counter() - t0)
                 yield batch
         finally:
-            del self._open[token]
-            self.wall_s += time.perf_counter() - start
+            self._open -= 1
+            if self._open == 0:  # a wrap nested in another is inside the outer one's wall time already
+                self.wall_s += time.perf_counter() - self._span_start
             if sampler is not None:
                 self._gpu_samples.extend(sampler.stop())
             self._add_stage_times(before, _prefetch_stats(loader))
@@ -173,8 +180,7 @@ class StallMeter:
     def report(self) -> StallReport:
         """What the waits measured so far say: share, percentiles, periodic stalls and advice (also inside the
         loop: the wall time then runs to now)."""
-        now = time.perf_counter()
-        wall = self.wall_s + sum(now - start for start in list(self._open.values()))
+        wall = self.wall_s + (time.perf_counter() - self._span_start if self._open else 0.0)
         waits = sorted(self.waits[1:])  # the first wait is start-up, reported apart: with fewer than 100 steps
         # it would be the p99 itself, and "waits are spiky" advice would rest on worker start-up
         gpu = self._gpu_samples
