@@ -192,3 +192,24 @@ def test_a_url_with_user_and_password_is_read_with_basic_auth(served, tmp_path):
         assert b.source.node_cache.root == a.source.node_cache.root
         stream = ShardedDataset([url("pw") + "/shard-000000.tar"], decode=False)
         assert len(list(stream)) == 4
+
+
+def test_node_cache_dir_expands_the_home_folder_and_survives_a_chdir(served, tmp_path, monkeypatch):
+    # cache_dir="~/..." (and $FASTDATA_NODE_CACHE="~/...", as a quoted value leaves it) made a folder named "~"
+    # in the working directory, and a relative cache_dir moved with os.chdir (shards downloaded again into
+    # the new place); the preprocessing cache (Cache(directory)) expands "~" and resolves the path already.
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    with LoopbackServer(served, ranges=False, max_requests=100, lifetime=60) as srv:
+        ds = ShardedDataset(RemoteShards(srv.url + "/ds", cache_dir="~/nc", prefetch=0), decode=False)
+        assert str(ds.source.node_cache.root).startswith(str(tmp_path / "home" / "nc"))
+        rel = ShardedDataset(RemoteShards(srv.url + "/ds", cache_dir="rel", prefetch=0), decode=False)
+        monkeypatch.chdir(tmp_path)
+        assert len(list(rel)) == 16 and rel.source.node_cache.is_local(3)
+        assert (work / "rel").is_dir() and not (tmp_path / "rel").exists()
+        monkeypatch.setenv("FASTDATA_NODE_CACHE", "~/env")
+        env = ShardedDataset(RemoteShards(srv.url + "/ds", prefetch=0), decode=False)
+        assert str(env.source.node_cache.root).startswith(str(tmp_path / "home" / "env"))
+    assert not (work / "~").exists() and not (tmp_path / "~").exists()

@@ -126,9 +126,9 @@ def default_cache_dir() -> Path:
     """``$FASTDATA_NODE_CACHE``, else ``$XDG_CACHE_HOME/fastdata/shards`` (``~/.cache/...``)."""
     env = os.environ.get("FASTDATA_NODE_CACHE")
     if env:
-        return Path(env)
+        return Path(env).expanduser().absolute()
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "fastdata" / "shards"
+    return (Path(base).expanduser() / "fastdata" / "shards").absolute()
 
 
 @contextmanager
@@ -205,7 +205,9 @@ class ShardCache:
         self.retry = retry or RetryPolicy()
         # not the query nor a password: a signed URL's token changes, the shards (the manifest's fingerprint) do not
         ident = hashlib.sha256(f"{url_identity(path.rstrip('/'))}\n{manifest.fingerprint()}".encode()).hexdigest()[:24]
-        self.root = Path(directory if directory is not None else default_cache_dir()) / ident
+        # "~" expanded, and absolute: an os.chdir later (or a worker's other cwd) finds the same folder
+        self.root = Path(directory).expanduser().absolute() / ident if directory is not None \
+            else default_cache_dir() / ident
         self._index = {s.name: i for i, s in enumerate(manifest.shards)}
         self.stats = _Stats()
         self._schedule: dict[int, float] = {}  # shard -> time of next need (epochs; fraction inside)

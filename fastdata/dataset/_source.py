@@ -382,7 +382,7 @@ def _load_remote_manifest(spec: RemoteShards) -> tuple[Manifest, Path]:
 
     url = url_join(spec.base_url, MANIFEST_NAME)
     data = read_bytes(url, retry=RetryPolicy(attempts=spec.retries), what="fetching manifest")
-    root = Path(spec.cache_dir) if spec.cache_dir is not None else default_cache_dir()
+    root = Path(spec.cache_dir).expanduser().absolute() if spec.cache_dir is not None else default_cache_dir()
     folder = root / "manifests"
     local = folder / (hashlib.sha256(data).hexdigest()[:24] + ".json")
     try:
