@@ -199,3 +199,15 @@ def test_a_broken_class_folder_symlink_is_an_error_not_a_label_shift(tmp_path):
     (src / "b").symlink_to(tmp_path / "unmounted" / "b")
     with pytest.raises(SourceError, match=r"src/b: .*broken symlink.*labels"):
         plan_conversion(src, opts())
+
+
+def test_bytes_after_a_gzip_stream_holding_a_tar_are_still_ignored(tmp_path):
+    """The concatenation check reads on after the end-of-archive blocks: what a decompressor then
+    raises (trailing garbage after the gzip stream) must not fail a tar whose members were all read."""
+    import gzip
+
+    from fastdata.shards.tar import iter_tar_stream
+
+    raw = small_tar(tmp_path / "a.tar", ["a0", "a1"]).read_bytes()
+    stream = gzip.open(io.BytesIO(gzip.compress(raw) + b"garbage!"))
+    assert [s["__key__"] for s in iter_tar_stream(stream, "a.tar.gz")] == ["a0", "a1"]

@@ -199,7 +199,10 @@ def _check_end(header: HeaderFn, pos: int, shard: str) -> None:
     end = pos
     while True:
         pos += BLOCK
-        buf = header(pos)
+        try:
+            buf = header(pos)
+        except ShardError:  # e.g. bytes after a gzip stream's end: every member was read, as before
+            return
         if len(buf) < BLOCK:
             return
         if buf == ZERO_BLOCK:
