@@ -241,3 +241,18 @@ def test_stall_meter_counts_a_nested_loop_once(monkeypatch):
     assert rep.steps == 12 and rep.wall_s <= wall, (rep.wall_s, wall)
     assert rep.wait_share > 0.8, rep.summary()  # every step of both loops only waits
     assert any(a.startswith("num_workers=1 on 4 cores") for a in rep.advice), rep.advice  # the outer loader's
+
+
+@pytest.mark.parametrize(("broken", "rc"), [("torchvision", 0), ("numpy", 1)])
+def test_doctor_marks_a_package_that_does_not_load_as_a_warning(broken, rc, monkeypatch, capsys):
+    # a torchvision built for another torch (--model and --decode torchvision then fail) was listed as
+    # "ok   package torchvision   installed but does not load"; a broken optional package must not fail the run
+    from fastdata.cli import _doctor
+
+    monkeypatch.setattr(_doctor, "_version", lambda mod: (
+        "installed but does not load (RuntimeError: operator torchvision::nms does not exist)" if mod == broken
+        else "1.0"))
+    check = next(c for c in _doctor.check_packages() if c.name == f"package {broken}")
+    assert not check.ok and check.advice.startswith(f"reinstall {broken}")
+    assert _doctor.run_doctor() == rc
+    assert f"WARN package {broken}" in capsys.readouterr().out

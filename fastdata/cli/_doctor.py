@@ -35,15 +35,20 @@ def _version(module: str) -> str | None:
     return str(getattr(mod, "__version__", "installed"))
 
 
+# fastdata's own dependencies are required; the rest serve optional features (GPU decode,
+# remote shards, NVML utilisation)
+_PACKAGES = (("torch", True), ("numpy", True), ("PIL", True), ("h5py", True), ("braceexpand", True), ("tqdm", True),
+             ("torchvision", False), ("fsspec", False), ("pynvml", False))
+_REQUIRED = {f"package {mod}" for mod, need in _PACKAGES if need}
+
+
 def check_packages() -> list[Check]:
     out = []
-    # fastdata's own dependencies are required; the rest serve optional features (GPU decode,
-    # remote shards, NVML utilisation)
-    for mod, need in (("torch", True), ("numpy", True), ("PIL", True), ("h5py", True), ("braceexpand", True),
-                      ("tqdm", True), ("torchvision", False), ("fsspec", False), ("pynvml", False)):
+    for mod, need in _PACKAGES:
         v = _version(mod)
         broken = v is not None and v.startswith("installed but does not load")
-        out.append(Check(f"package {mod}", v is not None and not (broken and need) or (v is None and not need),
+        # a broken optional package is a warning (what needs it fails), not a failed doctor run
+        out.append(Check(f"package {mod}", (v is not None and not broken) or (v is None and not need),
                          v or ("missing" if need else "not installed (optional)"),
                          f"reinstall {mod} to match torch {_version('torch')}" if broken
                          else "" if v or not need else f"pip install {mod}"))
@@ -178,7 +183,8 @@ def format_diagnosis(d: Any, source: str) -> list[str]:
 
 def run_doctor(source: str | None = None, options: Any = None, *, as_json: bool = False,
                out_path: str | None = None) -> int:
-    """Environment checks, then (with ``source``) the stage table; exit status 1 if a required package is missing.
+    """Environment checks, then (with ``source``) the stage table; exit status 1 if a required package is missing
+    or does not load.
 
     ``as_json``: JSON on stdout instead of tables; ``out_path``: also write the JSON there.
     """
@@ -200,7 +206,7 @@ def run_doctor(source: str | None = None, options: Any = None, *, as_json: bool 
         if diag is not None:
             print()
             print("\n".join(format_diagnosis(diag, source)))
-    missing = [c for c in checks if c.name.startswith("package") and not c.ok]
+    missing = [c for c in checks if c.name in _REQUIRED and not c.ok]
     return 1 if missing else 0
 
 
