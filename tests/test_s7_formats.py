@@ -211,3 +211,17 @@ def test_bytes_after_a_gzip_stream_holding_a_tar_are_still_ignored(tmp_path):
     raw = small_tar(tmp_path / "a.tar", ["a0", "a1"]).read_bytes()
     stream = gzip.open(io.BytesIO(gzip.compress(raw) + b"garbage!"))
     assert [s["__key__"] for s in iter_tar_stream(stream, "a.tar.gz")] == ["a0", "a1"]
+
+
+@pytest.mark.parametrize("kind", ["bz2", "lzma"])
+def test_a_compressed_tar_named_tar_says_so(tmp_path, kind):
+    """`tar --xz -cf x.tar` (or bzip2, zstd): 'truncated tar: header at byte offset 0 is cut off'."""
+    import importlib
+
+    from fastdata.shards.tar import TarIndex
+
+    raw = small_tar(tmp_path / "a.tar", ["a0"]).read_bytes()
+    packed = tmp_path / "x.tar"
+    packed.write_bytes(importlib.import_module(kind).compress(raw))
+    with pytest.raises(ShardError, match=r"x\.tar: is (bzip2|xz)-compressed"):
+        TarIndex.build(packed)

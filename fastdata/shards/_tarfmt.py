@@ -192,6 +192,22 @@ def walk(header: HeaderFn, payload: PayloadFn, shard: str, *, want_data: bool) -
         pos = start + size + pad(size)
 
 
+_COMPRESSED = ((b"BZh", "bzip2"), (b"\xfd7zXZ\x00", "xz"), (b"\x28\xb5\x2f\xfd", "zstd"),
+               (b"\x04\x22\x4d\x18", "lz4"), (b"\x1f\x8b", "gzip"))
+
+
+def compression(first: bytes) -> str | None:
+    """The compression a file's first block shows by its magic number, when it is no tar header."""
+    kind = next((name for magic, name in _COMPRESSED if first.startswith(magic)), None)
+    if kind is None:
+        return None
+    try:
+        parse_header(first.ljust(BLOCK, b"\0"), 0, "")
+    except ShardError:
+        return kind
+    return None  # a tar whose first member's name starts like a magic number
+
+
 def _check_end(header: HeaderFn, pos: int, shard: str) -> None:
     """After the first zero block at ``pos``: only zero blocks (record padding) or bytes that are no
     tar header may follow. A valid header after them is a second archive appended with ``cat a.tar

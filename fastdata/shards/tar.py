@@ -108,6 +108,10 @@ class TarIndex:
                 if mm[:2] == b"\x1f\x8b":
                     raise ShardError(f"{shard}: is gzip-compressed; random access needs an uncompressed tar "
                                      "(stream it with iter_tar_stream(gzip.open(path), path))")
+                packed = _tarfmt.compression(mm[:_tarfmt.BLOCK])
+                if packed is not None:
+                    raise ShardError(f"{shard}: is {packed}-compressed; random access needs an uncompressed tar "
+                                     "(decompress it first)")
                 header, payload = _tarfmt.mmap_source(mm, shard)
                 members = list(_tarfmt.walk(header, payload, shard, want_data=False))
                 keys: list[str] = []
