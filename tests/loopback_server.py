@@ -19,6 +19,7 @@ import os
 import re
 import threading
 import time
+import urllib.parse
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -38,7 +39,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
     def _begin(self, head: bool = False) -> tuple[Path, int] | None:
         srv = self.server
-        path = self.path.split("?", 1)[0]
+        path = urllib.parse.unquote(self.path.split("?", 1)[0])  # as real servers do: "a%20b.tar" is "a b.tar"
         with srv.lock:
             srv.total += 1
             if head:

@@ -213,3 +213,28 @@ def test_node_cache_dir_expands_the_home_folder_and_survives_a_chdir(served, tmp
         env = ShardedDataset(RemoteShards(srv.url + "/ds", prefetch=0), decode=False)
         assert str(env.source.node_cache.root).startswith(str(tmp_path / "home" / "env"))
     assert not (work / "~").exists() and not (tmp_path / "~").exists()
+
+
+def test_shard_names_that_need_quoting_in_a_url(served, tmp_path):
+    # A manifest naming "part 1.tar" or "a#b.tar" (legal names): the standard-library client refused the
+    # space ("URL can't contain control characters"), and "#" cut the URL short (HTTP 404).
+    import json
+    import shutil
+
+    ds = tmp_path / "www" / "ds"
+    shutil.copytree(served / "ds", ds)
+    doc = json.loads((ds / "manifest.json").read_text())
+    for shard, new in zip(doc["shards"], ["part 1.tar", "a#b.tar", "50%+x.tar", "sub dir/c?d.tar"]):
+        (ds / new).parent.mkdir(exist_ok=True)
+        (ds / shard["name"]).rename(ds / new)
+        (ds / shard["index"]).rename(ds / (new + ".idx"))
+        shard["name"], shard["index"] = new, new + ".idx"
+    (ds / "manifest.json").write_text(json.dumps(doc))
+    with LoopbackServer(tmp_path / "www", ranges=False, max_requests=100, lifetime=60) as srv:
+        got = ShardedDataset(RemoteShards(f"{srv.url}/ds?{TOKEN}", cache_dir=tmp_path / "nc", prefetch=1),
+                             decode=False)
+        assert sorted(s["__key__"] for s in got) == [f"k{i:05d}" for i in range(16)]
+        assert "/ds/part%201.tar?" in got.source.names[0]
+        from fastdata.shards.reader import verify
+
+        assert verify(f"{srv.url}/ds?{TOKEN}") == []

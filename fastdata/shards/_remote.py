@@ -178,8 +178,13 @@ def safe_cause(e: BaseException, url: str) -> BaseException | None:
 
 def url_join(base: str, name: str) -> str:
     """``base/name`` for a folder URL (``base`` may end with ``/``; the query of an ``http(s)``
-    folder URL goes to the end: ``https://h/ds?sig=x`` + ``a.tar`` is ``https://h/ds/a.tar?sig=x``)."""
+    folder URL goes to the end: ``https://h/ds?sig=x`` + ``a.tar`` is ``https://h/ds/a.tar?sig=x``;
+    ``name``, a file name, is percent-encoded there: ``part 1.tar`` is ``part%201.tar``)."""
     path, query = split_query(base)
+    if base.split("://", 1)[0].lower() in ("http", "https"):
+        import urllib.parse
+
+        name = urllib.parse.quote(name, safe="/")
     return path.rstrip("/") + "/" + name + query
 
 
