@@ -256,3 +256,25 @@ def test_doctor_marks_a_package_that_does_not_load_as_a_warning(broken, rc, monk
     assert not check.ok and check.advice.startswith(f"reinstall {broken}")
     assert _doctor.run_doctor() == rc
     assert f"WARN package {broken}" in capsys.readouterr().out
+
+
+def test_tune_batch_search_stays_within_the_samples_measured(array_shards, monkeypatch):
+    # on a GPU with a model, the batch search went up to --max-batch (2048) over a 256-sample subset: a batch of
+    # 1,840 was then "measured" as batches of 256 and recommended. Faked here: a CUDA-typed device and a model step.
+    import types
+
+    import fastdata.prefetch
+    from fastdata.monitor import _stages, _tune
+
+    class Searched(Exception):
+        pass
+
+    def search(fits, *, start, limit, after_oom):
+        raise Searched(start, limit)
+
+    monkeypatch.setattr(fastdata.prefetch, "resolve_device", lambda d: types.SimpleNamespace(type="cuda"))
+    monkeypatch.setattr(_stages, "make_step", lambda *a: object.__new__(_stages.ModelStep))
+    monkeypatch.setattr(_tune, "search_batch_size", search)
+    with pytest.raises(Searched) as e:
+        _tune.tune(array_shards, DoctorOptions(samples=64, batch_size=8, model="resnet18"), batch_limit=2048)
+    assert e.value.args == (8, 16)  # the source has 16 samples

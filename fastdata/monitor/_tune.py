@@ -163,8 +163,8 @@ def tune(source: str | Path, start: DoctorOptions, *, batch_limit: int = 2048) -
     batch: BatchSearch | None = None
     with tempfile.TemporaryDirectory(prefix="fastdata-tune-") as tmp:
         subset = Path(tmp) / "subset"
-        st.check_one_batch(source, st.copy_subset(source, subset, fields, start.samples), start.samples,
-                           start.batch_size)
+        read = st.copy_subset(source, subset, fields, start.samples)
+        st.check_one_batch(source, read, start.samples, start.batch_size)
 
         def rate(o: DoctorOptions, *, through_prefetcher: bool = False, threads: int = 0) -> float:
             """The job's images/s; without a step the loader's (through the prefetcher and its transforms
@@ -181,14 +181,17 @@ def tune(source: str | Path, start: DoctorOptions, *, batch_limit: int = 2048) -
 
         # 1. batch size
         if isinstance(step, st.ModelStep) and device.type == "cuda":
-            batch = search_batch_size(model_fits(step, start.size, device), start=min(start.batch_size, batch_limit),
-                                      limit=batch_limit, after_oom=torch.cuda.empty_cache)
+            # never above the measured samples: a larger batch would be measured as batches of the subset's size
+            limit = min(batch_limit, read.samples)
+            batch = search_batch_size(model_fits(step, start.size, device), start=min(start.batch_size, limit),
+                                      limit=limit, after_oom=torch.cuda.empty_cache)
             torch.cuda.empty_cache()
             for b, ok in batch.tried:
                 trial({"dimension": "batch_size", "value": b, "fits": ok})
             best = dataclasses.replace(best, batch_size=batch.batch_size)
+            upto = f"--max-batch {batch_limit}" if limit == batch_limit else f"the {limit} samples measured (--samples)"
             notes.append(f"batch size: {batch.largest_fit} fits in GPU memory"
-                         + (f", {batch.first_oom} does not" if batch.first_oom else f" (searched up to {batch_limit})")
+                         + (f", {batch.first_oom} does not" if batch.first_oom else f" (searched up to {upto})")
                          + f"; {batch.batch_size} leaves {batch.headroom:.0%} headroom")
         else:
             why = "no model to size (--model)" if not isinstance(step, st.ModelStep) else "no GPU memory to fill on the CPU"
