@@ -68,7 +68,7 @@ def add_tune_subparser(subparsers: Any) -> Any:
     p.add_argument("shards", metavar="SHARDS", help="shard folder with manifest.json")
     add_pipeline_arguments(p, samples=256)
     p.add_argument("--max-batch", type=positive_int, default=2048, metavar="N",
-                   help="largest batch size the search tries (default: 2048)")
+                   help="largest batch size the search tries (a model on a GPU), never above --samples (default: 2048)")
     p.add_argument("--json", action="store_true", help="print the results as JSON instead of text (default: off)")
     p.add_argument("--out", type=output_file, default=None, metavar="PATH", help="also write the JSON results to PATH (default: none)")
     p.set_defaults(func=_cmd_tune)
