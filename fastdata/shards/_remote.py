@@ -64,13 +64,25 @@ def folder_url(url: str) -> str:
 
 
 _HIDDEN = "***"
+# parameters of signed URLs whose values are no secret and tell why a request was refused (a token
+# expired, a permission missing): shown; every other parameter's value is hidden
+_SHOWN_PARAMS = frozenset({
+    "sv", "st", "se", "sp", "sr", "spr", "srt", "ss",  # Azure SAS: version, start, expiry, permissions
+    "x-amz-date", "x-amz-expires", "x-amz-algorithm", "x-amz-signedheaders",
+    "x-goog-date", "x-goog-expires", "x-goog-algorithm", "x-goog-signedheaders", "expires",
+})
+
+
+def _shown(name: str) -> bool:
+    return name.lower() in _SHOWN_PARAMS
 
 
 def redact_url(url: str) -> str:
     """``url`` as messages, warnings and logs show it: the value of each query parameter (the tokens
     of a signed URL: an Azure SAS ``sig``, an S3 presigned ``X-Amz-Signature``, a CDN token), the
-    fragment and a password in the user info become ``***``; scheme, host, path (the shard name)
-    and the parameter names stay (``https://h/ds/a.tar?sv=***&sig=***``)."""
+    fragment and a password in the user info become ``***``; scheme, host, path (the shard name),
+    the parameter names and the values of a signed URL's start, expiry, version and permissions
+    stay (``https://h/ds/a.tar?se=2030-01-01&sig=***``)."""
     if not isinstance(url, str) or "://" not in url:
         return url
     scheme, rest = url.split("://", 1)
@@ -85,7 +97,7 @@ def redact_url(url: str) -> str:
     query, _, fragment = tail.partition("#")
     if query:
         query = "?" + "&".join(
-            (f"{k}={_HIDDEN}" if v else k + "=") if sep else (_HIDDEN if k else "")
+            (f"{k}={v if _shown(k) else _HIDDEN}" if v else k + "=") if sep else (_HIDDEN if k else "")
             for k, sep, v in (item.partition("=") for item in query[1:].split("&")))
     return f"{scheme}://{netloc}{path}{query}" + (f"#{_HIDDEN}" if fragment or tail.find("#") >= 0 else "")
 
@@ -105,7 +117,11 @@ def _secrets(url: str) -> list[str]:
     if "@" in netloc and ":" in netloc.rsplit("@", 1)[0]:
         found.append(netloc.rsplit("@", 1)[0].split(":", 1)[1])
     for item in tail[1:].replace("#", "&").split("&"):
-        value = item.partition("=")[2] if "=" in item else item
+        name, sep, value = item.partition("=")
+        if not sep:
+            value = name
+        elif _shown(name):
+            continue
         for v in (value, urllib.parse.unquote(value), urllib.parse.unquote_plus(value)):
             if len(v) >= 8:  # short values ("r", "2021") are no secret and would garble the text
                 found.append(v)
