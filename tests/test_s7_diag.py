@@ -278,3 +278,15 @@ def test_tune_batch_search_stays_within_the_samples_measured(array_shards, monke
     with pytest.raises(Searched) as e:
         _tune.tune(array_shards, DoctorOptions(samples=64, batch_size=8, model="resnet18"), batch_limit=2048)
     assert e.value.args == (8, 16)  # the source has 16 samples
+
+
+def test_search_batch_size_takes_the_cpu_allocators_failure_for_out_of_memory():
+    # "DefaultCPUAllocator: can't allocate memory: ..." was raised as a failure of the step, not taken for "too big"
+    from fastdata.monitor import search_batch_size
+
+    def fits(b):
+        if b > 64:
+            torch.empty(2**50 * b, dtype=torch.uint8)  # beyond any address space: refused at once
+
+    found = search_batch_size(fits, start=32, limit=4096)
+    assert found.largest_fit == 64 and found.first_oom is not None and found.first_oom <= 128

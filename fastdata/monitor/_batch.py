@@ -28,14 +28,15 @@ class BatchSearch:
 
 
 def is_out_of_memory(error: BaseException) -> bool:
-    """True for torch's CUDA out-of-memory error and the allocators' "out of memory" RuntimeErrors."""
+    """True for torch's CUDA out-of-memory error, the allocators' "out of memory" RuntimeErrors and the CPU
+    allocator's "can't allocate memory"."""
     import torch
 
     oom = getattr(torch.cuda, "OutOfMemoryError", None)
     if oom is not None and isinstance(error, oom):
         return True
     return isinstance(error, (RuntimeError, MemoryError)) and (
-        isinstance(error, MemoryError) or "out of memory" in str(error).lower())
+        isinstance(error, MemoryError) or any(m in str(error).lower() for m in ("out of memory", "can't allocate memory")))
 
 
 def _round_down(n: int, multiple: int) -> int:
