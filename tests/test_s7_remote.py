@@ -38,7 +38,8 @@ def test_redact_url_hides_query_values_and_passwords_keeps_the_path():
     assert redact_url(f"https://acct.blob.core.windows.net/c/ds/shard-000001.tar?{TOKEN}") == \
         "https://acct.blob.core.windows.net/c/ds/shard-000001.tar?sv=2021-08-06&se=2030-01-01T00%3A00Z&sp=r&sig=***"
     s3 = "https://b.s3.amazonaws.com/a.tar?X-Amz-Credential=AKIA%2F1&X-Amz-Expires=60&X-Amz-Signature=f0"
-    assert redact_url(s3) == "https://b.s3.amazonaws.com/a.tar?X-Amz-Credential=***&X-Amz-Expires=60&X-Amz-Signature=***"
+    assert redact_url(s3) == \
+        "https://b.s3.amazonaws.com/a.tar?X-Amz-Credential=***&X-Amz-Expires=60&X-Amz-Signature=***"
     assert redact_url("https://user:pw@h:8080/ds/a.tar") == "https://user:***@h:8080/ds/a.tar"
     assert redact_url("https://h/a.tar?tokenonly#frag") == "https://h/a.tar?***#***"
     assert redact_url("s3://bucket/ds/a.tar") == "s3://bucket/ds/a.tar"
