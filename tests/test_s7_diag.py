@@ -69,8 +69,9 @@ def test_doctor_refuses_fewer_samples_than_one_batch(array_shards, capsys):
     # --samples 10 --batch-size 32 measured 10-image batches, but the step rate was 32 / step time: the
     # verdict said "7.5x slower than it could" for a job that was not
     for cmd in ("doctor", "tune"):
-        for samples, message in (("64", "has only 16 samples, fewer than one batch (batch_size=32, --batch-size)"),
-                                 ("10", "samples=10 (--samples) is fewer than one batch (batch_size=32, --batch-size)")):
+        for samples, message in (
+                ("64", "has only 16 samples, fewer than one batch (batch_size=32, --batch-size)"),
+                ("10", "samples=10 (--samples) is fewer than one batch (batch_size=32, --batch-size)")):
             rc = main([cmd, str(array_shards), "--samples", samples, "--batch-size", "32", "--step-ms", "1",
                        "--device", "cpu"])
             err = capsys.readouterr().err

@@ -36,7 +36,8 @@ def is_out_of_memory(error: BaseException) -> bool:
     if oom is not None and isinstance(error, oom):
         return True
     return isinstance(error, (RuntimeError, MemoryError)) and (
-        isinstance(error, MemoryError) or any(m in str(error).lower() for m in ("out of memory", "can't allocate memory")))
+        isinstance(error, MemoryError)
+        or any(m in str(error).lower() for m in ("out of memory", "can't allocate memory")))
 
 
 def _round_down(n: int, multiple: int) -> int:

@@ -240,7 +240,7 @@ def diagnose(source: str | Path, opts: DoctorOptions) -> Diagnosis:
         log.info("doctor: read %d samples; timing decode, preprocess and collate", read.samples)
         raws = st.raw_samples(subset, fields, min(64, read.samples))
         costs = st.cpu_costs(raws, fields, pre, opts.decode, B)
-        st.check_one_batch(source, read, opts.samples, B)  # after cpu_costs: a sample that does not decode is named first
+        st.check_one_batch(source, read, opts.samples, B)  # after cpu_costs: an image that does not decode is named
         shape = (3, *pre.size) if fields.encoded else tuple(torch.as_tensor(raws[0][fields.image]).shape)
         handoff = st.handoff_run(read.samples, shape, fields, B, workers)
         ds = _dataset(subset, fields, pre, opts.decode)

@@ -115,7 +115,7 @@ class StallMeter:
         self.sample_gpu = sample_gpu
         self.gpu_interval_s = float(gpu_interval_s)
         self.waits: list[float] = []
-        self.wall_s = 0.0  # time inside wrap() so far, once over nested or interleaved wraps; report() adds the open span
+        self.wall_s = 0.0  # time inside wrap(), once over nested or interleaved wraps; report() adds the open span
         self._open = 0  # wraps in progress (a validation loop inside the training loop, or report() inside the loop)
         self._span_start = 0.0  # when the first of the wraps in progress started
         self._loader: Any = None
