@@ -241,3 +241,22 @@ def test_shard_names_that_need_quoting_in_a_url(served, tmp_path):
         from fastdata.shards.reader import verify
 
         assert verify(f"{srv.url}/ds?{TOKEN}") == []
+
+
+def test_remote_shards_are_checked_against_the_manifest_as_local_ones(served, tmp_path):
+    # A manifest that does not list a field its shards hold: the folder refused it (ShardError naming the shard
+    # and the field), the same folder over HTTP delivered the unlisted field without a word.
+    import json
+    import shutil
+
+    ds = tmp_path / "www" / "ds"
+    shutil.copytree(served / "ds", ds)
+    doc = json.loads((ds / "manifest.json").read_text())
+    doc["fields"] = [f for f in doc["fields"] if f["name"] != "bin"]
+    (ds / "manifest.json").write_text(json.dumps(doc))
+    with pytest.raises(FastdataError, match=r"holds fields \['bin'\] that the manifest does not list"):
+        list(ShardedDataset(ds, decode=False))
+    with LoopbackServer(tmp_path / "www", ranges=False, max_requests=100, lifetime=60) as srv:
+        remote = ShardedDataset(RemoteShards(srv.url + "/ds", cache_dir=tmp_path / "nc", prefetch=0), decode=False)
+        with pytest.raises(FastdataError, match=r"holds fields \['bin'\] that the manifest does not list"):
+            list(remote)

@@ -266,20 +266,25 @@ class _CachedShard:
         if self._inner is None:
             local = self._cache.acquire(self._i)
             try:
+                # checked against the manifest as a local folder's shards are (open_shard): sample count,
+                # the fields it lists (HDF5: also kinds, shapes, dtypes)
+                shard, fields = self._cache.manifest.shards[self._i], self._cache.manifest.fields
                 if self._fmt == "tar":
                     from fastdata.shards.tar import TarShardReader
 
-                    inner = TarShardReader(local, index=self._cache.index_path(self._i))
+                    names = [f.name for f in fields]
+                    inner = TarShardReader(local, index=self._cache.index_path(self._i), expect=shard, fields=names)
                     try:
                         _ = inner.index  # the sidecar is a local file like any other: checked here
                     except ShardError as e:  # empty after a host crash, edited: rebuilt (or the shard fetched again)
                         self._cache.repair_index(self._i, e)
-                        inner = TarShardReader(local, index=self._cache.index_path(self._i))
+                        inner = TarShardReader(local, index=self._cache.index_path(self._i), expect=shard,
+                                               fields=names)
                         _ = inner.index
                 else:
                     from fastdata.shards.hdf5 import HDF5ShardReader
 
-                    inner = HDF5ShardReader(local)
+                    inner = HDF5ShardReader(local, expect=shard, fields=fields)
             except BaseException:
                 self._cache.release(self._i)
                 raise
