@@ -62,7 +62,8 @@ def test_demo_prints_no_paths_of_its_temporary_folder(capsys, monkeypatch, tmp_p
     assert main(["demo", "--images", "32", "--workers", "0", "--epochs", "1", "--batch-size", "16"]) == 0
     out = capsys.readouterr().out
     assert str(tmp_path) not in out and "fastdata-demo-" not in out
-    assert list(tmp_path.iterdir()) == []  # removed
+    # removed (torch's first optimiser step in a process can leave its own torchinductor_<user> cache folder here)
+    assert [p.name for p in tmp_path.iterdir() if not p.name.startswith("torchinductor_")] == []
 
 
 def test_version(capsys):

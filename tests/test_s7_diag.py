@@ -291,3 +291,16 @@ def test_search_batch_size_takes_the_cpu_allocators_failure_for_out_of_memory():
 
     found = search_batch_size(fits, start=32, limit=4096)
     assert found.largest_fit == 64 and found.first_oom is not None and found.first_oom <= 128
+
+
+@pytest.mark.parametrize("argv", [["bench", "--dir", "{f}/sub"], ["demo", "--dir", "{f}/sub/deeper"],
+                                  ["doctor", "--out", "{f}/x.json"]])
+def test_folder_options_under_a_file_are_argument_errors(tmp_path, capsys, argv):
+    # --dir afile/sub failed later with "[Errno 20] Not a directory: 'afile/sub'", naming no option; --out
+    # afile/x.json said that the folder afile "does not exist"
+    f = tmp_path / "afile"
+    f.write_text("")
+    with pytest.raises(SystemExit) as e:
+        main([a.format(f=f) for a in argv])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and f"argument {argv[1]}: " in err and f"{f} is not a folder" in err, err

@@ -65,7 +65,8 @@ def output_file(text: str) -> str:
         raise argparse.ArgumentTypeError(f"{text} is a folder; expected a file path")
     folder = os.path.dirname(os.path.abspath(text))
     if not os.path.isdir(folder):
-        raise argparse.ArgumentTypeError(f"{text}: folder {folder} does not exist")
+        what = "is not a folder" if os.path.exists(folder) else "does not exist"
+        raise argparse.ArgumentTypeError(f"{text}: folder {folder} {what}")
     if not os.access(folder, os.W_OK):
         raise argparse.ArgumentTypeError(f"{text}: folder {folder} is not writable")
     return text
@@ -77,6 +78,11 @@ def work_folder(text: str) -> str:
         raise argparse.ArgumentTypeError("expected a folder path, got ''")
     if os.path.exists(text) and not os.path.isdir(text):
         raise argparse.ArgumentTypeError(f"{text} exists and is not a folder")
+    parent = os.path.dirname(os.path.abspath(text))
+    while not os.path.exists(parent):  # the folders to create lie under the nearest one that exists
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise argparse.ArgumentTypeError(f"{text}: {parent} is not a folder")
     return text
 
 
