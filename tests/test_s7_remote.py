@@ -260,3 +260,20 @@ def test_remote_shards_are_checked_against_the_manifest_as_local_ones(served, tm
         remote = ShardedDataset(RemoteShards(srv.url + "/ds", cache_dir=tmp_path / "nc", prefetch=0), decode=False)
         with pytest.raises(FastdataError, match=r"holds fields \['bin'\] that the manifest does not list"):
             list(remote)
+
+
+def test_a_shard_that_cannot_be_fetched_is_not_fetched_again_for_each_sample(tmp_path):
+    # on_error="skip" and a shard the server refuses (HTTP 503 after every retry): each of its samples started
+    # a new download with all its retries and back-off (here 8 samples x 2 attempts; 20,000 samples x 5
+    # attempts and their back-off on a real shard: hours of requests at a failing server).
+    make_shard_set(tmp_path / "www" / "ds", 16, 8, payload=200, seed=3)
+    fault = lambda path, nth: 503 if path.endswith("shard-000001.tar") else None  # noqa: E731
+    with LoopbackServer(tmp_path / "www", ranges=False, fault=fault, max_requests=200, lifetime=60) as srv:
+        ds = ShardedDataset(RemoteShards(srv.url + "/ds", cache_dir=tmp_path / "nc", prefetch=0, retries=2),
+                            decode=False, on_error="skip")
+        assert sorted(s["__key__"] for s in ds) == [f"k{i:05d}" for i in range(8)]
+        assert len(ds.skipped) == 8 and all("HTTP 503" in s["reason"] for s in ds.skipped), ds.skipped
+        assert srv.counts["/ds/shard-000001.tar"] == 2
+        srv.reset_counts()
+        list(ds)  # the next pass tries again, once
+        assert srv.counts["/ds/shard-000001.tar"] == 2

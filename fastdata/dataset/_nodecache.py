@@ -396,15 +396,24 @@ class ShardCache:
             if pending is not None:
                 pending.wait()  # a prefetch thread is downloading it
             with self._lock:
-                when, failed = self._failed.pop(i, (0.0, None))
-            if failed is not None and time.monotonic() - when > _FAILED_FRESH_S:
-                failed = None  # the network may be back: the demand fetch tries again
-            if failed is not None and not self.is_local(i):  # the prefetch used up every retry already
-                raise failed
+                when, failed = self._failed.get(i, (0.0, None))
+                if failed is not None and time.monotonic() - when > _FAILED_FRESH_S:
+                    del self._failed[i]  # the network may be back: the demand fetch tries again
+                    failed = None
+            if failed is not None and not self.is_local(i):  # a fetch of this walk used up every retry already
+                raise _again(failed, when) from failed
             if self.is_local(i):
                 self.stats.hits += 1
             else:
-                self._fetch(i, demand=True)
+                try:
+                    self._fetch(i, demand=True)
+                except RemoteError as e:
+                    if getattr(e, "url", None) is not None:  # the server's answer or the content, not local disk
+                        # remembered for this walk (at most _FAILED_FRESH_S): each sample of the shard that
+                        # is read next (on_error="skip", several threads) fails at once, without a retry storm
+                        with self._lock:
+                            self._failed[i] = (time.monotonic(), e)
+                    raise
         self._advance(i)
         return path
 
@@ -919,6 +928,16 @@ class ShardCache:
     def used_bytes(self) -> int:
         """Bytes of verified shards in the cache folder now."""
         return sum((self.root / s.name).stat().st_size for s in self.manifest.shards if (self.root / s.name).is_file())
+
+
+def _again(e: Exception, when: float) -> RemoteError:
+    """A new RemoteError repeating ``e`` (a failed fetch at ``when``) for another read of its shard."""
+    err = RemoteError(f"{e} (an attempt {time.monotonic() - when:.0f} s ago in this pass; the shard is "
+                      f"fetched again after {_FAILED_FRESH_S:g} s or in the next pass)")
+    for name in ("url", "status", "transient", "checksum"):
+        if hasattr(e, name):
+            setattr(err, name, getattr(e, name))
+    return err
 
 
 def _release_all(use: dict[int, list[int]], pid: int) -> None:
