@@ -1,4 +1,5 @@
 """Session 7, helper "diag": defects found using TrainStep, evaluate, StallMeter, doctor, tune and the CLI."""
+import dataclasses
 import time
 
 import numpy as np
@@ -7,7 +8,14 @@ import torch
 
 import fastdata
 from fastdata.cli import main
-from fastdata.monitor import DoctorOptions, StallMeter, StallReport, advise, diagnose
+from fastdata.monitor import (
+    DoctorOptions,
+    PeriodicStalls,
+    StallMeter,
+    StallReport,
+    advise,
+    diagnose,
+)
 
 
 @pytest.fixture
@@ -48,6 +56,12 @@ def test_stall_advice_on_a_thread_decoder_loader_names_decode_threads(array_shar
     assert any(a.startswith("decode_threads=2 on 4 cores: raise it") for a in advice), advice
     monkeypatch.setattr(_stall, "_cores", lambda: 2)
     assert not any("decode_threads" in a or "num_workers" in a for a in advise(_loader_bound(), loader))
+    # a saw-tooth of period 2 is no burst of 2 worker processes: there are none
+    teeth = PeriodicStalls(period=2, stalls=10, mean_s=0.03, fast_s=1e-4, total_s=0.3, regularity=1.0)
+    loader = fastdata.DataLoader(fastdata.ShardedDataset(array_shards), batch_size=4, num_workers=2, decode_threads=2)
+    advice = advise(dataclasses.replace(_loader_bound(), periodic=teeth), loader)
+    assert any(a.startswith("saw-tooth: every 2 steps") for a in advice) and not any("= num_workers" in a
+                                                                                    for a in advice), advice
 
 
 def test_stall_advice_suggests_cache_only_where_cache_can_be_passed(array_shards):

@@ -264,7 +264,8 @@ def advise(report: StallReport, loader: Any) -> list[str]:
                        "and pass cache= to ShardedDataset")
     p = report.periodic
     if p is not None:
-        burst = " (= num_workers: the workers deliver in bursts)" if workers and p.period == workers else ""
+        bursts = workers and not threads and p.period == workers  # worker processes deliver in bursts; threads not
+        burst = " (= num_workers: the workers deliver in bursts)" if bursts else ""
         body = max(report.wall_s - report.wait_s, 0.0) / max(report.steps, 1)
         depth = getattr(getattr(loader, "options", None), "depth", None)
         shallow = (f"; the prefetch depth ({depth}) is below the burst of {p.period}: raise it to {p.period + 1}"
