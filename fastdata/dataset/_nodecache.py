@@ -73,7 +73,7 @@ from typing import Any
 
 from fastdata.shards import (RemoteStream, RetryPolicy, redact_url, remote_error, split_query, url_identity,
                             url_join)
-from fastdata.errors import RemoteError
+from fastdata.errors import FastdataError, RemoteError
 from fastdata.manifest import Manifest, ShardInfo
 
 __all__ = ["EVICTION_POLICIES", "ShardCache", "default_cache_dir"]
@@ -97,7 +97,7 @@ _RELEASING: weakref.WeakSet[ShardCache] = weakref.WeakSet()
 _PREFETCHING: weakref.WeakSet[ShardCache] = weakref.WeakSet()
 
 
-class _Interrupted(Exception):
+class _Interrupted(FastdataError):
     """A prefetch's download stopped because the process forks (not a failure: fetched again after)."""
 
 
