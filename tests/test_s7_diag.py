@@ -64,6 +64,20 @@ def test_stall_advice_on_a_thread_decoder_loader_names_decode_threads(array_shar
                                                                                     for a in advice), advice
 
 
+def test_stall_advice_after_a_cached_fast_path_epoch_leaves_the_workers_alone(array_shards, monkeypatch):
+    # the cached fast path reads in the training process: "num_workers=2 on 4 cores: raise it" and
+    # "persistent_workers=False restarts workers every epoch" were advice that changes nothing there
+    from fastdata.monitor import _stall
+
+    monkeypatch.setattr(_stall, "_cores", lambda: 4)
+    loader = fastdata.DataLoader(fastdata.ShardedDataset(array_shards), batch_size=4, num_workers=2,
+                                 persistent_workers=False)
+    assert any(a.startswith("num_workers=2 on 4 cores") for a in advise(_loader_bound(), loader))
+    advice = advise(dataclasses.replace(_loader_bound(), loader_path="cached"), loader)
+    assert not any("num_workers=2 on" in a or "persistent_workers" in a for a in advice), advice
+    assert any(a.startswith("the cached fast path read the latest epoch in this process") for a in advice), advice
+
+
 def test_stall_advice_suggests_cache_only_where_cache_can_be_passed(array_shards):
     def advice(**kw):
         loader = fastdata.DataLoader(fastdata.ShardedDataset(array_shards, **kw), batch_size=4)

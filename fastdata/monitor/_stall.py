@@ -242,14 +242,18 @@ def advise(report: StallReport, loader: Any) -> list[str]:
     cores = _cores()
     workers = getattr(dl, "num_workers", None)
     threads = getattr(dl, "decode_threads", 0)
-    if isinstance(threads, int) and threads > 0:  # fastdata's thread decoder: no worker processes, threads decode
+    cached = report.loader_path == "cached"  # the latest epoch read the cache in this process: no workers ran
+    if cached:
+        out.append("the cached fast path read the latest epoch in this process, without workers: num_workers "
+                   "does not change its speed; gather_threads= on DataLoader sets the threads that copy its rows")
+    elif isinstance(threads, int) and threads > 0:  # fastdata's thread decoder: no worker processes, threads decode
         if threads < cores:
             out.append(f"decode_threads={threads} on {cores} cores: raise it (at most {cores}; "
                        "`fastdata doctor SHARDS` measures how it scales)")
     elif workers is not None and workers < cores:
         out.append(f"num_workers={workers} on {cores} cores: raise it (at most {cores}; "
                    "`fastdata doctor SHARDS` measures how it scales)")
-    if workers and not threads and not getattr(dl, "persistent_workers", False):
+    if workers and not threads and not cached and not getattr(dl, "persistent_workers", False):
         out.append("persistent_workers=False restarts workers every epoch: set it to True")
     if type(loader).__name__ != "CUDAPrefetcher":
         out.append("wrap the loader in fastdata.CUDAPrefetcher so copies overlap compute")
