@@ -277,3 +277,14 @@ def test_a_shard_that_cannot_be_fetched_is_not_fetched_again_for_each_sample(tmp
         srv.reset_counts()
         list(ds)  # the next pass tries again, once
         assert srv.counts["/ds/shard-000001.tar"] == 2
+
+
+def test_fastdata_cache_build_of_a_signed_url_keeps_the_token_out_of_its_error(served, tmp_path, capsys,
+                                                                               monkeypatch):
+    from fastdata.cli._main import main
+
+    monkeypatch.setenv("FASTDATA_NODE_CACHE", str(tmp_path / "nc"))
+    with LoopbackServer(served, ranges=False, max_requests=50, lifetime=60) as srv:
+        code = main(["cache", "build", f"{srv.url}/ds?{TOKEN}", "--cache", str(tmp_path / "c"), "--size", "8", "-q"])
+    err = capsys.readouterr().err
+    assert code != 0 and "no image field" in err and "/ds?" in err and SECRET not in err, err
