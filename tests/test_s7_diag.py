@@ -321,6 +321,21 @@ def test_search_batch_size_takes_the_cpu_allocators_failure_for_out_of_memory():
     assert found.largest_fit == 64 and found.first_oom is not None and found.first_oom <= 128
 
 
+@pytest.mark.parametrize("message", [
+    "CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`",
+    "cuDNN error: CUDNN_STATUS_ALLOC_FAILED",
+])
+def test_search_batch_size_takes_a_cublas_or_cudnn_workspace_failure_for_out_of_memory(message):
+    # near the memory limit cuBLAS/cuDNN fail to allocate their workspace with these RuntimeErrors
+    from fastdata.monitor import search_batch_size
+
+    def fits(b):
+        if b > 64:
+            raise RuntimeError(message)
+
+    assert search_batch_size(fits, start=32, limit=4096).largest_fit == 64
+
+
 @pytest.mark.parametrize("argv", [["bench", "--dir", "{f}/sub"], ["demo", "--dir", "{f}/sub/deeper"],
                                   ["doctor", "--out", "{f}/x.json"]])
 def test_folder_options_under_a_file_are_argument_errors(tmp_path, capsys, argv):

@@ -28,8 +28,8 @@ class BatchSearch:
 
 
 def is_out_of_memory(error: BaseException) -> bool:
-    """True for torch's CUDA out-of-memory error, the allocators' "out of memory" RuntimeErrors and the CPU
-    allocator's "can't allocate memory"."""
+    """True for torch's CUDA out-of-memory error, the allocators' "out of memory" RuntimeErrors, the CPU
+    allocator's "can't allocate memory" and cuBLAS/cuDNN failing to allocate their workspace near the limit."""
     import torch
 
     oom = getattr(torch.cuda, "OutOfMemoryError", None)
@@ -37,7 +37,10 @@ def is_out_of_memory(error: BaseException) -> bool:
         return True
     return isinstance(error, (RuntimeError, MemoryError)) and (
         isinstance(error, MemoryError)
-        or any(m in str(error).lower() for m in ("out of memory", "can't allocate memory")))
+        or any(m in str(error).lower() for m in _OOM_MESSAGES))
+
+
+_OOM_MESSAGES = ("out of memory", "can't allocate memory", "cublas_status_alloc_failed", "cudnn_status_alloc_failed")
 
 
 def _round_down(n: int, multiple: int) -> int:
