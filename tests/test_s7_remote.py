@@ -288,3 +288,16 @@ def test_fastdata_cache_build_of_a_signed_url_keeps_the_token_out_of_its_error(s
         code = main(["cache", "build", f"{srv.url}/ds?{TOKEN}", "--cache", str(tmp_path / "c"), "--size", "8", "-q"])
     err = capsys.readouterr().err
     assert code != 0 and "no image field" in err and "/ds?" in err and SECRET not in err, err
+
+
+def test_an_empty_remote_dataset_is_a_source_error_naming_its_url(tmp_path):
+    # A local folder said "<folder>/manifest.json: the dataset has no samples"; the same folder over HTTP
+    # gave a bare ValueError naming nothing ("the dataset has no samples (every shard is empty)").
+    from fastdata.errors import SourceError
+    from fastdata.shards.writer import ShardWriter
+
+    with ShardWriter(tmp_path / "www" / "ds", max_samples=4):
+        pass
+    with LoopbackServer(tmp_path / "www", ranges=False, max_requests=20, lifetime=60) as srv:
+        with pytest.raises(SourceError, match=r"/ds/manifest\.json\?sv=.*sig=\*\*\*: the dataset has no samples"):
+            ShardedDataset(RemoteShards(f"{srv.url}/ds?{TOKEN}", cache_dir=tmp_path / "nc"))

@@ -412,6 +412,9 @@ def _from_remote_manifest(spec: RemoteShards) -> Source:
     from fastdata.dataset._nodecache import ShardCache
 
     manifest, root = _load_remote_manifest(spec)
+    if manifest.num_samples == 0:  # as for a local folder: named, before a node-cache folder is made for it
+        raise SourceError(f"{redact_url(url_join(spec.base_url, MANIFEST_NAME))}: the dataset has no samples "
+                          f"(the manifest lists {len(manifest.shards)} shard(s), all empty)")
     cache = ShardCache(spec.base_url, manifest, directory=root, max_bytes=spec.max_bytes,  # type: ignore[arg-type]
                        prefetch=spec.prefetch, eviction=spec.eviction, retry=RetryPolicy(attempts=spec.retries))
     return Source(
