@@ -347,3 +347,30 @@ def test_folder_options_under_a_file_are_argument_errors(tmp_path, capsys, argv)
         main([a.format(f=f) for a in argv])
     err = capsys.readouterr().err
     assert e.value.code == 2 and f"argument {argv[1]}: " in err and f"{f} is not a folder" in err, err
+
+
+def test_tune_from_a_decoder_that_cannot_load_fails_before_measuring(tmp_path, monkeypatch):
+    # tune --decode torchvision without a working torchvision ran the whole search (minutes on real data) and
+    # failed only when it measured the start at the end
+    import io
+    import sys
+
+    from PIL import Image
+
+    from fastdata.monitor import _stages, tune
+
+    buf = io.BytesIO()
+    Image.new("RGB", (16, 16)).save(buf, format="JPEG")
+    with fastdata.ShardWriter(tmp_path / "s") as w:
+        for i in range(8):
+            w.write({"__key__": f"k{i}", "jpg": buf.getvalue(), "cls": i % 2})
+    monkeypatch.setitem(sys.modules, "torchvision", None)  # import torchvision -> ImportError
+    monkeypatch.setitem(sys.modules, "torchvision.io", None)
+
+    def measured(*a, **k):
+        raise AssertionError("tune measured before checking its start decoder")
+
+    monkeypatch.setattr(_stages, "copy_subset", measured)
+    with pytest.raises(fastdata.FastdataError, match="decode 'torchvision' needs torchvision"):
+        tune(tmp_path / "s", DoctorOptions(samples=8, batch_size=4, num_workers=0, decode="torchvision",
+                                           device="cpu"))

@@ -148,6 +148,8 @@ def tune(source: str | Path, start: DoctorOptions, *, batch_limit: int = 2048) -
     source = st.shard_folder(source)  # the shards are read from the folder, also when given its manifest.json
     ncores = st.cores()
     fields = st.pick_fields(Manifest.load(source), start.field, start.label)
+    if fields.encoded and start.decode != "device":
+        st.decoder(start.decode, None)  # a start decoder that cannot load fails now, not after the whole search
     pre = ResizeCenterCrop(start.size)
     norm = Normalize(keys=[fields.image], channels_last=device.type == "cuda")
     step = st.make_step(start.model, start.step_ms, device, fields)
