@@ -136,7 +136,7 @@ def _exit_child() -> None:
     pass
 
 
-def test_no_prefetch_thread_runs_while_the_process_forks(served, tmp_path):
+def test_no_prefetch_thread_runs_while_the_process_forks(served, tmp_path, monkeypatch):
     # Prefetch threads (and their download's hashing thread) were alive when a DataLoader forked its workers
     # (e.g. right after a look at a sample in the main process): a lock one of them held at that moment stays
     # held for good in the child, and Python 3.12 warns about such forks. Like the releaser (a50f56f), they
@@ -146,6 +146,10 @@ def test_no_prefetch_thread_runs_while_the_process_forks(served, tmp_path):
     import time
 
     import fork_probe
+
+    from fastdata.dataset import _nodecache
+
+    monkeypatch.setattr(_nodecache, "_FORK_JOIN_S", 20.0)  # a loaded machine may answer late: wait for it
 
     def slow(path: str, nth: int):
         if path.endswith(".tar") and not path.endswith("000000.tar"):
