@@ -374,3 +374,19 @@ def test_tune_from_a_decoder_that_cannot_load_fails_before_measuring(tmp_path, m
     with pytest.raises(fastdata.FastdataError, match="decode 'torchvision' needs torchvision"):
         tune(tmp_path / "s", DoctorOptions(samples=8, batch_size=4, num_workers=0, decode="torchvision",
                                            device="cpu"))
+
+
+def test_stall_meter_counts_the_time_iter_takes_as_waiting():
+    # a loader whose iter() does the start-up work (starts its threads or processes, lists files) had that
+    # time counted as neither a wait nor the first batch: "not loader-bound: waited 0%, first batch 0.00 s"
+    class SlowStart:
+        def __iter__(self):
+            time.sleep(0.15)
+            return iter(range(10))
+
+    meter = StallMeter()
+    for _ in range(2):  # epoch 2's start-up counts as a wait of that epoch, as a worker restart would
+        for _ in meter.wrap(SlowStart()):
+            pass
+    rep = meter.report()
+    assert rep.first_wait_s >= 0.14 and rep.wait_s >= 0.28 and rep.loader_bound, rep.summary()

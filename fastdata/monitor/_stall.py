@@ -137,15 +137,16 @@ class StallMeter:
             self._span_start = time.perf_counter()
         self._open += 1
         try:
-            it = iter(loader)
+            t0 = time.perf_counter()
+            it = iter(loader)  # starts a DataLoader's worker processes: part of the first batch's wait
             while True:
-                t0 = time.perf_counter()
                 try:
                     batch = next(it)
                 except StopIteration:
                     return
                 self.waits.append(time.perf_counter() - t0)
                 yield batch
+                t0 = time.perf_counter()
         finally:
             self._open -= 1
             if self._open == 0:  # a wrap nested in another is inside the outer one's wall time already
