@@ -390,3 +390,12 @@ def test_stall_meter_counts_the_time_iter_takes_as_waiting():
             pass
     rep = meter.report()
     assert rep.first_wait_s >= 0.14 and rep.wait_s >= 0.28 and rep.loader_bound, rep.summary()
+
+
+def test_doctor_table_names_the_samples_it_measured(array_shards):
+    # on a 16-sample set with the default --samples 512 the table said "first 512 samples"
+    from fastdata.cli._doctor import format_diagnosis
+
+    d = diagnose(array_shards, DoctorOptions(samples=512, batch_size=4, num_workers=0, device="cpu"))  # no step
+    assert d.measurements["samples"] == 16
+    assert format_diagnosis(d, "s")[0].startswith("stages of s: first 16 samples, batch 4")

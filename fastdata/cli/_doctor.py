@@ -142,7 +142,8 @@ def format_diagnosis(d: Any, source: str) -> list[str]:
     """The stage table, the verdict and the recommendations as printed lines."""
     o = d.options
     step = "no training step (pass --model or --step-ms)" if d.step_rate is None else ""
-    lines = [f"stages of {source}: first {o.samples} samples, batch {o.batch_size}, {o.num_workers} workers, "
+    samples = d.measurements.get("samples", o.samples)  # the source may hold fewer than --samples
+    lines = [f"stages of {source}: first {samples} samples, batch {o.batch_size}, {o.num_workers} workers, "
              f"depth {o.depth}, {d.device}, {d.cores} cores {step}".rstrip(),
              f"  {'stage':<31} {'images/s':>9}  {'uses at the job rate':<24} detail"]
     for r in d.rows:

@@ -301,6 +301,7 @@ def diagnose(source: str | Path, opts: DoctorOptions) -> Diagnosis:
     per_image = read.cpu_s / read.samples + (costs.decode_s or 0.0) + (costs.preprocess_s or 0.0) + costs.collate_s
     meas["loader_predicted"] = par / per_image  # what the worker stages' CPU costs allow on ``par`` cores
     meas["load_average"] = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    meas["samples"] = read.samples  # measured: fewer than opts.samples when the source is smaller
 
     def use(cost_s: float | None, per: float = 1.0) -> float | None:
         return None if cost_s is None else rate_for_use * cost_s / per
