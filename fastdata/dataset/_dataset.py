@@ -572,6 +572,8 @@ class ShardedDataset(IterableDataset):
         ranks' sample counts differ (equal batch counts for the loader it was split for): another
         batch size or worker count then needs a new split of the rest."""
         split = states[0].get("split") if states[0].get("eras") else None
+        plan = self._plan()
+        plan = getattr(plan, "base", plan)  # the plain split (an elastic state loaded before is replaced)
         batches = set()
         try:
             for r, st in enumerate(states):
@@ -579,7 +581,7 @@ class ShardedDataset(IterableDataset):
                 if split is not None:
                     first = [int(x) for x in split[r]]
                 else:
-                    first = self._plan().worker_counts(stages[0][0] if stages else num_workers)
+                    first = plan.worker_counts(stages[0][0] if stages else num_workers)
                 batches.add(num_batches(rest_counts(first, stages, num_workers), batch_size, drop_last))
         except (KeyError, TypeError, ValueError, IndexError):
             return True  # malformed: load_state_dict says what is wrong
