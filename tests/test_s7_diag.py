@@ -399,3 +399,29 @@ def test_doctor_table_names_the_samples_it_measured(array_shards):
     d = diagnose(array_shards, DoctorOptions(samples=512, batch_size=4, num_workers=0, device="cpu"))  # no step
     assert d.measurements["samples"] == 16
     assert format_diagnosis(d, "s")[0].startswith("stages of s: first 16 samples, batch 4")
+
+
+def test_stall_meter_samples_the_gpu_once_over_a_nested_loop(monkeypatch):
+    # each nested wrap started its own NVML sampler: the inner loop's window was sampled twice and weighed
+    # twice in the utilisation mean
+    from fastdata.monitor import _stall
+
+    started = []
+
+    class Sampler:
+        def __init__(self, index, interval):
+            started.append(index)
+
+        def stop(self):
+            return [50]
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(_stall, "GPUSampler", Sampler)
+    meter = StallMeter(sample_gpu=True)
+    for i in meter.wrap(range(4)):
+        if i == 1:
+            for _ in meter.wrap(range(3)):
+                pass
+    rep = meter.report()
+    assert started == [0] and rep.gpu_util_samples == 1 and rep.gpu_util_mean == 50

@@ -129,11 +129,12 @@ class StallMeter:
         A wrap inside another (a validation loop inside the training loop) adds its waits; its time is
         counted once, inside the outer loop's, and the advice stays about the outer loop's loader.
         """
-        if self._open == 0:
+        outer = self._open == 0
+        if outer:
             self._loader = loader
-        sampler = self._start_sampler(loader)
+        sampler = self._start_sampler(loader) if outer else None  # the outer wrap's samples cover the inner's window
         before = _prefetch_stats(loader)
-        if self._open == 0:
+        if outer:
             self._span_start = time.perf_counter()
         self._open += 1
         try:
