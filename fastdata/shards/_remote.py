@@ -141,14 +141,17 @@ def redact(text: str, url: str) -> str:
 
 
 # Query parameters of signed-URL schemes: they authorize a request, they do not choose the content
-# (Azure SAS; S3, GCS and OSS presigned URLs, also their V2 forms; CloudFront; Akamai; generic tokens)
+# (Azure SAS; S3, GCS, OSS, OBS and COS presigned URLs, also their V2 forms; CloudFront; Google Cloud CDN;
+# Akamai; generic tokens)
 _SIGNING_PARAMS = frozenset({
     "sv", "ss", "srt", "sp", "se", "st", "spr", "sig", "si", "sr", "sdd", "ses", "skoid", "sktid", "skt", "ske",
     "sks", "skv", "saoid", "suoid", "scid", "rscc", "rscd", "rsce", "rscl", "rsct",
-    "awsaccesskeyid", "googleaccessid", "ossaccesskeyid", "signature", "expires", "policy", "key-pair-id",
+    "awsaccesskeyid", "googleaccessid", "ossaccesskeyid", "accesskeyid", "security-token", "signature", "expires",
+    "policy", "key-pair-id", "keyname", "urlprefix", "q-sign-algorithm", "q-ak", "q-sign-time", "q-key-time",
+    "q-header-list", "q-url-param-list", "q-signature",
     "hdnts", "hdnea", "__token__", "token", "access_token", "auth", "sas", "exp",
 })
-_SIGNING_PREFIXES = ("x-amz-", "x-goog-", "x-oss-")
+_SIGNING_PREFIXES = ("x-amz-", "x-goog-", "x-oss-", "x-obs-", "x-cos-")
 
 
 def url_identity(url: str) -> str:
