@@ -425,3 +425,22 @@ def test_stall_meter_samples_the_gpu_once_over_a_nested_loop(monkeypatch):
                 pass
     rep = meter.report()
     assert started == [0] and rep.gpu_util_samples == 1 and rep.gpu_util_mean == 50
+
+
+@pytest.mark.parametrize("epochs", [1, 2])
+def test_demo_summary_says_what_its_images_per_s_include(epochs, monkeypatch, capsys):
+    # with --epochs 1 there is no warm-up epoch, yet the summary said "1st epoch = warm-up (worker start, cache
+    # fill), not in images/s"; the pipelines are faked here, only the summary is checked
+    from fastdata.cli import _demo
+
+    def rows(*a, **k):
+        return [_demo.Row(name, "", None if epochs == 1 else 1.0, rate, 0.5, None, 1.0, True)
+                for name, rate in (("torch DataLoader, tuned", 100.0), ("fastdata, uncached", 200.0),
+                                   ("fastdata, cached", 400.0))]
+
+    monkeypatch.setattr(_demo, "_make_shards", lambda root, *a, **k: (root, None))
+    monkeypatch.setattr(_demo, "_run_pipelines", rows)
+    assert main(["demo", "--images", "16", "--batch-size", "8", "--epochs", str(epochs), "--model", "small"]) == 0
+    out = capsys.readouterr().out
+    assert ("not in images/s" in out) == (epochs > 1), out
+    assert ("One epoch each: worker start and the cache fill are in images/s." in out) == (epochs == 1), out

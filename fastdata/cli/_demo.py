@@ -434,9 +434,11 @@ def run_demo(*, workdir: str | None, num_images: int, num_workers: int | None, e
     for line in _table(rows, device):
         print("      " + line)
     plain, cached = rows[0], next(r for r in rows if r.pipeline == "fastdata, cached")
+    first = ("1st epoch = warm-up (worker start, cache fill), not in images/s." if epochs > 1
+             else "One epoch each: worker start and the cache fill are in images/s.")  # no warm-up epoch
     print(f"      fastdata cached runs {cached.images_per_s / max(plain.images_per_s, 1e-9):.1f}x the tuned "
           f"DataLoader; the loop waits for input {cached.wait_share:.0%} of the time instead of "
-          f"{plain.wait_share:.0%}. 1st epoch = warm-up (worker start, cache fill), not in images/s.")
+          f"{plain.wait_share:.0%}. {first}")
     bound = [r.pipeline for r in rows if r.loader_bound]
     print(f"      loader-bound (waits > {LOADER_BOUND_SHARE:.0%}): " + (", ".join(bound) if bound else "none") +
           f"; total {time.perf_counter() - t_all:.0f} s")
