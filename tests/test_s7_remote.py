@@ -318,7 +318,7 @@ def test_space_accounting_lists_the_folder_not_every_manifest_shard(tmp_path, mo
     from fastdata.dataset._nodecache import ShardCache
     from fastdata.manifest import Manifest
 
-    names = [f"shard-{i:06d}.tar" for i in range(4999)] + ["sub/last.tar"]
+    names = [f"shard-{i:06d}.tar" for i in range(4998)] + ["./sub//one.tar", "sub/last.tar"]
     doc = {"format": "tar", "format_version": 1, "num_samples": len(names), "extra": {},
            "fields": [{"name": "bin", "kind": "bytes", "dtype": None, "shape": None}],
            "shards": [{"name": n, "index": n + ".idx", "bytes": 100, "num_samples": 1, "sha256": "0" * 64}

@@ -209,7 +209,9 @@ class ShardCache:
         self.root = Path(directory).expanduser().absolute() / ident if directory is not None \
             else default_cache_dir() / ident
         self._index = {s.name: i for i, s in enumerate(manifest.shards)}
-        self._dirs = sorted({os.path.dirname(s.name) for s in manifest.shards})  # folders of shard files ("": root)
+        # shard files by their path in the folder ("a//b.tar" is "a/b.tar") and the folders that hold them ("": root)
+        self._files = {os.path.normpath(s.name): i for i, s in enumerate(manifest.shards)}
+        self._dirs = sorted({os.path.dirname(name) for name in self._files})
         self.stats = _Stats()
         self._schedule: dict[int, float] = {}  # shard -> time of next need (epochs; fraction inside)
         self._order: list[int] = []  # this process's read order of shards in the current iteration
@@ -937,7 +939,7 @@ class ShardCache:
                 continue
             with entries:
                 for entry in entries:
-                    j = self._index.get(f"{sub}/{entry.name}" if sub else entry.name)
+                    j = self._files.get(f"{sub}/{entry.name}" if sub else entry.name)
                     if j is None:
                         continue
                     try:
