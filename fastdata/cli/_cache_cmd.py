@@ -93,13 +93,14 @@ def cmd_build(args: argparse.Namespace) -> int:
     dataset = ShardedDataset(args.source, preprocess=preprocess, cache=_cache(args), rank=0, world_size=1)
     fields = list(dataset.source.fields)
     if not any(is_image_field(f) for f in fields):  # the store would hold nothing: say so rather than exit 1
-        raise ValueError(f"{redact_url(args.source)}: no image field among {fields}: nothing for ResizeCenterCrop to cache")
+        raise ValueError(f"{redact_url(args.source)}: no image field among {fields}: nothing for ResizeCenterCrop "
+                         "to cache")
     info = dataset.build_cache(num_workers=args.workers, progress=not args.quiet)  # stops its workers on errors
     print(f"{info.key}: {info.num_valid}/{info.num_samples} samples ({info.fill_ratio:.1%}), "
           f"{human_bytes(info.size_bytes)} on disk, {human_bytes(info.sample_nbytes)} per sample")
     if info.num_valid != info.num_samples:
-        raise CacheError(f"{redact_url(args.source)}: {info.num_samples - info.num_valid} of {info.num_samples} samples "
-                         f"were not filled into store {info.key}")
+        raise CacheError(f"{redact_url(args.source)}: {info.num_samples - info.num_valid} of {info.num_samples} "
+                         f"samples were not filled into store {info.key}")
     return 0
 
 
