@@ -105,3 +105,15 @@ def test_elastic_resume_with_even_drop_and_fewer_samples_left_than_ranks(seven):
         for dl in resized:
             dl.load_state_dict(states)
     assert [list(dl) for dl in resized] == [[], [], [], []]
+
+
+def test_a_state_of_other_data_says_so_and_older_states_still_load(seven, tmp_path):
+    state = ShardedDataset(seven, shuffle=True).state_dict()
+    other = tmp_path / "o.tar"
+    write_tar_shard(other, [{"__key__": f"o{k}", "cls": b"1"} for k in range(7)])
+    with pytest.raises(ValueError, match="fingerprint=.*saved over other data"):
+        ShardedDataset([str(other)], shuffle=True).load_state_dict(state)
+    older = {k: v for k, v in state.items() if k != "shuffle_options"}  # saved before the key existed
+    ShardedDataset(seven, shuffle=True).load_state_dict(older)
+    with pytest.raises(ValueError, match="seed=None in the state"):  # a missing field is no match
+        ShardedDataset(seven, shuffle=True).load_state_dict({k: v for k, v in state.items() if k != "seed"})

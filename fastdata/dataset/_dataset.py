@@ -130,6 +130,17 @@ def _state_field(name: str) -> str:
     return "shuffle" if name == "shuffle_options" else name
 
 
+def _check_matches(state: Mapping[str, Any], mine: Mapping[str, Any]) -> None:
+    """ValueError naming the first field of a resume ``state`` that differs from this dataset's (``mine``):
+    another order, or other data. States saved before ``shuffle_options`` existed are not checked for it."""
+    for name in ("seed", "num_samples", "shuffle", "even", "samples_per_epoch", "fingerprint", "shuffle_options"):
+        if (name in state or name != "shuffle_options") and state.get(name) != mine[name]:
+            why = (" (the state was saved over other data: another manifest or other shards; tar files without "
+                   "a manifest are identified by path, size and modification time)") if name == "fingerprint" else ""
+            raise ValueError(f"state_dict does not match this dataset: {_state_field(name)}={state.get(name)!r} in "
+                             f"the state, {mine[name]!r} here{why}")
+
+
 def _warn_skip(record: Mapping[str, Any], stacklevel: int) -> None:
     """``on_error="warn"``: the SkippedSampleWarning of a skip record (``stacklevel`` counted from the caller)."""
     warnings.warn(f"skipped sample {record['key']!r} of shard {record['shard']}: {record['reason']}",
@@ -542,10 +553,7 @@ class ShardedDataset(IterableDataset):
             raise ValueError(f"state_dict does not match this dataset: world_size={state.get('world_size')!r} in the "
                              f"state, {self.world_size} here; pass the states of all ranks as a list (gathered "
                              "with torch.distributed.all_gather_object) to resume at another world size")
-        for name in ("seed", "num_samples", "shuffle", "even", "samples_per_epoch", "fingerprint", "shuffle_options"):
-            if name in state and state[name] != mine[name]:
-                raise ValueError(f"state_dict does not match this dataset: {_state_field(name)}={state[name]!r} in the "
-                                 f"state, {mine[name]!r} here")
+        _check_matches(state, mine)
         if state.get("rank") != self.rank:
             raise ValueError(f"state_dict is rank {state.get('rank')!r}'s state (world_size={self.world_size}), this "
                              f"is rank {self.rank}: each rank loads its own state, or the list of every rank's")
@@ -606,9 +614,7 @@ class ShardedDataset(IterableDataset):
             values = {repr(st.get(name)) for st in states}
             if len(values) > 1:
                 raise ValueError(f"rank states disagree on {_state_field(name)}: {sorted(values)}")
-            if name not in ("epoch", "eras", "split") and name in states[0] and states[0][name] != mine[name]:
-                raise ValueError(f"state_dict does not match this dataset: {_state_field(name)}={states[0][name]!r} in "
-                                 f"the state, {mine[name]!r} here")
+        _check_matches(states[0], mine)
         if w1 == self.world_size and self._lockstep(states, batch_size, num_workers, drop_last):
             self.load_state_dict(states[self.rank])  # same world size: continue in exactly the same order
             return
