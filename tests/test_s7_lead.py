@@ -91,3 +91,34 @@ def test_iter_of_a_persistent_loader_busy_in_another_thread_says_so(tmp_path: Pa
         reader.join(20)
     assert errors == [] and got == [f"k{i}" for i in range(8)]
     assert [k for batch in loader for k in batch["__key__"]] == got  # the loader still works
+
+
+def test_converting_a_signed_source_url_keeps_its_token_out_of_names_and_messages(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """convert() from a signed SRC URL named its staging folder after the URL's last segment, query
+    and all: the token landed in the output manifest (extra.source.path); a signed single .tar URL was
+    taken for a folder (HTTP 404 for .../shard-000000.tar/manifest.json); errors printed the raw URL."""
+    import json
+    import sys
+
+    from fastdata.errors import FastdataError
+    from fastdata.shards.convert import ConvertOptions, convert
+
+    monkeypatch.setenv("FASTDATA_REMOTE_RETRIES", "1")  # the 404 below: no back-off
+    sys.path.insert(0, str(Path(__file__).parent))
+    from loopback_server import LoopbackServer, make_shard_set
+
+    make_shard_set(tmp_path / "www" / "ds", 8, 4, payload=64, seed=1)
+    staging = str(tmp_path / "staging")
+    with LoopbackServer(tmp_path / "www") as srv:
+        for n, src in enumerate((f"{srv.url}/ds?sig=SECRET123", f"{srv.url}/ds/manifest.json?sig=SECRET123",
+                                 f"{srv.url}/ds/shard-000000.tar?sig=SECRET123")):
+            out = tmp_path / f"out{n}"
+            result = convert(src, out, ConvertOptions(samples_per_shard=4, workers=1, staging=f"{staging}{n}"))
+            assert result.manifest.num_samples == (4 if n == 2 else 8)
+            assert "SECRET" not in (out / "manifest.json").read_text()
+            assert json.loads((out / "manifest.json").read_text())["extra"]["source"]["path"].endswith(
+                "shard-000000.tar" if n == 2 else "ds")
+        with pytest.raises(FastdataError) as e:
+            convert(f"{srv.url}/nothing?sig=SECRET123", tmp_path / "out9", ConvertOptions(staging=f"{staging}9"))
+    assert "SECRET" not in str(e.value) and "nothing" in str(e.value)

@@ -66,11 +66,15 @@ from fastdata.shards._progress import PROGRESS_DIR
 from fastdata.shards._remote import (
     RetryPolicy,
     download,
+    folder_url,
     is_url,
     read_bytes,
+    redact_url,
     remote_size,
     remove,
+    split_query,
     upload,
+    url_identity,
     url_join,
 )
 from fastdata.shards._sources import (
@@ -307,22 +311,27 @@ def _stage_source(url: str, opts: ConvertOptions) -> Path:
     their mtimes are fixed, so a rerun plans the same conversion (resume works)."""
     from fastdata.shards.reader import load_manifest
 
+    # a signed URL's token (query) stays out of the staged names (the manifest records them) and out
+    # of the staging key (a rotated token resumes the same staging)
     if opts.staging is not None:
         root = Path(opts.staging + "-src")
     else:
-        root = _staging("src:" + url.rstrip("/"), opts)
-    name = url.rstrip("/").rsplit("/", 1)[-1] or "src"
+        root = _staging("src:" + url_identity(url).rstrip("/"), opts)
+    shown = redact_url(url)
+    name = split_query(url)[0].rstrip("/").rsplit("/", 1)[-1] or "src"
     try:
         if name.lower().endswith((".tar", ".h5", ".hdf5", ".npz")):
             local = root / name
             root.mkdir(parents=True, exist_ok=True)
             size = remote_size(url)
             if size is None:
-                raise ConversionError(f"SRC {url}: not found")
+                raise ConversionError(f"SRC {shown}: not found")
             if not (local.is_file() and local.stat().st_size == size):
                 download(url, local, size=size)
             os.utime(local, ns=(0, 0))
             return local
+        url = folder_url(url)  # the folder of a manifest.json URL
+        name = split_query(url)[0].rstrip("/").rsplit("/", 1)[-1] or "src"
         manifest = load_manifest(url)
         folder = root / name
         folder.mkdir(parents=True, exist_ok=True)
@@ -339,14 +348,14 @@ def _stage_source(url: str, opts: ConvertOptions) -> Path:
         os.utime(folder / MANIFEST_NAME, ns=(0, 0))
         return folder
     except RemoteError as e:
-        raise ConversionError(f"SRC {url}: {e}") from e
+        raise ConversionError(f"SRC {shown}: {e}") from e
 
 
 def _upload(local: Path, base_url: str, name: str) -> None:
     try:
         upload(local, url_join(base_url, name))
     except RemoteError as e:
-        raise ConversionError(f"uploading {name} to DEST {base_url}: {e}") from e
+        raise ConversionError(f"uploading {name} to DEST {redact_url(base_url)}: {e}") from e
 
 
 def _remote_manifest(url: str, staging: Path) -> Manifest | None:
@@ -357,14 +366,14 @@ def _remote_manifest(url: str, staging: Path) -> Manifest | None:
             return None
         data = read_bytes(murl, retry=RetryPolicy(attempts=3))
     except RemoteError as e:
-        raise ConversionError(f"DEST {url}: {e}") from e
+        raise ConversionError(f"DEST {redact_url(url)}: {e}") from e
     local = staging / f".remote-{MANIFEST_NAME}"
     local.write_bytes(data)
     try:
         return Manifest.load(local)
     except ValueError as e:
-        raise ConversionError(f"DEST {url}: its {MANIFEST_NAME} is not a valid manifest: "
-                              f"{str(e).replace(str(local), murl)}") from None
+        raise ConversionError(f"DEST {redact_url(url)}: its {MANIFEST_NAME} is not a valid manifest: "
+                              f"{str(e).replace(str(local), redact_url(murl))}") from None
     finally:
         local.unlink(missing_ok=True)
 
@@ -372,8 +381,8 @@ def _remote_manifest(url: str, staging: Path) -> Manifest | None:
 def _convert_remote(plan: Plan, url: str, staging: Path, opts: ConvertOptions, t0: float) -> ConvertResult:
     """:func:`convert` into a URL DEST through the local ``staging`` folder."""
     if url.split("://", 1)[0].lower() in ("http", "https"):
-        raise ConversionError(f"DEST {url}: HTTP(S) is read-only; write to s3://, gs://, another writable fsspec "
-                              "URL, or a local folder (and serve it)")
+        raise ConversionError(f"DEST {redact_url(url)}: HTTP(S) is read-only; write to s3://, gs://, another "
+                              "writable fsspec URL, or a local folder (and serve it)")
     if opts.strict and plan.listing.skipped:
         first = plan.listing.skipped[0]
         raise ConversionError(f"{os.path.join(plan.listing.root, first['source'])}: {first['reason']} (--strict)")
@@ -381,15 +390,16 @@ def _convert_remote(plan: Plan, url: str, staging: Path, opts: ConvertOptions, t
     existing = _remote_manifest(url, staging)
     if existing is not None and not opts.overwrite:
         if existing.extra.get(_progress.FINGERPRINT_KEY) == plan.fingerprint:
-            log.debug("%s already holds this conversion, finished (same arguments and inputs)", url)
+            log.debug("%s already holds this conversion, finished (same arguments and inputs)", redact_url(url))
             return ConvertResult(existing, 0, len(existing.shards), time.perf_counter() - t0, 0, complete=True)
-        raise ConversionError(f"DEST {url} holds a finished conversion with different arguments or inputs; pass "
-                              "--overwrite to replace its shards or choose another DEST")
+        raise ConversionError(f"DEST {redact_url(url)} holds a finished conversion with different arguments or "
+                              "inputs; pass --overwrite to replace its shards or choose another DEST")
     if existing is not None:  # --overwrite: the old manifest goes first, so that no reader (and no rerun)
         try:                  # takes shards half replaced for the old dataset; an interrupted run resumes
             remove(url_join(url, MANIFEST_NAME))
         except RemoteError as e:
-            raise ConversionError(f"--overwrite: removing the old {MANIFEST_NAME} of DEST {url}: {e}") from e
+            raise ConversionError(
+                f"--overwrite: removing the old {MANIFEST_NAME} of DEST {redact_url(url)}: {e}") from e
 
     def present(shard: Any) -> bool:
         names = [shard.name] + ([shard.index] if shard.index else [])
