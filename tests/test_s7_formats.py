@@ -225,3 +225,27 @@ def test_a_compressed_tar_named_tar_says_so(tmp_path, kind):
     packed.write_bytes(importlib.import_module(kind).compress(raw))
     with pytest.raises(ShardError, match=r"x\.tar: is (bzip2|xz)-compressed"):
         TarIndex.build(packed)
+
+
+# --------------------------------------------------------------------------------- HDF5 reading
+
+@pytest.mark.parametrize("stored", [b"", b"\x93NUMPY\x01\x00\x10\x00{'descr': '<u1'  \n"])
+def test_hdf5_npy_row_that_does_not_parse_is_a_shard_error(tmp_path, stored):
+    """A damaged row of an array field stored as .npy bytes (varying shapes) raised NumPy's bare
+    EOFError or tokenize.TokenError, which named nothing and escaped on_error='skip'."""
+    import h5py
+
+    import fastdata
+    from fastdata.shards.hdf5 import HDF5ShardReader
+
+    with fastdata.ShardWriter(tmp_path / "h", format="hdf5") as w:
+        for i in range(4):
+            w.write({"__key__": f"k{i}", "v.npy": np.zeros(i + 1, np.uint8)})
+    path = tmp_path / "h" / "shard-000000.h5"
+    with h5py.File(path, "r+") as f:
+        f["v.npy"][2] = np.frombuffer(stored, np.uint8)
+    reader = HDF5ShardReader(path)
+    with pytest.raises(ShardError, match=r"shard-000000\.h5: reading field 'v\.npy' of sample 2 \('k2'\)"):
+        reader.read(2)
+    with pytest.raises(ShardError, match=r"shard-000000\.h5: reading field 'v\.npy' of sample 2 \('k2'\)"):
+        list(reader.iter_range())

@@ -402,7 +402,10 @@ def _convert(value: Any, kind: str, npy: bool) -> Any:
         return value if isinstance(value, np.ndarray) else np.asarray(value)  # a 0-d row reads as a scalar
     raw = value.tobytes()
     if npy:
-        return np.load(io.BytesIO(raw), allow_pickle=False)
+        try:
+            return np.load(io.BytesIO(raw), allow_pickle=False)
+        except Exception as e:  # noqa: BLE001 - NumPy raises EOFError, tokenize.TokenError, ... on damaged bytes
+            raise ValueError(f"its stored .npy bytes do not parse ({type(e).__name__}: {e})") from e
     return raw
 
 
