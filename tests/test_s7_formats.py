@@ -249,3 +249,26 @@ def test_hdf5_npy_row_that_does_not_parse_is_a_shard_error(tmp_path, stored):
         reader.read(2)
     with pytest.raises(ShardError, match=r"shard-000000\.h5: reading field 'v\.npy' of sample 2 \('k2'\)"):
         list(reader.iter_range())
+
+
+def test_verify_does_not_open_an_hdf5_shard_whose_checksum_is_wrong(tmp_path, monkeypatch):
+    """A damaged HDF5 file can make the HDF5 library spin forever (h5py 3.16 / HDF5 2.0: one flipped
+    byte in an attribute) or crash: verify opened a shard after finding its sha256 wrong, so
+    `fastdata verify` hung instead of listing it. A shard known to be damaged is no longer opened."""
+    import fastdata
+    from fastdata.shards import hdf5
+    from fastdata.shards.reader import verify
+
+    with fastdata.ShardWriter(tmp_path / "h", format="hdf5") as w:
+        w.write({"__key__": "k0", "cls": 1})
+    path = tmp_path / "h" / "shard-000000.h5"
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+    def hang(self):
+        raise AssertionError("opened a shard known to be damaged")
+
+    monkeypatch.setattr(hdf5.HDF5ShardReader, "_open", hang)
+    problems = verify(tmp_path / "h")
+    assert len(problems) == 1 and problems[0].startswith("shard-000000.h5: sha256 mismatch")

@@ -125,7 +125,10 @@ def verify_remote_shard(base_url: str, manifest: Manifest, shard: ShardInfo) -> 
 
 
 def verify_shard(folder: str | os.PathLike[str], manifest: Manifest, shard: ShardInfo) -> list[str]:
-    """Every problem of one shard of ``manifest`` in ``folder`` (empty if none); safe to run in threads."""
+    """Every problem of one shard of ``manifest`` in ``folder`` (empty if none); safe to run in threads.
+
+    An HDF5 shard whose size or sha256 is wrong is not opened: the HDF5 library can crash or spin
+    forever on a damaged file."""
     folder = Path(folder)
     path = folder / shard.name
     if not path.is_file():
@@ -138,6 +141,8 @@ def verify_shard(folder: str | os.PathLike[str], manifest: Manifest, shard: Shar
         digest = sha256_file(path)
         if digest != shard.sha256:
             problems.append(f"{shard.name}: sha256 mismatch (file {digest}, manifest {shard.sha256})")
+    if problems and manifest.format == "hdf5":  # the HDF5 library can hang or crash on a damaged file
+        return problems
     try:
         if manifest.format == "tar":
             fields = _verify_tar(folder, shard, problems)
