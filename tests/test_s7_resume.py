@@ -117,3 +117,28 @@ def test_a_state_of_other_data_says_so_and_older_states_still_load(seven, tmp_pa
     ShardedDataset(seven, shuffle=True).load_state_dict(older)
     with pytest.raises(ValueError, match="seed=None in the state"):  # a missing field is no match
         ShardedDataset(seven, shuffle=True).load_state_dict({k: v for k, v in state.items() if k != "seed"})
+
+
+def test_samples_per_epoch_windows_continue_the_stream_after_a_resize(seven):
+    """samples_per_epoch=5 rounds to 6 positions per epoch at 2 ranks and 8 at 4: the epochs after a
+    resize started at e*8, so stream positions 6 and 7 were never read and 14, 15 were read early."""
+    def loaders(world):
+        return [_loader(seven, r, world, batch_size=2, samples_per_epoch=5) for r in range(world)]
+
+    def epoch(dls, e):
+        for dl in dls:
+            dl.set_epoch(e)
+        return [x for dl in dls for batch in dl for x in batch]
+
+    two = loaders(2)
+    seen = epoch(two, 0)  # stream positions 0-5
+    four = loaders(4)
+    for dl in four:
+        dl.load_state_dict([dl2.state_dict() for dl2 in two])  # saved at the end of epoch 0
+    seen += epoch(four, 1)  # positions 6-13: the rest of pass 0 and all of pass 1
+    assert sorted(seen) == sorted([*range(7), *range(7)])
+    assert four[0].state_dict()["dataset"]["stream_origin"] == [1, 6]
+    again = loaders(4)  # a restarted job at the new world size keeps the stream where it was
+    for dl, old in zip(again, four):
+        dl.load_state_dict(old.state_dict())
+    assert epoch(again, 2) == epoch(four, 2)

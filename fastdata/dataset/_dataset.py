@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from dataclasses import replace
 import os
 import threading
 import types
@@ -123,6 +124,17 @@ def _code_digest(code: types.CodeType) -> str:
 def _dataset_part(state: Any) -> Any:
     """The dataset's state inside a ``fastdata.DataLoader`` state (``{"dataset": ..., ...}``), else ``state``."""
     return state["dataset"] if isinstance(state, Mapping) and isinstance(state.get("dataset"), Mapping) else state
+
+
+def _origin(value: Any) -> tuple[int, int]:
+    """A state's ``stream_origin``/``era_origin`` (absent: the start of the stream)."""
+    if value is None:
+        return (0, 0)
+    try:
+        epoch, pos = (int(x) for x in value)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"state_dict: malformed stream origin {value!r} (want [epoch, position])") from e
+    return (epoch, pos)
 
 
 def _state_field(name: str) -> str:
@@ -307,7 +319,10 @@ class ShardedDataset(IterableDataset):
         self._epoch_shared = torch.zeros(1, dtype=torch.int64).share_memory_()
         self._resume: tuple[int, list[Stage], int] | None = None  # (epoch, stages, next worker)
         # (epoch, ended eras, worker counts per rank): the rest of an epoch after a world-size change
-        self._elastic: tuple[int, tuple[Era, ...], tuple[tuple[int, ...], ...]] | None = None
+        self._elastic: tuple[int, tuple[Era, ...], tuple[tuple[int, ...], ...], tuple[int, int]] | None = None
+        # samples_per_epoch: (epoch, stream position) where that epoch's window starts; moved by a resize
+        # (see _load_states) so that the epochs after it continue the stream where the last one ended
+        self._origin: tuple[int, int] = (0, 0)
         self._token = uuid.uuid4().hex
         # tar members that give no data (found while indexing), then every skipped sample
         self.skipped: list[dict[str, Any]] = [{**r, "epoch": None} for r in self.source.skipped]
@@ -366,6 +381,7 @@ class ShardedDataset(IterableDataset):
             plan = SplitPlan(
                 tuple(self.source.sizes or ()), world_size=self.world_size, rank=self.rank, seed=self.seed,
                 shuffle=self.shuffle, even=self.even, samples_per_epoch=self.samples_per_epoch,
+                origin=self._origin if self.samples_per_epoch is not None else (0, 0),
             )
             self._plans[key] = plan
         el = self._elastic
@@ -506,6 +522,7 @@ class ShardedDataset(IterableDataset):
                 "open_shards": self.shuffle.open_shards, "buffer_size": self.shuffle.buffer_size,
                 "within_shard": self.shuffle.within_shard},  # they fix the order as much as the seed does
             "stages": [[n, list(c)] for n, c in stages], "next_worker": next_worker,
+            **({"stream_origin": list(self._origin)} if self._origin != (0, 0) else {}),
             **self._elastic_state(epoch),
         }
 
@@ -513,7 +530,8 @@ class ShardedDataset(IterableDataset):
         el = self._elastic
         if el is None or el[0] != epoch:
             return {}
-        return {"eras": [e.to_json() for e in el[1]], "split": [list(c) for c in el[2]]}
+        return {"eras": [e.to_json() for e in el[1]], "split": [list(c) for c in el[2]],
+                **({"era_origin": list(el[3])} if el[3] != (0, 0) else {})}
 
     def state_dict(self) -> dict[str, Any]:
         """Position in the current epoch, for loops that iterate the dataset in this process.
@@ -566,9 +584,12 @@ class ShardedDataset(IterableDataset):
             split = tuple(tuple(int(x) for x in c) for c in state["split"])
             if len(split) != self.world_size:
                 raise ValueError(f"state_dict: elastic split for {len(split)} ranks, world_size={self.world_size}")
-            elastic = (int(state["epoch"]), tuple(Era.from_json(e) for e in state["eras"]), split)
+            elastic = (int(state["epoch"]), tuple(Era.from_json(e) for e in state["eras"]), split,
+                       _origin(state.get("era_origin")))
+        origin = _origin(state.get("stream_origin"))
         self.set_epoch(int(state["epoch"]))
         self._elastic = elastic
+        self._origin = origin
         self._plans.clear()
         self._resume = (int(state["epoch"]), stages, next_worker)
         self._live = None
@@ -610,7 +631,7 @@ class ShardedDataset(IterableDataset):
                                  f"{st.get('rank')!r} of world_size={st.get('world_size')!r}")
         mine = self._state(0, [])
         for name in ("epoch", "seed", "num_samples", "shuffle", "even", "samples_per_epoch", "fingerprint",
-                     "shuffle_options", "eras", "split"):
+                     "shuffle_options", "eras", "split", "stream_origin", "era_origin"):
             values = {repr(st.get(name)) for st in states}
             if len(values) > 1:
                 raise ValueError(f"rank states disagree on {_state_field(name)}: {sorted(values)}")
@@ -631,7 +652,14 @@ class ShardedDataset(IterableDataset):
                     tuple(tuple((int(n), tuple(int(x) for x in c)) for n, c in st["stages"]) for st in states))
         eras = (*eras, ended)
         base = self._plans.get((self.rank, self.world_size)) or self._plan()
-        left = elastic_remaining(base if isinstance(base, SplitPlan) else base.base, eras, ())
+        base = base if isinstance(base, SplitPlan) else base.base
+        left = elastic_remaining(base, eras, ())
+        # the stream origin of the first era's world size: epoch's window there, and where the next epoch starts
+        era_origin = _origin(states[0].get("era_origin") if states[0].get("eras") else states[0].get("stream_origin"))
+        origin = (0, 0)
+        if self.samples_per_epoch is not None:
+            first = replace(base, world_size=eras[0].world_size, rank=0, origin=era_origin)
+            origin = (epoch + 1, first.window_start(epoch + 1))
         split = elastic_split(left, self.world_size, num_workers, batch_size, drop_last, self.even)
         got = sum(map(sum, split))
         if got != left and not drop_last:
@@ -641,7 +669,8 @@ class ShardedDataset(IterableDataset):
                 + (f"repeats {got - left} of them" if got > left else f"leaves {left - got} of them out")
                 + " (num_workers >= 2 avoids this)", stacklevel=3)
         self.set_epoch(epoch)
-        self._elastic = (epoch, eras, tuple(split))
+        self._elastic = (epoch, eras, tuple(split), era_origin)
+        self._origin = origin
         self._plans.clear()
         self._resume = (epoch, [], 0)
         self._live = None

@@ -316,6 +316,9 @@ class SplitPlan:
     shuffle: ShuffleOptions | None = None
     even: str = "pad"
     samples_per_epoch: int | None = None
+    # (epoch, stream position) where that epoch's window starts (samples_per_epoch): epochs after a
+    # resize continue the stream where the last epoch at the old world size ended
+    origin: tuple[int, int] = (0, 0)
     offsets: np.ndarray = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -331,6 +334,9 @@ class SplitPlan:
             not isinstance(self.samples_per_epoch, int) or self.samples_per_epoch < 1
         ):
             raise ValueError(f"samples_per_epoch must be an int >= 1 or None, got {self.samples_per_epoch!r}")
+        if (not isinstance(self.origin, tuple) or len(self.origin) != 2
+                or any(not isinstance(x, int) or x < 0 for x in self.origin)):
+            raise ValueError(f"origin must be a pair of ints >= 0 (epoch, stream position), got {self.origin!r}")
         if self.total == 0:
             raise ValueError("the dataset has no samples (every shard is empty)")
         if self.per_rank == 0:
@@ -390,7 +396,7 @@ class SplitPlan:
         if self.samples_per_epoch is None:
             base, stream_pass = 0, None
         else:
-            base, stream_pass = epoch * self.per_rank * self.world_size, True
+            base, stream_pass = self.window_start(epoch), True
         q, end = base + lo, base + hi
         while q < end:
             chunk_end = min(end, (q // n + 1) * n)
@@ -398,6 +404,11 @@ class SplitPlan:
             out.extend(self._pass_segments(pass_index, q % n, q % n + (chunk_end - q)))
             q = chunk_end
         return out
+
+    def window_start(self, epoch: int) -> int:
+        """Stream position where ``epoch``'s window starts (``samples_per_epoch``; windows of
+        ``per_rank * world_size`` positions, from ``origin`` on)."""
+        return max(0, self.origin[1] + (epoch - self.origin[0]) * self.per_rank * self.world_size)
 
     def worker_segments(self, epoch: int, worker: int, num_workers: int) -> list[Segment]:
         """Shard pieces of ``worker`` (out of ``num_workers``) of this rank, in stream order."""
@@ -701,6 +712,7 @@ class ElasticPlan:
     epoch: int
     eras: tuple[Era, ...]
     split: tuple[tuple[int, ...], ...]  # per rank of the current era: worker counts
+    era_origin: tuple[int, int] = (0, 0)  # the stream origin at the first era's world size (samples_per_epoch)
 
     @property
     def rank(self) -> int:
@@ -718,7 +730,9 @@ class ElasticPlan:
     def part(self) -> np.ndarray:
         cached = self.__dict__.get("_part")
         if cached is None:
-            first = _era0_plan(self.base, self.eras[0].world_size, 0)
+            from dataclasses import replace
+
+            first = replace(_era0_plan(self.base, self.eras[0].world_size, 0), origin=self.era_origin)
             cached = elastic_parts(first, self.epoch, self.eras, self.split)[self.rank]
             object.__setattr__(self, "_part", cached)
         return cached
