@@ -272,3 +272,20 @@ def test_verify_does_not_open_an_hdf5_shard_whose_checksum_is_wrong(tmp_path, mo
     monkeypatch.setattr(hdf5.HDF5ShardReader, "_open", hang)
     problems = verify(tmp_path / "h")
     assert len(problems) == 1 and problems[0].startswith("shard-000000.h5: sha256 mismatch")
+
+
+def test_hdf5_stores_arrays_with_a_zero_length_axis(tmp_path):
+    """Fixed-shape arrays with a 0-length axis (no detections: (0, 4) boxes in every sample) failed
+    the HDF5 writer with h5py's 'All chunk dimensions must be positive', naming no field or shard."""
+    import fastdata
+
+    with fastdata.ShardWriter(tmp_path / "h", format="hdf5") as w:
+        for i in range(3):
+            w.write({"__key__": f"k{i}", "boxes.npy": np.zeros((0, 4), np.float32), "cls": i})
+    got = list(fastdata.ShardedDataset(tmp_path / "h"))
+    assert [s["cls"] for s in got] == [0, 1, 2]
+    assert all(s["boxes.npy"].shape == (0, 4) and s["boxes.npy"].dtype == np.float32 for s in got)
+    src = tmp_path / "z.npz"
+    np.savez(src, e=np.zeros((3, 0)), y=np.arange(3))
+    convert(src, tmp_path / "out", opts(format="hdf5"))
+    assert [s["e.npy"].shape for s in fastdata.ShardedDataset(tmp_path / "out")] == [(0,)] * 3

@@ -135,8 +135,8 @@ def _write_field(f: Any, info: FieldInfo, values: list[Any], keys: list[str]) ->
         dtype = np.dtype(info.dtype)
         row = max(1, int(np.prod(shape, dtype=np.int64)) * dtype.itemsize)
         rows = max(1, min(n, _CHUNK_BYTES // row))
-        ds = f.create_dataset(info.name, shape=(n, *shape), dtype=dtype,
-                              chunks=(rows, *shape) if n else None, track_times=False)
+        ds = f.create_dataset(info.name, shape=(n, *shape), dtype=dtype,  # HDF5 chunks have no 0-length axis
+                              chunks=(rows, *shape) if n and all(shape) else None, track_times=False)
         for a in range(0, n, rows):
             block = values[a:a + rows]
             for value, key in zip(block, keys[a:a + rows]):
