@@ -289,3 +289,20 @@ def test_hdf5_stores_arrays_with_a_zero_length_axis(tmp_path):
     np.savez(src, e=np.zeros((3, 0)), y=np.arange(3))
     convert(src, tmp_path / "out", opts(format="hdf5"))
     assert [s["e.npy"].shape for s in fastdata.ShardedDataset(tmp_path / "out")] == [(0,)] * 3
+
+
+def test_hdf5_int_beyond_int64_is_refused_at_write_naming_field_and_key(tmp_path):
+    """An int field value beyond int64 was accepted by ShardWriter.write and failed the shard
+    later (at close) with a bare 'OverflowError: Python int too large to convert to C long'."""
+    import fastdata
+    from fastdata.shards.hdf5 import write_hdf5_shard
+
+    w = fastdata.ShardWriter(tmp_path / "h", format="hdf5")
+    w.write({"__key__": "k0", "n": 1})
+    with pytest.raises(ValueError, match=r"field 'n' of sample 'k1'.*int64"):
+        w.write({"__key__": "k1", "n": 2**70})
+    w.write({"__key__": "k2", "n": -(2**63)})
+    w.close()
+    assert [s["n"] for s in fastdata.ShardedDataset(tmp_path / "h")] == [1, -(2**63)]
+    with pytest.raises(ValueError, match=r"field 'n' of sample 'b'.*int64"):
+        write_hdf5_shard(tmp_path / "x.h5", [{"__key__": "a", "n": 1}, {"__key__": "b", "n": 2**64}])

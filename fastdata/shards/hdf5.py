@@ -129,6 +129,8 @@ def _write_field(f: Any, info: FieldInfo, values: list[Any], keys: list[str]) ->
         kind = value_info(info.name, value, key=key)[0]
         if kind != info.kind and not (info.kind == "float" and kind == "int"):
             raise ValueError(f"field {info.name!r} of sample {key!r} is {kind!r}, expected {info.kind!r}")
+        if info.kind == "int":
+            check_int64(info.name, value, key)
     fixed = info.kind == "array" and info.dtype is not None and info.shape is not None
     if fixed:
         shape = tuple(info.shape)  # type: ignore[arg-type]
@@ -162,6 +164,13 @@ def _write_field(f: Any, info: FieldInfo, values: list[Any], keys: list[str]) ->
         if info.kind == "array":
             ds.attrs["encoding"] = "npy"
     ds.attrs["kind"] = info.kind
+
+
+def check_int64(field: str, value: Any, key: str) -> None:
+    """ValueError naming field and key when an int value does not fit the int64 HDF5 stores it as."""
+    if isinstance(value, (int, np.integer)) and not -(1 << 63) <= int(value) < 1 << 63:
+        raise ValueError(f"field {field!r} of sample {key!r} is {value}, beyond int64 (HDF5 stores ints as int64); "
+                         "store it as text, or use format='tar'")
 
 
 def _vlen_bytes(info: FieldInfo, value: Any, key: str) -> bytes:
