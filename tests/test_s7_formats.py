@@ -306,3 +306,20 @@ def test_hdf5_int_beyond_int64_is_refused_at_write_naming_field_and_key(tmp_path
     assert [s["n"] for s in fastdata.ShardedDataset(tmp_path / "h")] == [1, -(2**63)]
     with pytest.raises(ValueError, match=r"field 'n' of sample 'b'.*int64"):
         write_hdf5_shard(tmp_path / "x.h5", [{"__key__": "a", "n": 1}, {"__key__": "b", "n": 2**64}])
+
+
+def test_hdf5_json_value_that_is_not_json_is_refused_at_write(tmp_path):
+    """ShardWriter(format='hdf5') accepted {'m.json': {'x': {1, 2}}} and failed at close, after the
+    shard's other samples were buffered, saying 'HDF5 cannot store json values ...; tar shards can'
+    (tar refuses it too, at write, naming the sample)."""
+    import fastdata
+    from fastdata.shards.hdf5 import write_hdf5_shard
+
+    w = fastdata.ShardWriter(tmp_path / "h", format="hdf5")
+    w.write({"__key__": "k0", "m.json": {"x": [1]}})
+    with pytest.raises(TypeError, match=r"field 'm\.json' of sample 'k1' is not JSON-serialisable"):
+        w.write({"__key__": "k1", "m.json": {"x": {1, 2}}})
+    w.close()
+    assert [s["m.json"] for s in fastdata.ShardedDataset(tmp_path / "h")] == [{"x": [1]}]
+    with pytest.raises(TypeError, match=r"field 'm' of sample 'b' is not JSON-serialisable"):
+        write_hdf5_shard(tmp_path / "x.h5", [{"__key__": "a", "m": [1]}, {"__key__": "b", "m": [object()]}])

@@ -130,7 +130,7 @@ def _write_field(f: Any, info: FieldInfo, values: list[Any], keys: list[str]) ->
         if kind != info.kind and not (info.kind == "float" and kind == "int"):
             raise ValueError(f"field {info.name!r} of sample {key!r} is {kind!r}, expected {info.kind!r}")
         if info.kind == "int":
-            check_int64(info.name, value, key)
+            check_value(info.name, value, key)
     fixed = info.kind == "array" and info.dtype is not None and info.shape is not None
     if fixed:
         shape = tuple(info.shape)  # type: ignore[arg-type]
@@ -166,18 +166,28 @@ def _write_field(f: Any, info: FieldInfo, values: list[Any], keys: list[str]) ->
     ds.attrs["kind"] = info.kind
 
 
-def check_int64(field: str, value: Any, key: str) -> None:
-    """ValueError naming field and key when an int value does not fit the int64 HDF5 stores it as."""
+def check_value(field: str, value: Any, key: str) -> None:
+    """What :func:`write_hdf5_shard` would refuse of one value whatever the other samples hold (an
+    int beyond int64: ValueError; a dict/list that is not JSON: TypeError), naming field and key."""
     if isinstance(value, (int, np.integer)) and not -(1 << 63) <= int(value) < 1 << 63:
         raise ValueError(f"field {field!r} of sample {key!r} is {value}, beyond int64 (HDF5 stores ints as int64); "
                          "store it as text, or use format='tar'")
+    if isinstance(value, (dict, list)):
+        _json_bytes(field, value, key)
+
+
+def _json_bytes(field: str, value: Any, key: str) -> bytes:
+    try:
+        return json.dumps(value, sort_keys=True, ensure_ascii=False).encode("utf-8")
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"field {field!r} of sample {key!r} is not JSON-serialisable: {e}") from e
 
 
 def _vlen_bytes(info: FieldInfo, value: Any, key: str) -> bytes:
     if info.kind == "array":
         return npy_bytes(value, field=info.name, key=key)
     if info.kind == "json":
-        return json.dumps(value, sort_keys=True, ensure_ascii=False).encode("utf-8")
+        return _json_bytes(info.name, value, key)
     if isinstance(value, str):
         return value.encode("utf-8")
     return bytes(value)

@@ -98,11 +98,11 @@ class ShardWriter:
                 raise ValueError(f"sample {key!r}: HDF5 shards need the same fields in every sample, but it lacks "
                                  f"{sorted(self._h5_names - names)} and adds {sorted(names - self._h5_names)} "
                                  f"(earlier samples have {sorted(self._h5_names)}); use format='tar'")
-            from fastdata.shards.hdf5 import check_int64
+            from fastdata.shards.hdf5 import check_value
 
             for name, value in sample.items():
                 if not is_meta(name):
-                    check_int64(name, value, key)
+                    check_value(name, value, key)
             self._fields.add(sample)
             self._write_h5(sample)
             self._h5_names = names
