@@ -323,3 +323,20 @@ def test_hdf5_json_value_that_is_not_json_is_refused_at_write(tmp_path):
     assert [s["m.json"] for s in fastdata.ShardedDataset(tmp_path / "h")] == [{"x": [1]}]
     with pytest.raises(TypeError, match=r"field 'm' of sample 'b' is not JSON-serialisable"):
         write_hdf5_shard(tmp_path / "x.h5", [{"__key__": "a", "m": [1]}, {"__key__": "b", "m": [object()]}])
+
+
+# ----------------------------------------------------------------------------------------- CLI
+
+def test_seed_without_shuffle_is_a_usage_error(tmp_path, capsys):
+    """`fastdata shard SRC DEST --seed 3` wrote sorted shards: --seed only seeds --shuffle, and was
+    ignored without a word. It is now a bad argument (exit status 2), before anything is read."""
+    from fastdata.cli import main
+    from fastdata.cli._shard_cmd import tool_main
+
+    src = small_tar(tmp_path / "a.tar", ["a0", "a1"])
+    for run, prog in ((tool_main, "shard.py"), (lambda argv: main(["shard", *argv]), "fastdata shard")):
+        assert run([str(src), str(tmp_path / "out"), "--seed", "3"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith(f"{prog}: error: --seed") and "--shuffle" in err and len(err.splitlines()) == 1
+        assert not (tmp_path / "out").exists()
+    assert tool_main([str(src), str(tmp_path / "out"), "--seed", "3", "--shuffle", "--quiet"]) == 0

@@ -78,7 +78,7 @@ def add_convert_options(p: argparse.ArgumentParser, *, with_verify: bool = False
                                       + ("; with --verify, threads checking shards" if with_verify else "")))
     p.add_argument("--shuffle", action="store_true",
                    help="shuffle samples across shards, seeded by --seed (default: sorted input order)")
-    p.add_argument("--seed", type=nonneg_int, default=0, metavar="S", help="seed of --shuffle (default: 0)")
+    p.add_argument("--seed", type=nonneg_int, metavar="S", help="seed of --shuffle (default: 0)")
     p.add_argument("--resize", type=positive_int, metavar="N",
                    help="decode images, resize the shorter side to N, centre-crop N x N and store uint8 "
                         "(3, N, N) arrays as field 'img.npy' (default: keep the encoded bytes)")
@@ -173,6 +173,9 @@ def run_guarded(prog: str, args: argparse.Namespace, run: Callable[[], int]) -> 
     try:
         with _logging_to_stderr(prog, args.quiet):
             return run()
+    except UsageError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         verifying = getattr(args, "verify", None) is not None or getattr(args, "func", None) is _cmd_verify
         then = "nothing was changed" if verifying else "rerun the same command to resume"
@@ -234,9 +237,11 @@ def _logging_to_stderr(prog: str, quiet: bool) -> Iterator[None]:
 def _convert(src: str, dest: str, args: argparse.Namespace) -> int:
     from fastdata.shards.convert import ConvertOptions, convert
 
+    if args.seed is not None and not args.shuffle:  # it would be ignored: the shards keep the sorted order
+        raise UsageError("--seed S only seeds --shuffle: add --shuffle to shuffle the samples, or drop --seed")
     options = ConvertOptions(
         format=args.format, shard_size=args.shard_size, samples_per_shard=args.samples_per_shard,
-        workers=args.workers, shuffle=args.shuffle, seed=args.seed, resize=args.resize, check=args.check,
+        workers=args.workers, shuffle=args.shuffle, seed=args.seed or 0, resize=args.resize, check=args.check,
         strict=args.strict, overwrite=args.overwrite, progress=False if args.quiet else None,
         engine=args.engine,
     )
