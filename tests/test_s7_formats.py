@@ -340,3 +340,19 @@ def test_seed_without_shuffle_is_a_usage_error(tmp_path, capsys):
         assert err.startswith(f"{prog}: error: --seed") and "--shuffle" in err and len(err.splitlines()) == 1
         assert not (tmp_path / "out").exists()
     assert tool_main([str(src), str(tmp_path / "out"), "--seed", "3", "--shuffle", "--quiet"]) == 0
+
+
+# ------------------------------------------------------------------ a fastdata folder as SRC
+
+def test_resharding_a_fastdata_folder_keeps_its_class_names(tmp_path):
+    """The 'cls' labels' names live in manifest.json under extra.source.classes; converting the
+    folder again (tar -> HDF5, other shard sizes) wrote a manifest without them."""
+    from fastdata import Manifest
+
+    src = tmp_path / "src"
+    for cls in ("cat", "dog"):
+        (src / cls).mkdir(parents=True)
+        (src / cls / "x.png").write_bytes(PNG)
+    convert(src, tmp_path / "a", opts())
+    convert(tmp_path / "a", tmp_path / "b", opts(format="hdf5"))
+    assert Manifest.load(tmp_path / "b").extra["source"]["classes"] == ["cat", "dog"]

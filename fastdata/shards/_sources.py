@@ -16,7 +16,8 @@ Source kinds (:func:`list_source`):
   included), in name order; samples in file order, fields passed through byte for byte. The
   folder's other files and subfolders are listed as skipped; compressed shards are refused.
 - ``hdf5``: a ``.h5``/``.hdf5`` file or a folder of them, in fastdata's documented layout.
-- A folder holding ``manifest.json`` (a fastdata output): its shards, in manifest order. One
+- A folder holding ``manifest.json`` (a fastdata output): its shards, in manifest order, and its
+  class names (``extra.source.classes``) for the new manifest. One
   holding ``.fastdata-progress`` instead (an unfinished conversion) is refused.
 - ``npz``: a ``.npz`` whose arrays share their first axis; one field ``<name>.npy`` per array,
   keys from a string array ``__key__`` if present, else the zero-padded row number.
@@ -296,8 +297,14 @@ def _list_manifest_folder(root: Path) -> Listing:
         raise SourceError(f"SRC {root}: {MANIFEST_NAME} lists no shards")
     if manifest.format == "tar":
         indexes = [None if s.index is None else str(root / s.index) for s in manifest.shards]
-        return _list_tar(root, files, indexes, manifest)
-    return _list_hdf5(root, files, manifest)
+        listing = _list_tar(root, files, indexes, manifest)
+    else:
+        listing = _list_hdf5(root, files, manifest)
+    source = manifest.extra.get("source")
+    classes = source.get("classes") if isinstance(source, dict) else None
+    if isinstance(classes, list) and all(isinstance(c, str) for c in classes):
+        listing.extra["classes"] = classes  # the names of the 'cls' labels go on into the new manifest
+    return listing
 
 
 def _list_tar(root: Path, files: Sequence[Path], indexes: Sequence[str | None],
