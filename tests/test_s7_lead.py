@@ -122,3 +122,37 @@ def test_converting_a_signed_source_url_keeps_its_token_out_of_names_and_message
         with pytest.raises(FastdataError) as e:
             convert(f"{srv.url}/nothing?sig=SECRET123", tmp_path / "out9", ConvertOptions(staging=f"{staging}9"))
     assert "SECRET" not in str(e.value) and "nothing" in str(e.value)
+
+
+def test_a_streaming_resume_whose_replay_fails_raises_instead_of_losing_samples(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A URL-list dataset resumes by re-reading the consumed part without decoding. A shard that failed
+    there (404) counted as one position, so the replay ran on into later shards and the resumed epoch
+    silently lost the rest of that shard and the whole next one, under on_error="raise" (found by
+    helper remote2)."""
+    import sys
+
+    from fastdata.errors import FastdataError
+
+    monkeypatch.setenv("FASTDATA_REMOTE_RETRIES", "1")
+    sys.path.insert(0, str(Path(__file__).parent))
+    from loopback_server import LoopbackServer, make_shard_set
+
+    make_shard_set(tmp_path / "www" / "ds", 16, 4, payload=64, seed=1)
+    bad: set[str] = set()
+    with LoopbackServer(tmp_path / "www", fault=lambda p, n: 404 if p in bad else None) as srv:
+        urls = [f"{srv.url}/ds/shard-{s:06d}.tar" for s in range(4)]
+        first = ShardedDataset(urls, decode=False)
+        it = iter(first)
+        for _ in range(6):
+            next(it)
+        state = first.state_dict()
+        bad.update({"/ds/shard-000001.tar", "/ds/shard-000002.tar"})
+        again = ShardedDataset(urls, decode=False)
+        again.load_state_dict(state)
+        with pytest.raises(FastdataError, match="shard-000001"):
+            list(again)
+        skipping = ShardedDataset(urls, decode=False, on_error="skip")
+        skipping.load_state_dict(state)
+        list(skipping)
+        assert [r["shard"] for r in skipping.skipped][:1] == [urls[1]]  # reported, not lost in silence

@@ -1015,8 +1015,10 @@ class ShardedDataset(IterableDataset):
             if quota is not None and pos >= quota:
                 break
             pos += 1
-            if pos <= cursor.pos:
-                continue  # resume: consumed before, skipped without decoding
+            if pos <= cursor.pos:  # resume: consumed before, skipped without decoding
+                if isinstance(item, FastdataError):  # unreadable now: the positions after it would shift and
+                    self._handle_error(item, item, shard, -1, -1, cursor, key="?")  # lose samples in silence
+                continue
             if self._required and not isinstance(item, FastdataError) \
                     and self._lacks(item, self._required, shard, -1, -1, cursor):
                 cursor.pos = pos
