@@ -356,3 +356,30 @@ def test_resharding_a_fastdata_folder_keeps_its_class_names(tmp_path):
     convert(src, tmp_path / "a", opts())
     convert(tmp_path / "a", tmp_path / "b", opts(format="hdf5"))
     assert Manifest.load(tmp_path / "b").extra["source"]["classes"] == ["cat", "dog"]
+
+
+# -------------------------------------------------------------------------------------- verify
+
+def test_verify_lists_a_manifest_field_that_no_tar_shard_holds(tmp_path, capsys):
+    """A manifest listing a field no shard holds passed `verify` ("ok"), and every read then failed
+    with MissingFieldError. An image field with an alternative some shard holds (jpg|png) is fine."""
+    import json
+
+    import fastdata
+    from fastdata.cli._shard_cmd import verify_folder
+    from fastdata.shards.reader import verify
+
+    with fastdata.ShardWriter(tmp_path / "t", max_samples=1) as w:
+        w.write({"__key__": "a", "cls": 0, "jpg": b"x"})
+        w.write({"__key__": "b", "cls": 1, "jpg": b"y"})
+    path = tmp_path / "t" / "manifest.json"
+    data = json.loads(path.read_text())
+    data["fields"] += [{"name": "png", "kind": "bytes"}, {"name": "txt", "kind": "text"}]
+    path.write_text(json.dumps(data))
+    expected = ["manifest.json lists field(s) ['txt'] that no shard holds: every read of a sample "
+                "fails (MissingFieldError)"]
+    assert verify(tmp_path / "t") == expected
+    assert verify_folder(tmp_path / "t", workers=2, progress=False) == expected
+    data["fields"] = [f for f in data["fields"] if f["name"] != "txt"]
+    path.write_text(json.dumps(data))
+    assert verify(tmp_path / "t") == [] and verify_folder(tmp_path / "t", progress=False) == []

@@ -289,7 +289,7 @@ def verify_folder(dest: str | Path, *, workers: int | None = None, progress: boo
     from fastdata.manifest import MANIFEST_NAME, Manifest
     from fastdata.shards.convert import PROGRESS_DIR, default_workers
     from fastdata.shards import is_url
-    from fastdata.shards.reader import verify_remote_shard, verify_shard
+    from fastdata.shards.reader import unheld_fields, verify_remote_shard, verify_shard
 
     check: Callable[..., list[str]]
     path: Any
@@ -320,6 +320,7 @@ def verify_folder(dest: str | Path, *, workers: int | None = None, progress: boo
         todo.put(i)
     done: queue.SimpleQueue[tuple[int, list[str] | None, BaseException | None]] = queue.SimpleQueue()
     stop = threading.Event()
+    seen: set[str] = set()  # the fields the shards hold
 
     def work() -> None:
         while not stop.is_set():
@@ -328,7 +329,7 @@ def verify_folder(dest: str | Path, *, workers: int | None = None, progress: boo
             except queue.Empty:
                 return
             try:
-                done.put((i, check(path, manifest, shards[i]), None))
+                done.put((i, check(path, manifest, shards[i], seen=seen), None))
             except BaseException as e:  # noqa: BLE001 - re-raised by the calling thread
                 done.put((i, None, e))
 
@@ -351,7 +352,8 @@ def verify_folder(dest: str | Path, *, workers: int | None = None, progress: boo
                 advance(shards[i].bytes)
         finally:
             stop.set()
-    return [problem for found in results for problem in found]
+    problems = [problem for found in results for problem in found]
+    return problems or unheld_fields(manifest, seen)
 
 
 @contextlib.contextmanager

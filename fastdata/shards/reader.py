@@ -11,7 +11,8 @@ from fastdata.errors import FastdataError, ManifestError, RemoteError
 from fastdata.manifest import MANIFEST_NAME, FieldInfo, Manifest, ShardInfo, sha256_file
 from fastdata.shards._remote import RemoteStream, folder_url, is_url, read_bytes, redact_url, url_join
 
-__all__ = ["ShardReader", "load_manifest", "open_shard", "verify", "verify_remote_shard", "verify_shard"]
+__all__ = ["ShardReader", "load_manifest", "open_shard", "unheld_fields", "verify", "verify_remote_shard",
+           "verify_shard"]
 
 
 @runtime_checkable
@@ -65,7 +66,8 @@ def verify(folder: str | os.PathLike[str]) -> list[str]:
 
     Checks per shard (:func:`verify_shard`): file present, byte size, sha256, sample count, the
     layout (HDF5) or the sidecar index against a fresh header scan (tar), and that the shard's
-    fields are in the manifest. ``folder`` may be a URL (``https://``, ``s3://``, ...): each shard
+    fields are in the manifest; then (tar) that every field the manifest lists is held by some shard.
+    ``folder`` may be a URL (``https://``, ``s3://``, ...): each shard
     is then downloaded into a temporary folder, checked the same way and deleted
     (:func:`verify_remote_shard`); a shard that cannot be fetched is a problem naming URL and reason.
     """
@@ -75,12 +77,28 @@ def verify(folder: str | os.PathLike[str]) -> list[str]:
         return [str(e)]
     remote = is_url(os.fspath(folder))
     problems: list[str] = []
+    seen: set[str] = set()
     for shard in manifest.shards:
         if remote:
-            problems.extend(verify_remote_shard(os.fspath(folder), manifest, shard))
+            problems.extend(verify_remote_shard(os.fspath(folder), manifest, shard, seen=seen))
         else:
-            problems.extend(verify_shard(folder, manifest, shard))
-    return problems
+            problems.extend(verify_shard(folder, manifest, shard, seen=seen))
+    return problems + (unheld_fields(manifest, seen) if not problems else [])
+
+
+def unheld_fields(manifest: Manifest, seen: Collection[str]) -> list[str]:
+    """The problem of a tar manifest listing fields that no shard holds (``seen``: the fields of all
+    its shards), which fails every read of a sample; an image field one of whose alternatives some
+    shard holds (``jpg|png``) is fine. HDF5 shards are checked field by field when opened."""
+    from fastdata.shards._fields import missing_fields, required_fields
+
+    if manifest.format != "tar" or not manifest.shards:
+        return []
+    missing = missing_fields(set(seen), required_fields(f.name for f in manifest.fields))
+    if not missing:
+        return []
+    return [f"{MANIFEST_NAME} lists field(s) {missing} that no shard holds: every read of a sample fails "
+            "(MissingFieldError)"]
 
 
 def load_manifest(folder: str | os.PathLike[str]) -> Manifest:
@@ -102,7 +120,8 @@ def load_manifest(folder: str | os.PathLike[str]) -> Manifest:
             raise ManifestError(str(e).replace(str(local), redact_url(url))) from None
 
 
-def verify_remote_shard(base_url: str, manifest: Manifest, shard: ShardInfo) -> list[str]:
+def verify_remote_shard(base_url: str, manifest: Manifest, shard: ShardInfo, *,
+                        seen: set[str] | None = None) -> list[str]:
     """:func:`verify_shard` of one shard at folder URL ``base_url``: downloaded to a temporary
     folder (with its index), checked there, deleted. Problems name the shard; fetch failures the URL."""
     base = folder_url(base_url)
@@ -121,11 +140,14 @@ def verify_remote_shard(base_url: str, manifest: Manifest, shard: ShardInfo) -> 
                 if isinstance(e.__cause__, FileNotFoundError) or "not found" in str(e):
                     return [f"{name}: {'shard' if name == shard.name else 'index'} file is missing ({redact_url(url)})"]
                 return [f"{name}: {e}"]
-        return verify_shard(tmp, manifest, shard)
+        return verify_shard(tmp, manifest, shard, seen=seen)
 
 
-def verify_shard(folder: str | os.PathLike[str], manifest: Manifest, shard: ShardInfo) -> list[str]:
+def verify_shard(folder: str | os.PathLike[str], manifest: Manifest, shard: ShardInfo, *,
+                 seen: set[str] | None = None) -> list[str]:
     """Every problem of one shard of ``manifest`` in ``folder`` (empty if none); safe to run in threads.
+
+    ``seen``: the shard's fields are added to it (for :func:`unheld_fields`).
 
     An HDF5 shard whose size or sha256 is wrong is not opened: the HDF5 library can crash or spin
     forever on a damaged file."""
@@ -154,6 +176,8 @@ def verify_shard(folder: str | os.PathLike[str], manifest: Manifest, shard: Shar
                 problems.append(f"{shard.name}: has {count} samples, manifest says {shard.num_samples}")
     except (FastdataError, OSError) as e:
         return [*problems, f"{shard.name}: {e}"]
+    if seen is not None:
+        seen.update(fields)
     unknown = sorted(fields - {f.name for f in manifest.fields})
     if unknown:
         problems.append(f"{shard.name}: fields {unknown} are not listed in the manifest")
