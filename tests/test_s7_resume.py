@@ -101,8 +101,8 @@ def test_elastic_resume_with_even_drop_and_fewer_samples_left_than_ranks(seven):
         next(it)
     states = [first.state_dict()]  # 1 sample left
     resized = [_loader(seven, r, 4, batch_size=2, even="drop") for r in range(4)]
-    with pytest.warns(UserWarning, match="leaves 1 of them out"):
-        for dl in resized:
+    for dl in resized:
+        with pytest.warns(UserWarning, match="leaves 1 of them out"):
             dl.load_state_dict(states)
     assert [list(dl) for dl in resized] == [[], [], [], []]
 

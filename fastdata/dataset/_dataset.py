@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import math
-from dataclasses import replace
 import os
 import threading
 import types
@@ -17,6 +16,7 @@ import uuid
 import warnings
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
