@@ -53,12 +53,26 @@ def test_a_state_saved_with_other_shuffle_options_is_refused(seven):
     assert len(list(b)) == 4
 
 
-def test_a_state_of_another_rank_is_refused(seven):
+def test_a_state_of_another_rank_is_refused_after_an_elastic_resume_and_warned_about_otherwise(seven):
+    """Another rank's state was taken without a word. Ranks have the same per-worker counts and run in
+    lockstep, so a checkpoint saved by rank 0 alone resumes every rank exactly unless samples were
+    skipped: it is used, with a warning (refusing it would make such checkpoints unusable). After an
+    elastic resume the ranks' positions differ: refused."""
+    whole = _ids(ShardedDataset(seven, rank=1, world_size=2, shuffle=True))
     a = ShardedDataset(seven, rank=0, world_size=2, shuffle=True)
     it = iter(a)
     next(it)
-    with pytest.raises(ValueError, match="rank 0's state.*this is rank 1"):
-        ShardedDataset(seven, rank=1, world_size=2, shuffle=True).load_state_dict(a.state_dict())
+    b = ShardedDataset(seven, rank=1, world_size=2, shuffle=True)
+    with pytest.warns(RuntimeWarning, match="rank 0's state, loaded on rank 1"):
+        b.load_state_dict(a.state_dict())
+    assert _ids(b) == whole[1:]
+    first = _loader(seven, 0, 1, batch_size=1)
+    resized = _loader(seven, 0, 2, batch_size=1)
+    with pytest.warns(UserWarning, match="repeats 1 of them"):  # 7 samples, 2 ranks, one worker each
+        resized.load_state_dict([first.state_dict()])  # elastic: 1 rank -> 2
+    next(iter(resized))
+    with pytest.raises(ValueError, match="rank 0's state.*this is rank 1.*elastic"):
+        ShardedDataset(seven, rank=1, world_size=2).load_state_dict(resized.state_dict())
 
 
 def test_same_world_size_after_an_elastic_resume_keeps_equal_batch_counts(seven):

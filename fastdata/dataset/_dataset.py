@@ -573,8 +573,17 @@ class ShardedDataset(IterableDataset):
                              "with torch.distributed.all_gather_object) to resume at another world size")
         _check_matches(state, mine)
         if state.get("rank") != self.rank:
-            raise ValueError(f"state_dict is rank {state.get('rank')!r}'s state (world_size={self.world_size}), this "
-                             f"is rank {self.rank}: each rank loads its own state, or the list of every rank's")
+            if state.get("eras") or not isinstance(state.get("rank"), int):  # an elastic rest: ranks' counts differ
+                raise ValueError(f"state_dict is rank {state.get('rank')!r}'s state (world_size={self.world_size}), "
+                                 f"this is rank {self.rank}, and after an elastic resume each rank's position is its "
+                                 "own: each rank loads its own state, or the list of every rank's")
+            # every rank has the same per-worker counts and DDP keeps them in lockstep, so another rank's
+            # positions are this rank's, unless samples were skipped on one of them (a checkpoint saved by
+            # rank 0 alone, loaded everywhere)
+            warnings.warn(f"state_dict is rank {state['rank']}'s state, loaded on rank {self.rank}: its positions "
+                          "are used as this rank's, exact only if every rank read the same samples per worker (no "
+                          "samples skipped); save the list of every rank's state (all_gather_object) to be sure",
+                          RuntimeWarning, stacklevel=2)
         stages = [(int(n), tuple(int(c) for c in cons)) for n, cons in state["stages"]]
         next_worker = int(state.get("next_worker", 0))
         if stages and not 0 <= next_worker < stages[-1][0]:
