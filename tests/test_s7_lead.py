@@ -156,3 +156,30 @@ def test_a_streaming_resume_whose_replay_fails_raises_instead_of_losing_samples(
         skipping.load_state_dict(state)
         list(skipping)
         assert [r["shard"] for r in skipping.skipped][:1] == [urls[1]]  # reported, not lost in silence
+
+
+def test_verify_of_a_url_calls_a_404_a_missing_shard_and_a_compressed_tar_is_a_source_error(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """verify over HTTP recognised a missing shard by the text 'not found' in the error: a server's
+    'HTTP 404 Not Found' (or any other reason text) was reported as a raw fetch failure. And a
+    manifest-less '.tar.gz' shard was a bare ValueError, not a FastdataError (found by helpers
+    remote2 and formats)."""
+    import gzip
+    import sys
+
+    from fastdata.errors import SourceError
+    from fastdata.shards.reader import verify
+
+    monkeypatch.setenv("FASTDATA_REMOTE_RETRIES", "1")
+    sys.path.insert(0, str(Path(__file__).parent))
+    from loopback_server import LoopbackServer, make_shard_set
+
+    make_shard_set(tmp_path / "www" / "ds", 8, 4, payload=64, seed=1)
+    gone = "/ds/shard-000001.tar"
+    with LoopbackServer(tmp_path / "www", fault=lambda p, n: 404 if p == gone else None) as srv:
+        problems = verify(f"{srv.url}/ds")
+    assert len(problems) == 1 and "shard-000001.tar: shard file is missing" in problems[0], problems
+    with gzip.open(tmp_path / "a.tar.gz", "wb") as g:
+        g.write((tmp_path / "www" / "ds" / "shard-000000.tar").read_bytes())
+    with pytest.raises(SourceError, match="a.tar.gz: only uncompressed .tar shards"):
+        ShardedDataset([str(tmp_path / "a.tar.gz")])

@@ -439,8 +439,8 @@ def _from_local_tars(paths: list[str]) -> Source:
             raise (SourceNotFoundError if isinstance(e, FileNotFoundError) else SourceError)(
                 f"shard {p}: {e.strerror or e}") from e
         if not local.endswith(".tar"):
-            raise ValueError(f"shard {p}: only uncompressed .tar shards can be read without a manifest "
-                             "(use a URL for streaming, or convert with `fastdata shard`)")
+            raise SourceError(f"shard {p}: only uncompressed .tar shards can be read without a manifest "
+                              "(use a URL for streaming, or convert with `fastdata shard`)")
         readers.append(TarShardReader(local))
         ident.append([os.path.abspath(local), st.st_size, st.st_mtime_ns])
     sizes = [len(r) for r in readers]  # sidecar index or header scan

@@ -137,7 +137,8 @@ def verify_remote_shard(base_url: str, manifest: Manifest, shard: ShardInfo, *,
                     while chunk := src.read(4 << 20):
                         out.write(chunk)
             except RemoteError as e:
-                if isinstance(e.__cause__, FileNotFoundError) or "not found" in str(e):
+                if getattr(e, "status", None) == 404 or isinstance(e.__cause__, FileNotFoundError) \
+                        or "not found" in str(e).lower():
                     return [f"{name}: {'shard' if name == shard.name else 'index'} file is missing ({redact_url(url)})"]
                 return [f"{name}: {e}"]
         return verify_shard(tmp, manifest, shard, seen=seen)
