@@ -453,7 +453,8 @@ class DataLoader(torch.utils.data.DataLoader):
         self.worker_init_fn = (stacks.init_fn(user_fn) if stacks is not None
                                else _watchdog.WorkerInit(None, user_fn))
         try:
-            inner = super()._get_iterator()
+            with _watchdog.forking_workers():
+                inner = super()._get_iterator()
         finally:
             self.worker_init_fn = user_fn
         if stacks is not None:

@@ -35,7 +35,9 @@ when the iterator is exhausted, closed or collected.
 """
 from __future__ import annotations
 
+import contextlib
 import faulthandler
+import gc
 import logging
 import math
 import os
@@ -47,7 +49,7 @@ import threading
 import time
 import traceback
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, BinaryIO
 
 from fastdata.loader import _exit
@@ -167,6 +169,37 @@ def _arm_parent_watch(pid: int, start: str | None, ppid: int) -> None:
     if _process_gone(pid, start):  # gone before the worker got here
         os._exit(1)
     threading.Thread(target=_watch_parent, args=(pid, start, ppid), name=PARENT_WATCH_THREAD, daemon=True).start()
+
+
+# ----- worker processes: the parent's objects are not theirs to collect -----------------------------
+_forking = threading.local()  # .workers: this thread is forking a loader's worker processes
+
+
+def _freeze_inherited() -> None:
+    """In a worker just forked: move every object inherited from the loader's process out of reach of
+    the worker's garbage collector (``gc.freeze``). A reference cycle left over in the parent (a
+    ``DistributedDataParallel`` model whose hook refers to it, a temporary folder's finalizer) was
+    otherwise collected in the worker: its destructor ran there, e.g. gloo's process group, which
+    then waited forever on threads only the parent has (the worker hung in its first collate), or a
+    ``weakref.finalize`` removing a folder the parent still uses. It also keeps the collector from
+    touching (copying) the pages the worker shares with the parent."""
+    if getattr(_forking, "workers", False):
+        gc.freeze()
+
+
+if hasattr(os, "register_at_fork"):  # pragma: no branch
+    os.register_at_fork(after_in_child=_freeze_inherited)
+
+
+@contextlib.contextmanager
+def forking_workers() -> Iterator[None]:
+    """Around the start of a loader's fork worker processes (see :func:`_freeze_inherited`)."""
+    before = getattr(_forking, "workers", False)
+    _forking.workers = True
+    try:
+        yield
+    finally:
+        _forking.workers = before
 
 
 class WorkerInit:
