@@ -404,12 +404,22 @@ def test_9_pool_workers_exit_when_the_converter_is_killed(tmp_path):
 
     src = tmp_path / "src" / "cat"
     src.mkdir(parents=True)
-    for i in range(6):
+    for i in range(7):
         (src / f"{i}.png").write_bytes(png(i))
-    os.mkfifo(src / "9.png")  # an input whose read never ends: a worker is busy when the parent dies
-    script = ("import sys; from fastdata.shards.convert import ConvertOptions, convert; "
-              "convert(sys.argv[1], sys.argv[2], ConvertOptions(workers=2, samples_per_shard=1, progress=False))")
-    proc = subprocess.Popen([sys.executable, "-c", script, str(tmp_path / "src"), str(tmp_path / "out")])
+    os.mkfifo(tmp_path / "fifo")
+    # an input whose read never ends, so that a worker is busy when the parent dies: 6.png becomes a fifo
+    # once the conversion is planned (planning lists a fifo among the inputs as skipped)
+    script = ("import os, sys\n"
+              "import fastdata.shards.convert as c\n"
+              "real = c.plan_conversion\n"
+              "def plan(*a, **k):\n"
+              "    p = real(*a, **k)\n"
+              "    os.replace(sys.argv[3], os.path.join(sys.argv[1], 'cat', '6.png'))\n"
+              "    return p\n"
+              "c.plan_conversion = plan\n"
+              "c.convert(sys.argv[1], sys.argv[2], c.ConvertOptions(workers=2, samples_per_shard=1, progress=False))\n")
+    proc = subprocess.Popen([sys.executable, "-c", script, str(tmp_path / "src"), str(tmp_path / "out"),
+                             str(tmp_path / "fifo")])
     workers: set[int] = set()
     try:
         deadline = time.monotonic() + 60
