@@ -440,6 +440,7 @@ class CUDAPrefetcher:
         credits = [None] * (self.options.depth - len(self._recent)) + list(self._recent)
         run = _Run(Pipe(credits))
         source, state, value = self._epochs.begin()  # in the caller's thread
+        self._state = state  # state_dict() before the first batch: this epoch's start, not the last run's
         run.pipe.items.put(EpochStart(0, state, value))
         run.thread = threading.Thread(
             target=_produce,
@@ -686,7 +687,8 @@ class CUDAPrefetcher:
         return out
 
     def reset_stats(self) -> None:
-        """Zero the counters (e.g. after warm-up); memory figures are not counters and stay."""
+        """Zero the counters (e.g. after warm-up); memory figures (``pinned_bytes``, ``pinned_allocs``,
+        ``queued_bytes``) are not counters and stay."""
         self._stats.reset()
 
     def __repr__(self) -> str:

@@ -123,11 +123,14 @@ class Stats:
         self.reset()
 
     def reset(self) -> None:
+        """Zero the counters; ``queued_bytes`` is a gauge (bytes staged now) and keeps its value."""
         with self._lock:
+            queued = getattr(self, "queued_bytes", 0)
             for name in self._FLOATS:
                 setattr(self, name, 0.0)
             for name in self._INTS:
                 setattr(self, name, 0)
+            self.queued_bytes = queued  # zeroing it made it negative once the staged batches were handed over
             self.waits: deque[float] = deque(maxlen=WAIT_WINDOW)
 
     def add(self, **amounts: float) -> None:

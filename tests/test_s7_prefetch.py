@@ -1,0 +1,73 @@
+"""Session 7, helper prefetch2: CUDAPrefetcher and the GPU stage's CPU path used as a demanding user would."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from test_prefetch import fake_cuda  # noqa: F401  (fixture: CUDA faked on the CPU)
+
+from fastdata.prefetch import CUDAPrefetcher
+
+
+@pytest.fixture
+def loader_factory(tmp_path):
+    from fastdata.dataset import ShardedDataset
+    from fastdata.loader import DataLoader
+    from fastdata.shards.writer import ShardWriter
+
+    with ShardWriter(tmp_path / "ds", max_samples=6) as w:
+        for i in range(12):
+            w.write({"__key__": f"s{i:04d}", "cls": str(i).encode()})
+
+    def make() -> DataLoader:
+        return DataLoader(ShardedDataset(tmp_path / "ds"), batch_size=3)
+
+    return make
+
+
+def _ids(batch) -> list[int]:
+    return [int(i) for i in batch["cls"]]
+
+
+def test_state_dict_between_iter_and_the_first_batch_is_the_new_epochs_start(loader_factory):
+    """Before: ``state_dict()`` right after ``iter(P)`` returned None (and, after a break, the stale state of
+    the abandoned epoch, whose resume skipped batches of the epoch the consumer had just begun)."""
+    make = loader_factory
+    full = [_ids(b) for b in make()]
+    with CUDAPrefetcher(make(), device="cpu") as P:
+        it = iter(P)
+        state = P.state_dict()
+        assert state is not None and state["batches"] == 0
+        next(it)
+        it.close()  # a break after one batch
+        it = iter(P)  # a new epoch, from its first batch, as a plain loop's iter() gives
+        state = json.loads(json.dumps(P.state_dict()))
+        assert state["batches"] == 0
+        assert [_ids(b) for b in it] == full
+    resumed = make()
+    resumed.load_state_dict(state)
+    assert [_ids(b) for b in resumed] == full  # resuming there replays the whole epoch, as the loop did
+
+
+def test_reset_stats_keeps_the_queued_bytes_gauge(fake_cuda):
+    """``queued_bytes`` (device bytes staged, not yet handed over) is a memory figure, not a counter: before,
+    ``reset_stats()`` while batches were staged zeroed it, and it read negative for the rest of the run."""
+    import time
+
+    batches = [torch.full((1000,), i, dtype=torch.uint8) for i in range(8)]
+    with CUDAPrefetcher(batches, device="cuda", depth=2) as pf:
+        it = iter(pf)
+        next(it)
+        deadline = time.monotonic() + 10
+        while pf.stats()["queued_bytes"] < 2000 and time.monotonic() < deadline:  # depth batches staged ahead
+            time.sleep(0.01)
+        queued = pf.stats()["queued_bytes"]
+        assert queued == 2000
+        pf.reset_stats()
+        s = pf.stats()
+        assert s["batches"] == 0 and s["bytes"] == 0 and s["queued_bytes"] == queued
+        assert sum(1 for _ in it) == 7
+        s = pf.stats()
+        assert s["batches"] == 7 and s["queued_bytes"] == 0
