@@ -71,3 +71,27 @@ def test_reset_stats_keeps_the_queued_bytes_gauge(fake_cuda):
         assert sum(1 for _ in it) == 7
         s = pf.stats()
         assert s["batches"] == 7 and s["queued_bytes"] == 0
+
+
+def test_decode_ahead_state_after_a_new_iter_is_the_new_epochs_start(loader_factory):
+    """``DecodeImages.ahead(loader).state_dict()`` after ``iter()`` is the loader's (a new epoch's start), as
+    without the wrapper. Before: the state of the batch last yielded by the abandoned iteration, which the
+    prefetcher also took as the new epoch's start state (a resume from it skipped batches)."""
+    from fastdata import gpu
+
+    make = loader_factory
+    full = [_ids(b) for b in make()]
+    ahead = gpu.DecodeImages(device="cpu").ahead(make())
+    it = iter(ahead)
+    next(it), next(it)
+    assert ahead.state_dict()["batches"] == 2
+    it = iter(ahead)
+    assert ahead.state_dict()["batches"] == 0
+    assert [_ids(b) for b in it] == full
+    with CUDAPrefetcher(gpu.DecodeImages(device="cpu").ahead(make()), device="cpu") as P:
+        it = iter(P)
+        next(it), next(it)
+        it.close()
+        it = iter(P)
+        assert P.state_dict()["batches"] == 0
+        assert [_ids(b) for b in it] == full

@@ -412,6 +412,7 @@ class DecodeAhead:
     def __iter__(self) -> Any:
         # the loader's iterator is made here, in the caller's thread, as without this wrapper (a
         # DataLoader starts or resets its workers there); batches are pulled where they are consumed
+        self._has_state = False  # until its first batch, the state is the loader's: the new epoch's start
         return self._batches(iter(self.iterable))
 
     def _batches(self, it: Any) -> Any:
