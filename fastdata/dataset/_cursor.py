@@ -11,12 +11,15 @@ through the dataset's private members:
   position reached (``pos``), reading one sample under the error policy (``load``), the samples
   skipped since the last look (``drain_skips``) and iteration (``iter(cursor)``).
 
-:func:`current_cursor` is the cursor that yielded the last sample in this process: torch's
-DataLoader collates in the worker right after pulling a batch from the dataset, so a collate
-function reads the worker's exact position from it.
+:func:`current_cursor` is the cursor that yielded the last sample in this thread: torch's
+DataLoader collates in the thread that pulled the batch from the dataset (a worker's, or the
+loading thread with ``num_workers=0``) right after pulling it, so a collate function reads the exact
+position from it. Per thread: two in-process loaders read in two threads at once (a prefetcher's
+thread and a validation loop) each see their own.
 """
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -47,12 +50,16 @@ class EpochStart:
         return self.stages[-1][1]
 
 
-_CURRENT: Cursor | None = None
+_CURRENT = threading.local()  # .cursor: the cursor that yielded last in this thread
 
 
-def current_cursor() -> Cursor | None:
-    """The cursor that yielded the last sample in this process (None before any)."""
-    return _CURRENT
+def current_cursor(*, take: bool = False) -> Cursor | None:
+    """The cursor that yielded the last sample in this thread (None before any); ``take=True`` also
+    forgets it, so that it (and its dataset) is not kept alive past its use."""
+    cursor = getattr(_CURRENT, "cursor", None)
+    if take:
+        _CURRENT.cursor = None
+    return cursor
 
 
 class Cursor:
@@ -120,9 +127,8 @@ class Cursor:
         return [*self.stages[:-1], (n, tuple(now))]
 
     def mark_current(self) -> None:
-        """Record this cursor as the one that yielded last in this process (see :func:`current_cursor`)."""
-        global _CURRENT
-        _CURRENT = self
+        """Record this cursor as the one that yielded last in this thread (see :func:`current_cursor`)."""
+        _CURRENT.cursor = self
 
     def __iter__(self) -> Iterator[Any]:
         return self.dataset.iterate(self)

@@ -87,7 +87,7 @@ class _TaggingCollate:
             batch = self.collate_fn(real) if real and not dropped else _NoBatch()
         else:
             batch = self.collate_fn(data)
-        cursor = current_cursor()
+        cursor = current_cursor(take=True)
         if cursor is None or cursor.token != self.token:
             return _Tagged(batch, None)
         return _Tagged(batch, (cursor.worker, cursor.epoch, cursor.pos, cursor.drain_skips()))
