@@ -1,6 +1,7 @@
 """Ahead-of-time cache filling: iterate a cached ShardedDataset once (``fastdata cache build``)."""
 from __future__ import annotations
 
+import copy
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -39,7 +40,11 @@ def build_dataset(dataset: Any, *, num_workers: int = 0, progress: bool = False)
         raise ValueError(f"num_workers must be an int >= 0, got {num_workers!r}")
     store = dataset_store(dataset)
     kwargs: dict[str, Any] = {"batch_size": _BATCH, "num_workers": num_workers, "collate_fn": _count}
-    loader = torch.utils.data.DataLoader(dataset, **kwargs)
+    # Workers iterate copies of the dataset; in process, a copy too (its own cursors and readers, the
+    # configuration and any loaded resume state shared): iterating ``dataset`` itself would consume a
+    # resume state loaded into it, and the training loop would then read the whole epoch again.
+    reader = copy.copy(dataset) if num_workers == 0 else dataset
+    loader = torch.utils.data.DataLoader(reader, **kwargs)
     total = len(dataset) if hasattr(dataset, "__len__") else None
     bar = None
     if progress:
