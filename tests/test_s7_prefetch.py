@@ -95,3 +95,20 @@ def test_decode_ahead_state_after_a_new_iter_is_the_new_epochs_start(loader_fact
         it = iter(P)
         assert P.state_dict()["batches"] == 0
         assert [_ids(b) for b in it] == full
+
+
+@pytest.mark.parametrize("channel_dim", [3, -4])
+def test_normalize_with_a_channel_dim_beyond_a_masks_dims_leaves_the_mask_alone(channel_dim):
+    """``Normalize(channel_dim=3)`` (NHWC images given by a positive index) over a batch that also holds
+    (N, H, W) uint8 masks: before, a bare ``IndexError: tuple index out of range`` from the mask."""
+    from fastdata import gpu
+
+    if channel_dim == 3:
+        img = torch.randint(0, 256, (2, 5, 6, 3), dtype=torch.uint8)
+    else:
+        img = torch.randint(0, 256, (3, 2, 5, 6), dtype=torch.uint8)  # channels first of a 4-D batch
+    mask = torch.randint(0, 3, (2, 5, 6), dtype=torch.uint8)
+    norm = gpu.Normalize(channel_dim=channel_dim)
+    out = norm({"img": img, "mask": mask})
+    assert out["img"].dtype == torch.float32 and out["mask"] is mask
+    assert torch.allclose(out["img"], norm.apply(img))

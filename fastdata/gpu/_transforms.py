@@ -143,8 +143,8 @@ class Normalize:
                     "put it before ToDtype, or name the tensor in keys= to normalise floats as (x - mean) / std")
 
     def _selected(self, x: torch.Tensor) -> bool:
-        if x.dtype != torch.uint8 or x.dim() < 3:
-            return False
+        if x.dtype != torch.uint8 or x.dim() < 3 or not -x.dim() <= self.channel_dim < x.dim():
+            return False  # a mask with fewer dimensions than channel_dim needs is no image
         return len(self.mean) == 1 or x.shape[self.channel_dim] == len(self.mean)
 
     def apply(self, x: torch.Tensor, path: Path = ()) -> torch.Tensor:
