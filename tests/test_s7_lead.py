@@ -271,3 +271,24 @@ def test_a_dataset_read_to_the_end_is_not_kept_alive_by_its_last_cursor(tmp_path
     del ds
     gc.collect()
     assert gone() is None
+
+
+def test_a_tls_error_while_a_body_is_read_is_retried() -> None:
+    """An ssl.SSLError raised while reading a body (a cut or garbled TLS record) was not taken for a
+    transient failure, so the read failed at once; at connect time (wrapped in a URLError) it was
+    retried. A certificate that does not verify is still not retried (found by helper remote2)."""
+    import ssl
+
+    from fastdata.shards import RetryPolicy, is_transient, with_retries
+
+    calls = []
+
+    def flaky() -> bytes:
+        calls.append(1)
+        if len(calls) == 1:
+            raise ssl.SSLEOFError(8, "EOF occurred in violation of protocol")
+        return b"ok"
+
+    assert with_retries(flaky, "https://h/a.tar", RetryPolicy(attempts=2, base_delay=0.0)) == b"ok"
+    assert is_transient(ssl.SSLError(1, "[SSL: DECRYPTION_FAILED_OR_BAD_RECORD_MAC]"))
+    assert not is_transient(ssl.SSLCertVerificationError(1, "certificate verify failed"))

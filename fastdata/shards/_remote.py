@@ -272,9 +272,12 @@ def is_transient(e: BaseException) -> bool:
     name = type(e).__name__
     if isinstance(e, (ConnectionError, TimeoutError, EOFError, http.client.IncompleteRead)) or "Timeout" in name:
         return True
-    if isinstance(e, urllib.error.URLError) and isinstance(e.reason, (ConnectionError, TimeoutError, OSError)):
-        import ssl  # a certificate that does not verify will not verify on the next attempt either
+    import ssl
 
+    if isinstance(e, ssl.SSLError) and not isinstance(e, ssl.SSLCertVerificationError):
+        return True  # a TLS record cut or garbled while a body is read (at connect, it comes as a URLError)
+    if isinstance(e, urllib.error.URLError) and isinstance(e.reason, (ConnectionError, TimeoutError, OSError)):
+        # a certificate that does not verify will not verify on the next attempt either
         return not isinstance(e.reason, (FileNotFoundError, PermissionError, ssl.SSLCertVerificationError))
     try:
         import aiohttp
