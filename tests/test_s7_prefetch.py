@@ -112,3 +112,15 @@ def test_normalize_with_a_channel_dim_beyond_a_masks_dims_leaves_the_mask_alone(
     out = norm({"img": img, "mask": mask})
     assert out["img"].dtype == torch.float32 and out["mask"] is mask
     assert torch.allclose(out["img"], norm.apply(img))
+
+
+@pytest.mark.parametrize("keys", [5.0, [1.5], True, [], [None], object()])
+def test_decode_images_keys_are_checked_when_built(keys):
+    """Before: a float or an object failed with a bare ``TypeError: 'float' object is not iterable``, and
+    ``[1.5]``, ``True`` (matching index 1), ``[]`` and ``[None]`` were accepted."""
+    from fastdata import gpu
+
+    with pytest.raises(ValueError, match="DecodeImages: keys must be"):
+        gpu.DecodeImages(keys=keys, device="cpu")
+    assert gpu.DecodeImages(keys="jpg", device="cpu").keys == frozenset({"jpg"})
+    assert gpu.DecodeImages(keys=["jpg", 0], device="cpu").keys == frozenset({"jpg", 0})

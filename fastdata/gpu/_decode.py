@@ -44,6 +44,7 @@ from fastdata.dataset import ON_ERROR, EncodedImage, PackedImages, SkippedSample
 from fastdata.decode import check_max_pixels
 from fastdata.errors import DecodeError
 from fastdata.gpu._augment import ImageBatch
+from fastdata.gpu._transforms import _check_keys
 from fastdata.gpu._codec import (
     DEVICE_BACKENDS,
     HOST_BACKENDS,
@@ -93,8 +94,7 @@ class DecodeImages:
                  device: str | torch.device | None = None, on_error: str = "raise",
                  host_decoder: str = "auto", chunk_size: int | None = None, max_pixels: int | None = None,
                  device_decoder: str = "auto") -> None:
-        if isinstance(keys, (str, int)):
-            keys = (keys,)
+        keys = _check_keys("DecodeImages", keys)  # a float, a bool or an object: a ValueError naming keys
         self.keys = None if keys is None else frozenset(keys)
         if on_error not in ON_ERROR:
             raise ValueError(f"DecodeImages: on_error must be one of {ON_ERROR}, got {on_error!r}")
