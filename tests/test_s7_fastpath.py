@@ -2,11 +2,14 @@
 regression test per defect."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 import fastdata
+from fastdata.errors import CacheError
 from fastdata.shards.writer import ShardWriter
 from fastdata.transforms import ResizeCenterCrop
 
@@ -42,3 +45,43 @@ def test_build_cache_in_process_keeps_the_datasets_resume_state(tmp_path: Path) 
     info = resumed.dataset.build_cache(num_workers=0)
     assert info.fill_ratio == 1.0
     assert head + [b["__key__"] for b in resumed] == ref  # the rest of the epoch, not all of it again
+
+
+def _filled_store(directory: Path, n: int = 4) -> Path:
+    from fastdata.cache import Cache
+
+    store = Cache(directory).open_store(fingerprint="fp", num_samples=n)
+    for i in range(n):
+        store.put(i, {"img": np.full((3, 4, 4), i, np.uint8)})
+    store.close()
+    return store.path
+
+
+@pytest.mark.parametrize("damage", ["truncated field file", "missing field file", "missing valid.bin",
+                                    "long valid.bin", "garbage in valid.bin"])
+def test_cache_list_marks_a_store_whose_files_do_not_match_its_layout(tmp_path: Path, damage: str,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """`cache list` (and Cache.info, which build_cache returns) trusted meta.json alone: a store whose
+    field file was truncated showed 100% filled and no problem, while every open of it failed."""
+    from fastdata.cache import Cache
+    from fastdata.cli import main
+
+    path = _filled_store(tmp_path / "c")
+    if damage == "truncated field file":
+        os.truncate(path / "field-000.bin", 10)
+    elif damage == "missing field file":
+        (path / "field-000.bin").unlink()
+    elif damage == "missing valid.bin":
+        (path / "valid.bin").unlink()
+    elif damage == "long valid.bin":
+        (path / "valid.bin").write_bytes(b"\x01" * 9)
+    else:
+        (path / "valid.bin").write_bytes(b"\x01\x07\x01\x01")
+    with pytest.raises(CacheError) as opened:  # what every open of the store says
+        Cache(tmp_path / "c").open_store(fingerprint="fp", num_samples=4).get(0)
+    info = Cache(tmp_path / "c").list()[0]
+    assert info.problem is not None and str(path) in info.problem, (info, opened.value)
+    assert main(["cache", "list", "--cache", str(tmp_path / "c")]) == 0
+    assert "DAMAGED" in capsys.readouterr().out
+    Cache(tmp_path / "c").remove(info.key)
+    assert Cache(tmp_path / "c").list() == []

@@ -75,6 +75,25 @@ def _as_int(value: Any) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) else 0
 
 
+def _files_problem(path: Path, num_samples: int, fields: list[FieldLayout], valid: np.ndarray | None) -> str | None:
+    """Why the store's files do not match its layout (what opening it would refuse), or None: cheap
+    checks of the file sizes and of the valid map's bytes, so that a damaged store is listed as such."""
+    for f in fields:
+        try:
+            size = os.stat(path / f.file).st_size
+        except OSError as e:
+            return f"cache store {path}: cannot stat {f.file} (field {f.name!r}): {e.strerror}"
+        if size != num_samples * f.nbytes:
+            return (f"cache store {path}: {f.file} has {size} bytes, expected {num_samples * f.nbytes} "
+                    f"({num_samples} samples x {f.nbytes} bytes of field {f.name!r})")
+    if valid is not None and len(valid) != num_samples:
+        return f"cache store {path}: {VALID_NAME} has {len(valid)} bytes, expected {num_samples}"
+    if valid is not None and len(valid) and int(valid.max()) > 1:
+        bad = int(np.flatnonzero(valid > 1)[0])
+        return f"cache store {path}: {VALID_NAME} holds byte {int(valid[bad])} for sample {bad} (only 0 and 1 are written)"
+    return None
+
+
 def store_key(fingerprint: str, num_samples: int) -> str:
     """Directory name of the store for ``fingerprint`` and ``num_samples`` in this cache format."""
     digest = hashlib.sha256(f"fastdata-cache\n{CACHE_FORMAT_VERSION}\n{num_samples}\n{fingerprint}".encode())
@@ -177,9 +196,12 @@ class Cache:
         num_valid = 0
         if fields is not None:
             try:
-                num_valid = int(np.count_nonzero(np.fromfile(path / VALID_NAME, dtype=np.uint8)))
-            except (OSError, ValueError):
-                num_valid = 0
+                valid = np.fromfile(path / VALID_NAME, dtype=np.uint8)
+                num_valid = int(np.count_nonzero(valid))
+            except (OSError, ValueError) as e:
+                valid, problem = None, f"cache store {path}: cannot read {VALID_NAME}: {e}"
+            if problem is None:
+                problem = _files_problem(path, num_samples, fields, valid)
         try:
             last_used = os.stat(path / LAST_USED).st_mtime
         except FileNotFoundError:
