@@ -124,3 +124,15 @@ def test_decode_images_keys_are_checked_when_built(keys):
         gpu.DecodeImages(keys=keys, device="cpu")
     assert gpu.DecodeImages(keys="jpg", device="cpu").keys == frozenset({"jpg"})
     assert gpu.DecodeImages(keys=["jpg", 0], device="cpu").keys == frozenset({"jpg", 0})
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 0, 5), (2, 3, 5, 0)])
+def test_an_image_batch_of_empty_images_is_refused(shape):
+    """Before: RandomResizedCrop and CenterCrop turned a 0-pixel image into a black one with a NumPy
+    divide-by-zero warning, and Resize failed deep in torch ('SymIntArrayRef expected to contain only concrete
+    integers')."""
+    from fastdata import gpu
+
+    with pytest.raises(ValueError, match=r"ImageBatch: image 0 is empty: shape \(3, "):
+        gpu.ImageBatch.from_tensor(torch.zeros(shape, dtype=torch.uint8), [0, 1], 0)
+    assert len(gpu.ImageBatch.from_tensor(torch.zeros((0, 3, 4, 4), dtype=torch.uint8), [], 0)) == 0

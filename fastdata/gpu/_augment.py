@@ -115,6 +115,8 @@ class ImageBatch:
             if not isinstance(im, torch.Tensor) or im.dtype != torch.uint8 or im.dim() != 3:
                 raise ValueError(f"ImageBatch: image {i} must be a uint8 (C, H, W) tensor, got "
                                  f"{getattr(im, 'dtype', type(im).__name__)} {tuple(getattr(im, 'shape', ()))}")
+            if im.shape[1] < 1 or im.shape[2] < 1:  # nothing to crop or resample (a resize fails deep in torch)
+                raise ValueError(f"ImageBatch: image {i} is empty: shape {tuple(im.shape)}")
             shapes.append(im.shape)
         if len({s[0] for s in shapes}) > 1 or len({im.device for im in self.images}) > 1:
             raise ValueError(f"ImageBatch: images differ in channels or device: "
