@@ -136,3 +136,15 @@ def test_an_image_batch_of_empty_images_is_refused(shape):
     with pytest.raises(ValueError, match=r"ImageBatch: image 0 is empty: shape \(3, "):
         gpu.ImageBatch.from_tensor(torch.zeros(shape, dtype=torch.uint8), [0, 1], 0)
     assert len(gpu.ImageBatch.from_tensor(torch.zeros((0, 3, 4, 4), dtype=torch.uint8), [], 0)) == 0
+
+
+def test_keys_given_as_bytes_are_refused():
+    """``keep_on_host=b"meta"`` (and ``keys=b"img"`` of the transforms and DecodeImages) was read as the
+    integer keys (109, 101, 116, 97): indices, silently matching nothing the user meant."""
+    from fastdata import gpu
+
+    with pytest.raises(ValueError, match="keep_on_host must be a key or a sequence of keys"):
+        CUDAPrefetcher([], device="cpu", keep_on_host=b"meta")
+    for make in (gpu.Normalize, gpu.ToDtype, gpu.ChannelsLast, gpu.DecodeImages):
+        with pytest.raises(ValueError, match="keys must be None, a key or a sequence of keys"):
+            make(keys=bytearray(b"img"))

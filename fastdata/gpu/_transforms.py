@@ -48,6 +48,8 @@ def _check_keys(owner: str, keys: Any) -> tuple[Any, ...] | None:
     if isinstance(keys, (str, int)):
         keys = (keys,)
     try:
+        if isinstance(keys, (bytes, bytearray)):  # not a sequence of keys: its items are ints
+            raise TypeError
         keys = tuple(keys)
     except TypeError:
         raise ValueError(f"{owner}: keys must be None, a key or a sequence of keys, got {keys!r}") from None

@@ -78,6 +78,8 @@ class PrefetchOptions:
         if isinstance(keep, (str, int)):
             keep = (keep,)
         try:
+            if isinstance(keep, (bytes, bytearray)):  # not a sequence of keys: its items are ints
+                raise TypeError
             keep = tuple(keep)
         except TypeError:
             raise ValueError(
