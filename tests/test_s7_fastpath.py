@@ -85,3 +85,14 @@ def test_cache_list_marks_a_store_whose_files_do_not_match_its_layout(tmp_path: 
     assert "DAMAGED" in capsys.readouterr().out
     Cache(tmp_path / "c").remove(info.key)
     assert Cache(tmp_path / "c").list() == []
+
+
+def test_a_cache_directory_that_is_a_file_is_a_cache_error(tmp_path: Path) -> None:
+    """Cache.list()/remove()/evict() over a --cache path that is a file raised a bare NotADirectoryError."""
+    from fastdata.cache import Cache
+
+    (tmp_path / "f").write_text("x")
+    cache = Cache(tmp_path / "f", max_bytes=10)
+    for call in (cache.list, cache.evict, cache.total_bytes, lambda: cache.remove("abc")):
+        with pytest.raises(CacheError, match=r"cache directory .*f.*not a directory"):
+            call()

@@ -161,6 +161,10 @@ class Cache:
             entries = sorted(os.scandir(self.directory), key=lambda e: e.name)
         except FileNotFoundError:
             return []
+        except NotADirectoryError as e:
+            raise CacheError(f"cache directory {self.directory}: not a directory") from e
+        except OSError as e:
+            raise CacheError(f"cache directory {self.directory}: cannot list it: {e.strerror}") from e
         out = []
         now = time.time()
         for e in entries:
