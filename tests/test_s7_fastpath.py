@@ -96,3 +96,33 @@ def test_a_cache_directory_that_is_a_file_is_a_cache_error(tmp_path: Path) -> No
     for call in (cache.list, cache.evict, cache.total_bytes, lambda: cache.remove("abc")):
         with pytest.raises(CacheError, match=r"cache directory .*f.*not a directory"):
             call()
+
+
+def test_decode_threads_timeout_raises_at_the_timeout(tmp_path: Path) -> None:
+    """timeout= on the thread path raised only once the stuck transform returned: close() joined the
+    thread for up to 10 s after the timeout (the worker path raises at the timeout). The thread is now
+    told to stop and left to end on its own; its batch rows are never handed out again."""
+    import threading
+    import time
+    from typing import Any
+
+    src = _tiny_shards(tmp_path / "ds")
+    release = threading.Event()
+
+    def stuck(img: Any) -> Any:
+        release.wait(20)
+        return img
+
+    ds = fastdata.ShardedDataset(src, preprocess=ResizeCenterCrop(8), transform=stuck)
+    dl = fastdata.DataLoader(ds, batch_size=2, num_workers=1, decode_threads=1, timeout=0.2)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError, match=r"DataLoader timed out after 0.2 seconds"):
+            next(iter(dl))
+        assert time.monotonic() - t0 < 5  # not after a join of the stuck thread (10 s)
+    finally:
+        release.set()
+    deadline = time.monotonic() + 20
+    while any(t.name.startswith("fastdata-decode") for t in threading.enumerate()) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not any(t.name.startswith("fastdata-decode") for t in threading.enumerate())

@@ -464,6 +464,9 @@ def test_timeout_like_torch(shards):
     with pytest.raises(RuntimeError, match=r"DataLoader timed out after 0.3 seconds"):
         next(iter(dl))
     gc.collect()
+    deadline = time.monotonic() + 10  # the timed-out thread ends after its current sample (not joined)
+    while _decode_threads_alive() and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert _decode_threads_alive() == []
 
 

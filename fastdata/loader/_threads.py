@@ -47,7 +47,8 @@ copy's stream and reuses the block after it completes); so pinned buffers are fr
 
 Threads. The pool's threads are daemons named ``fastdata-decode-<k>``, hold no reference to the
 iterator (dropping it, an early ``break``, ``close()`` or the end of the epoch stops and joins
-them), and are paused (joined after their current chunk) before any ``os.fork`` of this process,
+them; after a ``timeout=`` error they are told to stop and end after their current chunk, unjoined,
+so the error comes at the timeout as on the worker path), and are paused (joined after their current chunk) before any ``os.fork`` of this process,
 so a DataLoader with worker processes elsewhere never forks while they run; they restart on the
 next ``next()``. An exception in a pool thread reaches the consumer at the batch where the worker
 path would raise it, as the same exception object with its traceback and a note naming the thread,
@@ -227,14 +228,18 @@ class _Pool:
         with self._cv:
             self._paused = False
 
-    def close(self) -> None:
-        """Cancel queued tasks and join the threads (safe to call twice)."""
+    def close(self, join: bool = True) -> None:
+        """Cancel queued tasks and join the threads (safe to call twice). ``join=False``: only tell
+        them to exit after their current task (after a timeout: the consumer must not wait for them)."""
         with self._cv:
             self._closed = True
             tasks, self._tasks = list(self._tasks), deque()
+            if not join:
+                self._stopping = True
+                self._cv.notify_all()
         for fut, _, _ in tasks:
             fut.cancel()
-        if self._pid == os.getpid():
+        if join and self._pid == os.getpid():
             self._join()
 
     @property
@@ -476,6 +481,7 @@ class ThreadBatches:
         self._timeout = timeout  # DataLoader(timeout=): seconds one wait for the pool may take (0: none)
         self._pool: _Pool | None = _Pool(threads)
         self._finalizer = weakref.finalize(self, self._pool.close)
+        self._timed_out = False  # a wait ran past timeout=: close() leaves the threads to end on their own
 
     # -- public
     def __iter__(self) -> ThreadBatches:
@@ -508,10 +514,18 @@ class ThreadBatches:
     def close(self) -> None:
         """Stop and join the pool's threads (safe to call twice; also on garbage collection)."""
         if self._pool is not None:
-            self._finalizer()
-            self._pool = None
+            pool, self._pool = self._pool, None
+            if self._timed_out:  # raise the timeout now, as the worker path does, not after a join
+                self._finalizer.detach()
+                pool.close(join=False)
+            else:
+                self._finalizer()
+            running = pool.alive > 0  # timed out, or stuck past _JOIN_S: may still write into its rows
             for walk in self._walks:
-                self._discard(walk)
+                if running:
+                    walk.buffers.clear()  # left busy in the ring: never handed out again
+                else:
+                    self._discard(walk)
                 walk.pending.clear()
                 walk.results.clear()
 
@@ -606,6 +620,7 @@ class ThreadBatches:
                 return fut.result(timeout=_POLL_S)
             except TimeoutError:
                 if deadline is not None and time.monotonic() > deadline:
+                    self._timed_out = True
                     raise RuntimeError(f"DataLoader timed out after {self._timeout} seconds (a decode_threads "
                                        "thread spent that long on one chunk of samples)") from None
 
