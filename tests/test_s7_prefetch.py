@@ -148,3 +148,17 @@ def test_keys_given_as_bytes_are_refused():
     for make in (gpu.Normalize, gpu.ToDtype, gpu.ChannelsLast, gpu.DecodeImages):
         with pytest.raises(ValueError, match="keys must be None, a key or a sequence of keys"):
             make(keys=bytearray(b"img"))
+
+
+@pytest.mark.parametrize("wrap", [lambda ib: ("tag", ib), lambda ib: [3, ib], lambda ib: {"x": ["a", ib]}])
+def test_images_of_several_sizes_behind_a_string_are_not_passed_on_silently(wrap):
+    """Normalize/ToDtype/ChannelsLast refuse images left in an ImageBatch of several sizes (module docstring).
+    Before: in a list or tuple whose first item was a str, int or float, the ImageBatch passed through
+    untouched (uint8, unnormalised, not even a tensor)."""
+    from fastdata import gpu
+
+    ib = gpu.ImageBatch([torch.zeros((3, 4, 5), dtype=torch.uint8), torch.zeros((3, 6, 5), dtype=torch.uint8)],
+                        [0, 1], 0)
+    for t in (gpu.Normalize(), gpu.ToDtype(torch.float32), gpu.ChannelsLast()):
+        with pytest.raises(ValueError, match="holds images of different sizes"):
+            gpu.Compose(t)(wrap(ib))

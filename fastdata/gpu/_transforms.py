@@ -309,6 +309,7 @@ def _image_batch_paths(obj: Any, path: Path) -> list[Path]:
     if isinstance(obj, dict):
         return [p for k, v in obj.items() if not isinstance(v, (torch.Tensor, str))
                 for p in _image_batch_paths(v, (*path, k))]
-    if isinstance(obj, (list, tuple)) and obj and not isinstance(obj[0], (str, int, float)):
-        return [p for i, v in enumerate(obj) for p in _image_batch_paths(v, (*path, i))]
+    if isinstance(obj, (list, tuple)):  # every item: ("tag", images) hides nothing behind its first one
+        return [p for i, v in enumerate(obj) if not isinstance(v, (torch.Tensor, str, int, float))
+                for p in _image_batch_paths(v, (*path, i))]
     return []
