@@ -162,3 +162,28 @@ def test_images_of_several_sizes_behind_a_string_are_not_passed_on_silently(wrap
     for t in (gpu.Normalize(), gpu.ToDtype(torch.float32), gpu.ChannelsLast()):
         with pytest.raises(ValueError, match="holds images of different sizes"):
             gpu.Compose(t)(wrap(ib))
+
+
+def test_images_packed_in_a_dataclass_or_another_mapping_are_not_passed_on_undecoded():
+    """Before: ``DecodeImages`` found packed images in dicts, lists and tuples only, so a dataclass batch
+    (a typed collate_fn) or a UserDict went through ``Compose(DecodeImages(), Normalize())`` untouched: the
+    model got the encoded PackedImages without a word."""
+    import collections
+    import dataclasses
+
+    from _images import jpeg, packed
+
+    from fastdata import gpu
+
+    @dataclasses.dataclass
+    class Batch:
+        jpg: object
+        cls: torch.Tensor
+
+    pipe = gpu.Compose(gpu.DecodeImages(device="cpu"), gpu.Normalize())
+    with pytest.raises(ValueError, match=r"packed images at 'jpg' sit in a Batch; .* dicts, lists and tuples"):
+        pipe(Batch(packed([jpeg(0), jpeg(1)]), torch.arange(2)))
+    with pytest.raises(ValueError, match=r"packed images at 'x.jpg' sit in a UserDict"):
+        pipe({"x": collections.UserDict(jpg=packed([jpeg(0)]))})
+    plain = Batch(torch.zeros(2, 3, 4, 4, dtype=torch.uint8), torch.arange(2))  # nothing packed: as before
+    assert pipe(plain).jpg.dtype == torch.float32

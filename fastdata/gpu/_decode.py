@@ -30,10 +30,11 @@ instead, in the background thread and chunks of the CUDA path, which tests that 
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -495,6 +496,17 @@ def _find(obj: Any, path: tuple[Any, ...], found: list) -> None:
     elif isinstance(obj, (list, tuple)):
         for k, v in enumerate(obj):
             _find(v, (*path, k), found)
+    elif isinstance(obj, Mapping) or (dataclasses.is_dataclass(obj) and not isinstance(obj, type)):
+        # the stage rebuilds dicts, lists and tuples only: images packed in another container would pass untouched
+        inner: list = []
+        items = obj.items() if isinstance(obj, Mapping) else [(f.name, getattr(obj, f.name))
+                                                              for f in dataclasses.fields(obj)]
+        for k, v in items:
+            _find(v, (*path, k), inner)
+        if inner:
+            raise ValueError(f"DecodeImages: the packed images at {_field(inner[0][0])!r} sit in a "
+                             f"{type(obj).__name__}; DecodeImages finds and replaces them in dicts, lists and tuples "
+                             "only: make the batch (collate_fn) one of those")
 
 
 def _rebuild(obj: Any, path: tuple[Any, ...], replace: dict[tuple[Any, ...], Any]) -> Any:
