@@ -126,3 +126,26 @@ def test_decode_threads_timeout_raises_at_the_timeout(tmp_path: Path) -> None:
     while any(t.name.startswith("fastdata-decode") for t in threading.enumerate()) and time.monotonic() < deadline:
         time.sleep(0.02)
     assert not any(t.name.startswith("fastdata-decode") for t in threading.enumerate())
+
+
+def test_decode_threads_break_gives_the_batch_buffers_back(tmp_path: Path) -> None:
+    """An early `break` (the iterator dropped, not closed) left the buffers of the batches in flight marked
+    busy in the dataset's ring for good: after a few breaks every later epoch allocated fresh batch memory
+    (the first-touch cost the ring exists to avoid)."""
+    import gc
+
+    src = _tiny_shards(tmp_path / "ds", n=12)
+    ds = fastdata.ShardedDataset(src, preprocess=ResizeCenterCrop(32))
+    dl = fastdata.DataLoader(ds, batch_size=2, num_workers=1, decode_threads=2)
+    for _ in dl:  # learns the layout; the ring holds the epoch's buffers
+        pass
+    for _ in range(4):
+        for _ in dl:
+            break
+        gc.collect()
+    from fastdata.loader import _threads
+
+    before = _threads._CARRY[ds][("buffers", None)].allocated
+    for _ in dl:
+        pass
+    assert _threads._CARRY[ds][("buffers", None)].allocated == before  # every batch reused a ring buffer

@@ -269,6 +269,20 @@ def _run(tasks: deque[Any], cv: threading.Condition, should_stop: Callable[[], b
         del fut, fn, args
 
 
+def _shut(pool: _Pool, buffers: _Buffers, walks: list[_Walk], join: bool) -> None:
+    """Close an iterator's pool and give the buffers of its batches in flight back to the ring (held
+    only by the iterator and its finalizer: never references the iterator itself)."""
+    pool.close(join)
+    running = pool.alive > 0  # timed out, or stuck past _JOIN_S: a thread may still write into its rows
+    for walk in walks:
+        if not running:
+            for bufs, _ in walk.buffers.values():
+                buffers.release(bufs)
+        walk.buffers.clear()  # with a thread running: left busy in the ring, never handed out again
+        walk.pending.clear()
+        walk.results.clear()
+
+
 # ----- batch memory -----------------------------------------------------------------------------
 Spec = dict[Any, tuple[tuple[int, ...], torch.dtype]]  # field (dict key or tuple index) -> (shape, dtype)
 
@@ -289,7 +303,9 @@ class _Buffers:
     def __init__(self, pin: str | None, in_flight: int):
         self.pin = pin
         self.cap = in_flight + RING_SPARE
-        self._lock = threading.Lock()  # two iterators of one dataset may share the ring
+        # two iterators of one dataset may share the ring; reentrant: an iterator's finalizer gives its
+        # buffers back from whatever code the garbage collector interrupts, take() included
+        self._lock = threading.RLock()
         self._ring: dict[tuple[Any, tuple[int, ...], torch.dtype], list[tuple[torch.Tensor, int]]] = {}
         self._busy: set[int] = set()  # id() of ring tensors assigned to batches in flight
         self.allocated = 0  # tensors allocated (ring and fresh), for tests and stats
@@ -480,7 +496,9 @@ class ThreadBatches:
         self._in_place = self._copied = 0
         self._timeout = timeout  # DataLoader(timeout=): seconds one wait for the pool may take (0: none)
         self._pool: _Pool | None = _Pool(threads)
-        self._finalizer = weakref.finalize(self, self._pool.close)
+        # also when the iterator is dropped without close() (an early break): the buffers of the batches in
+        # flight go back to the dataset's ring, which later epochs reuse
+        self._finalizer = weakref.finalize(self, _shut, self._pool, self._buffers, self._walks, True)
         self._timed_out = False  # a wait ran past timeout=: close() leaves the threads to end on their own
 
     # -- public
@@ -517,17 +535,9 @@ class ThreadBatches:
             pool, self._pool = self._pool, None
             if self._timed_out:  # raise the timeout now, as the worker path does, not after a join
                 self._finalizer.detach()
-                pool.close(join=False)
+                _shut(pool, self._buffers, self._walks, False)
             else:
                 self._finalizer()
-            running = pool.alive > 0  # timed out, or stuck past _JOIN_S: may still write into its rows
-            for walk in self._walks:
-                if running:
-                    walk.buffers.clear()  # left busy in the ring: never handed out again
-                else:
-                    self._discard(walk)
-                walk.pending.clear()
-                walk.results.clear()
 
     @property
     def threads_alive(self) -> int:
