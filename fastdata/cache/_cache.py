@@ -206,6 +206,8 @@ class Cache:
                 valid, problem = None, f"cache store {path}: cannot read {VALID_NAME}: {e}"
             if problem is None:
                 problem = _files_problem(path, num_samples, fields, valid)
+            if problem is not None and not path.exists():  # evicted or removed while we looked
+                return None
         try:
             last_used = os.stat(path / LAST_USED).st_mtime
         except FileNotFoundError:
