@@ -46,6 +46,13 @@ def test_build_cache_in_process_keeps_the_datasets_resume_state(tmp_path: Path) 
     assert info.fill_ratio == 1.0
     assert head + [b["__key__"] for b in resumed] == ref  # the rest of the epoch, not all of it again
 
+    # a state saved right after the build (before training) held the build's position: the end of the epoch
+    fresh = loader()
+    fresh.dataset.build_cache(num_workers=0)
+    again = loader()
+    again.load_state_dict(fresh.state_dict())
+    assert [b["__key__"] for b in again] == ref  # the whole epoch, not none of it
+
 
 def _filled_store(directory: Path, n: int = 4) -> Path:
     from fastdata.cache import Cache
