@@ -292,3 +292,15 @@ def test_a_tls_error_while_a_body_is_read_is_retried() -> None:
     assert with_retries(flaky, "https://h/a.tar", RetryPolicy(attempts=2, base_delay=0.0)) == b"ok"
     assert is_transient(ssl.SSLError(1, "[SSL: DECRYPTION_FAILED_OR_BAD_RECORD_MAC]"))
     assert not is_transient(ssl.SSLCertVerificationError(1, "certificate verify failed"))
+
+
+def test_numpy_imports_that_np_unique_makes_lazily_are_done_when_fastdata_loads() -> None:
+    """np.unique imports numpy.ma at its first call. A fork while a thread decoder's split was in that
+    import left the module lock held in the fork worker, which hung at its own first np.unique (3 of 3
+    runs of helper fastpath's repro, reported by the stall watchdog after 60 s)."""
+    import subprocess
+    import sys
+
+    code = "import sys, fastdata.dataset; print('numpy.ma' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.strip() == "True"

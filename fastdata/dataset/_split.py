@@ -35,6 +35,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
+# np.unique imports numpy.ma on its first call. A fork while another thread is in that import (a thread
+# decoder's split) leaves the module's import lock held in the child forever: the worker hung at its own
+# first np.unique. Imported here, before any thread or fork of ours.
+import numpy.ma  # noqa: F401
 
 _MASK = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
