@@ -304,3 +304,20 @@ def test_numpy_imports_that_np_unique_makes_lazily_are_done_when_fastdata_loads(
     code = "import sys, fastdata.dataset; print('numpy.ma' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.strip() == "True"
+
+
+def _drop_k2(sample: dict) -> dict | None:
+    return None if sample["__key__"] == "k2" else sample
+
+
+@pytest.mark.parametrize("threads", [0, 2])
+def test_a_sample_transform_returning_none_is_an_error_not_a_silent_drop(tmp_path: Path, threads: int) -> None:
+    """A sample_transform that returned None dropped the sample on every path, counted nowhere (not in
+    skipped, while len() and the per-rank batch counts still included it): found by helper fastpath."""
+    with ShardWriter(tmp_path / "ds", max_samples=4) as w:
+        for i in range(6):
+            w.write({"__key__": f"k{i}", "cls": str(i).encode()})
+    ds = ShardedDataset(tmp_path / "ds", shuffle=False, sample_transform=_drop_k2)
+    loader = DataLoader(ds, batch_size=2, num_workers=2 if threads else 0, decode_threads=threads)
+    with pytest.raises(TypeError, match="sample_transform returned None for sample 'k2' of shard .*shard-000000"):
+        list(loader)

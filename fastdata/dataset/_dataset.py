@@ -821,7 +821,19 @@ class ShardedDataset(IterableDataset):
             self._handle_error(self._wrap_error(e, shard, i), e, shard, i, g, cursor)
             return None
         sample = self._apply(self.transform, sample)
-        return self.sample_transform(sample) if self.sample_transform is not None else sample
+        return self._sample_transform(sample, shard) if self.sample_transform is not None else sample
+
+    def _sample_transform(self, sample: Any, shard: int) -> Any:
+        """``sample_transform(sample)``; None is refused: a sample dropped there would be counted nowhere,
+        and a rank yielding fewer samples than ``len()`` breaks equal batch counts (DDP)."""
+        key = sample.get("__key__", "?") if isinstance(sample, Mapping) else "?"
+        out = self.sample_transform(sample)  # type: ignore[misc]
+        if out is None:
+            raise TypeError(f"sample_transform returned None for sample {key!r} of shard {self.source.names[shard]}: "
+                            "return the sample; samples cannot be filtered out there (fastdata counts every "
+                            "sample: len(), exact resume, equal batches per rank). Use on_error='skip' for "
+                            "unreadable samples, or a collate_fn that drops what you do not want")
+        return out
 
     def _decode_fields(self, raw: dict[str, Any], shard: int, g: int, epoch: int) -> dict[str, Any]:
         """Decode a raw sample; with ``image_decode="device"`` image fields become EncodedImage
@@ -1046,7 +1058,7 @@ class ShardedDataset(IterableDataset):
             sample = self._apply(self.transform, sample)
             cursor.pos = pos
             cursor.mark_current()
-            yield self.sample_transform(sample) if self.sample_transform is not None else sample
+            yield self._sample_transform(sample, shard) if self.sample_transform is not None else sample
         yield from self._end_of_walk(cursor)
 
     def _stream_raw(self, epoch: int, slot: int, slots: int, endless: bool) -> Iterator[tuple[int, Any]]:
