@@ -6,7 +6,6 @@ import logging
 import os
 import sys
 import traceback
-from pathlib import Path
 
 import pytest
 
