@@ -13,6 +13,25 @@ import threading
 forks: list[list[str]] | None = None
 
 
+def _nothing() -> None:
+    pass
+
+
+def fork_child() -> tuple[int | None, list[list[str]]]:
+    """Fork a child process that does nothing; its exit code and the thread names recorded at the fork."""
+    import multiprocessing as mp
+
+    global forks
+    forks = []
+    try:
+        p = mp.get_context("fork").Process(target=_nothing)
+        p.start()
+        p.join(10)
+    finally:
+        recorded, forks = forks, None
+    return p.exitcode, recorded
+
+
 def _before_fork() -> None:
     if forks is not None:
         forks.append([threading.current_thread().name] + sorted(

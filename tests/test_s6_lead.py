@@ -25,15 +25,10 @@ def test_manifest_and_verify_of_a_signed_manifest_url(tmp_path: Path, suffix: st
         assert verify_remote_shard(url, m, m.shards[0]) == []
 
 
-def _child() -> None:
-    pass
-
-
 def test_no_node_cache_releaser_runs_while_the_process_forks(tmp_path: Path) -> None:
     """The node cache's releaser thread (running while this process holds readers, with max_bytes)
     is stopped before a fork and started again after it: a thread alive at fork time can leave a
     lock held forever in the child (a fork worker), and Python 3.12 warns about it."""
-    import multiprocessing as mp
     import threading
 
     import fork_probe
@@ -53,14 +48,8 @@ def test_no_node_cache_releaser_runs_while_the_process_forks(tmp_path: Path) -> 
         reader = ds.source.reader(0)
         reader.read(0)  # an open reader: the releaser thread runs
         assert releasers()
-        fork_probe.forks = []
-        try:
-            p = mp.get_context("fork").Process(target=_child)
-            p.start()
-            p.join(10)
-        finally:
-            recorded, fork_probe.forks = fork_probe.forks, None
-        assert p.exitcode == 0
+        exitcode, recorded = fork_probe.fork_child()
+        assert exitcode == 0
         assert recorded and all("fastdata-nodecache-release" not in names for names in recorded), recorded
         assert releasers(), "the releaser was not started again after the fork"
         assert reader.read(1)["__key__"]  # the reader still works

@@ -298,7 +298,7 @@ def test_a_dropped_dataset_gives_its_use_locks_back(served, tmp_path):
                     break
                 time.sleep(0.15)
             held.append(n)
-        # the last walk's dataset stays referenced (current_cursor) until the next walk: its 6 shards at most
+        # the last walk's dataset stays referenced (its cursor, for a collate to take) until the next walk: its 6 shards at most
         assert max(held) <= 6, held
         deadline = time.monotonic() + 10
         while releasers() > 1 and time.monotonic() < deadline:  # the dropped caches' idle-reader threads end

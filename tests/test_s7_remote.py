@@ -131,16 +131,11 @@ def test_a_rotated_token_keeps_a_remote_manifests_identity(served, tmp_path):
         assert c.fingerprint != a.fingerprint and c.node_cache.root != a.node_cache.root
 
 
-def _exit_child() -> None:
-    pass
-
-
 def test_no_prefetch_thread_runs_while_the_process_forks(served, tmp_path, monkeypatch):
     # Prefetch threads (and their download's hashing thread) were alive when a DataLoader forked its workers
     # (e.g. right after a look at a sample in the main process): a lock one of them held at that moment stays
     # held for good in the child, and Python 3.12 warns about such forks. Like the releaser (a50f56f), they
     # stop before a fork (an unfinished download is dropped) and the parent prefetches again after it.
-    import multiprocessing as mp
     import threading
     import time
 
@@ -164,14 +159,8 @@ def test_no_prefetch_thread_runs_while_the_process_forks(served, tmp_path, monke
         cache = ds.source.node_cache
         cache.plan([0, 1, 2, 3], {}, 0.0)
         assert cache.ensure(0) and prefetchers()
-        fork_probe.forks = []
-        try:
-            p = mp.get_context("fork").Process(target=_exit_child)
-            p.start()
-            p.join(10)
-        finally:
-            recorded, fork_probe.forks = fork_probe.forks, None
-        assert p.exitcode == 0
+        exitcode, recorded = fork_probe.fork_child()
+        assert exitcode == 0
         assert recorded and not [n for names in recorded for n in names if n.startswith("fastdata-nodecache")], recorded
         deadline = time.monotonic() + 10  # the parent goes on prefetching after the fork
         while not all(cache.is_local(s) for s in range(4)) and time.monotonic() < deadline:

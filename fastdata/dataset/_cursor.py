@@ -11,7 +11,7 @@ through the dataset's private members:
   position reached (``pos``), reading one sample under the error policy (``load``), the samples
   skipped since the last look (``drain_skips``) and iteration (``iter(cursor)``).
 
-:func:`current_cursor` is the cursor that yielded the last sample in this thread: torch's
+:func:`take_cursor` gives the cursor that yielded the last sample in this thread: torch's
 DataLoader collates in the thread that pulled the batch from the dataset (a worker's, or the
 loading thread with ``num_workers=0``) right after pulling it, so a collate function reads the exact
 position from it. Per thread: two in-process loaders read in two threads at once (a prefetcher's
@@ -28,7 +28,7 @@ import numpy as np
 
 from fastdata.dataset._split import Stage
 
-__all__ = ["Cursor", "EpochStart", "current_cursor"]
+__all__ = ["Cursor", "EpochStart", "take_cursor"]
 
 
 @dataclass(frozen=True)
@@ -53,12 +53,11 @@ class EpochStart:
 _CURRENT = threading.local()  # .cursor: the cursor that yielded last in this thread
 
 
-def current_cursor(*, take: bool = False) -> Cursor | None:
-    """The cursor that yielded the last sample in this thread (None before any); ``take=True`` also
-    forgets it, so that it (and its dataset) is not kept alive past its use."""
+def take_cursor() -> Cursor | None:
+    """The cursor that yielded the last sample in this thread (None if none since the last call),
+    forgotten here so that it (and its dataset) is not kept alive past its batch's collate."""
     cursor = getattr(_CURRENT, "cursor", None)
-    if take:
-        _CURRENT.cursor = None
+    _CURRENT.cursor = None
     return cursor
 
 
@@ -127,7 +126,7 @@ class Cursor:
         return [*self.stages[:-1], (n, tuple(now))]
 
     def mark_current(self) -> None:
-        """Record this cursor as the one that yielded last in this thread (see :func:`current_cursor`)."""
+        """Record this cursor as the one that yielded last in this thread (see :func:`take_cursor`)."""
         _CURRENT.cursor = self
 
     def __iter__(self) -> Iterator[Any]:

@@ -826,9 +826,9 @@ class ShardedDataset(IterableDataset):
     def _sample_transform(self, sample: Any, shard: int) -> Any:
         """``sample_transform(sample)``; None is refused: a sample dropped there would be counted nowhere,
         and a rank yielding fewer samples than ``len()`` breaks equal batch counts (DDP)."""
-        key = sample.get("__key__", "?") if isinstance(sample, Mapping) else "?"
         out = self.sample_transform(sample)  # type: ignore[misc]
         if out is None:
+            key = sample.get("__key__", "?") if isinstance(sample, Mapping) else "?"
             raise TypeError(f"sample_transform returned None for sample {key!r} of shard {self.source.names[shard]}: "
                             "return the sample; samples cannot be filtered out there (fastdata counts every "
                             "sample: len(), exact resume, equal batches per rank). Use on_error='skip' for "

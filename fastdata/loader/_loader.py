@@ -36,7 +36,7 @@ import torch.utils.data
 from torch.utils.data._utils.pin_memory import pin_memory as _pin_memory
 
 from fastdata._util import release_frames
-from fastdata.dataset import EpochStart, ShardedDataset, SkipReport, current_cursor
+from fastdata.dataset import EpochStart, ShardedDataset, SkipReport, take_cursor
 from fastdata.dataset import collate as collate_encoded
 from fastdata.errors import CacheError, FastdataError, SkipBudgetError
 from fastdata.loader import _cached as _cache_loader
@@ -87,7 +87,7 @@ class _TaggingCollate:
             batch = self.collate_fn(real) if real and not dropped else _NoBatch()
         else:
             batch = self.collate_fn(data)
-        cursor = current_cursor(take=True)
+        cursor = take_cursor()
         if cursor is None or cursor.token != self.token:
             return _Tagged(batch, None)
         return _Tagged(batch, (cursor.worker, cursor.epoch, cursor.pos, cursor.drain_skips()))

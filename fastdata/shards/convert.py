@@ -318,7 +318,11 @@ def _stage_source(url: str, opts: ConvertOptions) -> Path:
     else:
         root = _staging("src:" + url_identity(url).rstrip("/"), opts)
     shown = redact_url(url)
-    name = split_query(url)[0].rstrip("/").rsplit("/", 1)[-1] or "src"
+
+    def last_segment(u: str) -> str:  # without a signed URL's query
+        return split_query(u)[0].rstrip("/").rsplit("/", 1)[-1] or "src"
+
+    name = last_segment(url)
     try:
         if name.lower().endswith((".tar", ".h5", ".hdf5", ".npz")):
             local = root / name
@@ -331,7 +335,7 @@ def _stage_source(url: str, opts: ConvertOptions) -> Path:
             os.utime(local, ns=(0, 0))
             return local
         url = folder_url(url)  # the folder of a manifest.json URL
-        name = split_query(url)[0].rstrip("/").rsplit("/", 1)[-1] or "src"
+        name = last_segment(url)
         manifest = load_manifest(url)
         folder = root / name
         folder.mkdir(parents=True, exist_ok=True)
