@@ -42,6 +42,9 @@ _NO_SOF = 255  # JPEG whose header ends (or breaks) before a frame header: not d
 _NO_ADOBE = 255
 # SOFn markers: 0xC0-0xCF except DHT (C4), JPG (C8) and DAC (CC)
 _SOF_MARKERS = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}
+# A side a header may claim, as packed (``height << 32 | width`` in an int64): PNG's limit. A corrupt header
+# claiming more is kept at this, still far over any pixel limit, not an OverflowError that fails the batch.
+_MAX_SIDE = (1 << 31) - 1
 
 
 class ImageInfo(tuple):
@@ -74,7 +77,8 @@ def sniff(data: Any) -> int:
 
 
 def sniff_size(data: Any) -> tuple[int, int]:
-    """``(height, width)`` the image header claims (0, 0 when the format or header does not say)."""
+    """``(height, width)`` the image header claims (0, 0 when the format or header does not say; a side over
+    2**31 - 1, a corrupt header, as 2**31 - 1)."""
     return _header(data)[1]
 
 
@@ -100,7 +104,7 @@ def _header(data: Any) -> tuple[int, tuple[int, int]]:
             size = (int.from_bytes(head[8:10], "little"), int.from_bytes(head[6:8], "little"))
         elif fmt == "bmp" and len(head) >= 26:
             size = (abs(int.from_bytes(head[22:26], "little", signed=True)), int.from_bytes(head[18:22], "little"))
-        return code | (_NO_SOF << 8) | (_NO_ADOBE << 32), size
+        return code | (_NO_SOF << 8) | (_NO_ADOBE << 32), (min(size[0], _MAX_SIDE), min(size[1], _MAX_SIDE))
     sof, comps, precision, adobe, h, w = _jpeg_frame(b)
     return code | (sof << 8) | (comps << 16) | (precision << 24) | (adobe << 32), (h, w)
 

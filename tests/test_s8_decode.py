@@ -1,0 +1,43 @@
+"""Session 8, helper decode: a demanding user's bug hunt in decoding, packed images and the GPU stage's CPU path."""
+from __future__ import annotations
+
+import io
+import struct
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from fastdata import gpu
+from fastdata.dataset import EncodedImage, PackedImages, collate
+from fastdata.errors import DecodeError
+
+
+def _png(w: int = 4, h: int = 3, mode: str = "RGB") -> bytes:
+    buf = io.BytesIO()
+    Image.new(mode, (w, h), 90).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def _claiming(data: bytes, width: int, height: int) -> bytes:
+    """A PNG whose IHDR claims another size (a corrupt header)."""
+    out = bytearray(data)
+    out[16:24] = struct.pack(">II", width, height)
+    return bytes(out)
+
+
+def test_a_header_claiming_a_side_of_2_to_the_31_pixels_is_a_bad_image_not_a_crash_of_the_collate():
+    # a corrupt PNG header (height 0xFFFFFFFF) made the worker's collate raise a bare OverflowError
+    # (no shard, no key), even under on_error="skip": the whole batch was lost
+    datas = [_png(), _claiming(_png(), 5, 0xFFFFFFFF), _claiming(_png(), 0xFFFFFFFF, 0x80000000), _png()]
+    batch = collate([{"png": EncodedImage(d, shard="s0.tar", key=f"k{i}", index=i, epoch=0), "cls": i}
+                     for i, d in enumerate(datas)])
+    sizes = batch["png"].sizes()
+    assert sizes[0].tolist() == [3, 4] and (sizes[1:3] >= 2**31 - 1).any(axis=1).all()
+    with pytest.raises(DecodeError, match=r"s0\.tar: sample 'k1' field 'png'.*max_pixels"):
+        gpu.DecodeImages(device="cpu")(batch)
+    dec = gpu.DecodeImages(device="cpu", on_error="skip")
+    out = gpu.Compose(dec, gpu.CenterCrop(4))(batch)
+    assert tuple(out["png"].shape) == (2, 3, 4, 4) and out["cls"].tolist() == [0, 3]
+    assert [r["key"] for r in dec.skipped] == ["k1", "k2"]
