@@ -41,3 +41,18 @@ def test_a_header_claiming_a_side_of_2_to_the_31_pixels_is_a_bad_image_not_a_cra
     out = gpu.Compose(dec, gpu.CenterCrop(4))(batch)
     assert tuple(out["png"].shape) == (2, 3, 4, 4) and out["cls"].tolist() == [0, 3]
     assert [r["key"] for r in dec.skipped] == ["k1", "k2"]
+
+
+@pytest.mark.parametrize("fmt", ["WEBP", "TIFF", "PPM"])
+def test_max_pixels_refuses_images_whose_size_is_not_sniffed_too(fmt):
+    # only JPEG/PNG/GIF/BMP sizes are sniffed in the worker; a WebP, TIFF or PNM over max_pixels was decoded
+    # (the CPU path, SampleDecoder(max_pixels=), refuses them)
+    buf = io.BytesIO()
+    Image.new("RGB", (100, 80), (1, 2, 3)).save(buf, format=fmt)
+    batch = collate([{"img": EncodedImage(d, shard="s.tar", key=f"k{i}", index=i, epoch=0)}
+                     for i, d in enumerate([buf.getvalue(), _png(), buf.getvalue()])])
+    with pytest.raises(DecodeError, match=r"s\.tar: sample 'k0' field 'img'.*8000 pixels exceeds max_pixels=1000"):
+        gpu.DecodeImages(device="cpu", max_pixels=1000)(batch)
+    dec = gpu.DecodeImages(device="cpu", max_pixels=1000, on_error="skip")
+    assert tuple(dec(batch)["img"].images[0].shape) == (3, 3, 4) and [r["key"] for r in dec.skipped] == ["k0", "k2"]
+    assert tuple(gpu.DecodeImages(device="cpu", max_pixels=8000)(batch)["img"].images[0].shape) == (3, 80, 100)

@@ -242,14 +242,23 @@ def _decode_nvimgcodec(views: Sequence[torch.Tensor], device: torch.device) -> l
     return out
 
 
-def decode_host(data: torch.Tensor, info: ImageInfo, backend: str) -> torch.Tensor:
+def decode_host(data: torch.Tensor, info: ImageInfo, backend: str, max_pixels: int | None = None) -> torch.Tensor:
     """Decode one image (host uint8 tensor of its bytes) into an RGB uint8 ``(3, H, W)`` CPU tensor
     (16-bit images as :mod:`fastdata.decode` converts them: exact up to 255, else their high byte).
 
+    ``max_pixels``: an image whose header claims more pixels is refused (ValueError) before it is decoded,
+    whatever its format (the stage checks the sizes sniffed in the worker, which only some formats give).
     Raises whatever the library raises for a corrupt image; :mod:`fastdata.gpu._decode` names shard and key.
     """
     if backend == "torchvision" and info.format in ("jpeg", "png", "webp", "gif"):
         tv, _ = torchvision_status()
+        if max_pixels is not None and info.format == "webp":  # no size sniffed from its header: Pillow reads it
+            try:
+                with Image.open(io.BytesIO(data.numpy().data), formats=("WEBP",)) as img:
+                    size = img.size
+            except Image.UnidentifiedImageError:  # a Pillow without WebP, or a corrupt one: torchvision decides
+                size = (0, 0)
+            _rgb_decoder(max_pixels)._check_pixels(*size)
         if info.format == "jpeg" and info.components in (1, 3):
             out = tv.decode_jpeg(data, mode=tv.ImageReadMode.RGB)
         else:
@@ -258,18 +267,20 @@ def decode_host(data: torch.Tensor, info: ImageInfo, backend: str) -> torch.Tens
             wide = out.to(torch.int32)
             out = (wide.bitwise_right_shift_(8) if wide.numel() and int(wide.max()) > 255 else wide).to(torch.uint8)
         return out if out.dim() == 3 else out[0]  # gif: first frame
-    return _pillow_rgb(data)
+    return _pillow_rgb(data, max_pixels)
 
 
-_RGB = ImageDecoder("RGB")
+@functools.lru_cache(maxsize=8)
+def _rgb_decoder(max_pixels: int | None) -> ImageDecoder:
+    return ImageDecoder("RGB", max_pixels=max_pixels)
 
 
-def _pillow_rgb(data: torch.Tensor) -> torch.Tensor:
+def _pillow_rgb(data: torch.Tensor, max_pixels: int | None = None) -> torch.Tensor:
     """Pillow (fastdata's :class:`~fastdata.decode.ImageDecoder`: a JPEG's short way, pixel copies without
     the GIL), read from the tensor's memory without a copy; a decompression bomb warning is an error."""
     with warnings.catch_warnings():
         warnings.simplefilter("error", Image.DecompressionBombWarning)
-        return _RGB(data.numpy().data)
+        return _rgb_decoder(max_pixels)(data.numpy().data)
 
 
 def _tiny_jpeg() -> torch.Tensor:

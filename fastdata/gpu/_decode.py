@@ -316,7 +316,7 @@ class DecodeImages:
                 out.append(None)
                 continue
             try:
-                img = decode_host(views[i], packed.info(i), backend)
+                img = decode_host(views[i], packed.info(i), backend, self.max_pixels)
             except Exception as e:  # noqa: BLE001 - any failure of a codec on shard bytes
                 self._failed(packed, i, field, f"{type(e).__name__}: {e}", bad)
                 out.append(None)
