@@ -104,9 +104,9 @@ def test_undecoded_device_results_go_to_the_host_one_by_one(monkeypatch):
     host_calls = []
     real_host = _decode.decode_host
 
-    def counting_host(data, info, backend):
+    def counting_host(data, info, backend, max_pixels=None):
         host_calls.append(bytes(data.numpy()))
-        return real_host(data, info, backend)
+        return real_host(data, info, backend, max_pixels)
 
     monkeypatch.setattr(_decode, "decode_host", counting_host)
     dec = gpu.DecodeImages(device="cpu", device_decoder="nvimgcodec", chunk_size=3, on_error="skip",
