@@ -319,6 +319,9 @@ class _Buffers:
             self.allocated += 1
             return torch.empty(shape, dtype=dtype, pin_memory=True)
         ring = self._ring.setdefault((name, shape, dtype), [])
+        # a batch sent through a torch.multiprocessing queue moved its storage (the ring's buffer) into
+        # shared memory that the receiving process maps: never write there again
+        ring[:] = [(t, base) for t, base in ring if id(t) in self._busy or not t.is_shared()]
         for t, base in ring:
             if base >= 0 and id(t) not in self._busy and _storage_users(t) == base:
                 self._busy.add(id(t))

@@ -1,0 +1,66 @@
+"""Session 8 bug hunt in the thread decoder (DataLoader(decode_threads=N)): one regression test per defect."""
+from __future__ import annotations
+
+import multiprocessing
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import fastdata
+from fastdata.shards.writer import ShardWriter
+from fastdata.transforms import ResizeCenterCrop
+
+pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
+
+
+def _tiny_shards(dest: Path, n: int = 8) -> Path:
+    from fastdata.cli._synth import jpeg_bytes, synth_image
+
+    with ShardWriter(dest, max_samples=4) as w:
+        for i in range(n):
+            w.write({"__key__": f"k{i:03d}", "jpg": jpeg_bytes(synth_image(np.random.default_rng(i), 20 + i, 24), 90),
+                     "cls": i})
+    return dest
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory: Any) -> Path:
+    return _tiny_shards(tmp_path_factory.mktemp("s8threads") / "ds")
+
+
+def _receive(q: Any, acks: Any, go: Any, out: Any) -> None:
+    t = q.get()  # a batch sent by the loading process: this process maps its memory
+    acks.put(True)
+    go.wait(20)
+    out.put(t.numpy().tobytes())
+
+
+def test_a_batch_sent_to_another_process_is_not_overwritten_by_later_batches(shards: Path) -> None:
+    """A batch put on a torch.multiprocessing queue moves its storage into shared memory, which the receiving
+    process maps; the ring's buffer was that storage, so the ring reused it once the sender dropped the
+    batch and the receiver's tensor changed under it (worker-path batches are fresh memory each)."""
+    ctx = multiprocessing.get_context("fork")
+    q, acks, out, go = ctx.Queue(), ctx.Queue(), ctx.Queue(), ctx.Event()
+    p = ctx.Process(target=_receive, args=(q, acks, go, out), daemon=True)
+    p.start()
+    try:
+        dl = fastdata.DataLoader(fastdata.ShardedDataset(shards, preprocess=ResizeCenterCrop(32)), batch_size=2,
+                                 decode_threads=2)
+        it = iter(dl)
+        batch = next(it)["jpg"]
+        sent = batch.numpy().tobytes()
+        q.put(batch)
+        assert acks.get(timeout=20)
+        del batch
+        for _ in range(2):  # more batches over the same ring
+            for b in it:
+                b["jpg"].fill_(0)
+            it = iter(dl)
+        go.set()
+        assert out.get(timeout=20) == sent
+    finally:
+        go.set()
+        p.join(20)
