@@ -49,7 +49,7 @@ import torch
 
 from fastdata._util import usable_cores
 from fastdata.prefetch._queue import Stats, perf_counter
-from fastdata.prefetch.tree import Path, map_tensors, tensor_leaves
+from fastdata.prefetch.tree import Path, held_tensors, map_tensors, tensor_leaves
 
 # Offsets of packed tensors inside a staging buffer: keeps every dtype view legal and the device
 # views aligned for vectorised kernels (the caching allocator itself aligns blocks to 512 bytes).
@@ -340,9 +340,10 @@ class CudaStager:
         return Item(out, ready, nbytes, tuple(owned)), pack_s, packed, copy_s, timed
 
     def _storages(self, out: Any) -> list[torch.Tensor]:
-        """One tensor per distinct device storage in ``out`` (record_stream acts on the storage)."""
+        """One tensor per distinct device storage in ``out`` (record_stream acts on the storage), those
+        inside objects such as a ragged ``ImageBatch`` included (``tree.HOLDS_TENSORS``)."""
         seen: dict[int, torch.Tensor] = {}
-        for _, t in tensor_leaves(out):
+        for t in held_tensors(out):
             if t.device == self.device:
                 seen.setdefault(t.untyped_storage().data_ptr(), t)
         return list(seen.values())

@@ -20,7 +20,11 @@ import torch
 Path = tuple[Any, ...]
 LeafFn = Callable[[torch.Tensor, Path], Any]
 
-__all__ = ["Path", "format_path", "keys_matcher", "map_tensors", "tensor_leaves"]
+__all__ = ["HOLDS_TENSORS", "Path", "format_path", "held_tensors", "keys_matcher", "map_tensors", "tensor_leaves"]
+
+# A leaf object that keeps tensors the walk cannot see (``fastdata.gpu.ImageBatch``: images of several
+# sizes) lists them through a method of this name, so that the prefetcher protects their memory too.
+HOLDS_TENSORS = "__fastdata_tensors__"
 
 
 def format_path(path: Path) -> str:
@@ -60,6 +64,14 @@ def tensor_leaves(obj: Any, *, skip: Callable[[Path], bool] | None = None) -> li
     found: list[tuple[Path, torch.Tensor]] = []
     _walk(obj, found, skip, ())
     return found
+
+
+def held_tensors(obj: Any) -> list[torch.Tensor]:
+    """Every tensor in ``obj``: its tensor leaves, then those of leaf objects with a ``HOLDS_TENSORS``
+    method (not mapped by ``map_tensors``: only their memory is looked after)."""
+    found: list[tuple[Path, torch.Tensor]] = []
+    _walk(obj, found, None, (), deep=True)
+    return [t for _, t in found]
 
 
 # Leaf types that can never hold a tensor: checked first (by exact type), so that the common batch
@@ -128,7 +140,7 @@ def _rebuild_mapping(obj: Mapping, items: dict) -> Any:
         return items
 
 
-def _walk(obj: Any, found: list, skip: Callable[[Path], bool] | None, path: Path) -> None:
+def _walk(obj: Any, found: list, skip: Callable[[Path], bool] | None, path: Path, deep: bool = False) -> None:
     if type(obj) in _ATOMS:
         return
     if isinstance(obj, torch.Tensor):
@@ -145,8 +157,11 @@ def _walk(obj: Any, found: list, skip: Callable[[Path], bool] | None, path: Path
     elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         children = ((_FieldName(f.name), getattr(obj, f.name)) for f in dataclasses.fields(obj))
     else:
+        hook = getattr(type(obj), HOLDS_TENSORS, None) if deep else None
+        if hook is not None:
+            found.extend(((*path, i), t) for i, t in enumerate(hook(obj)) if isinstance(t, torch.Tensor))
         return
     for key, value in children:
         child = (*path, key)
         if skip is None or not skip(child):
-            _walk(value, found, skip, child)
+            _walk(value, found, skip, child, deep)
