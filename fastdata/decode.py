@@ -355,6 +355,10 @@ class ImageDecoder:
         if draft_size is not None and (not isinstance(draft_size, int) or isinstance(draft_size, bool)
                                        or draft_size < 1):
             raise ValueError(f"draft_size must be an int >= 1 or None, got {draft_size!r}")
+        if mode is not None and (not isinstance(mode, str) or mode not in Image.MODES):
+            # else every image fails to convert, an error that blames the shard's data
+            raise ValueError(f"ImageDecoder: mode must be None or a Pillow mode ({', '.join(Image.MODES)}), "
+                             f"got {mode!r}")
         self.mode = mode
         self.draft_size = draft_size
         self.max_pixels = check_max_pixels(max_pixels)

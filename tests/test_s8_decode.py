@@ -56,3 +56,14 @@ def test_max_pixels_refuses_images_whose_size_is_not_sniffed_too(fmt):
     dec = gpu.DecodeImages(device="cpu", max_pixels=1000, on_error="skip")
     assert tuple(dec(batch)["img"].images[0].shape) == (3, 3, 4) and [r["key"] for r in dec.skipped] == ["k0", "k2"]
     assert tuple(gpu.DecodeImages(device="cpu", max_pixels=8000)(batch)["img"].images[0].shape) == (3, 80, 100)
+
+
+@pytest.mark.parametrize("mode", ["l", "rgb", "RGB ", 42, b"RGB"])
+def test_image_decoder_refuses_a_mode_pillow_does_not_know_when_built(mode):
+    # ImageDecoder("l") was accepted, then every image failed ("image has wrong mode"): a DecodeError blaming
+    # each shard's data, or under on_error="skip" every sample dropped
+    from fastdata.decode import ImageDecoder
+
+    with pytest.raises(ValueError, match=r"ImageDecoder: mode must be None or a Pillow mode"):
+        ImageDecoder(mode)
+    assert ImageDecoder("L")(_png(mode="L"))[0, 0, 0] == 90 and ImageDecoder(None)(_png()).shape == (3, 3, 4)
