@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import multiprocessing
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -64,3 +65,23 @@ def test_a_batch_sent_to_another_process_is_not_overwritten_by_later_batches(sha
     finally:
         go.set()
         p.join(20)
+
+
+def test_a_transform_raising_stopiteration_is_an_error_not_the_end_of_the_epoch(shards: Path) -> None:
+    """StopIteration raised by a transform (a stray next() on an exhausted iterator) reached the thread
+    decoder's __next__ as such, so the epoch ended silently after 2 of 8 samples; the worker path's
+    generator turns it into RuntimeError (PEP 479)."""
+    def transform(img: torch.Tensor) -> torch.Tensor:
+        if threading.current_thread().name.startswith("fastdata-decode") and int(img[0, 0, 0]) == first[0]:
+            raise StopIteration
+        return img
+
+    ds = fastdata.ShardedDataset(shards, preprocess=ResizeCenterCrop(32), shuffle=False)
+    first = [int(next(iter(ds))["jpg"][0, 0, 0])]
+    ds.transform = transform
+    got = []
+    with pytest.raises(RuntimeError, match="StopIteration") as info:
+        for b in fastdata.DataLoader(ds, batch_size=2, decode_threads=2):
+            got.append(b)
+    assert got == [] and isinstance(info.value.__cause__, StopIteration)
+    assert "fastdata-decode-" in "\n".join(getattr(info.value, "__notes__", []))

@@ -431,7 +431,11 @@ def _load_chunk(cursor: Any, items: list[tuple[int, int, int, int]], dests: list
     out: list[_Item] = []
     for (pos, g, shard, i), dest in zip(items, dests):
         try:
-            sample = cursor.load(shard, i, g)
+            try:
+                sample = cursor.load(shard, i, g)
+            except StopIteration as stop:  # re-raised in __next__ it would end the epoch silently; in a worker
+                # the dataset's generator turns it into this RuntimeError (PEP 479)
+                raise RuntimeError("generator raised StopIteration (while loading a sample)") from stop
             if sample is None:  # skipped: the consumer records it when it reaches this sample
                 out.append(_Item(pos, g, skip=cursor.pop_skip(g)))
                 continue
