@@ -67,3 +67,24 @@ def test_image_decoder_refuses_a_mode_pillow_does_not_know_when_built(mode):
     with pytest.raises(ValueError, match=r"ImageDecoder: mode must be None or a Pillow mode"):
         ImageDecoder(mode)
     assert ImageDecoder("L")(_png(mode="L"))[0, 0, 0] == 90 and ImageDecoder(None)(_png()).shape == (3, 3, 4)
+
+
+def test_shard_resize_reads_wide_greyscale_as_the_decoder_does():
+    # `fastdata shard --resize` converted a 16-bit greyscale PNG with Pillow's convert("RGB"), which clips at
+    # 255: a nearly white image, where the decoder (and torchvision's to_dtype) keep the high byte
+    from fastdata.decode import ImageDecoder
+    from fastdata.shards._images import BadImage, resize_center_crop
+
+    def encoded(a: np.ndarray, fmt: str) -> bytes:
+        buf = io.BytesIO()
+        Image.fromarray(a).save(buf, format=fmt)
+        return buf.getvalue()
+
+    photo = encoded(np.full((8, 8), 40000, np.uint16), "PNG")
+    assert (resize_center_crop(photo, 4, field="png") == 40000 >> 8).all()
+    assert (ImageDecoder()(photo) == 40000 >> 8).all()
+    mask = encoded(np.full((8, 8), 7, np.uint16), "PNG")  # 16-bit labels up to 255 keep their values
+    assert (resize_center_crop(mask, 4, field="png") == 7).all()
+    assert (resize_center_crop(encoded(np.full((8, 8), 9.0, np.float32), "TIFF"), 4, field="tif") == 9).all()
+    with pytest.raises(BadImage, match="mode F.*not integers in 0..255"):  # a depth map in [0, 1]: no uint8 holds it
+        resize_center_crop(encoded(np.full((8, 8), 0.5, np.float32), "TIFF"), 4, field="tif")

@@ -10,7 +10,9 @@ Checking levels (``check=``):
 - ``"full"``: additionally decodes every pixel (``Image.load()``), catching truncated or
   corrupt scan data at the cost of a full decode (about 2 ms per 500 px JPEG).
 
-Resizing always decodes, so ``--resize`` implies ``"full"``.
+Resizing always decodes, so ``--resize`` implies ``"full"``. Greyscale wider than 8 bits is read as
+:mod:`fastdata.decode` reads it (16-bit: exact up to 255, else its high byte; 32-bit integer and float:
+exact where the values are integers in 0..255, else a :class:`BadImage`), not clipped at 255.
 """
 from __future__ import annotations
 
@@ -78,6 +80,21 @@ def check_image(data: bytes, *, check: str = "header", field: str = "") -> None:
         raise BadImage(_reason(e)) from e
 
 
+_WIDE_MODES = frozenset({"I;16", "I;16L", "I;16B", "I;16N", "I", "F"})
+
+
+def _to_8bit(img: Image.Image) -> Image.Image:
+    """An "L" image of a 16-bit, 32-bit integer or float greyscale image, by the rule of ``fastdata.decode``'s
+    ``_to_8bit`` (that stage sits above this one): Pillow's ``convert`` would clip every value above 255."""
+    a = np.asarray(img)
+    if img.mode.startswith("I;16") and a.size and a.max() > 255:
+        return Image.fromarray(np.ascontiguousarray((a >> 8).astype(np.uint8)))
+    if a.size and not (np.all((a >= 0) & (a <= 255)) and np.array_equal(a, np.floor(a))):
+        raise ValueError(f"a mode {img.mode} image with values in [{a.min()}, {a.max()}]: not integers in 0..255, "
+                         "so no uint8 image holds them; convert it to 8 bits first")
+    return Image.fromarray(np.ascontiguousarray(a.astype(np.uint8)))
+
+
 def center_crop_box(width: int, height: int) -> tuple[float, float, float, float]:
     """The centred square of side ``min(width, height)`` as a PIL box."""
     side = min(width, height)
@@ -100,6 +117,8 @@ def resize_center_crop(data: bytes, size: int, *, field: str = "") -> np.ndarray
         # draft() picks the largest DCT scale (1/2, 1/4, 1/8) that keeps both sides
         # >= the request, so it only acts on images at least twice the target.
         img.draft("RGB", (size, size))
+        if img.mode in _WIDE_MODES:
+            img = _to_8bit(img)
         if img.mode != "RGB":
             img = img.convert("RGB")
         box = center_crop_box(*img.size)
