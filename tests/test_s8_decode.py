@@ -88,3 +88,10 @@ def test_shard_resize_reads_wide_greyscale_as_the_decoder_does():
     assert (resize_center_crop(encoded(np.full((8, 8), 9.0, np.float32), "TIFF"), 4, field="tif") == 9).all()
     with pytest.raises(BadImage, match="mode F.*not integers in 0..255"):  # a depth map in [0, 1]: no uint8 holds it
         resize_center_crop(encoded(np.full((8, 8), 0.5, np.float32), "TIFF"), 4, field="tif")
+
+
+@pytest.mark.parametrize("value", ["no", 0.0, None, np.bool_(True)])
+def test_normalize_channels_last_must_be_a_bool(value):
+    # Normalize(channels_last="no") was taken as true (ToDtype(scale=) was already checked)
+    with pytest.raises(ValueError, match="Normalize: channels_last must be a bool"):
+        gpu.Normalize(channels_last=value)

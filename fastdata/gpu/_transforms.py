@@ -112,6 +112,8 @@ class Normalize:
         if any(s <= 0 for s in self.std):
             raise ValueError(f"Normalize: std must be > 0, got {self.std!r}")
         _check_dtype("Normalize", self.dtype)
+        if not isinstance(self.channels_last, bool):
+            raise ValueError(f"Normalize: channels_last must be a bool, got {self.channels_last!r}")
         if isinstance(self.channel_dim, bool) or not isinstance(self.channel_dim, int):
             raise ValueError(f"Normalize: channel_dim must be an int, got {self.channel_dim!r}")
         object.__setattr__(self, "keys", _check_keys("Normalize", self.keys))
