@@ -85,3 +85,23 @@ def test_a_transform_raising_stopiteration_is_an_error_not_the_end_of_the_epoch(
             got.append(b)
     assert got == [] and isinstance(info.value.__cause__, StopIteration)
     assert "fastdata-decode-" in "\n".join(getattr(info.value, "__notes__", []))
+
+
+@pytest.mark.parametrize(("threads", "workers"), [(2, 2), (0, 0), (0, 2)])
+def test_a_collate_fn_raising_stopiteration_is_an_error_not_the_end_of_the_data(shards: Path, threads: int,
+                                                                                 workers: int) -> None:
+    """StopIteration raised by a custom collate_fn ended the epoch silently: on the thread path at once (4 of
+    8 samples), with worker processes only that worker's part (torch's worker takes it for the end of its
+    dataset), and the cached fast path (a generator) raised RuntimeError: three paths, three outcomes."""
+    def collate(batch: list[dict[str, Any]]) -> Any:
+        if "k002" in [s["__key__"] for s in batch]:
+            raise StopIteration
+        return torch.utils.data.default_collate(batch)
+
+    ds = fastdata.ShardedDataset(shards, preprocess=ResizeCenterCrop(32), shuffle=False)
+    ctx = multiprocessing.get_context("fork") if workers and not threads else None
+    dl = fastdata.DataLoader(ds, batch_size=2, num_workers=workers, decode_threads=threads, collate_fn=collate,
+                             multiprocessing_context=ctx)
+    with pytest.raises(RuntimeError, match="collate_fn raised StopIteration"):
+        for _ in dl:
+            pass

@@ -84,9 +84,9 @@ class _TaggingCollate:
             # real samples in this batch are the ones torch would have batched without the markers
             real = [] if isinstance(data, SkipReport) else [x for x in data if not isinstance(x, SkipReport)]
             dropped = self.drop_last and self.batch_size is not None and len(real) < self.batch_size
-            batch = self.collate_fn(real) if real and not dropped else _NoBatch()
+            batch = _thread_loader.collate(self.collate_fn, real) if real and not dropped else _NoBatch()
         else:
-            batch = self.collate_fn(data)
+            batch = _thread_loader.collate(self.collate_fn, data)  # StopIteration: RuntimeError
         cursor = take_cursor()
         if cursor is None or cursor.token != self.token:
             return _Tagged(batch, None)

@@ -74,7 +74,7 @@ from torch.utils.data._utils.pin_memory import pin_memory as _pin_memory
 from fastdata.dataset import EpochStart, ShardedDataset
 from fastdata.loader._cached import FastBatch
 
-__all__ = ["LOOKAHEAD", "ThreadBatches", "check_threads", "static_reason", "thread_batches"]
+__all__ = ["LOOKAHEAD", "ThreadBatches", "check_threads", "collate", "static_reason", "thread_batches"]
 
 # Batches dispatched beyond the one the consumer waits for: the threads keep decoding while the
 # consumer works on a batch, at (LOOKAHEAD + 1) batches of memory (torch's prefetch_factor is 2 too).
@@ -93,6 +93,15 @@ def check_threads(value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"decode_threads must be an int >= 0 (0: decode in worker processes), got {value!r}")
     return value
+
+
+def collate(collate_fn: Callable[[Any], Any], data: Any) -> Any:
+    """``collate_fn(data)``; StopIteration from it is a RuntimeError: raised in ``__next__`` (or in a
+    worker's fetch) it would be taken for the end of the data, the rest of the epoch lost silently."""
+    try:
+        return collate_fn(data)
+    except StopIteration as stop:
+        raise RuntimeError("collate_fn raised StopIteration") from stop
 
 
 def static_reason(ds: Any, *, batch_size: int | None, worker_init_fn: Any) -> str | None:
@@ -678,7 +687,7 @@ class ThreadBatches:
         if not self._inplace or layout is None:
             if buffers is not None:
                 self._buffers.release(buffers[0])
-            return self._pinned(self._collate(samples))
+            return self._pinned(collate(self._collate, samples))
         if buffers is None:
             buffers = _rows(self._buffers.take(layout.fields, self._b))
         try:
