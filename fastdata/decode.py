@@ -481,6 +481,9 @@ class SampleDecoder:
             for name, fn in decode.items():
                 if fn is not None and not callable(fn):
                     raise TypeError(f"decode[{name!r}] must be callable or None, got {fn!r}")
+        for arg, value in (("allow_pickle", allow_pickle), ("images_as_pil", images_as_pil)):
+            if not isinstance(value, bool):  # "false" from a config file is truthy: pickles would run their code
+                raise ValueError(f"{arg} must be True or False, got {value!r}")
         self.decode = decode
         self.allow_pickle = allow_pickle
         self.image = ImageDecoder(draft_size=draft_size, max_pixels=max_pixels)

@@ -95,3 +95,23 @@ def test_normalize_channels_last_must_be_a_bool(value):
     # Normalize(channels_last="no") was taken as true (ToDtype(scale=) was already checked)
     with pytest.raises(ValueError, match="Normalize: channels_last must be a bool"):
         gpu.Normalize(channels_last=value)
+
+
+@pytest.mark.parametrize("value", ["false", "False", 0, None, np.bool_(False)])
+def test_allow_pickle_must_be_a_bool_not_a_truthy_string(value, tmp_path):
+    # SampleDecoder(allow_pickle="false") (a config file's string) was truthy: a shard's pickle ran its code
+    import pickle
+
+    from fastdata.dataset import ShardedDataset
+    from fastdata.decode import SampleDecoder
+    from fastdata.shards.writer import ShardWriter
+
+    with pytest.raises(ValueError, match="allow_pickle must be True or False"):
+        SampleDecoder(allow_pickle=value)
+    with ShardWriter(tmp_path / "ds") as w:
+        w.write({"__key__": "k0", "x.pkl": pickle.dumps([1, 2]), "cls": 0})
+    with pytest.raises(ValueError, match="allow_pickle must be True or False"):
+        ShardedDataset(tmp_path / "ds", allow_pickle=value)
+    assert next(iter(ShardedDataset(tmp_path / "ds", allow_pickle=True)))["x.pkl"] == [1, 2]
+    with pytest.raises(DecodeError, match="refusing to unpickle"):
+        next(iter(ShardedDataset(tmp_path / "ds")))
