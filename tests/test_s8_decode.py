@@ -115,3 +115,17 @@ def test_allow_pickle_must_be_a_bool_not_a_truthy_string(value, tmp_path):
     assert next(iter(ShardedDataset(tmp_path / "ds", allow_pickle=True)))["x.pkl"] == [1, 2]
     with pytest.raises(DecodeError, match="refusing to unpickle"):
         next(iter(ShardedDataset(tmp_path / "ds")))
+
+
+def test_packed_images_index_like_a_sequence():
+    # info(-1) read the last sample index as a header code and info(n) a size (garbage, silently);
+    # tobytes(-1) / tobytes(n) failed with "not enough values to unpack"
+    datas = [_png(), b"abc", _png(5, 2)]
+    p = PackedImages.pack([EncodedImage(d, shard="s.tar", key=f"k{i}", index=10 + i, epoch=0)
+                           for i, d in enumerate(datas)])
+    assert p.info(-1) == p.info(2) and p.info(-1).format == "png" and p.info(-2).format == "unknown"
+    assert p.tobytes(-1) == datas[2] and p.tobytes(-3) == datas[0] and p.where(-1) == p.where(2)
+    for i in (3, -4):
+        for method in (p.info, p.tobytes, p.where):
+            with pytest.raises(IndexError, match=f"image {i} of 3"):
+                method(i)

@@ -244,9 +244,16 @@ class PackedImages:
         """int64 ``(n,)``: the global sample index of each image."""
         return self.meta[len(self) + 1 : 2 * len(self) + 1]
 
+    def _at(self, i: int) -> int:
+        """``i`` as a position in ``range(len(self))`` (negative: from the end, as for a sequence)."""
+        n = len(self)
+        if not -n <= i < n:
+            raise IndexError(f"PackedImages: image {i} of {n}")
+        return i % n
+
     def info(self, i: int) -> ImageInfo:
         """Header facts of image ``i`` (format, JPEG frame type, components, ...), sniffed when packed."""
-        return ImageInfo(int(self.meta[2 * len(self) + 1 + i]))
+        return ImageInfo(int(self.meta[2 * len(self) + 1 + self._at(i)]))
 
     def codes(self) -> list[int]:
         """The header codes of all images (see :class:`ImageInfo`)."""
@@ -264,11 +271,13 @@ class PackedImages:
 
     def tobytes(self, i: int) -> bytes:
         """The bytes of image ``i``."""
+        i = self._at(i)
         lo, hi = self.offsets[i : i + 2].tolist()
         return self.data[lo:hi].numpy().tobytes()
 
     def where(self, i: int) -> str:
         """``shard: sample 'key'`` of image ``i``, for messages."""
+        i = self._at(i)
         return f"{self.shards[i]}: sample {self.keys[i]!r}"
 
     @property
