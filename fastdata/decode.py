@@ -383,8 +383,8 @@ class ImageDecoder:
         """
         head = None if ImageFile.LOAD_TRUNCATED_IMAGES else _jpeg_header(data)
         if head is not None and (pixels_only or head.plain):
+            self._check_pixels(head.width, head.height)  # first: an image it refuses needs no bomb warning
             Image._decompression_bomb_check((head.width, head.height))  # as Image.open
-            self._check_pixels(head.width, head.height)
             got = _decode_jpeg(data, head, self.mode, draft_size or self.draft_size)
             if got is not None:
                 mode, arr = got

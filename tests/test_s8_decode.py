@@ -129,3 +129,28 @@ def test_packed_images_index_like_a_sequence():
         for method in (p.info, p.tobytes, p.where):
             with pytest.raises(IndexError, match=f"image {i} of 3"):
                 method(i)
+
+
+def test_host_decoding_leaves_the_warnings_filters_alone(monkeypatch):
+    # each host decode ran warnings.catch_warnings() (not thread-safe, and it resets every once-only warning):
+    # with DecodeImages decoding in the prefetcher's thread, a training loop's warning that Python shows once
+    # was shown at every step (194 times in 200 steps)
+    import warnings
+
+    from fastdata.gpu import _codec
+
+    shown = []
+    batch = collate([{"png": EncodedImage(_png(), shard="s.tar", key=f"k{i}", index=i, epoch=0)} for i in range(2)])
+    dec = gpu.DecodeImages(device="cpu", host_decoder="pillow")
+    with warnings.catch_warnings():
+        warnings.simplefilter("default")
+        monkeypatch.setattr(warnings, "showwarning", lambda *a, **k: shown.append(a[0]))
+        for _ in range(3):
+            warnings.warn("the same warning at every step", UserWarning)
+            dec(batch)
+    assert len(shown) == 1
+    # Pillow's limit still refuses a bomb on the host: before decoding, naming the limit (Image.open warns first)
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 11)
+    data = _png()
+    with pytest.raises(ValueError, match="12 pixels exceeds max_pixels=11"), pytest.warns(Image.DecompressionBombWarning):
+        _codec.decode_host(torch.frombuffer(bytearray(data), dtype=torch.uint8), batch["png"].info(0), "pillow")

@@ -49,7 +49,6 @@ import functools
 import io
 import os
 import threading
-import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -277,10 +276,11 @@ def _rgb_decoder(max_pixels: int | None) -> ImageDecoder:
 
 def _pillow_rgb(data: torch.Tensor, max_pixels: int | None = None) -> torch.Tensor:
     """Pillow (fastdata's :class:`~fastdata.decode.ImageDecoder`: a JPEG's short way, pixel copies without
-    the GIL), read from the tensor's memory without a copy; a decompression bomb warning is an error."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", Image.DecompressionBombWarning)
-        return _rgb_decoder(max_pixels)(data.numpy().data)
+    the GIL), read from the tensor's memory without a copy. Without ``max_pixels`` an image over Pillow's
+    ``MAX_IMAGE_PIXELS`` is refused (a ValueError), where Pillow would only warn: checked against the header,
+    not by turning the warning into an error (``warnings.catch_warnings`` is not thread-safe, and each use
+    makes every once-only warning of the process show again)."""
+    return _rgb_decoder(max_pixels if max_pixels is not None else Image.MAX_IMAGE_PIXELS)(data.numpy().data)
 
 
 def _tiny_jpeg() -> torch.Tensor:
