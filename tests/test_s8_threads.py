@@ -105,3 +105,35 @@ def test_a_collate_fn_raising_stopiteration_is_an_error_not_the_end_of_the_data(
     with pytest.raises(RuntimeError, match="collate_fn raised StopIteration"):
         for _ in dl:
             pass
+
+
+def _bad_shards(dest: Path, bad: tuple[int, ...], n: int = 11) -> Path:
+    from fastdata.cli._synth import jpeg_bytes, synth_image
+
+    with ShardWriter(dest, max_samples=4) as w:
+        for i in range(n):
+            jpg = b"not a jpeg" if i in bad else jpeg_bytes(synth_image(np.random.default_rng(i), 20, 24), 90)
+            w.write({"__key__": f"k{i:03d}", "jpg": jpg, "cls": i})
+    return dest
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_a_walk_ending_in_skipped_samples_moves_the_state_as_a_worker_does(tmp_path: Path, drop_last: bool) -> None:
+    """A virtual worker whose last samples were skipped (or, with drop_last, dropped with a skip among them)
+    after its last batch kept its position before them in state_dict(), while a worker process reports
+    its end: the states differed, and a resume from the thread path's state read those samples again and
+    reported their skips a second time."""
+    src = _bad_shards(tmp_path / "ds", bad=(9, 10))  # worker 1 of 2 reads samples 6-10: ends with two skips
+    make = lambda: fastdata.ShardedDataset(src, preprocess=ResizeCenterCrop(8), shuffle=False,  # noqa: E731
+                                           on_error="skip")
+    kw = dict(batch_size=2 if drop_last else 3, num_workers=2, drop_last=drop_last)
+    states = {}
+    for threads in (0, 2):
+        ctx = None if threads else multiprocessing.get_context("fork")
+        dl = fastdata.DataLoader(make(), decode_threads=threads, multiprocessing_context=ctx, **kw)
+        states[threads] = [dl.state_dict()["dataset"] for _ in dl]
+        states[threads].append(dl.state_dict()["dataset"])
+    assert states[2] == states[0]
+    resumed = fastdata.DataLoader(make(), decode_threads=2, **kw)
+    resumed.load_state_dict({"dataset": states[2][-1]})
+    assert list(resumed) == [] and resumed.dataset.skipped == []

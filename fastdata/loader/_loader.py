@@ -417,6 +417,8 @@ class DataLoader(torch.utils.data.DataLoader):
             ds.consume_resume()
             self._draw_base_seed()
             self._run = _Run(start, list(start.consumed))
+            if self.num_workers > 0:  # a walk ending in skips reports its end, as a worker process does
+                batches.positions = self._run.pos
             return _loader_iter(self, batches, self._run, len(self), _pool_helpers)
         self.last_path = "workers"
         # torch's iterator compares its batch count with the sample count of the latest len() call, which
@@ -546,7 +548,8 @@ class DataLoader(torch.utils.data.DataLoader):
             ds.load_state_dict([s["dataset"] if "dataset" in s else s for s in state], batch_size=self.batch_size,
                                num_workers=self.num_workers, drop_last=self.drop_last)
         else:
-            ds.load_state_dict(state["dataset"] if "dataset" in state else state)
+            ds.load_state_dict(state["dataset"] if "dataset" in state else state, batch_size=self.batch_size,
+                               num_workers=self.num_workers, drop_last=self.drop_last)
         self._run = None
         if self._iterator is not None:  # persistent workers hold the old state: restart them
             self._iterator._shutdown_workers()

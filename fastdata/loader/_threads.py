@@ -516,6 +516,10 @@ class ThreadBatches:
         # flight go back to the dataset's ring, which later epochs reuse
         self._finalizer = weakref.finalize(self, _shut, self._pool, self._buffers, self._walks, True)
         self._timed_out = False  # a wait ran past timeout=: close() leaves the threads to end on their own
+        # the loader's positions per virtual worker, set with num_workers > 0: a walk that yields no more
+        # batches after skipping samples (all its last ones, or a partial batch drop_last drops) moves its
+        # position to its end here, as a worker process's report-only result does on the worker path
+        self.positions: list[int] | None = None
 
     # -- public
     def __iter__(self) -> ThreadBatches:
@@ -531,13 +535,15 @@ class ThreadBatches:
                 if not self._active[w]:
                     continue
                 self._dispatch(w)
-                rows, pos = self._take(self._walks[w])
+                rows, pos, skipped = self._take(self._walks[w])
                 full = len(rows) == self._b
                 self._active[w] = full
                 if full or (rows and not self._drop_last):
                     batch = self._assemble(self._walks[w], rows)
                     self._batches += 1
                     return FastBatch(batch, w, pos)
+                if skipped and self.positions is not None:  # as a worker process reports its end
+                    self.positions[w] = pos
                 self._discard(self._walks[w])
         except BaseException:
             self.close()
@@ -650,8 +656,9 @@ class ThreadBatches:
                     raise RuntimeError(f"DataLoader timed out after {self._timeout} seconds (a decode_threads "
                                        "thread spent that long on one chunk of samples)") from None
 
-    def _take(self, walk: _Walk) -> tuple[list[Any], int]:
-        """The next ``batch_size`` samples of ``walk`` that load (fewer at its end), and the position after."""
+    def _take(self, walk: _Walk) -> tuple[list[Any], int, bool]:
+        """The next ``batch_size`` samples of ``walk`` that load (fewer at its end), the position after,
+        and whether samples were skipped on the way."""
         rows: list[Any] = []
         skips: list[dict[str, Any]] = []
         pos = int(walk.cursor.pos)
@@ -677,7 +684,7 @@ class ThreadBatches:
         walk.cursor.pos = pos
         if skips and self._record_skips is not None:
             self._record_skips(skips)  # dataset.skipped; SkipBudgetError past max_skips, at this batch
-        return rows, pos
+        return rows, pos, bool(skips)
 
     def _assemble(self, walk: _Walk, rows: list[tuple[Any, bool]]) -> Any:
         b = (walk.taken - len(rows)) // self._b  # batches start at multiples of batch_size
