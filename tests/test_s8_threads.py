@@ -137,3 +137,27 @@ def test_a_walk_ending_in_skipped_samples_moves_the_state_as_a_worker_does(tmp_p
     resumed = fastdata.DataLoader(make(), decode_threads=2, **kw)
     resumed.load_state_dict({"dataset": states[2][-1]})
     assert list(resumed) == [] and resumed.dataset.skipped == []
+
+
+@pytest.mark.parametrize("threads", [0, 2])
+def test_a_state_saved_after_skipbudgeterror_resumes_with_the_batch_that_raised_it(tmp_path: Path,
+                                                                                   threads: int) -> None:
+    """With worker processes the position of the batch whose skips ran past max_skips was recorded before the
+    error was raised, so a state saved after SkipBudgetError counted that batch, never yielded, as read: a
+    resume lost its samples (the thread decoder resumed them)."""
+    from fastdata.errors import SkipBudgetError
+
+    src = _bad_shards(tmp_path / "ds", bad=(1, 4, 7))
+    make = lambda **kw: fastdata.ShardedDataset(src, preprocess=ResizeCenterCrop(8), shuffle=False,  # noqa: E731
+                                                on_error="skip", **kw)
+    kw = dict(batch_size=2, num_workers=2, decode_threads=threads,
+              multiprocessing_context=None if threads else multiprocessing.get_context("fork"))
+    dl = fastdata.DataLoader(make(max_skips=1), **kw)
+    keys = []
+    with pytest.raises(SkipBudgetError):
+        for b in dl:
+            keys += b["__key__"]
+    resumed = fastdata.DataLoader(make(), **kw)
+    resumed.load_state_dict(dl.state_dict())
+    keys += [k for b in resumed for k in b["__key__"]]
+    assert sorted(keys) == [f"k{i:03d}" for i in range(11) if i not in (1, 4, 7)]

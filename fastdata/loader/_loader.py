@@ -179,15 +179,15 @@ class _LoaderIter:
                 report_only = isinstance(item.batch, _NoBatch)
                 if item.tag is not None:
                     worker, _, pos, skips = item.tag
-                    self._run.pos[worker] = pos
-                    if not report_only:
-                        self._run.last = worker
                     if skips and self._loader.num_workers > 0:  # in-process skips are already recorded
                         try:
                             self._loader.dataset.record_skips(skips)  # SkipBudgetError past max_skips
                         except SkipBudgetError:
                             self._end_pass()
-                            raise
+                            raise  # before the position moves: this batch is not yielded, a resume reads it
+                    self._run.pos[worker] = pos
+                    if not report_only:
+                        self._run.last = worker
                 if report_only:
                     continue  # a worker's skips after its last batch: recorded, nothing to yield
                 item = item.batch
