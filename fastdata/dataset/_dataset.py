@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import operator
 import os
 import threading
 import types
@@ -137,6 +138,41 @@ def _origin(value: Any) -> tuple[int, int]:
     return (epoch, pos)
 
 
+def _dist_arg(name: str, value: Any, minimum: int) -> int:
+    """``rank``/``world_size`` as an int (numpy and 0-d tensor ints too), else a ValueError naming it."""
+    try:
+        number = operator.index(value)  # no floats, strings or None
+    except TypeError:
+        number = None
+    if isinstance(value, bool) or number is None or number < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+    return int(number)
+
+
+def _loader_shape(batch_size: int | None, num_workers: int, drop_last: bool) -> tuple[int, int, bool]:
+    """What decides a loader's batch counts: (batch size, workers per rank, drop_last), normalised
+    (None and 1 are single samples, 0 and 1 workers are one walk, drop_last of single samples drops nothing)."""
+    bs = max(1, int(batch_size or 1))
+    return (bs, max(1, int(num_workers)), bool(drop_last) and bs > 1)
+
+
+def _split_for(value: Any) -> tuple[int, int, bool] | None:
+    """A state's ``split_for`` (absent in states saved before it existed: None)."""
+    if value is None:
+        return None
+    try:
+        bs, nw, drop = value
+        return _loader_shape(int(bs), int(nw), bool(drop))
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"state_dict: malformed split_for {value!r} (want [batch_size, num_workers, "
+                         "drop_last])") from e
+
+
+def _shape_text(shape: tuple[int, int, bool]) -> str:
+    bs, nw, drop = shape
+    return f"batch_size={bs}, num_workers={nw if nw > 1 else '0 or 1'}, drop_last={drop}"
+
+
 def _state_field(name: str) -> str:
     """The argument a state field stands for, in messages."""
     return "shuffle" if name == "shuffle_options" else name
@@ -157,6 +193,10 @@ def _warn_skip(record: Mapping[str, Any], stacklevel: int) -> None:
     """``on_error="warn"``: the SkippedSampleWarning of a skip record (``stacklevel`` counted from the caller)."""
     warnings.warn(f"skipped sample {record['key']!r} of shard {record['shard']}: {record['reason']}",
                   SkippedSampleWarning, stacklevel=stacklevel)
+
+
+def _dist_ready() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
 def _in_worker() -> bool:
@@ -262,6 +302,11 @@ class ShardedDataset(IterableDataset):
             raise ValueError(f"samples_per_epoch must be an int >= 1 or None, got {samples_per_epoch!r}")
         if (rank is None) != (world_size is None):
             raise ValueError(f"pass both rank and world_size or neither, got rank={rank!r}, world_size={world_size!r}")
+        if world_size is not None:  # int(1.5) or int("1") would pass a wrong or misspelt value on silently
+            world_size = _dist_arg("world_size", world_size, 1)
+            rank = _dist_arg("rank", rank, 0)
+            if rank >= world_size:
+                raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
         for name, fn in (("preprocess", preprocess), ("transform", transform), ("sample_transform", sample_transform)):
             if fn is not None and not callable(fn):
                 raise TypeError(f"{name} must be callable, got {fn!r}")
@@ -318,8 +363,11 @@ class ShardedDataset(IterableDataset):
         # Shared with DataLoader workers (persistent ones too), so set_epoch reaches them.
         self._epoch_shared = torch.zeros(1, dtype=torch.int64).share_memory_()
         self._resume: tuple[int, list[Stage], int] | None = None  # (epoch, stages, next worker)
+        self._resume_dist = (0, 1)  # (rank, world_size) when the resume state was loaded (see _check_resume_dist)
         # (epoch, ended eras, worker counts per rank): the rest of an epoch after a world-size change
         self._elastic: tuple[int, tuple[Era, ...], tuple[tuple[int, ...], ...], tuple[int, int]] | None = None
+        # (batch_size, num_workers, drop_last) the elastic rest gives every rank equal batch counts with
+        self._split_for: tuple[int, int, bool] | None = None
         # samples_per_epoch: (epoch, stream position) where that epoch's window starts; moved by a resize
         # (see _load_states) so that the epochs after it continue the stream where the last one ended
         self._origin: tuple[int, int] = (0, 0)
@@ -362,7 +410,7 @@ class ShardedDataset(IterableDataset):
         """Rank and world size: explicit, else torch.distributed (main process only). Package-internal."""
         if self._explicit_dist is not None:
             self.rank, self.world_size = self._explicit_dist
-        elif torch.distributed.is_available() and torch.distributed.is_initialized():
+        elif _dist_ready():
             self.rank, self.world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank must be in [0, world_size={self.world_size}), got {self.rank}")
@@ -470,12 +518,24 @@ class ShardedDataset(IterableDataset):
         epoch = self.epoch if epoch is None else epoch
         stages: list[Stage] = []
         first = 0
+        self._check_resume_dist()
         if self._resume is not None and self._resume[0] == epoch:
             stages, first = list(self._resume[1]), self._resume[2]
         out = iteration_stages(stages, num_workers)
         if self.source.streaming:  # in the main process, before any worker starts
             self._check_stream_stages(out)
         return EpochStart(epoch, tuple(out), first if len(out) == len(stages) else 0)
+
+    def _check_resume_dist(self) -> None:
+        """A resume state holds positions of the rank and world size it was loaded at: loaded before
+        ``torch.distributed`` was initialised (rank 0 of 1), it would be applied to another rank's part
+        (a list of every rank's state was even split for one rank): another epoch's worth read twice."""
+        if self._resume is not None and self._resume_dist != (self.rank, self.world_size):
+            r0, w0 = self._resume_dist
+            raise ValueError(
+                f"the resume state was loaded while this dataset was rank {r0} of world_size={w0}; it now runs as "
+                f"rank {self.rank} of world_size={self.world_size} (torch.distributed initialised after "
+                "load_state_dict?): load the state after init_process_group, or pass rank= and world_size=")
 
     def consume_resume(self) -> None:
         """The resume state was handed to an iteration (workers hold copies): apply it only once."""
@@ -531,6 +591,7 @@ class ShardedDataset(IterableDataset):
         if el is None or el[0] != epoch:
             return {}
         return {"eras": [e.to_json() for e in el[1]], "split": [list(c) for c in el[2]],
+                **({"split_for": list(self._split_for)} if self._split_for is not None else {}),
                 **({"era_origin": list(el[3])} if el[3] != (0, 0) else {})}
 
     def state_dict(self) -> dict[str, Any]:
@@ -540,6 +601,7 @@ class ShardedDataset(IterableDataset):
         ``fastdata.DataLoader.state_dict()`` instead.
         """
         self.resolve_dist()
+        self._check_resume_dist()
         epoch = self._epoch
         live = self._live
         if live is not None and live.epoch == epoch:
@@ -562,14 +624,21 @@ class ShardedDataset(IterableDataset):
         if isinstance(state, Sequence) and not isinstance(state, (str, bytes)):
             self._load_states([_dataset_part(s) for s in state], batch_size, num_workers, drop_last)
             return
-        state = _dataset_part(state)
+        self._load_one(_dataset_part(state), _loader_shape(batch_size, num_workers, drop_last), lockstep=False)
+
+    def _load_one(self, state: Any, shape: tuple[int, int, bool], *, lockstep: bool) -> None:
+        """:meth:`load_state_dict` of this rank's state, read by a loader of ``shape`` (see
+        :func:`_loader_shape`); ``lockstep``: every rank's state was seen to give equal batch counts."""
         if not isinstance(state, Mapping) or state.get("version") != STATE_VERSION:
             raise ValueError(f"not a ShardedDataset state (version {STATE_VERSION}): {state!r:.200}")
         self.resolve_dist()
         mine = self._state(0, [])
         if state.get("world_size") != self.world_size:
+            unset = "" if self._explicit_dist is not None or _dist_ready() else (
+                " (torch.distributed is not initialised and no rank=/world_size= were passed: load the state after "
+                "init_process_group)")
             raise ValueError(f"state_dict does not match this dataset: world_size={state.get('world_size')!r} in the "
-                             f"state, {self.world_size} here; pass the states of all ranks as a list (gathered "
+                             f"state, {self.world_size} here{unset}; pass the states of all ranks as a list (gathered "
                              "with torch.distributed.all_gather_object) to resume at another world size")
         _check_matches(state, mine)
         if state.get("rank") != self.rank:
@@ -595,12 +664,28 @@ class ShardedDataset(IterableDataset):
                 raise ValueError(f"state_dict: elastic split for {len(split)} ranks, world_size={self.world_size}")
             elastic = (int(state["epoch"]), tuple(Era.from_json(e) for e in state["eras"]), split,
                        _origin(state.get("era_origin")))
+        split_for = _split_for(state.get("split_for")) if elastic is not None else None
+        if elastic is not None and not lockstep and split_for is not None and split_for != shape \
+                and len(set(elastic[2])) > 1:
+            # The rest of an elastic resume gives the ranks different sample counts, cut so that each yields
+            # the same number of batches with the loader it was split for; with these, a rank that cannot
+            # see the others' states cannot know their counts (states saved before split_for: as before)
+            raise ValueError(
+                f"state_dict is rank {self.rank}'s rest of epoch {state['epoch']} after an elastic resume: the "
+                f"ranks hold {[sum(c) for c in elastic[2]]} samples, split for equal batch counts with "
+                f"{_shape_text(split_for)}; with {_shape_text(shape)} their batch counts can differ (a DDP job "
+                "then hangs at the epoch's end), and one rank's state cannot tell. Load the list of every rank's "
+                "state (it splits the rest again for this loader), or resume with the settings it was split for")
+        if lockstep and elastic is not None:
+            split_for = shape  # every rank's rest was seen to give equal batch counts with this loader
         origin = _origin(state.get("stream_origin"))
         self.set_epoch(int(state["epoch"]))
         self._elastic = elastic
+        self._split_for = split_for
         self._origin = origin
         self._plans.clear()
         self._resume = (int(state["epoch"]), stages, next_worker)
+        self._resume_dist = (self.rank, self.world_size)
         self._live = None
 
     def _lockstep(self, states: Sequence[Mapping[str, Any]], batch_size: int | None, num_workers: int,
@@ -640,13 +725,14 @@ class ShardedDataset(IterableDataset):
                                  f"{st.get('rank')!r} of world_size={st.get('world_size')!r}")
         mine = self._state(0, [])
         for name in ("epoch", "seed", "num_samples", "shuffle", "even", "samples_per_epoch", "fingerprint",
-                     "shuffle_options", "eras", "split", "stream_origin", "era_origin"):
+                     "shuffle_options", "eras", "split", "split_for", "stream_origin", "era_origin"):
             values = {repr(st.get(name)) for st in states}
             if len(values) > 1:
                 raise ValueError(f"rank states disagree on {_state_field(name)}: {sorted(values)}")
         _check_matches(states[0], mine)
         if w1 == self.world_size and self._lockstep(states, batch_size, num_workers, drop_last):
-            self.load_state_dict(states[self.rank])  # same world size: continue in exactly the same order
+            # same world size: continue in exactly the same order
+            self._load_one(states[self.rank], _loader_shape(batch_size, num_workers, drop_last), lockstep=True)
             return
         epoch = int(states[0]["epoch"])
         if self.source.streaming:
@@ -679,9 +765,11 @@ class ShardedDataset(IterableDataset):
                 + " (num_workers >= 2 avoids this)", stacklevel=3)
         self.set_epoch(epoch)
         self._elastic = (epoch, eras, tuple(split), era_origin)
+        self._split_for = _loader_shape(batch_size, num_workers, drop_last)
         self._origin = origin
         self._plans.clear()
         self._resume = (epoch, [], 0)
+        self._resume_dist = (self.rank, self.world_size)
         self._live = None
 
     # ----- iteration ------------------------------------------------------------------------

@@ -1,0 +1,124 @@
+"""Session 8, multirank: several ranks (datasets with rank=/world_size=, torch.distributed patched in one
+process) and the node-local cache shared by several processes."""
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+from fastdata.dataset import ShardedDataset
+from fastdata.loader import DataLoader
+from fastdata.shards.tar import write_tar_shard
+
+pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
+
+
+@pytest.fixture(scope="module")
+def seven(tmp_path_factory) -> list[str]:
+    """7 samples in shards of 4 and 3 (cls = global index)."""
+    dest = tmp_path_factory.mktemp("s8multirank")
+    paths, i = [], 0
+    for j, size in enumerate([4, 3]):
+        path = dest / f"s{j}.tar"
+        write_tar_shard(path, [{"__key__": f"k{i + k:04d}", "cls": str(i + k).encode()} for k in range(size)])
+        paths.append(str(path))
+        i += size
+    return paths
+
+
+def _ids(samples) -> list[int]:
+    return [int(s["cls"]) for s in samples]
+
+
+def _loader(shards, rank, world, *, batch_size, num_workers=0, **kw) -> DataLoader:
+    ds = ShardedDataset(shards, rank=rank, world_size=world, **kw)
+    return DataLoader(ds, batch_size=batch_size, num_workers=num_workers, collate_fn=_ids)
+
+
+@pytest.mark.parametrize("rank, world_size, name", [
+    (1.5, 2, "rank"), (0, 2.7, "world_size"), ("1", 2, "rank"), (0, "2", "world_size"), (True, 2, "rank"),
+    (0, 0, "world_size"), (0, -1, "world_size"), (None, 2, "both"), (2, 2, r"rank must be in \[0, world_size=2\)"),
+])
+def test_malformed_rank_or_world_size_is_refused_naming_it(seven, rank, world_size, name):
+    """rank=1.5 was read as 1, "1" as 1, True as 1 and world_size=2.7 as 2 (int() of anything), and
+    world_size=0 said "rank must be in [0, world_size=0)"."""
+    with pytest.raises(ValueError, match=name):
+        ShardedDataset(seven, rank=rank, world_size=world_size)
+
+
+def test_numpy_and_tensor_ints_are_a_rank(seven):
+    ds = ShardedDataset(seven, rank=np.int64(1), world_size=torch.tensor(2))
+    assert (ds.rank, ds.world_size) == (1, 2) and type(ds.rank) is int
+
+
+def _fake_dist(monkeypatch, rank: int, world: int) -> None:
+    """torch.distributed as initialised at ``rank`` of ``world`` (one process plays every rank)."""
+    monkeypatch.setattr(torch.distributed, "is_available", lambda: True)
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda *a, **k: rank)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda *a, **k: world)
+
+
+def test_a_state_loaded_before_init_process_group_is_not_applied_to_another_rank(seven, monkeypatch):
+    """load_checkpoint before dist.init_process_group: the dataset was rank 0 of 1 then, so the list of
+    every rank's state was split for one rank; once torch.distributed was initialised that split no
+    longer fit, and every rank read its whole part of the epoch again (14 of 14 samples where 8 had been
+    consumed), without a word."""
+    states = []
+    for r in range(2):
+        dl = _loader(seven, r, 2, batch_size=2)
+        it = iter(dl)
+        next(it)
+        states.append(dl.state_dict())
+    for loaded in (states, states[1]):
+        dl = DataLoader(ShardedDataset(seven), batch_size=2, collate_fn=_ids)  # torch.distributed not initialised
+        try:
+            dl.load_state_dict(loaded)
+        except ValueError as e:  # the single state: world_size 2 in the state, 1 here
+            assert "world_size=2 in the state, 1 here (torch.distributed is not initialised" in str(e)
+            continue
+        with monkeypatch.context() as m:
+            _fake_dist(m, 1, 2)
+            with pytest.raises(ValueError, match=r"loaded while this dataset was rank 0 of world_size=1; it now runs "
+                                                 r"as rank 1 of world_size=2.*init_process_group"):
+                list(dl)
+    good = DataLoader(ShardedDataset(seven), batch_size=2, collate_fn=_ids)
+    with monkeypatch.context() as m:
+        _fake_dist(m, 1, 2)
+        good.load_state_dict(states)  # after init: the rest of rank 1
+        assert [x for b in good for x in b] == [6, 0]  # 4, 5 consumed; 0 pads rank 1's part to 4
+
+
+def test_one_ranks_state_after_an_elastic_resume_with_another_loader_is_refused(seven):
+    """The open case of session 7: after an elastic resume the ranks hold different sample counts (7 over
+    4 ranks: 2, 2, 2, 1), equal in batches only for the loader the rest was split for. Each rank loading
+    its own state with batch_size=1 gave [2, 2, 2, 1] batches: a DDP hang. The state now records the
+    loader it was split for; another one is refused (the list of every rank's is split again)."""
+    first = _loader(seven, 0, 1, batch_size=1)
+    resized = [_loader(seven, r, 4, batch_size=2) for r in range(4)]
+    for dl in resized:
+        dl.load_state_dict([first.state_dict()])
+    states = [dl.state_dict() for dl in resized]
+    assert states[0]["dataset"]["split_for"] == [2, 1, False]
+    for batch_size, num_workers in ((1, 0), (2, 2), (3, 0)):
+        again = [_loader(seven, r, 4, batch_size=batch_size, num_workers=num_workers) for r in range(4)]
+        with pytest.raises(ValueError, match=r"rank 0's rest of epoch 0 after an elastic resume: the ranks hold "
+                                             r"\[2, 2, 2, 1\] samples, split for equal batch counts with batch_size=2"
+                                             r".*Load the list of every rank's state"):
+            again[0].load_state_dict(states[0])
+    same = [_loader(seven, r, 4, batch_size=2) for r in range(4)]  # the loader it was split for: exact
+    for dl, st in zip(same, states):
+        dl.load_state_dict(st)
+    got = [list(dl) for dl in same]
+    assert [len(b) for b in got] == [1, 1, 1, 1] and sorted(x for b in got for y in b for x in y) == list(range(7))
+    relisted = [_loader(seven, r, 4, batch_size=1) for r in range(4)]  # the list, split again for batch_size=1
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # one worker per rank: even="pad" repeats one
+        for dl in relisted:
+            dl.load_state_dict(states)
+    assert relisted[0].state_dict()["dataset"]["split_for"] == [1, 1, False]
+    for dl, st in zip([_loader(seven, r, 4, batch_size=1) for r in range(4)], [d.state_dict() for d in relisted]):
+        dl.load_state_dict(st)  # now split for batch_size=1: each rank's own state is taken
+        assert len(list(dl)) == 2
