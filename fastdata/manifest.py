@@ -62,6 +62,9 @@ class FieldInfo:
         if self.dtype is not None and not isinstance(self.dtype, str):
             raise ValueError(f"FieldInfo.dtype of field {self.name!r} must be a str or None, got {self.dtype!r}")
         if self.shape is not None:
+            if not isinstance(self.shape, (tuple, list)):  # b'ab' was the shape (97, 98), '' the shape ()
+                raise ValueError(f"FieldInfo.shape of field {self.name!r} must be a tuple or list of ints, "
+                                 f"got {self.shape!r}")
             shape = tuple(self.shape)
             if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
                 raise ValueError(
@@ -199,7 +202,9 @@ class Manifest:
             text = p.read_text(encoding="utf-8")
         except FileNotFoundError as e:
             raise ManifestError(f"{p}: no manifest found") from e
-        except (OSError, UnicodeDecodeError) as e:
+        except UnicodeDecodeError as e:  # a shard or an image given for the manifest
+            raise ManifestError(f"{p}: not a manifest.json (not UTF-8 text: {e})") from e
+        except OSError as e:
             raise ManifestError(f"{p}: cannot read manifest: {e}") from e
         try:
             data = json.loads(text)

@@ -56,6 +56,21 @@ def positive_float(text: str) -> float:
     return value
 
 
+def nonempty_path(text: str) -> str:
+    """A path or URL that is not empty: an empty one is an unset shell variable (``$DEST``), never the
+    current folder that ``Path("")`` would make of it."""
+    if not text:
+        raise argparse.ArgumentTypeError("expected a non-empty path, got ''")
+    return text
+
+
+def nonempty_text(text: str) -> str:
+    """A string that is not empty (e.g. a fingerprint prefix, where '' would match everything)."""
+    if not text:
+        raise argparse.ArgumentTypeError("expected a non-empty value, got ''")
+    return text
+
+
 def output_file(text: str) -> str:
     """A file to write results to at the end of a run: checked up front, so that minutes of measuring
     are not lost to a missing folder or a typo."""
@@ -105,3 +120,5 @@ positive_float.__name__ = "number > 0"
 output_file.__name__ = "file path"
 device.__name__ = "device"
 work_folder.__name__ = "folder"
+nonempty_path.__name__ = "path"
+nonempty_text.__name__ = "value"

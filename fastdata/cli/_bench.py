@@ -156,6 +156,10 @@ def format_results(r: dict[str, Any]) -> list[str]:
 def run_bench(*, source: str | None, workdir: str | None, num_images: int, samples: int, num_workers: int,
               repeats: int, size: int = IMAGE_SIZE, as_json: bool = False, out: str | None = None) -> int:
     """Measure ``source`` (or a generated set); print a table or, with ``as_json``, JSON on stdout."""
+    if source is not None:  # a bad SHARDS is named before --dir is created, which would be left behind empty
+        from fastdata.manifest import Manifest
+
+        Manifest.load(source)
     with contextlib.ExitStack() as stack:
         if workdir is None:
             root = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="fastdata-bench-")))
@@ -189,14 +193,14 @@ def _cmd_bench(args: Any) -> int:
 
 def add_bench_subparser(subparsers: Any) -> Any:
     """Add ``bench`` to the ``fastdata`` command's subparsers."""
-    from fastdata.cli._args import nonneg_int, output_file, positive_int, work_folder
+    from fastdata.cli._args import nonempty_path, nonneg_int, output_file, positive_int, work_folder
 
     p = subparsers.add_parser(
         "bench", help="measure raw reads, the decode pipeline, the cache and H2D copies on your shards",
         description="Measure raw shard reads, the decode + resize pipeline, the cached pipeline and (with CUDA) "
                     "host-to-device copies. With SHARDS, on the first --samples samples of your shards; without, "
                     "on a generated set of --images photo-like JPEGs.")
-    p.add_argument("shards", nargs="?", metavar="SHARDS", default=None,
+    p.add_argument("shards", nargs="?", metavar="SHARDS", default=None, type=nonempty_path,
                    help="shard folder with manifest.json (default: generate --images JPEGs)")
     p.add_argument("--samples", type=positive_int, default=2048, metavar="N",
                    help="samples of SHARDS to measure (default: 2048)")

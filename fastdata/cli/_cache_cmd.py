@@ -6,7 +6,7 @@ import json
 import time
 from typing import Any
 
-from fastdata.cli._args import byte_size, nonneg_int, positive_int
+from fastdata.cli._args import byte_size, nonempty_path, nonempty_text, nonneg_int, positive_int
 from fastdata.errors import CacheError
 
 
@@ -124,7 +124,7 @@ def add_cache_subparser(subparsers: Any) -> argparse.ArgumentParser:
     ls.set_defaults(func=cmd_list)
 
     rm = sub.add_parser("rm", help="remove the stores whose fingerprint (or key) starts with FINGERPRINT")
-    rm.add_argument("fingerprint", metavar="FINGERPRINT", help="fingerprint or key prefix, as `cache list` shows it")
+    rm.add_argument("fingerprint", metavar="FINGERPRINT", type=nonempty_text, help="fingerprint or key prefix, as `cache list` shows it")
     common(rm)
     rm.set_defaults(func=cmd_rm)
 
@@ -132,7 +132,7 @@ def add_cache_subparser(subparsers: Any) -> argparse.ArgumentParser:
         "build", help="fill the cache for SOURCE ahead of time (decode, resize, centre crop)",
         description="Fill the store that ShardedDataset(SOURCE, preprocess=ResizeCenterCrop(SIZE, resize=RESIZE, "
                     "interpolation=...), cache=DIR) reads, by iterating SOURCE once.")
-    build.add_argument("source", metavar="SOURCE", help="shard folder with manifest.json")
+    build.add_argument("source", metavar="SOURCE", type=nonempty_path, help="shard folder with manifest.json")
     common(build)
     build.add_argument("--size", type=positive_int, default=224,
                        help="output side of the centre crop in pixels (default: 224)")

@@ -249,12 +249,12 @@ def options_from(args: Any) -> Any:
 
 
 def _cmd_doctor(args: Any) -> int:
-    return run_doctor(args.shards, options_from(args) if args.shards else None, as_json=args.json, out_path=args.out)
+    return run_doctor(args.shards, options_from(args) if args.shards is not None else None, as_json=args.json, out_path=args.out)
 
 
 def add_doctor_subparser(subparsers: Any) -> Any:
     """Add ``doctor`` to the ``fastdata`` command's subparsers."""
-    from fastdata.cli._args import output_file
+    from fastdata.cli._args import nonempty_path, output_file
 
     p = subparsers.add_parser(
         "doctor", help="check the environment; with SHARDS, measure every pipeline stage and name the bottleneck",
@@ -263,7 +263,7 @@ def add_doctor_subparser(subparsers: Any) -> Any:
                     "copy, GPU transforms, training step) on its own and together, and print each stage's capacity, "
                     "which stage bounds the job, by how much it is loader-bound, and recommendations backed by "
                     "those measurements.")
-    p.add_argument("shards", nargs="?", metavar="SHARDS", default=None,
+    p.add_argument("shards", nargs="?", metavar="SHARDS", default=None, type=nonempty_path,
                    help="shard folder with manifest.json to measure (default: environment checks only)")
     add_pipeline_arguments(p)
     p.add_argument("--json", action="store_true", help="print the results as JSON instead of tables (default: off)")

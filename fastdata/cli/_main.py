@@ -8,7 +8,7 @@ import sys
 from collections.abc import Sequence
 
 from fastdata._version import __version__
-from fastdata.cli._args import nonneg_int
+from fastdata.cli._args import nonempty_path, nonneg_int
 from fastdata.cli._bench import add_bench_subparser
 from fastdata.cli._cache_cmd import add_cache_subparser
 from fastdata.cli._demo import add_demo_subparser
@@ -77,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     inspect = sub.add_parser("inspect", help="summarise a shard folder's manifest",
                              description="Summarise DEST's manifest.json: format, samples, shards, bytes, fields "
                                          "and skipped inputs. Reads only the manifest (`fastdata verify` checks the shards).")
-    inspect.add_argument("dest", metavar="DEST", help="folder with manifest.json (or the file)")
+    inspect.add_argument("dest", metavar="DEST", type=nonempty_path, help="folder with manifest.json (or the file)")
     inspect.add_argument("--shards", action="store_true", help="list every shard (default: off)")
     inspect.add_argument("--show-skipped", type=nonneg_int, default=10, metavar="N",
                          help="list at most N skipped inputs with their reasons (default: 10)")

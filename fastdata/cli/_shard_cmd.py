@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from fastdata.cli._args import byte_size, nonneg_int, positive_int
+from fastdata.cli._args import byte_size, nonempty_path, nonneg_int, positive_int
 from fastdata.errors import FastdataError
 
 __all__ = ["add_shard_subparsers", "tool_main", "verify_folder"]
@@ -120,8 +120,8 @@ def add_shard_subparsers(subparsers: Any) -> None:
     shard = subparsers.add_parser(
         "shard", help="convert images, tar, HDF5 or .npz into shards + manifest.json", description=SRC_HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    shard.add_argument("src", metavar="SRC", help="input: image folder, tar, HDF5, fastdata folder or .npz")
-    shard.add_argument("dest", metavar="DEST", help="output folder (created), or a URL (s3://, gs://, ...): "
+    shard.add_argument("src", metavar="SRC", type=nonempty_path, help="input: image folder, tar, HDF5, fastdata folder or .npz")
+    shard.add_argument("dest", metavar="DEST", type=nonempty_path, help="output folder (created), or a URL (s3://, gs://, ...): "
                        "each shard is uploaded once complete, the manifest last")
     add_convert_options(shard)
     shard.set_defaults(func=_cmd_shard)
@@ -129,7 +129,7 @@ def add_shard_subparsers(subparsers: Any) -> None:
     verify = subparsers.add_parser(
         "verify", help="re-read every shard of a folder against its manifest, listing every problem",
         description=VERIFY_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
-    verify.add_argument("dest", metavar="DEST", help="shard folder with manifest.json")
+    verify.add_argument("dest", metavar="DEST", type=nonempty_path, help="shard folder with manifest.json")
     verify.add_argument("--workers", type=positive_int, metavar="N", help=_workers_help("threads checking shards"))
     _add_common_options(verify)
     verify.set_defaults(func=_cmd_verify)
@@ -153,6 +153,9 @@ def tool_main(argv: Sequence[str] | None = None) -> int:
         return 2
     except SystemExit as e:  # --help
         return int(e.code or 0)
+    if "" in args.paths or args.verify == "":  # an unset shell variable, never the current folder
+        print(f"{TOOL_PROG}: error: expected a non-empty path, got '' (see --help)", file=sys.stderr)
+        return 2
     if args.verify is not None and args.paths:
         print(f"{TOOL_PROG}: error: --verify DEST takes no SRC DEST arguments", file=sys.stderr)
         return 2

@@ -53,7 +53,7 @@ def _cmd_tune(args: Any) -> int:
 
 def add_tune_subparser(subparsers: Any) -> Any:
     """Add ``tune`` to the ``fastdata`` command's subparsers."""
-    from fastdata.cli._args import output_file, positive_int
+    from fastdata.cli._args import nonempty_path, output_file, positive_int
     from fastdata.cli._doctor import add_pipeline_arguments
 
     p = subparsers.add_parser(
@@ -65,7 +65,7 @@ def add_tune_subparser(subparsers: Any) -> Any:
                     "model on a GPU, the batch size (the largest that fits, less 10% headroom). The options give "
                     "the starting configuration; the best is printed as ready-to-paste Python with its measured "
                     "throughput against the start.")
-    p.add_argument("shards", metavar="SHARDS", help="shard folder with manifest.json")
+    p.add_argument("shards", metavar="SHARDS", type=nonempty_path, help="shard folder with manifest.json")
     add_pipeline_arguments(p, samples=256)
     p.add_argument("--max-batch", type=positive_int, default=2048, metavar="N",
                    help="largest batch size the search tries (a model on a GPU), never above --samples (default: 2048)")

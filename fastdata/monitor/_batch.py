@@ -63,8 +63,12 @@ def search_batch_size(
     for name, value in (("start", start), ("limit", limit), ("multiple", multiple)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-    if not 0.0 <= headroom < 1.0:
+    if isinstance(headroom, bool) or not isinstance(headroom, (int, float)) or not 0.0 <= headroom < 1.0:
         raise ValueError(f"headroom must be in [0, 1), got {headroom!r}")
+    if not callable(fits):
+        raise ValueError(f"fits must be callable, got {fits!r}")
+    if after_oom is not None and not callable(after_oom):  # else found at the first out-of-memory, mid-search
+        raise ValueError(f"after_oom must be callable or None, got {after_oom!r}")
     if start > limit:
         raise ValueError(f"start must be <= limit, got start={start} and limit={limit}")
     tried: list[tuple[int, bool]] = []

@@ -68,8 +68,16 @@ class DoctorOptions:
             raise ValueError(f"num_workers must be an int >= 0, got {self.num_workers!r}")
         if self.job_steps < 2:  # the rate leaves out the first step (start-up): one step measures nothing
             raise ValueError(f"job_steps must be >= 2 (the first step is left out of the rate), got {self.job_steps}")
-        if self.step_ms is not None and not (isinstance(self.step_ms, (int, float)) and self.step_ms > 0):
-            raise ValueError(f"step_ms must be > 0, got {self.step_ms!r}")
+        step = self.step_ms  # a day at most: inf slept into an OverflowError, 1e12 ms was a 31-year step
+        if step is not None and (isinstance(step, bool) or not isinstance(step, (int, float))
+                                 or not 0 < step <= 86_400_000):
+            raise ValueError(f"step_ms must be a finite number > 0 (milliseconds, at most a day), got {step!r}")
+        for name in ("field", "label", "model", "device"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                raise ValueError(f"{name} must be a str or None, got {value!r}")
+        if self.device_decode is not None and not isinstance(self.device_decode, bool):
+            raise ValueError(f"device_decode must be a bool or None, got {self.device_decode!r}")
         if self.model is not None and self.step_ms is not None:
             raise ValueError("give a model or a step time (step_ms), not both")
         if self.decode not in DECODE_BACKENDS:
@@ -221,6 +229,8 @@ def diagnose(source: str | Path, opts: DoctorOptions) -> Diagnosis:
     from fastdata.prefetch import resolve_device
     from fastdata.transforms import ResizeCenterCrop
 
+    if not isinstance(opts, DoctorOptions):
+        raise TypeError(f"opts must be a fastdata.monitor.DoctorOptions, got {type(opts).__name__}")
     if opts.decode == "device":
         raise ValueError("doctor measures a CPU decode pipeline (decode 'pil' or 'torchvision'); decoding on the "
                          "device is measured beside it where CUDA is available")

@@ -18,6 +18,7 @@ scheduler on a busy machine) have irregular distances and are not reported as pe
 """
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -56,6 +57,10 @@ def find_periodic_stalls(
     waits: Sequence[float], *, min_stall_s: float = MIN_STALL_S, min_stalls: int = 4
 ) -> PeriodicStalls | None:
     """The periodic stall pattern in per-step input ``waits`` (seconds), or None if there is none."""
+    if isinstance(min_stalls, bool) or not isinstance(min_stalls, int) or min_stalls < 1:
+        raise ValueError(f"min_stalls must be an int >= 1, got {min_stalls!r}")
+    if isinstance(min_stall_s, bool) or not isinstance(min_stall_s, (int, float)) or not 0 <= min_stall_s < math.inf:
+        raise ValueError(f"min_stall_s must be a finite number >= 0 (seconds), got {min_stall_s!r}")
     w = [float(x) for x in waits[1:]]  # waits[0] is worker start-up, not a cycle
     if len(w) < 2 * min_stalls:
         return None

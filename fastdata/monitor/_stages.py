@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from fastdata._util import quantile
+from fastdata._util import check_int, quantile
 from fastdata._util import usable_cores as cores  # noqa: F401 - the name other modules use
 from fastdata.decode import ImageDecoder, is_image_field, suffix
 from fastdata.errors import DecodeError, FastdataError
@@ -461,7 +461,11 @@ def time_step(step: Any, batch: Any, device: torch.device, *, min_s: float = 0.5
 # ------------------------------------------------------------------------------- device stages
 
 def measure_h2d(nbytes: int, *, repeats: int) -> dict[str, float]:
-    """Host-to-device GB/s of one ``nbytes`` copy from pinned and from pageable memory (medians)."""
+    """Host-to-device GB/s of one ``nbytes`` copy from pinned and from pageable memory (medians); needs CUDA."""
+    check_int("nbytes", nbytes, 1)
+    check_int("repeats", repeats, 1)
+    if not torch.cuda.is_available():  # torch's own error is an AssertionError, "Torch not compiled with CUDA"
+        raise FastdataError("measure_h2d needs a CUDA device; none is available here")
     dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     rates = {}
     for label, pin in (("pinned", True), ("pageable", False)):

@@ -110,8 +110,11 @@ class StallMeter:
     """
 
     def __init__(self, *, sample_gpu: bool = False, gpu_interval_s: float = 0.05) -> None:
-        if not isinstance(gpu_interval_s, (int, float)) or not gpu_interval_s > 0:
-            raise ValueError(f"gpu_interval_s must be > 0, got {gpu_interval_s!r}")
+        interval = gpu_interval_s
+        if isinstance(interval, bool) or not isinstance(interval, (int, float)) or not 0 < interval < float("inf"):
+            raise ValueError(f"gpu_interval_s must be > 0, got {interval!r} (a finite number of seconds)")
+        if not isinstance(sample_gpu, bool):
+            raise ValueError(f"sample_gpu must be a bool, got {sample_gpu!r}")
         self.sample_gpu = sample_gpu
         self.gpu_interval_s = float(gpu_interval_s)
         self.waits: list[float] = []

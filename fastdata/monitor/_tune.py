@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from fastdata._util import check_int
 from fastdata.monitor import _stages as st
 from fastdata.monitor._batch import BatchSearch, search_batch_size
 from fastdata.monitor._diagnose import (
@@ -144,6 +145,9 @@ def tune(source: str | Path, start: DoctorOptions, *, batch_limit: int = 2048) -
     from fastdata.prefetch import resolve_device
     from fastdata.transforms import ResizeCenterCrop
 
+    if not isinstance(start, DoctorOptions):
+        raise TypeError(f"start must be a fastdata.monitor.DoctorOptions, got {type(start).__name__}")
+    check_int("batch_limit", batch_limit, 1)  # only the GPU search reads it, after minutes of measuring
     device = resolve_device(start.device)
     source = st.shard_folder(source)  # the shards are read from the folder, also when given its manifest.json
     ncores = st.cores()

@@ -117,6 +117,11 @@ def save_checkpoint(
         raise CheckpointError(f"epoch must be an int >= 0 or None, got {epoch!r}")
     if loader is not None and loader_state is not None:
         raise CheckpointError("pass loader= or loader_state=, not both")
+    if extra is not None and not isinstance(extra, Mapping):  # '' was saved as {}, 'x' failed in dict()
+        raise CheckpointError(f"extra must be a mapping of name -> value or None, got {type(extra).__name__}")
+    dest = Path(path)
+    if dest.is_dir():  # else os.replace's IsADirectoryError, naming the temporary file
+        raise CheckpointError(f"{dest} is a folder; path must name the checkpoint file")
     if loader is not None:
         fn = getattr(loader, "state_dict", None)
         if not callable(fn):
@@ -140,7 +145,6 @@ def save_checkpoint(
         "epoch": epoch,
         "extra": dict(extra) if extra is not None else {},
     }
-    dest = Path(path)
     dest.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent)
     try:
@@ -182,6 +186,10 @@ def load_checkpoint(
     the training loop; iterate from ``Checkpoint.epoch`` (its ``loader.set_epoch`` keeps the
     loaded position). A checkpoint saved with a loader state needs ``loader=``.
     """
+    if not isinstance(step, TrainStep):
+        raise CheckpointError(f"step must be a fastdata.TrainStep, got {type(step).__name__}")
+    if loader is not None and not callable(getattr(loader, "load_state_dict", None)):  # before anything is restored
+        raise CheckpointError(f"loader must have a load_state_dict() method, got {type(loader).__name__}")
     src = Path(path)
     payload = _read(src)
     if payload["loader"] is not None and loader is None:
@@ -203,8 +211,5 @@ def load_checkpoint(
     for name, p in params.items():
         p.grad = grads[name].to(p.device, p.dtype) if name in grads else None
     if loader is not None:
-        fn = getattr(loader, "load_state_dict", None)
-        if not callable(fn):
-            raise CheckpointError(f"loader must have a load_state_dict() method, got {type(loader).__name__}")
-        fn(payload["loader"])
+        loader.load_state_dict(payload["loader"])
     return Checkpoint(path=src, steps=step.steps, epoch=payload["epoch"], extra=dict(payload["extra"]))

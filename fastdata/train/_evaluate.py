@@ -23,7 +23,7 @@ from fastdata.train._precision import (
     prepare,
     resolve_precision,
 )
-from fastdata.train._step import split_batch
+from fastdata.train._step import check_keys, split_batch
 
 Metric = Callable[[Any, Any], torch.Tensor]
 
@@ -104,7 +104,12 @@ def evaluate(
     Returns the means and ``"samples"``. Under ``torch.distributed`` the sums are all-reduced, so
     every rank gets the global means (padded duplicates of ``even="pad"`` count twice).
     """
+    if not isinstance(model, torch.nn.Module):
+        raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if not (hasattr(batches, "__iter__") or hasattr(batches, "__getitem__")):  # iter() would start a loader
+        raise ValueError(f"batches must be iterable, got {type(batches).__name__}")
     check_precision(precision)
+    check_keys(input_key, target_key)
     if max_batches is not None and (isinstance(max_batches, bool) or not isinstance(max_batches, int)
                                     or max_batches < 1):
         raise ValueError(f"max_batches must be an int >= 1 or None, got {max_batches!r}")

@@ -63,6 +63,13 @@ def split_batch(batch: Any, input_key: str, target_key: str) -> tuple[Any, Any]:
     raise TypeError(f"batch must be (inputs, targets, ...) or a mapping, got {type(batch).__name__}")
 
 
+def check_keys(input_key: str, target_key: str) -> None:
+    """ValueError naming ``input_key``/``target_key`` unless both are strs (a mapping batch's keys)."""
+    for name, key in (("input_key", input_key), ("target_key", target_key)):
+        if not isinstance(key, str):
+            raise ValueError(f"{name} must be a str (the key of a mapping batch), got {key!r}")
+
+
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     """The plain module inside ``torch.compile`` (``_orig_mod``) and DDP/FSDP-style (``module``) wrappers."""
     while True:
@@ -123,6 +130,9 @@ class TrainStep:
             raise ValueError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
         if not callable(loss_fn):
             raise ValueError(f"loss_fn must be callable, got {loss_fn!r}")
+        if not isinstance(compile, bool):  # compile="no" compiled the model
+            raise ValueError(f"compile must be a bool, got {compile!r}")
+        check_keys(input_key, target_key)
         try:
             self.device, param_dtype = model_device_dtype(model)
         except ValueError:
