@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from fastdata.prefetch import tree
@@ -30,3 +31,42 @@ def test_tensors_inside_a_holder_are_protected_at_hand_over() -> None:
     fake = SimpleNamespace(device=torch.device("cpu"))
     owned = CudaStager._storages(fake, out)
     assert {t.data_ptr() for t in owned} == {a.data_ptr(), b.data_ptr(), c.data_ptr()}
+
+
+def test_a_ragged_image_batch_lists_its_images_for_the_prefetcher() -> None:
+    from fastdata.gpu import ImageBatch
+
+    images = [torch.zeros(3, 4, 5, dtype=torch.uint8), torch.zeros(3, 7, 2, dtype=torch.uint8)]
+    batch = {"jpg": ImageBatch(images, [0, 1], 0), "cls": torch.tensor([1, 2])}
+    assert tree.held_tensors(batch)[:2] == images
+    owned = CudaStager._storages(SimpleNamespace(device=torch.device("cpu")), batch)
+    assert {t.data_ptr() for t in owned} >= {t.data_ptr() for t in images}
+
+
+@pytest.mark.cuda
+def test_ragged_images_from_a_device_transform_are_record_streamed(monkeypatch: pytest.MonkeyPatch) -> None:
+    from fastdata import CUDAPrefetcher
+    from fastdata.gpu import ImageBatch
+
+    recorded: list[int] = []
+    real = torch.Tensor.record_stream
+
+    def spy(self: torch.Tensor, stream: torch.cuda.Stream) -> None:
+        recorded.append(self.untyped_storage().data_ptr())
+        real(self, stream)
+
+    monkeypatch.setattr(torch.Tensor, "record_stream", spy)
+    made: list[list[int]] = []
+
+    def ragged(batch: dict) -> dict:  # a device transform that leaves images of two sizes
+        images = [torch.zeros(3, 8, 8, dtype=torch.uint8, device="cuda"),
+                  torch.zeros(3, 5, 9, dtype=torch.uint8, device="cuda")]
+        made.append([im.untyped_storage().data_ptr() for im in images])
+        return {"jpg": ImageBatch(images, [0, 1], 0), "cls": batch["cls"]}
+
+    batches = [{"cls": torch.tensor([i, i])} for i in range(3)]
+    with CUDAPrefetcher(batches, device="cuda", transform=ragged) as pf:
+        for out in pf:
+            assert isinstance(out["jpg"], ImageBatch)
+    torch.cuda.synchronize()
+    assert made and all(set(ptrs) <= set(recorded) for ptrs in made)

@@ -139,6 +139,11 @@ class ImageBatch:
     def __len__(self) -> int:
         return len(self.images)
 
+    def __fastdata_tensors__(self) -> list[torch.Tensor]:
+        """The images: ``CUDAPrefetcher`` protects their memory for the consumer's stream when a
+        device transform leaves a ragged batch (``fastdata.prefetch.tree.HOLDS_TENSORS``)."""
+        return self.images
+
     @property
     def device(self) -> torch.device | None:
         return self.images[0].device if self.images else None
