@@ -154,3 +154,12 @@ def test_host_decoding_leaves_the_warnings_filters_alone(monkeypatch):
     data = _png()
     with pytest.raises(ValueError, match="12 pixels exceeds max_pixels=11"), pytest.warns(Image.DecompressionBombWarning):
         _codec.decode_host(torch.frombuffer(bytearray(data), dtype=torch.uint8), batch["png"].info(0), "pillow")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+@pytest.mark.parametrize("device", ["cuda", "cuda:0", torch.device("cuda", 1)], ids=["name", "index", "torch-device"])
+def test_decode_images_on_cuda_without_cuda_fails_when_built(device):
+    # it failed only at the first batch, in the prefetcher's thread, with a bare AssertionError ("Torch not
+    # compiled with CUDA enabled"); CUDAPrefetcher(device="cuda") already refused when built
+    with pytest.raises(ValueError, match="DecodeImages: device=.*cuda.* but CUDA is not available"):
+        gpu.DecodeImages(device=device)

@@ -114,6 +114,8 @@ class DecodeImages:
                                  f"got {device!r}") from e
             if device.type not in ("cpu", "cuda"):
                 raise ValueError(f"DecodeImages: device must be 'cpu' or CUDA, got {device!r}")
+            if device.type == "cuda" and not torch.cuda.is_available():  # as CUDAPrefetcher: not at the first batch
+                raise ValueError(f"DecodeImages: device={str(device)!r} requested but CUDA is not available")
         self.device = device
         self.on_error = on_error
         self.host_decoder = host_decoder
