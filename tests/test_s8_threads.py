@@ -161,3 +161,40 @@ def test_a_state_saved_after_skipbudgeterror_resumes_with_the_batch_that_raised_
     resumed.load_state_dict(dl.state_dict())
     keys += [k for b in resumed for k in b["__key__"]]
     assert sorted(keys) == [f"k{i:03d}" for i in range(11) if i not in (1, 4, 7)]
+
+
+def _conj(s: dict[str, Any]) -> dict[str, Any]:
+    return {"spec": torch.fft.fft2(s["jpg"].float()).conj(), "k": s["__key__"]}  # conjugate bit set (a lazy view)
+
+
+def _quantized(s: dict[str, Any]) -> dict[str, Any]:
+    return {"q": torch.quantize_per_tensor(s["jpg"].float(), 0.5, 0, torch.quint8), "k": s["__key__"]}
+
+
+def _sparse(s: dict[str, Any]) -> dict[str, Any]:
+    return {"sp": s["jpg"].float().to_sparse(), "k": s["__key__"]}
+
+
+@pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor:UserWarning")  # deprecated, still in use
+@pytest.mark.parametrize("sample_transform", [_conj, _quantized, _sparse])
+def test_tensors_numpy_cannot_copy_are_collated_as_torch_collates_them(shards: Path, sample_transform: Any) -> None:
+    """Sample tensors with the conjugate bit, quantized or sparse ones were written in place through
+    Tensor.numpy(), which refuses them: the thread decoder failed ("Can't call numpy() on Tensor that has
+    conjugate bit set", an INTERNAL ASSERT, "can't convert Sparse layout tensor to numpy") where
+    default_collate in the loading process batches the first two and refuses the third in its own words."""
+    make = lambda: fastdata.ShardedDataset(shards, preprocess=ResizeCenterCrop(32),  # noqa: E731
+                                           sample_transform=sample_transform)
+    outcomes = []
+    for threads in (0, 2):
+        try:
+            outcomes.append([b for b in fastdata.DataLoader(make(), batch_size=3, decode_threads=threads)])
+        except RuntimeError as e:
+            outcomes.append(str(e))
+    if sample_transform is _sparse:
+        assert outcomes[1] == outcomes[0] and "sparse tensors are not currently supported" in outcomes[0]
+        return
+    (ref, got), key = outcomes, next(k for k in outcomes[0][0] if k != "k")
+    assert [b["k"] for b in got] == [b["k"] for b in ref]
+    for x, y in zip(got, ref):
+        assert x[key].dtype == y[key].dtype and torch.equal(x[key].dequantize() if x[key].is_quantized else x[key],
+                                                            y[key].dequantize() if y[key].is_quantized else y[key])

@@ -349,6 +349,13 @@ class _Buffers:
                 self._busy.discard(id(t))
 
 
+def _copyable(v: Any) -> bool:
+    """A tensor a row copy (``Tensor.numpy()``, or torch's for bfloat16) writes as ``default_collate`` would
+    stack it: a plain strided CPU tensor (not conjugate/negative views, quantized or sparse: collated by torch)."""
+    return (isinstance(v, torch.Tensor) and v.device.type == "cpu" and v.layout == torch.strided
+            and not v.requires_grad and not v.is_quantized and not v.is_conj() and not v.is_neg())
+
+
 class _Layout:
     """The fields of a sample written in place: top-level tensors (big enough) of a plain dict,
     tuple or list (``default_collate`` turns a tuple sample into a list batch)."""
@@ -368,8 +375,7 @@ class _Layout:
         else:
             return None
         fields = {k: (tuple(v.shape), v.dtype) for k, v in items
-                  if isinstance(v, torch.Tensor) and v.device.type == "cpu" and not v.requires_grad
-                  and v.numel() * v.element_size() >= MIN_INPLACE_BYTES}
+                  if _copyable(v) and v.numel() * v.element_size() >= MIN_INPLACE_BYTES}
         return cls(kind, len(sample), fields) if fields else None
 
     def fits(self, sample: Any, bufs: dict[Any, torch.Tensor]) -> bool:
@@ -377,7 +383,7 @@ class _Layout:
             return False
         for key, buf in bufs.items():
             v = sample.get(key) if self.kind is dict else sample[key]
-            if not isinstance(v, torch.Tensor) or v.shape != buf.shape[1:] or v.dtype != buf.dtype or v.requires_grad:
+            if not _copyable(v) or v.shape != buf.shape[1:] or v.dtype != buf.dtype:
                 return False
         return True
 
