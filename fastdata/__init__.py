@@ -51,8 +51,15 @@ _EXPORTS: dict[str, str] = {
 
 __all__ = sorted([*_EXPORTS, "__version__"])
 
+# subpackages and modules the docs name as ``fastdata.<name>.<attribute>`` (``fastdata.train.accuracy``):
+# imported at first use, as the names above are, so ``import fastdata`` alone reaches them
+_SUBMODULES = frozenset({"cache", "cli", "dataset", "decode", "errors", "gpu", "loader", "manifest", "monitor",
+                         "prefetch", "shards", "train", "transforms"})
+
 
 def __getattr__(name: str) -> Any:
+    if name in _SUBMODULES:
+        return importlib.import_module(f"fastdata.{name}")  # the import sets it as an attribute of this package
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'fastdata' has no attribute {name!r}")

@@ -200,3 +200,17 @@ def test_the_shard_tool_refuses_an_empty_path(tmp_path, monkeypatch, capsys):
     assert tool_main([str(tmp_path), ""]) == 2
     assert tool_main(["--verify", ""]) == 2
     assert capsys.readouterr().err.count("expected a non-empty path") == 2
+
+
+def test_subpackages_named_in_the_docs_are_reachable_after_import_fastdata():
+    import subprocess
+    import sys
+
+    # fastdata.train.accuracy (README), fastdata.monitor.search_batch_size: "module 'fastdata' has no attribute"
+    # unless something had imported the subpackage first. Light modules here: torch's import takes seconds.
+    code = ("import fastdata, sys; m = fastdata.manifest.Manifest; e = fastdata.errors.FastdataError; "
+            "s = fastdata.shards.is_url; assert 'torch' not in sys.modules; "
+            "assert fastdata.manifest is sys.modules['fastdata.manifest']")
+    subprocess.run([sys.executable, "-c", code], check=True)
+    with pytest.raises(AttributeError, match="module 'fastdata' has no attribute 'nosuch'"):
+        fastdata.nosuch  # noqa: B018

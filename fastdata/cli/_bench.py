@@ -193,7 +193,13 @@ def _cmd_bench(args: Any) -> int:
 
 def add_bench_subparser(subparsers: Any) -> Any:
     """Add ``bench`` to the ``fastdata`` command's subparsers."""
-    from fastdata.cli._args import nonempty_path, nonneg_int, output_file, positive_int, work_folder
+    from fastdata.cli._args import (
+        nonempty_path,
+        nonneg_int,
+        output_file,
+        positive_int,
+        work_folder,
+    )
 
     p = subparsers.add_parser(
         "bench", help="measure raw reads, the decode pipeline, the cache and H2D copies on your shards",

@@ -6,7 +6,13 @@ import json
 import time
 from typing import Any
 
-from fastdata.cli._args import byte_size, nonempty_path, nonempty_text, nonneg_int, positive_int
+from fastdata.cli._args import (
+    byte_size,
+    nonempty_path,
+    nonempty_text,
+    nonneg_int,
+    positive_int,
+)
 from fastdata.errors import CacheError
 
 

@@ -222,7 +222,7 @@ def _device_decode(subset: Path, fields: st.Fields, pre: Any, opts: DoctorOption
             "fastdata.gpu.Compose(DecodeImages, Resize, CenterCrop, Normalize) in the CUDAPrefetcher"}
 
 
-def diagnose(source: str | Path, opts: DoctorOptions) -> Diagnosis:
+def diagnose(source: str | os.PathLike[str], opts: DoctorOptions) -> Diagnosis:
     """Measure every stage of the pipeline ``opts`` describes over ``source`` (see the module docstring)."""
     from fastdata.gpu import Normalize
     from fastdata.manifest import Manifest

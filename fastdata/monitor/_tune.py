@@ -135,7 +135,7 @@ def model_fits(step: st.ModelStep, size: int, device: torch.device) -> Any:
     return fits
 
 
-def tune(source: str | Path, start: DoctorOptions, *, batch_limit: int = 2048) -> TuneResult:
+def tune(source: str | os.PathLike[str], start: DoctorOptions, *, batch_limit: int = 2048) -> TuneResult:
     """Search batch size (CUDA + model), decode backend, workers and depth; see the module docstring.
 
     ``start.device_decode`` (None: on CUDA only) adds decoding on the device as a decode candidate.
