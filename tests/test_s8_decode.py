@@ -163,3 +163,14 @@ def test_decode_images_on_cuda_without_cuda_fails_when_built(device):
     # compiled with CUDA enabled"); CUDAPrefetcher(device="cuda") already refused when built
     with pytest.raises(ValueError, match="DecodeImages: device=.*cuda.* but CUDA is not available"):
         gpu.DecodeImages(device=device)
+
+
+@pytest.mark.parametrize("dtype", [torch.uint16, torch.int16, torch.int32])
+def test_normalize_of_wider_integer_images_is_not_a_silent_no_op(dtype):
+    # 16-bit images (torchvision.io.decode_image of a 16-bit PNG gives uint16) passed Normalize() untouched:
+    # the module docstring promises a ValueError for a batch whose only images it cannot take
+    x = torch.randint(0, 30000, (2, 3, 4, 5), dtype=torch.int32).to(dtype)
+    with pytest.raises(ValueError, match=rf"Normalize: batch\['img'\] is a {dtype} batch of shape \(2, 3, 4, 5\)"):
+        gpu.Normalize()({"img": x, "cls": torch.arange(2)})
+    labels = {"boxes": torch.zeros((2, 5, 4), dtype=dtype), "cls": torch.arange(2)}  # no image-like tensor: passes
+    assert gpu.Normalize()(labels)["boxes"].dtype == dtype

@@ -13,8 +13,8 @@ no uint8 tensor of 4 or more dimensions: beside a batch of images, an ``(N, H, W
 of masks, whatever ``N``; for ``ChannelsLast`` any 4-D or 5-D tensor). ``keys`` under which no tensor
 sits, images left in an ``ImageBatch`` of several sizes, and ``Normalize()`` over a batch whose only
 images it cannot take (floating-point ones, as after torchvision's order ``ToDtype(float32,
-scale=True)``, or a channel count other than ``len(mean)``) are a ``ValueError`` rather than a batch
-passed on untouched.
+scale=True)``, integer ones wider than 8 bits, or a channel count other than ``len(mean)``) are a
+``ValueError`` rather than a batch passed on untouched.
 """
 from __future__ import annotations
 
@@ -145,6 +145,14 @@ class Normalize:
                     f"Normalize: the batch holds no uint8 images, but {format_path(path)} is a {x.dtype} batch of "
                     f"shape {tuple(x.shape)}; without keys, Normalize takes uint8 images ((x / 255 - mean) / std): "
                     "put it before ToDtype, or name the tensor in keys= to normalise floats as (x - mean) / std")
+        for path, x in leaves:  # 16-bit images (torchvision.io.decode_image of a 16-bit PNG): no scale known here
+            if (not x.dtype.is_floating_point and x.dtype not in (torch.uint8, torch.bool) and x.dim() >= 4
+                    and -x.dim() <= self.channel_dim < x.dim()
+                    and (len(self.mean) == 1 or x.shape[self.channel_dim] == len(self.mean))):
+                raise ValueError(
+                    f"Normalize: {format_path(path)} is a {x.dtype} batch of shape {tuple(x.shape)}; Normalize takes "
+                    "uint8 images ((x / 255 - mean) / std), or floats named in keys=: convert it first (16-bit "
+                    "images: (x.int() >> 8).to(torch.uint8), or to floats in [0, 1])")
 
     def _selected(self, x: torch.Tensor) -> bool:
         if x.dtype != torch.uint8 or x.dim() < 3 or not -x.dim() <= self.channel_dim < x.dim():
