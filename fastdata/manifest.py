@@ -195,7 +195,13 @@ class Manifest:
         Raises ``ManifestError`` naming the file and the JSON path of the problem,
         e.g. ``shards[3].sha256: ...``.
         """
-        p = Path(path)
+        text_path = os.fspath(path)
+        if isinstance(text_path, str) and text_path.startswith("file://"):
+            text_path = text_path[len("file://"):]
+        elif isinstance(text_path, str) and "://" in text_path:  # Path() would make 's3:/bucket/ds' of it
+            raise ManifestError(f"{text_path}: a URL; Manifest.load reads a local folder or manifest.json "
+                                "(ShardedDataset and RemoteShards read folder URLs)")
+        p = Path(text_path)
         if p.is_dir():
             p = p / MANIFEST_NAME
         try:

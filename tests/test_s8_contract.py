@@ -214,3 +214,11 @@ def test_subpackages_named_in_the_docs_are_reachable_after_import_fastdata():
     subprocess.run([sys.executable, "-c", code], check=True)
     with pytest.raises(AttributeError, match="module 'fastdata' has no attribute 'nosuch'"):
         fastdata.nosuch  # noqa: B018
+
+
+def test_manifest_load_names_a_url_as_given(array_shards, capsys):
+    with pytest.raises(fastdata.ManifestError, match=r"^s3://bucket/ds: a URL; Manifest.load reads a local folder"):
+        fastdata.Manifest.load("s3://bucket/ds")  # "s3:/bucket/ds: no manifest found"
+    assert fastdata.Manifest.load(f"file://{array_shards}").num_samples == 8
+    assert main(["doctor", "https://host/ds/", "--step-ms", "5"]) == 1
+    assert "https://host/ds/: a URL" in capsys.readouterr().err
