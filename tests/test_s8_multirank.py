@@ -2,6 +2,8 @@
 process) and the node-local cache shared by several processes."""
 from __future__ import annotations
 
+import os
+import sys
 import warnings
 
 import numpy as np
@@ -11,6 +13,8 @@ import torch
 from fastdata.dataset import ShardedDataset
 from fastdata.loader import DataLoader
 from fastdata.shards.tar import write_tar_shard
+
+sys.path.insert(0, os.path.dirname(__file__))  # loopback_server
 
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
 
@@ -122,3 +126,43 @@ def test_one_ranks_state_after_an_elastic_resume_with_another_loader_is_refused(
     for dl, st in zip([_loader(seven, r, 4, batch_size=1) for r in range(4)], [d.state_dict() for d in relisted]):
         dl.load_state_dict(st)  # now split for batch_size=1: each rank's own state is taken
         assert len(list(dl)) == 2
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    from loopback_server import make_shard_set  # noqa: E402
+
+    root = tmp_path_factory.mktemp("s8www")
+    make_shard_set(root / "ds", 8, 4, payload=300, seed=3)  # 2 shards
+    return root
+
+
+def test_a_node_cache_that_cannot_store_or_lock_is_an_error_not_a_skip(served, tmp_path, monkeypatch):
+    """With on_error="skip", a full local disk (or a cache folder whose lock files cannot be made) "skipped"
+    every sample as if it were bad data, each one downloading its shard again (16 GETs for 8 samples, 0
+    yielded), and a rank whose host had the problem yielded nothing while the others trained on: a DDP
+    hang. The node cache's local side is this host's problem, as the preprocessing cache's: raised."""
+    import errno
+
+    from loopback_server import LoopbackServer
+
+    from fastdata.dataset import RemoteShards, _nodecache
+    from fastdata.errors import CacheError, RemoteError
+
+    def full(self, i, shard, tmp, **kw):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with LoopbackServer(served, max_requests=100, lifetime=60) as srv:
+        ds = ShardedDataset(RemoteShards(srv.url + "/ds", cache_dir=tmp_path / "a", prefetch=0), decode=False,
+                            on_error="skip")
+        with monkeypatch.context() as m:
+            m.setattr(_nodecache.ShardCache, "_download", full)
+            with pytest.raises(CacheError, match=r"node cache .*cannot store shard-00000\d.tar.*No space left") as e:
+                list(ds)
+        assert isinstance(e.value, RemoteError) and not ds.skipped
+        ds = ShardedDataset(RemoteShards(srv.url + "/ds", cache_dir=tmp_path / "b", prefetch=0), decode=False,
+                            on_error="skip")
+        (ds.source.node_cache.root / ".locks" / "0.use").mkdir()  # cannot be opened as a lock file
+        with pytest.raises(CacheError, match=r"node cache .*shard-000000.tar: .*0\.use.*choose another cache_dir"):
+            list(ds)
+        assert not ds.skipped

@@ -954,7 +954,7 @@ class ShardedDataset(IterableDataset):
         """:meth:`_read_uncached` under the error policy (None: skipped). The cached fast path's read."""
         try:
             return self._read_uncached(shard, i, g, cursor)
-        except (MissingFieldError, SkipBudgetError):
+        except (CacheError, MissingFieldError, SkipBudgetError):  # CacheError: a node cache that cannot store
             raise
         except (FastdataError, OSError, IndexError) as e:
             self._handle_error(self._wrap_error(e, shard, i), e, shard, i, g, cursor)

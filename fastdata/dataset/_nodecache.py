@@ -73,10 +73,10 @@ from typing import Any
 
 from fastdata.shards import (RemoteStream, RetryPolicy, redact_url, remote_error, split_query, url_identity,
                             url_join)
-from fastdata.errors import FastdataError, RemoteError
+from fastdata.errors import CacheError, FastdataError, RemoteError
 from fastdata.manifest import Manifest, ShardInfo
 
-__all__ = ["EVICTION_POLICIES", "ShardCache", "default_cache_dir"]
+__all__ = ["EVICTION_POLICIES", "NodeCacheError", "ShardCache", "default_cache_dir"]
 
 EVICTION_POLICIES = ("future", "lru")
 _CHUNK = 4 << 20
@@ -95,6 +95,13 @@ _FORK_JOIN_S = 2.0  # the longest a fork waits for the cache's threads to stop (
 # forever, and Python 3.12 warns about it. Stopped before the fork, restarted after it in the parent.
 _RELEASING: weakref.WeakSet[ShardCache] = weakref.WeakSet()
 _PREFETCHING: weakref.WeakSet[ShardCache] = weakref.WeakSet()
+
+
+class NodeCacheError(RemoteError, CacheError):
+    """The node cache's local side failed: its folder cannot be written or locked (another user's,
+    read-only, full disk) or ``max_bytes`` cannot hold the shards in use. Names the folder. Not a
+    sample's fault: never skipped under ``on_error`` (a ``CacheError``, as the preprocessing cache's
+    own), else every sample of every shard would be "skipped", each one downloading its shard again."""
 
 
 class _Interrupted(FastdataError):
@@ -246,8 +253,8 @@ class ShardCache:
             for sub in (".locks", ".tmp", ".waits"):
                 (self.root / sub).mkdir(parents=True, exist_ok=True)
         except OSError as e:
-            raise RemoteError(f"node cache folder {self.root} (RemoteShards.cache_dir or $FASTDATA_NODE_CACHE) "
-                              f"cannot be created: {e}") from e
+            raise NodeCacheError(f"node cache folder {self.root} (RemoteShards.cache_dir or $FASTDATA_NODE_CACHE) "
+                                 f"cannot be created: {e}") from e
 
     def _check_pid(self) -> None:
         if self._pid != os.getpid():
@@ -423,6 +430,17 @@ class ShardCache:
     def acquire(self, i: int) -> Path:
         """:meth:`ensure` and mark shard ``i`` as in use by this process until :meth:`release`."""
         self._check_pid()
+        try:
+            return self._acquire(i)
+        except RemoteError:
+            raise
+        except OSError as e:  # a lock file, the folder: this host's side (the network's are RemoteErrors)
+            raise NodeCacheError(
+                f"node cache {self.root}: shard {self.manifest.shards[i].name}: {e} (every process on this host "
+                "needs to create and lock files in RemoteShards.cache_dir or $FASTDATA_NODE_CACHE: a folder of "
+                "another user or a read-only one is no node cache; choose another cache_dir)") from e
+
+    def _acquire(self, i: int) -> Path:
         while True:
             path = self.ensure(i)
             fd = os.open(self._lock_path(i, "use"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
@@ -639,7 +657,7 @@ class ShardCache:
                     if not isinstance(e, Exception) or isinstance(e, _Interrupted):
                         raise
                     if isinstance(e, OSError) and not isinstance(e, RemoteError):  # the network's are RemoteErrors
-                        raise RemoteError(f"node cache {self.root}: cannot store {shard.name} downloaded from "
+                        raise NodeCacheError(f"node cache {self.root}: cannot store {shard.name} downloaded from "
                                           f"{redact_url(self.url(i))}: {e} (free space on that disk, lower "
                                           "RemoteShards.max_bytes, or choose another cache_dir)") from e
                     if getattr(e, "checksum", False):  # maybe a bad proxy or a torn write: try again
@@ -768,7 +786,7 @@ class ShardCache:
                     others_hold = True  # downloads in progress (any process or thread) become evictable when done
                 if not others_hold:  # only this process's own open readers pin the space: waiting cannot help
                     mine_open = self._held()
-                    raise RemoteError(
+                    raise NodeCacheError(
                         f"node cache {self.root}: max_bytes={self.max_bytes} cannot hold shard {shard.name} "
                         f"({shard.bytes} bytes) next to the {len(mine_open)} shards this process has open "
                         f"({used} bytes in the cache); ShardedDataset keeps open_shards x (walks in this process) "
@@ -781,7 +799,7 @@ class ShardCache:
                     stuck_since = now
                 elif now - stuck_since >= _DEADLOCK_S:
                     self._gave_up = bool(self._use)  # the others still wait for this process's shards
-                    raise RemoteError(
+                    raise NodeCacheError(
                         f"node cache {self.root}: max_bytes={self.max_bytes} cannot hold shard {shard.name} "
                         f"({shard.bytes} bytes): the {stuck} processes on this host that hold its space "
                         f"({len(pinned)} shards open, {used} bytes in the cache) are all waiting for space "
@@ -795,7 +813,7 @@ class ShardCache:
                     self._stalled_since = time.monotonic()
                 elif time.monotonic() - self._stalled_since > _STALL_S:
                     self._stalled_since = None
-                    raise RemoteError(f"node cache {self.root}: max_bytes={self.max_bytes} cannot hold shard "
+                    raise NodeCacheError(f"node cache {self.root}: max_bytes={self.max_bytes} cannot hold shard "
                                       f"{shard.name} ({shard.bytes} bytes) next to the shards in use on this host "
                                       f"for {_STALL_S:g} s; raise the limit or read fewer shards at once "
                                       "(open_shards, workers)")
@@ -954,8 +972,9 @@ class ShardCache:
 
 def _again(e: Exception, when: float) -> RemoteError:
     """A new RemoteError repeating ``e`` (a failed fetch at ``when``) for another read of its shard."""
-    err = RemoteError(f"{e} (an attempt {time.monotonic() - when:.0f} s ago in this pass; the shard is "
-                      f"fetched again after {_FAILED_FRESH_S:g} s or in the next pass)")
+    kind = NodeCacheError if isinstance(e, NodeCacheError) else RemoteError  # this host's side stays unskippable
+    err = kind(f"{e} (an attempt {time.monotonic() - when:.0f} s ago in this pass; the shard is "
+               f"fetched again after {_FAILED_FRESH_S:g} s or in the next pass)")
     for name in ("url", "status", "transient", "checksum"):
         if hasattr(e, name):
             setattr(err, name, getattr(e, name))
