@@ -39,7 +39,8 @@ moment). So CPU batch memory comes from a ring whose
 buffers are reused only when provably free: not assigned to a batch in flight and no tensor but
 the ring's own refers to its storage (``torch._C._storage_Use_Count``; the consumer always gets
 views, so any batch, slice or NumPy array it keeps pins the buffer; a test guards this torch
-behaviour). When every ring buffer is held, a fresh one is allocated. Pinned memory
+behaviour), and never once its storage moved to shared memory (a batch put on a torch.multiprocessing
+queue: the receiving process maps it). When every ring buffer is held, a fresh one is allocated. Pinned memory
 (``pin_memory=True``) is not ringed: a consumer may drop a pinned batch while a ``non_blocking``
 copy still reads it, which only torch's caching host allocator knows (it records an event on the
 copy's stream and reuses the block after it completes); so pinned buffers are fresh
