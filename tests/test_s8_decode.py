@@ -174,3 +174,24 @@ def test_normalize_of_wider_integer_images_is_not_a_silent_no_op(dtype):
         gpu.Normalize()({"img": x, "cls": torch.arange(2)})
     labels = {"boxes": torch.zeros((2, 5, 4), dtype=dtype), "cls": torch.arange(2)}  # no image-like tensor: passes
     assert gpu.Normalize()(labels)["boxes"].dtype == dtype
+
+
+def test_torchvision_host_path_checks_a_webps_size_before_decoding(monkeypatch):
+    # torchvision's decode_image has no header peek: the WebP's size is read by Pillow first (no torchvision here:
+    # a stand-in records the calls)
+    from types import SimpleNamespace
+
+    from fastdata.gpu import _codec
+
+    calls = []
+    fake = SimpleNamespace(ImageReadMode=SimpleNamespace(RGB="RGB"),
+                           decode_image=lambda data, mode: calls.append(1) or torch.zeros((3, 80, 100), dtype=torch.uint8))
+    monkeypatch.setattr(_codec, "torchvision_status", lambda: (fake, "stand-in"))
+    buf = io.BytesIO()
+    Image.new("RGB", (100, 80)).save(buf, format="WEBP")
+    data = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+    info = PackedImages.pack([EncodedImage(buf.getvalue(), shard="s", key="k", index=0, epoch=0)]).info(0)
+    with pytest.raises(ValueError, match="8000 pixels exceeds max_pixels=7999"):
+        _codec.decode_host(data, info, "torchvision", 7999)
+    assert not calls
+    assert _codec.decode_host(data, info, "torchvision", 8000).shape == (3, 80, 100) and calls == [1]

@@ -254,10 +254,12 @@ def decode_host(data: torch.Tensor, info: ImageInfo, backend: str, max_pixels: i
         if max_pixels is not None and info.format == "webp":  # no size sniffed from its header: Pillow reads it
             try:
                 with Image.open(io.BytesIO(data.numpy().data), formats=("WEBP",)) as img:
-                    size = img.size
+                    w, h = img.size
             except Image.UnidentifiedImageError:  # a Pillow without WebP, or a corrupt one: torchvision decides
-                size = (0, 0)
-            _rgb_decoder(max_pixels)._check_pixels(*size)
+                w = h = 0
+            if w * h > max_pixels:  # as ImageDecoder(max_pixels=) says it
+                raise ValueError(f"image of {w}x{h} = {w * h} pixels exceeds max_pixels={max_pixels} (a decompression "
+                                 "bomb or an unexpectedly large image)")
         if info.format == "jpeg" and info.components in (1, 3):
             out = tv.decode_jpeg(data, mode=tv.ImageReadMode.RGB)
         else:
