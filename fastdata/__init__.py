@@ -1,7 +1,7 @@
 """fastdata: keep GPUs fed.
 
-Public names are imported lazily so that ``import fastdata`` stays cheap and optional
-dependencies (h5py, webdataset) load only when used.
+Public names (and subpackages such as ``fastdata.train``) are imported lazily so that ``import fastdata``
+stays cheap and optional dependencies (h5py, webdataset) load only when used.
 """
 from __future__ import annotations
 

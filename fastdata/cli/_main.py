@@ -62,6 +62,7 @@ def _message(error: BaseException) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``fastdata`` command's parser: every subcommand, each leaf with ``func`` set to its handler."""
     p = argparse.ArgumentParser(prog="fastdata", description="Keep GPUs fed.")
     p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging and full tracebacks (default: off)")

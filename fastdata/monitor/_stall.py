@@ -54,6 +54,7 @@ class StallReport:
 
     @property
     def loader_bound(self) -> bool:
+        """Whether the loop waited for input more than ``LOADER_BOUND_SHARE`` of its wall time."""
         return self.wait_share > LOADER_BOUND_SHARE
 
     @property

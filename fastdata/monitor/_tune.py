@@ -69,6 +69,7 @@ class TuneResult:
 
     @property
     def speedup(self) -> float:
+        """The tuned throughput over the start's (inf when the start measured nothing)."""
         return self.best_rate / self.start_rate if self.start_rate > 0 else float("inf")
 
     def to_dict(self) -> dict[str, Any]:
