@@ -126,6 +126,19 @@ class Manifest:
         object.__setattr__(self, "shards", tuple(self.shards))
         object.__setattr__(self, "fields", tuple(self.fields))
         object.__setattr__(self, "skipped", tuple(dict(s) for s in self.skipped))
+        # what load() refuses is refused here too: save() must never write a manifest that cannot be read back
+        for name, items, cls in (("shards", self.shards, ShardInfo), ("fields", self.fields, FieldInfo)):
+            bad = next((x for x in items if not isinstance(x, cls)), None)
+            if bad is not None:
+                raise ValueError(f"Manifest.{name} must hold {cls.__name__}s, got {bad!r}")
+        version = self.format_version
+        if isinstance(version, bool) or not isinstance(version, int) or not 1 <= version <= FORMAT_VERSION:
+            raise ValueError(f"Manifest.format_version must be an int in 1..{FORMAT_VERSION}, got {version!r}")
+        if not isinstance(self.extra, dict):
+            raise ValueError(f"Manifest.extra must be a dict, got {type(self.extra).__name__}")
+        for i, s in enumerate(self.skipped):
+            if not (isinstance(s.get("source"), str) and isinstance(s.get("reason"), str)):
+                raise ValueError(f"Manifest.skipped[{i}] must have str 'source' and 'reason', got {s!r}")
         first: dict[str, int] = {}
         for i, s in enumerate(self.shards):  # 'a.tar', './a.tar', './/a.tar': one file, read twice
             j = first.setdefault(posixpath.normpath(s.name), i)

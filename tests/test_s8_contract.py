@@ -222,3 +222,17 @@ def test_manifest_load_names_a_url_as_given(array_shards, capsys):
     assert fastdata.Manifest.load(f"file://{array_shards}").num_samples == 8
     assert main(["doctor", "https://host/ds/", "--step-ms", "5"]) == 1
     assert "https://host/ds/: a URL" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(format_version=2), "Manifest.format_version must be an int in 1..1, got 2"),
+    (dict(format_version=True), "Manifest.format_version must be an int in 1..1, got True"),
+    (dict(extra=[1]), "Manifest.extra must be a dict, got list"),
+    (dict(skipped=[{"file": "a.jpg"}]), r"Manifest.skipped\[0\] must have str 'source' and 'reason'"),
+    (dict(shards=["shard-000000.tar"]), "Manifest.shards must hold ShardInfos, got 'shard-000000.tar'"),
+    (dict(fields=["jpg"]), "Manifest.fields must hold FieldInfos, got 'jpg'"),  # an AttributeError
+])
+def test_manifest_refuses_what_it_could_not_load_back(kwargs, match, tmp_path):
+    # each was saved, and Manifest.load of the folder then failed: a shard folder nothing could open
+    with pytest.raises(ValueError, match=match):
+        fastdata.Manifest(**{"format": "tar", "shards": (), "fields": (), **kwargs})
