@@ -1,7 +1,7 @@
 """fastdata: keep GPUs fed.
 
 Public names (and subpackages such as ``fastdata.train``) are imported lazily so that ``import fastdata``
-stays cheap and optional dependencies (h5py, webdataset) load only when used.
+stays cheap: torch, h5py and the optional dependencies (fsspec, ray, pynvml) load only when used.
 """
 from __future__ import annotations
 
