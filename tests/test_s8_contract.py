@@ -108,6 +108,13 @@ def test_stall_meter_checks_its_arguments(kwargs, match):
         StallMeter(**kwargs)
 
 
+def test_advise_names_a_report_of_the_wrong_type():
+    from fastdata.monitor import advise
+
+    with pytest.raises(TypeError, match="report must be a StallReport"):
+        advise(StallMeter(), None)  # an AttributeError: no attribute 'loader_bound'
+
+
 def test_search_batch_size_checks_its_callables_before_searching():
     calls = []
     with pytest.raises(ValueError, match="after_oom must be callable or None"):

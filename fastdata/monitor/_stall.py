@@ -236,6 +236,8 @@ def _prefetch_stats(loader: Any) -> dict[str, Any] | None:
 
 def advise(report: StallReport, loader: Any) -> list[str]:
     """Concrete changes for a loader-bound loop, from what the loader's settings show."""
+    if not isinstance(report, StallReport):
+        raise TypeError(f"report must be a StallReport (StallMeter.report()), got {type(report).__name__}")
     if not report.loader_bound:
         return []
     out: list[str] = []
