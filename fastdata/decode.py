@@ -450,6 +450,11 @@ def _bytes(value: Any) -> bytes | memoryview | None:
     return None
 
 
+# suffixes whose values are encoded bytes: a 1-D uint8 array under another suffix (npy, npz, none known) is a
+# value (an HDF5 field of kind "array", e.g. an embedding of shape (8,)), not bytes to decode
+_ENCODED_SUFFIXES = IMAGE_SUFFIXES | _INT_SUFFIXES | _TEXT_SUFFIXES | _JSON_SUFFIXES | PICKLE_SUFFIXES
+
+
 class SampleDecoder:
     """Decode the fields of a sample dict.
 
@@ -520,7 +525,7 @@ class SampleDecoder:
 
     def _default(self, name: str, value: Any, *, shard: str, key: str) -> Any:
         ext = suffix(name)
-        data = _bytes(value)
+        data = None if isinstance(value, np.ndarray) and ext not in _ENCODED_SUFFIXES else _bytes(value)
         if data is None:  # already decoded (HDF5 arrays, ints)
             if ext in _INT_SUFFIXES and isinstance(value, (np.integer, np.ndarray)) and np.ndim(value) == 0:
                 return int(value)

@@ -195,3 +195,20 @@ def test_torchvision_host_path_checks_a_webps_size_before_decoding(monkeypatch):
         _codec.decode_host(data, info, "torchvision", 7999)
     assert not calls
     assert _codec.decode_host(data, info, "torchvision", 8000).shape == (3, 80, 100) and calls == [1]
+
+
+def test_hdf5_fixed_shape_one_dimensional_uint8_arrays_come_back_as_arrays(tmp_path):
+    # the decoder took every 1-D uint8 array for encoded bytes: an HDF5 "emb.npy" field of shape (8,) failed
+    # every sample ("the magic string is not correct"), and a "tokens" field came back as bytes
+    pytest.importorskip("h5py")
+    from fastdata.dataset import ShardedDataset
+    from fastdata.shards.writer import ShardWriter
+
+    with ShardWriter(tmp_path / "h5", format="hdf5") as w:
+        for i in range(3):
+            w.write({"__key__": f"k{i}", "emb.npy": np.arange(8, dtype=np.uint8) + i, "tokens": np.full(5, i, np.uint8),
+                     "txt": f"caption {i}", "jpg": _png(), "cls": i})
+    samples = list(ShardedDataset(tmp_path / "h5"))
+    assert [s["emb.npy"].tolist() for s in samples] == [list(range(i, i + 8)) for i in range(3)]
+    assert all(isinstance(s["tokens"], np.ndarray) and s["tokens"].tolist() == [i] * 5 for i, s in enumerate(samples))
+    assert samples[2]["txt"] == "caption 2" and samples[2]["jpg"].shape == (3, 3, 4) and samples[2]["cls"] == 2
