@@ -212,3 +212,16 @@ def test_hdf5_fixed_shape_one_dimensional_uint8_arrays_come_back_as_arrays(tmp_p
     assert [s["emb.npy"].tolist() for s in samples] == [list(range(i, i + 8)) for i in range(3)]
     assert all(isinstance(s["tokens"], np.ndarray) and s["tokens"].tolist() == [i] * 5 for i, s in enumerate(samples))
     assert samples[2]["txt"] == "caption 2" and samples[2]["jpg"].shape == (3, 3, 4) and samples[2]["cls"] == 2
+
+
+def test_an_os2_bmp_is_decoded_not_refused_as_a_bomb():
+    # an OS/2 BMP (12-byte BITMAPCOREHEADER: 16-bit width and height) was sniffed with the 32-bit layout of later
+    # headers: a 5x3 image "claimed 1572865x196613 pixels" and was refused as over max_pixels
+    w, h = 5, 3
+    row = bytes([10, 20, 30]) * w + b"\0"
+    bmp = b"BM" + struct.pack("<IHHI", 26 + 3 * len(row), 0, 0, 26) + struct.pack("<IHHHH", 12, w, h, 1, 24) + row * h
+    assert Image.open(io.BytesIO(bmp)).size == (w, h)
+    batch = collate([{"img": EncodedImage(bmp, shard="s.tar", key="k0", index=0, epoch=0)}])
+    assert batch["img"].sizes().tolist() == [[h, w]]
+    out = gpu.DecodeImages(device="cpu")(batch)["img"].images[0]
+    assert out.shape == (3, h, w) and out[:, 0, 0].tolist() == [30, 20, 10]

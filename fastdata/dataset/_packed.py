@@ -102,6 +102,8 @@ def _header(data: Any) -> tuple[int, tuple[int, int]]:
             size = (int.from_bytes(head[20:24], "big"), int.from_bytes(head[16:20], "big"))
         elif fmt == "gif" and len(head) >= 10:
             size = (int.from_bytes(head[8:10], "little"), int.from_bytes(head[6:8], "little"))
+        elif fmt == "bmp" and len(head) >= 26 and head[14:18] == b"\x0c\0\0\0":  # OS/2 core header: 16-bit sides
+            size = (int.from_bytes(head[20:22], "little"), int.from_bytes(head[18:20], "little"))
         elif fmt == "bmp" and len(head) >= 26:
             size = (abs(int.from_bytes(head[22:26], "little", signed=True)), int.from_bytes(head[18:22], "little"))
         return code | (_NO_SOF << 8) | (_NO_ADOBE << 32), (min(size[0], _MAX_SIDE), min(size[1], _MAX_SIDE))
