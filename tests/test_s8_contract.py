@@ -154,6 +154,22 @@ def test_evaluate_names_its_model_and_batches_arguments():
         evaluate(model, 5)  # "iterable must be iterable", the prefetcher's argument
 
 
+@pytest.mark.parametrize("state, match", [
+    ({}, r"state must be a TrainStep.state_dict\(\) \(scaler, micro, steps, rng\), got \[\]"),  # zeroed the counters
+    ({"epoch": 1, "positions": [3]}, "state must be a TrainStep.state_dict"),  # a loader's state, taken silently
+    (None, "state must be a TrainStep.state_dict.*got NoneType"),  # an AttributeError
+    ({"scaler": None, "micro": 0, "steps": "x", "rng": None}, "state has steps='x'"),  # int('x')
+    ({"scaler": None, "micro": 0, "steps": "5", "rng": None}, "state has steps='5'"),  # taken as 5
+    ({"scaler": None, "micro": 0, "steps": 1, "rng": {"gpu": 1}}, "state has rng="),
+])
+def test_trainstep_load_state_dict_refuses_another_objects_state(state, match):
+    step = _step()
+    step.steps = 7
+    with pytest.raises(ValueError, match=match):
+        step.load_state_dict(state)
+    assert step.steps == 7  # nothing restored
+
+
 @pytest.mark.parametrize("extra, match", [
     ("", "extra must be a mapping"),       # saved as {}
     ("x", "extra must be a mapping"),      # "dictionary update sequence element #0 has length 1"

@@ -228,16 +228,25 @@ class TrainStep:
                 "micro": self._micro, "steps": self.steps, "rng": self._rng.state_dict()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict`."""
-        if self.scaler is not None and state.get("scaler"):
-            self.scaler.load_state_dict(state["scaler"])
-        micro = int(state.get("micro", 0))
-        if not 0 <= micro < self.options.grad_accum:
+        """Restore :meth:`state_dict` (checked whole before anything is restored)."""
+        if not isinstance(state, Mapping) or not {"scaler", "micro", "steps", "rng"} <= state.keys():
+            # another object's state (a loader's, say) was taken as zero counters
+            got = sorted(map(str, state)) if isinstance(state, Mapping) else type(state).__name__
+            raise ValueError(f"state must be a TrainStep.state_dict() (scaler, micro, steps, rng), got {got}")
+        micro, steps, rng = state["micro"], state["steps"], state["rng"]
+        for name, value in (("micro", micro), ("steps", steps)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"state has {name}={value!r}; expected an int >= 0")
+        if not micro < self.options.grad_accum:
             raise ValueError(f"state has micro={micro}, out of range for grad_accum={self.options.grad_accum}")
+        if rng is not None and not (isinstance(rng, Mapping) and isinstance(rng.get("cpu"), torch.Tensor)):
+            raise ValueError(f"state has rng={rng!r}; expected the random stream's {{'cpu': tensor, ...}}")
+        if self.scaler is not None and state["scaler"]:
+            self.scaler.load_state_dict(state["scaler"])
         self._micro = micro
-        self.steps = int(state.get("steps", 0))
-        if state.get("rng") is not None:
-            self._rng.load_state_dict(state["rng"])
+        self.steps = steps
+        if rng is not None:
+            self._rng.load_state_dict(rng)
 
 
 class _RngStream:
