@@ -225,3 +225,15 @@ def test_an_os2_bmp_is_decoded_not_refused_as_a_bomb():
     assert batch["img"].sizes().tolist() == [[h, w]]
     out = gpu.DecodeImages(device="cpu")(batch)["img"].images[0]
     assert out.shape == (3, h, w) and out[:, 0, 0].tolist() == [30, 20, 10]
+
+
+def test_normalize_before_decode_images_is_not_a_silent_no_op():
+    # Compose(Normalize(), DecodeImages(), CenterCrop(8)) gave uint8 images: Normalize saw only encoded images
+    # (PackedImages, no tensor) and passed the batch on untouched
+    batch = collate([{"png": EncodedImage(_png(), shard="s.tar", key=f"k{i}", index=i, epoch=0), "cls": i}
+                     for i in range(2)])
+    with pytest.raises(ValueError, match=r"Normalize: batch\['png'\] holds encoded images.*DecodeImages before"):
+        gpu.Compose(gpu.Normalize(), gpu.DecodeImages(device="cpu"), gpu.CenterCrop(8))(batch)
+    out = gpu.Compose(gpu.DecodeImages(device="cpu"), gpu.CenterCrop(8), gpu.Normalize())(batch)
+    assert out["png"].dtype == torch.float32 and out["png"].shape == (2, 3, 8, 8)
+    assert gpu.Normalize()({"cls": torch.arange(2), "txt": ["a", "b"]})["cls"].tolist() == [0, 1]  # no images: passes

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from fastdata.dataset import PackedImages
 from fastdata.gpu._augment import ImageBatch, render_images
 from fastdata.prefetch.tree import (
     Path,
@@ -127,6 +128,9 @@ class Normalize:
         chosen = {id(x) for _, x in leaves if self._selected(x) and (x.dim() >= 4 or not images)}
         if not chosen and not _image_batch_paths(batch, ()):  # nothing to do: say so where images show
             self._refuse_unselected_images(leaves)            # that the user meant them
+            for path in _packed_paths(batch, ()):  # Compose(Normalize(), DecodeImages(), ...): still encoded
+                raise ValueError(f"Normalize: {format_path(path)} holds encoded images (PackedImages); decode them "
+                                 "first: put DecodeImages before Normalize in the Compose")
         return _apply(batch, None, lambda x: id(x) in chosen, self.apply, "Normalize")
 
     def _refuse_unselected_images(self, leaves: list[tuple[Path, torch.Tensor]]) -> None:
@@ -308,6 +312,18 @@ def _apply(
         have = f"keys {list(batch)}" if isinstance(batch, dict) else f"a {type(batch).__name__}"
         raise ValueError(f"{owner}: no tensor of the batch is under keys {list(keys or ())}; the batch has {have}")
     return out
+
+
+def _packed_paths(obj: Any, path: Path) -> list[Path]:
+    """Paths of the PackedImages (encoded images) in dicts, lists and tuples of ``obj``."""
+    if isinstance(obj, PackedImages):
+        return [path] if len(obj) else []
+    if isinstance(obj, dict):
+        return [p for k, v in obj.items() for p in _packed_paths(v, (*path, k))]
+    if isinstance(obj, (list, tuple)):
+        return [p for i, v in enumerate(obj) if not isinstance(v, (torch.Tensor, str, int, float))
+                for p in _packed_paths(v, (*path, i))]
+    return []
 
 
 def _image_batch_paths(obj: Any, path: Path) -> list[Path]:
