@@ -23,6 +23,8 @@ behaves exactly like torch's (``state_dict()`` then raises TypeError).
 from __future__ import annotations
 
 import logging
+import math
+import operator
 import threading
 import time
 import types
@@ -342,6 +344,7 @@ class DataLoader(torch.utils.data.DataLoader):
             if decode_threads:  # no worker processes start: torch's advice on their number does not apply
                 warnings.filterwarnings("ignore", message="This DataLoader will create", category=UserWarning)
             super().__init__(dataset, *args, **kwargs)
+        self._check_torch_arguments()
         if decode_threads:
             why = _thread_loader.static_reason(dataset, batch_size=self.batch_size, worker_init_fn=self.worker_init_fn)
             if why is not None:
@@ -361,6 +364,27 @@ class DataLoader(torch.utils.data.DataLoader):
                 raise ValueError(f"cached_fast_path=True: {reason}")
         if isinstance(dataset, ShardedDataset):
             self.collate_fn = _TaggingCollate(self.collate_fn, dataset.token, self.batch_size, self.drop_last)
+
+    def _check_torch_arguments(self) -> None:
+        """torch checks only ``num_workers < 0`` and ``timeout < 0`` here: 1.5 workers or a NaN timeout
+        failed at the first iteration with a TypeError or an AssertionError, and strings passed as
+        flags (``persistent_workers="no"``) were taken as true."""
+        try:
+            workers = operator.index(self.num_workers)
+        except TypeError:
+            workers = -1
+        if isinstance(self.num_workers, bool) or workers < 0:
+            raise ValueError(f"num_workers must be an int >= 0, got {self.num_workers!r}")
+        self.num_workers = workers
+        timeout = self.timeout
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 <= timeout < math.inf:
+            raise ValueError(f"timeout must be a finite number of seconds >= 0, got {timeout!r}")
+        factor = self.prefetch_factor
+        if factor is not None and (isinstance(factor, bool) or not isinstance(factor, int) or factor < 1):
+            raise ValueError(f"prefetch_factor must be None or an int >= 1, got {factor!r}")
+        for name in ("pin_memory", "persistent_workers"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
 
     def _static_reason(self, *, forced: bool) -> str | None:
         return _cache_loader.static_reason(self.dataset, batch_size=self.batch_size, collate_fn=self._user_collate,
