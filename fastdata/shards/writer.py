@@ -4,6 +4,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -45,10 +46,17 @@ class ShardWriter:
                  max_samples: int | None = None, overwrite: bool = False, extra: dict | None = None):
         if format not in _SUFFIX:
             raise ValueError(f"format must be 'tar' or 'hdf5', got {format!r}")
-        if not isinstance(max_bytes, int) or max_bytes < 1:
+        if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1:
             raise ValueError(f"max_bytes must be an int >= 1, got {max_bytes!r}")
-        if max_samples is not None and (not isinstance(max_samples, int) or max_samples < 1):
+        if max_samples is not None and (isinstance(max_samples, bool) or not isinstance(max_samples, int)
+                                        or max_samples < 1):
             raise ValueError(f"max_samples must be None or an int >= 1, got {max_samples!r}")
+        if not isinstance(overwrite, bool):  # overwrite="no" is truthy: it would remove the shards already there
+            raise ValueError(f"overwrite must be True or False, got {overwrite!r}")
+        if extra is not None and not isinstance(extra, Mapping):
+            raise ValueError(f"extra must be None or a dict (the manifest's free-form 'extra' object), got {extra!r}")
+        if not isinstance(dest, (str, os.PathLike)) or not os.fspath(dest):
+            raise ValueError(f"dest must be a non-empty path, got {dest!r}")
         self.dest = Path(dest)
         self.format = format
         self.max_bytes = max_bytes
