@@ -10,7 +10,7 @@ from fastdata._util import IMAGE_SUFFIXES
 from fastdata.manifest import FieldInfo
 from fastdata.shards._keys import check_field, is_meta
 
-__all__ = ["FieldTracker", "missing_fields", "required_fields", "value_info"]
+__all__ = ["FieldTracker", "dtype_spelling", "missing_fields", "required_fields", "value_info"]
 
 
 def required_fields(fields: Iterable[str]) -> tuple[frozenset[str], ...]:
@@ -36,6 +36,22 @@ def missing_fields(have: Collection[str], required: Iterable[frozenset[str]]) ->
     return ["|".join(sorted(group)) for group in required if group.isdisjoint(have)]
 
 
+def dtype_spelling(dtype: np.dtype) -> str | None:
+    """The manifest's name of ``dtype``, one ``np.dtype()`` reads back as it: ``uint8``, ``>i4``, ``<U2``.
+
+    The NumPy name where it parses back (native byte order), else ``dtype.str``; None for a dtype no
+    string spells (structured: ``.str`` drops the fields), recorded like a dtype that varies. Names such
+    as ``str64``/``void96``/``bytes24`` (``.name`` of unicode, void and bytes dtypes) do not parse.
+    """
+    for spelling in ((dtype.name,) if dtype.byteorder in "=|" else ()) + (dtype.str,):
+        try:
+            if np.dtype(spelling) == dtype:
+                return spelling
+        except TypeError:
+            pass
+    return None
+
+
 def value_info(field: str, value: Any, *, key: str = "") -> tuple[str, str | None, tuple[int, ...] | None]:
     """``(kind, dtype, shape)`` of one value; TypeError naming key and field for unsupported types."""
     if isinstance(value, (bytes, bytearray, memoryview)):
@@ -49,7 +65,7 @@ def value_info(field: str, value: Any, *, key: str = "") -> tuple[str, str | Non
     if isinstance(value, np.ndarray):
         if value.dtype.hasobject:
             raise TypeError(f"field {field!r} of sample {key!r}: object arrays cannot be stored")
-        return "array", value.dtype.str if value.dtype.byteorder not in "=|" else value.dtype.name, value.shape
+        return "array", dtype_spelling(value.dtype), value.shape
     if isinstance(value, (dict, list)):
         return "json", None, None
     raise TypeError(f"field {field!r} of sample {key!r} has unsupported type {type(value).__name__}")

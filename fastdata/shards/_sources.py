@@ -39,6 +39,7 @@ import numpy as np
 
 from fastdata.errors import SourceError
 from fastdata.manifest import MANIFEST_NAME, FieldInfo, Manifest
+from fastdata.shards._fields import dtype_spelling
 from fastdata.shards._images import IMAGE_EXTENSIONS
 from fastdata.shards._keys import check_field, check_key
 
@@ -405,9 +406,9 @@ def merge_field(prev: FieldInfo | None, info: FieldInfo, where: object) -> Field
                      prev.shape if prev.shape == info.shape else None)
 
 
-def _dtype_name(dt: np.dtype) -> str:
-    """Same spelling as :func:`fastdata.shards._fields.value_info` (``uint8``, ``>i4``)."""
-    return dt.str if dt.byteorder not in "=|" else dt.name
+def _dtype_name(dt: np.dtype) -> str | None:
+    """Same spelling as :func:`fastdata.shards._fields.value_info` (``uint8``, ``>i4``, ``<U2``)."""
+    return dtype_spelling(dt)
 
 
 # ------------------------------------------------------------------------------------------- npz

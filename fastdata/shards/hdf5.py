@@ -55,6 +55,7 @@ HDF5_VERSION = 1
 _CHUNK_BYTES = 1 << 20  # ~1 MiB chunks: the HDF5 guidance range; whole chunks are read per block
 _BLOCK_BYTES = 16 << 20  # iter_range reads this much of fixed-size fields per block
 _MAX_BLOCK_ROWS = 256
+_NATIVE_KINDS = "biufc"  # array dtypes stored as HDF5 numbers; others (str, bytes, datetime) as .npy rows
 
 
 def _h5py() -> Any:
@@ -131,7 +132,9 @@ def _write_field(f: Any, info: FieldInfo, values: list[Any], keys: list[str]) ->
             raise ValueError(f"field {info.name!r} of sample {key!r} is {kind!r}, expected {info.kind!r}")
         if info.kind == "int":
             check_value(info.name, value, key)
-    fixed = info.kind == "array" and info.dtype is not None and info.shape is not None
+    # a fixed dtype HDF5 has no native type the reader accepts (str, bytes, datetime, void) goes in .npy rows
+    fixed = info.kind == "array" and info.dtype is not None and info.shape is not None \
+        and np.dtype(info.dtype).kind in _NATIVE_KINDS
     if fixed:
         shape = tuple(info.shape)  # type: ignore[arg-type]
         dtype = np.dtype(info.dtype)
@@ -464,7 +467,7 @@ def _validate(f: Any, path: str) -> tuple[tuple[str, ...], dict[str, tuple[str, 
         vlen = h5py.check_vlen_dtype(ds.dtype)
         npy = kind == "array" and vlen is not None
         ok = {
-            "array": (vlen == np.uint8 and ds.ndim == 1) if vlen is not None else ds.dtype.kind in "biufc",
+            "array": (vlen == np.uint8 and ds.ndim == 1) if vlen is not None else ds.dtype.kind in _NATIVE_KINDS,
             "int": ds.ndim == 1 and ds.dtype.kind in "biu",
             "float": ds.ndim == 1 and ds.dtype.kind in "fiu",
         }.get(kind, vlen == np.uint8 and ds.ndim == 1)
