@@ -166,3 +166,21 @@ def test_a_node_cache_that_cannot_store_or_lock_is_an_error_not_a_skip(served, t
         with pytest.raises(CacheError, match=r"node cache .*shard-000000.tar: .*0\.use.*choose another cache_dir"):
             list(ds)
         assert not ds.skipped
+
+
+def test_torchrun_without_init_process_group_warns_that_every_process_reads_everything(seven, monkeypatch):
+    """Under torchrun (WORLD_SIZE=4) with torch.distributed not initialised, each of the 4 processes read
+    all 7 samples and len() sized a schedule for one rank, without a word."""
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("RANK", "2")
+    ds = ShardedDataset(seven)  # built before init_process_group: fine, nothing is sized yet
+    with pytest.warns(UserWarning, match=r"WORLD_SIZE='4' and RANK='2' are set .*not initialised.*reads every "
+                                         r"sample.*init_process_group"):
+        assert len(DataLoader(ds, batch_size=2)) == 4
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert len(list(ds)) == 7  # once per dataset
+        assert len(list(ShardedDataset(seven, rank=0, world_size=1))) == 7  # on purpose: no warning
+        with monkeypatch.context() as m:
+            _fake_dist(m, 2, 4)
+            assert len(list(ShardedDataset(seven))) == 2

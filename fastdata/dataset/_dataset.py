@@ -358,6 +358,7 @@ class ShardedDataset(IterableDataset):
         self._explicit_dist = None if rank is None else (int(rank), int(world_size))  # type: ignore[arg-type]
         self.rank, self.world_size = 0, 1
         self._warned_uneven = False  # see resolve_dist
+        self._warned_unsplit = False  # see _warn_unsplit
         self.resolve_dist()
         self._epoch = 0
         # Shared with DataLoader workers (persistent ones too), so set_epoch reaches them.
@@ -421,6 +422,22 @@ class ShardedDataset(IterableDataset):
                 f"a streaming (URL) source at world_size={self.world_size} without samples_per_epoch: whole shards "
                 "are dealt to ranks, so ranks can get different sample and batch counts and a DDP job can hang "
                 "at the epoch's end; pass samples_per_epoch= for equal work per rank", UserWarning, stacklevel=3)
+
+    def _warn_unsplit(self) -> None:
+        """Once per dataset, when an epoch is sized or started: torchrun's ``WORLD_SIZE`` says this process
+        is one of several, but neither ``torch.distributed`` nor ``rank=``/``world_size=`` say which, so it
+        reads every sample (as every other process does, or len() sizes a schedule for one rank)."""
+        if self._warned_unsplit or self._explicit_dist is not None or _dist_ready():
+            return
+        world = os.environ.get("WORLD_SIZE", "").strip()
+        if world in ("", "1"):
+            return
+        self._warned_unsplit = True
+        warnings.warn(
+            f"WORLD_SIZE={world!r} and RANK={os.environ.get('RANK')!r} are set (torchrun), but torch.distributed is "
+            "not initialised and no rank=/world_size= were passed: this process reads every sample, as rank 0 of "
+            "world_size=1 (len() too). Call torch.distributed.init_process_group() first, or pass rank= and "
+            "world_size= (rank=0, world_size=1 to read everything on purpose)", UserWarning, stacklevel=3)
 
     def _plan(self) -> SplitPlan:
         key = (self.rank, self.world_size)
@@ -493,6 +510,7 @@ class ShardedDataset(IterableDataset):
         """Samples this rank yields per epoch (before skipped samples)."""
         if not _in_worker():
             self.resolve_dist()
+            self._warn_unsplit()
         return self._per_rank()
 
     def worker_counts(self, num_workers: int) -> list[int]:
@@ -501,6 +519,7 @@ class ShardedDataset(IterableDataset):
         if not self.source.streaming:
             if not _in_worker():
                 self.resolve_dist()
+                self._warn_unsplit()
             return list(self._plan().worker_counts(num_workers))
         return split_sizes(self._per_rank(), max(1, num_workers))
 
@@ -519,6 +538,8 @@ class ShardedDataset(IterableDataset):
         stages: list[Stage] = []
         first = 0
         self._check_resume_dist()
+        if not _in_worker():
+            self._warn_unsplit()
         if self._resume is not None and self._resume[0] == epoch:
             stages, first = list(self._resume[1]), self._resume[2]
         out = iteration_stages(stages, num_workers)
