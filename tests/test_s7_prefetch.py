@@ -57,7 +57,9 @@ def test_reset_stats_keeps_the_queued_bytes_gauge(fake_cuda):
     import time
 
     batches = [torch.full((1000,), i, dtype=torch.uint8) for i in range(8)]
-    with CUDAPrefetcher(batches, device="cuda", depth=2) as pf:
+    # seamless=False: a seamless prefetcher may stage the next epoch's first batches before the last
+    # loop below ends, and queued_bytes then rightly reads 1000 or 2000 there (a race, seen once in 50)
+    with CUDAPrefetcher(batches, device="cuda", depth=2, seamless=False) as pf:
         it = iter(pf)
         next(it)
         deadline = time.monotonic() + 10
