@@ -75,3 +75,84 @@ def test_a_manifest_with_the_old_unparsable_dtype_names_still_reads(tmp_path):
     (dest / "manifest.json").write_text(json.dumps(m))
     (s,) = list(ShardedDataset(dest))
     assert s["u.npy"].tolist() == ["ab"]
+
+
+def _jpeg_shards(dest, n=3):
+    import io
+
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    with ShardWriter(dest) as w:
+        for i in range(n):
+            buf = io.BytesIO()
+            Image.fromarray(rng.integers(0, 255, (40, 48, 3), dtype=np.uint8)).save(buf, "JPEG")
+            w.write({"__key__": f"k{i}", "jpg": buf.getvalue(), "cls": i})
+    return dest
+
+
+def test_a_store_refused_for_its_size_is_not_left_listed(tmp_path):
+    from fastdata.cache import Cache
+    from fastdata.errors import CacheError
+
+    cache = Cache(tmp_path / "c", max_bytes=10)
+    store = cache.open_store(fingerprint="big", num_samples=4)
+    with pytest.raises(CacheError, match="does not fit in max_bytes=10"):
+        store.put(0, {"img": np.zeros((3, 4, 4), np.uint8)})
+    assert [i.fingerprint for i in cache.list()] == ["big"]  # still open here: it stays
+    store.close()
+    assert cache.list() == [] and not store.path.exists()
+    ok = Cache(tmp_path / "c").open_store(fingerprint="big", num_samples=4)  # with room, it is made anew and fills
+    ok.put(0, {"img": np.ones((3, 4, 4), np.uint8)})
+    ok.close()
+    (info,) = Cache(tmp_path / "c").list()
+    assert info.num_valid == 1 and "refused" not in (info.path / "meta.json").read_text()
+
+
+def _no_preprocessing(monkeypatch):
+    from fastdata.transforms import ResizeCenterCrop
+
+    def refuse(self, *a, **k):  # a test that fails must not allocate the 30 GB crop it is about
+        raise AssertionError("preprocessing ran: the store size was not checked first")
+    monkeypatch.setattr(ResizeCenterCrop, "__call__", refuse)
+
+
+def test_cache_build_refuses_a_store_over_max_bytes_before_any_worker_and_leaves_nothing(tmp_path, capsys,
+                                                                                          monkeypatch):
+    from fastdata.cli import main
+
+    shards = _jpeg_shards(tmp_path / "s")
+    _no_preprocessing(monkeypatch)
+    code = main(["cache", "build", str(shards), "--cache", str(tmp_path / "c"), "--max-bytes", "10", "--workers", "0",
+                 "-q"])
+    err = capsys.readouterr().err
+    assert code == 1 and "3 samples" in err and "does not fit in --max-bytes 10" in err, err
+    assert not (tmp_path / "c").exists()
+
+
+def test_cache_build_with_an_absurd_size_says_why_before_any_worker(tmp_path, capsys, monkeypatch):
+    from fastdata.cli import main
+
+    shards = _jpeg_shards(tmp_path / "s")
+    _no_preprocessing(monkeypatch)
+    code = main(["cache", "build", str(shards), "--cache", str(tmp_path / "c"), "--size", "100000", "--workers", "0",
+                 "-q"])
+    err = capsys.readouterr().err
+    assert code == 1 and "--size 100000: one image is 3x100000x100000 uint8 = 30.0 GB" in err, err
+    assert not (tmp_path / "c").exists()
+
+
+def test_cache_build_refuses_a_store_larger_than_the_free_disk(tmp_path, capsys, monkeypatch):
+    import shutil
+    from collections import namedtuple
+
+    from fastdata.cli import main
+
+    shards = _jpeg_shards(tmp_path / "s")
+    _no_preprocessing(monkeypatch)
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10**6, 10**6 - 1000, 1000))
+    code = main(["cache", "build", str(shards), "--cache", str(tmp_path / "c"), "--size", "64", "--workers", "0", "-q"])
+    err = capsys.readouterr().err
+    assert code == 1 and "does not fit on its disk (1.0 kB free)" in err, err
+    assert not (tmp_path / "c").exists()

@@ -30,6 +30,7 @@ from fastdata.cache._store import (
     CACHE_FORMAT_VERSION,
     LAST_USED,
     OPEN_LOCK,
+    REFUSED,
     VALID_NAME,
     FieldLayout,
     Store,
@@ -196,6 +197,10 @@ class Cache:
             fields, problem = None, str(e)
         else:
             problem = None
+            # its first put was refused (larger than max_bytes or the disk): it holds nothing; unless some
+            # process has it open (and may try again), it goes
+            if fields is None and meta.get(REFUSED) is not None and self._delete(path):
+                return None
         num_samples = _as_int(meta.get("num_samples"))
         num_valid = 0
         if fields is not None:
@@ -231,7 +236,8 @@ class Cache:
             os.close(fd)  # also drops our probe lock
 
     def list(self) -> list[StoreInfo]:
-        """All stores, most recently used first."""
+        """All stores, most recently used first. A store whose first put was refused (larger than
+        ``max_bytes`` or the disk) holds nothing: unless a process has it open, it is removed, not listed."""
         infos = [i for i in (self._info(p) for p in self._store_dirs()) if i is not None]
         return sorted(infos, key=lambda i: i.last_used, reverse=True)
 

@@ -63,6 +63,7 @@ VALID_NAME = "valid.bin"
 OPEN_LOCK = "open.lock"
 LAYOUT_LOCK = "layout.lock"
 LAST_USED = "last_used"
+REFUSED = "refused"  # meta.json key: why the first put could not allocate the store (it holds nothing)
 
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _READ_ONLY_ERRNOS = frozenset({errno.EACCES, errno.EPERM, errno.EROFS})
@@ -617,8 +618,10 @@ class Store:
                 self._allocate(fields)
             except CacheError as e:
                 self._layout_error = e
+                self._mark_refused(e)
                 raise
             meta = dict(read_meta(self.path))
+            meta.pop(REFUSED, None)
             meta["fields"] = [f.to_json() for f in fields]
             meta["sample_nbytes"] = sum(f.nbytes for f in fields)
             try:
@@ -636,6 +639,16 @@ class Store:
                 raise CacheError(f"cache store {self.path}: layout vanished after it was written")
         finally:
             os.close(lock_fd)
+
+    def _mark_refused(self, error: CacheError) -> None:
+        """Record in meta.json why the layout could not be allocated: ``Cache.list`` removes such an empty
+        store once no process has it open (best effort: the disk may be full)."""
+        try:
+            meta = dict(read_meta(self.path))
+            meta[REFUSED] = str(error)
+            write_json_atomic(self.path / META_NAME, meta, fsync=False)
+        except (OSError, CacheError):
+            pass
 
     def _allocate(self, fields: list[FieldLayout]) -> None:
         n = self.num_samples

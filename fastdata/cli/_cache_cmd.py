@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
 import time
 from typing import Any
 
@@ -101,6 +103,7 @@ def cmd_build(args: argparse.Namespace) -> int:
     if not any(is_image_field(f) for f in fields):  # the store would hold nothing: say so rather than exit 1
         raise ValueError(f"{redact_url(args.source)}: no image field among {fields}: nothing for ResizeCenterCrop "
                          "to cache")
+    _check_store_fits(args, dataset, preprocess)  # before any worker or store exists
     info = dataset.build_cache(num_workers=args.workers, progress=not args.quiet)  # stops its workers on errors
     print(f"{info.key}: {info.num_valid}/{info.num_samples} samples ({info.fill_ratio:.1%}), "
           f"{human_bytes(info.size_bytes)} on disk, {human_bytes(info.sample_nbytes)} per sample")
@@ -108,6 +111,45 @@ def cmd_build(args: argparse.Namespace) -> int:
         raise CacheError(f"{redact_url(args.source)}: {info.num_samples - info.num_valid} of {info.num_samples} "
                          f"samples were not filled into store {info.key}")
     return 0
+
+
+def _memory_bytes() -> int | None:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, OSError, ValueError):  # not on Linux/macOS
+        return None
+
+
+def _check_store_fits(args: argparse.Namespace, dataset: Any, preprocess: Any) -> None:
+    """Refuse up front what cannot work: a crop no worker can hold in memory (``--size 100000``: 30 GB per
+    image; the worker was killed), or a store larger than ``--max-bytes`` or the free disk."""
+    from fastdata.cache import Cache
+
+    h, w = preprocess.size
+    per_image = 3 * h * w  # RGB uint8: the store holds at least one image per sample
+    what = f"--size {args.size}: one image is 3x{h}x{w} uint8 = {human_bytes(per_image)}"
+    memory = _memory_bytes()
+    if memory is not None and 2 * per_image > memory:  # the resized PIL image and its array
+        raise ValueError(f"{what}; a worker holds at least two copies of it, more than this machine's memory "
+                         f"({human_bytes(memory)})")
+    n = dataset.num_samples
+    if n is None:
+        return
+    need = n * (per_image + 1)  # and one valid byte per sample
+    sizing = f"a store of at least {need} bytes ({human_bytes(need)}: {n} samples x {human_bytes(per_image)})"
+    if args.max_bytes is not None and need > args.max_bytes:
+        raise CacheError(f"cache directory {args.cache}: {sizing} does not fit in --max-bytes {args.max_bytes}")
+    folder = Cache(args.cache).directory
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    try:
+        free = shutil.disk_usage(folder).free
+    except OSError:
+        return
+    held = Cache(args.cache).total_bytes()  # an existing store of this data set needs no new space
+    if need > free + held:
+        raise CacheError(f"cache directory {args.cache}: {sizing} does not fit on its disk "
+                         f"({human_bytes(free)} free)")
 
 
 def add_cache_subparser(subparsers: Any) -> argparse.ArgumentParser:
