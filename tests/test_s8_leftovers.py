@@ -156,3 +156,15 @@ def test_cache_build_refuses_a_store_larger_than_the_free_disk(tmp_path, capsys,
     err = capsys.readouterr().err
     assert code == 1 and "does not fit on its disk (1.0 kB free)" in err, err
     assert not (tmp_path / "c").exists()
+
+
+def test_file_urls_are_local_paths_for_shard_writer_and_shard_sources(tmp_path, monkeypatch):
+    from fastdata.shards._sources import list_source
+
+    monkeypatch.chdir(tmp_path)
+    m = _write(f"file://{tmp_path}/ds", 2)  # was a folder literally named 'file:' in the current folder
+    assert m.num_samples == 2 and (tmp_path / "ds" / "manifest.json").is_file() and not (tmp_path / "file:").exists()
+    assert len(list_source(f"file://{tmp_path}/ds").keys) == 2  # was "SRC file://...: no such file or directory"
+    with pytest.raises(ValueError, match="is a URL; ShardWriter writes a local folder"):
+        ShardWriter("s3://bucket/ds")
+    assert not (tmp_path / "s3:").exists()

@@ -100,7 +100,9 @@ class Listing:
 
 def list_source(src: str | os.PathLike[str]) -> Listing:
     """Enumerate SRC (see the module docstring); :class:`SourceError` naming the problem."""
-    path = Path(os.path.abspath(src))
+    text = os.fspath(src)
+    local = text[len("file://"):] if isinstance(text, str) and text.startswith("file://") else text
+    path = Path(os.path.abspath(local))
     if not path.exists():
         raise SourceError(f"SRC {src}: no such file or directory")
     if path.is_file():

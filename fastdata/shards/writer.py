@@ -57,6 +57,11 @@ class ShardWriter:
             raise ValueError(f"extra must be None or a dict (the manifest's free-form 'extra' object), got {extra!r}")
         if not isinstance(dest, (str, os.PathLike)) or not os.fspath(dest):
             raise ValueError(f"dest must be a non-empty path, got {dest!r}")
+        text = os.fspath(dest)
+        if isinstance(text, str) and text.startswith("file://"):  # as Manifest.load reads it, not a folder 'file:'
+            dest = text[len("file://"):]
+        elif isinstance(text, str) and "://" in text:
+            raise ValueError(f"dest {text!r} is a URL; ShardWriter writes a local folder (write there, then upload)")
         self.dest = Path(dest)
         self.format = format
         self.max_bytes = max_bytes
