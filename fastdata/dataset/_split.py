@@ -341,20 +341,24 @@ class SplitPlan:
         if (not isinstance(self.origin, tuple) or len(self.origin) != 2
                 or any(not isinstance(x, int) or x < 0 for x in self.origin)):
             raise ValueError(f"origin must be a pair of ints >= 0 (epoch, stream position), got {self.origin!r}")
+        offsets = np.zeros(len(self.shard_sizes) + 1, dtype=np.int64)
+        np.cumsum(np.asarray(self.shard_sizes, dtype=np.int64), out=offsets[1:])
+        object.__setattr__(self, "offsets", offsets)
+        # computed once: total and per_rank are read for every worker's walk and every shard_schedule
+        # (a Python sum over 100,000 shard sizes took 20 ms, hundreds of times per epoch start)
+        object.__setattr__(self, "_total", int(offsets[-1]))
+        object.__setattr__(self, "_layouts", {})  # pass -> (shard order, ends): see _pass_layout
         if self.total == 0:
             raise ValueError("the dataset has no samples (every shard is empty)")
         if self.per_rank == 0:
             raise ValueError(
                 f"even='drop' leaves no samples per rank: {self._epoch_len} samples for world_size={self.world_size}"
             )
-        offsets = np.zeros(len(self.shard_sizes) + 1, dtype=np.int64)
-        np.cumsum(np.asarray(self.shard_sizes, dtype=np.int64), out=offsets[1:])
-        object.__setattr__(self, "offsets", offsets)
 
     @property
     def total(self) -> int:
         """Samples in one pass over all shards."""
-        return int(sum(int(s) for s in self.shard_sizes))
+        return self._total  # type: ignore[attr-defined, no-any-return]
 
     @property
     def _epoch_len(self) -> int:
@@ -372,20 +376,36 @@ class SplitPlan:
 
     def shard_order(self, pass_index: int) -> np.ndarray:
         """Shard order of one pass over the data."""
-        n = len(self.shard_sizes)
-        if self.shuffle is None:
-            return np.arange(n, dtype=np.int64)
-        return permutation(rng_key(self.seed, 0, pass_index), n)
+        return self._pass_layout(pass_index)[0]
+
+    def _pass_layout(self, pass_index: int) -> tuple[np.ndarray, np.ndarray]:
+        """(shard order, end position of each shard in that order) of a pass, kept for the last few passes:
+        an argsort and a cumsum of every shard, once per pass rather than once per worker and rank."""
+        layouts: dict[int, tuple[np.ndarray, np.ndarray]] = self._layouts  # type: ignore[attr-defined]
+        layout = layouts.get(pass_index)
+        if layout is None:
+            n = len(self.shard_sizes)
+            if self.shuffle is None:
+                order = np.arange(n, dtype=np.int64)
+            else:
+                order = permutation(rng_key(self.seed, 0, pass_index), n)
+            ends = np.cumsum(np.diff(self.offsets)[order])
+            order.setflags(write=False)
+            ends.setflags(write=False)
+            layout = (order, ends)
+            if len(layouts) >= 4:
+                layouts.clear()
+            layouts[pass_index] = layout
+        return layout
 
     def _pass_segments(self, pass_index: int, lo: int, hi: int) -> list[Segment]:
         """Segments of positions [lo, hi) of pass ``pass_index`` (0 <= lo <= hi <= total)."""
-        order = self.shard_order(pass_index)
-        sizes = np.asarray(self.shard_sizes, dtype=np.int64)[order]
-        ends = np.cumsum(sizes)
+        order, ends = self._pass_layout(pass_index)
+        sizes = np.diff(self.offsets)
         out: list[Segment] = []
         j = int(np.searchsorted(ends, lo, side="right"))
         while lo < hi and j < len(order):
-            start_of_shard = int(ends[j] - sizes[j])
+            start_of_shard = int(ends[j] - sizes[order[j]])
             stop = min(hi, int(ends[j]))
             if stop > lo:
                 out.append((int(order[j]), lo - start_of_shard, stop - start_of_shard))
@@ -508,20 +528,23 @@ def shard_schedule(plan: SplitPlan, epoch: int, ranks: Sequence[int], num_worker
     shard's piece starts (every worker advances at about the same rate). Segments only: no index
     sequences are built, so this is cheap for any epoch length.
     """
-    from dataclasses import replace
-
     nw = max(1, num_workers)
     out: dict[int, float] = {}
+    per_rank = plan.per_rank  # the same for every rank
+    counts = split_sizes(per_rank, nw)
     for r in ranks:
-        p = plan if r == plan.rank else replace(plan, rank=int(r))
-        counts = split_sizes(p.per_rank, nw)
+        if not 0 <= int(r) < plan.world_size:
+            raise ValueError(f"rank must be in [0, world_size={plan.world_size}), got {r!r}")
+        lo = int(r) * per_rank
         for w in range(nw):
             pos, n = 0, max(1, counts[w])
-            for shard, a, b in p.worker_segments(epoch, w, nw):
+            # worker_segments of rank r, without a plan per rank (each recomputed the shard order)
+            for shard, a, b in plan._range_segments(epoch, lo, lo + counts[w]):
                 t = epoch + pos / n
                 if t < out.get(shard, math.inf):
                     out[shard] = t
                 pos += b - a
+            lo += counts[w]
     return out
 
 
