@@ -26,7 +26,8 @@ def test_shard_writer_overwrite_must_be_a_bool_not_a_truthy_string(tmp_path):
 
 
 @pytest.mark.parametrize("kw", [{"max_bytes": True}, {"max_samples": True}, {"max_samples": False},
-                                {"extra": ""}, {"extra": 0}, {"extra": []}, {"extra": "x"}, {"extra": [("a", 1)]}])
+                                {"extra": ""}, {"extra": 0}, {"extra": []}, {"extra": "x"}, {"extra": [("a", 1)]},
+                                {"format": ["tar"]}])
 def test_shard_writer_refuses_bools_for_sizes_and_non_mappings_for_extra(tmp_path, kw):
     name = next(iter(kw))
     with pytest.raises(ValueError, match=name):

@@ -44,7 +44,7 @@ class ShardWriter:
 
     def __init__(self, dest: str | os.PathLike[str], *, format: str = "tar", max_bytes: int = 256 << 20,
                  max_samples: int | None = None, overwrite: bool = False, extra: dict | None = None):
-        if format not in _SUFFIX:
+        if not isinstance(format, str) or format not in _SUFFIX:  # a list is unhashable: a TypeError naming nothing
             raise ValueError(f"format must be 'tar' or 'hdf5', got {format!r}")
         if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1:
             raise ValueError(f"max_bytes must be an int >= 1, got {max_bytes!r}")
