@@ -40,7 +40,7 @@ import numpy as np
 import torch
 from PIL import Image, ImageFile
 
-from fastdata._util import IMAGE_SUFFIXES
+from fastdata._util import IMAGE_SUFFIXES, npy_lock
 from fastdata.errors import DecodeError
 
 __all__ = [
@@ -428,11 +428,12 @@ class ImageDecoder:
 
 
 def _decode_npy(data: bytes, allow_pickle: bool) -> np.ndarray:
-    return np.lib.format.read_array(io.BytesIO(data), allow_pickle=allow_pickle)
+    with npy_lock():  # the header parse is not thread-safe (decode_threads)
+        return np.lib.format.read_array(io.BytesIO(data), allow_pickle=allow_pickle)
 
 
 def _decode_npz(data: bytes, allow_pickle: bool) -> dict[str, np.ndarray]:
-    with np.load(io.BytesIO(data), allow_pickle=allow_pickle) as z:
+    with npy_lock(), np.load(io.BytesIO(data), allow_pickle=allow_pickle) as z:  # each member's header too
         return {k: z[k] for k in z.files}
 
 

@@ -98,3 +98,63 @@ def test_loader_takes_a_numpy_worker_count_as_an_int(tmp_path) -> None:
     ds = ShardedDataset(make_shards(tmp_path / "ds", 6, 3))
     loader = DataLoader(ds, batch_size=2, num_workers=np.int64(0), timeout=np.float64(0))
     assert type(loader.num_workers) is int and sum(len(b["cls"]) for b in loader) == 6
+
+
+def test_npy_fields_decode_in_several_threads_at_once() -> None:
+    """NumPy parses .npy headers with ast.literal_eval, not thread-safe on CPython 3.11: a garbage collection
+    running Python code mid-parse let another thread's parse fail with "SystemError: AST constructor recursion
+    depth mismatch" (about 1 sample in 4,000 with decode_threads; found by helper threads)."""
+    import gc
+    import io
+    import sys
+    import threading
+    import weakref
+
+    import numpy as np
+
+    from fastdata.decode import SampleDecoder
+
+    buf = io.BytesIO()
+    np.save(buf, np.zeros((8, 40), np.float32))
+    zbuf = io.BytesIO()
+    np.savez(zbuf, a=np.ones(3), b=np.zeros((2, 2)))
+    sample = {"__key__": "k", "x.npy": buf.getvalue(), "y.npz": zbuf.getvalue()}
+    decoder = SampleDecoder()
+    errors: list[str] = []
+
+    class Obj:
+        pass
+
+    def callback(_: object) -> None:  # Python code the collector runs: the eval loop may switch threads
+        sum(range(3))
+
+    def work(depth: int) -> None:
+        if depth:
+            return work(depth - 1)
+        keep = []
+        for _ in range(400):
+            o = Obj()
+            o.self = o
+            keep.append(weakref.ref(o, callback))
+            del o
+            if len(keep) > 100:
+                keep.clear()
+            try:
+                decoder(dict(sample), shard="s")
+            except Exception as e:  # noqa: BLE001 - every failure is the finding
+                errors.append(f"{type(e).__name__}: {e}")
+        return None
+
+    interval, threshold = sys.getswitchinterval(), gc.get_threshold()
+    sys.setswitchinterval(1e-6)
+    gc.set_threshold(10, 1, 1)
+    try:
+        threads = [threading.Thread(target=work, args=(d,)) for d in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(interval)
+        gc.set_threshold(*threshold)
+    assert not errors, errors[:3]

@@ -44,6 +44,7 @@ from typing import Any
 
 import numpy as np
 
+from fastdata._util import npy_lock
 from fastdata.errors import ShardError
 from fastdata.manifest import KINDS, FieldInfo, ShardInfo, sha256_file
 from fastdata.shards._fields import FieldTracker, value_info
@@ -425,7 +426,8 @@ def _convert(value: Any, kind: str, npy: bool) -> Any:
     raw = value.tobytes()
     if npy:
         try:
-            return np.load(io.BytesIO(raw), allow_pickle=False)
+            with npy_lock():  # the header parse is not thread-safe (decode_threads)
+                return np.load(io.BytesIO(raw), allow_pickle=False)
         except Exception as e:  # noqa: BLE001 - NumPy raises EOFError, tokenize.TokenError, ... on damaged bytes
             raise ValueError(f"its stored .npy bytes do not parse ({type(e).__name__}: {e})") from e
     return raw
