@@ -158,3 +158,40 @@ def test_npy_fields_decode_in_several_threads_at_once() -> None:
         sys.setswitchinterval(interval)
         gc.set_threshold(*threshold)
     assert not errors, errors[:3]
+
+
+def test_cached_path_state_moves_past_skips_after_a_workers_last_batch(tmp_path, monkeypatch) -> None:
+    """A virtual worker whose walk ends in skipped samples after its last batch moves its position to its end,
+    as a worker process's report-only result does: the cached path's state lagged ([6, 3] against [6, 5]), and
+    a resume from it read those samples again and reported their skips twice (found by helper threads)."""
+    import multiprocessing as mp
+    import warnings
+
+    import numpy as np
+
+    from fastdata import Cache, DataLoader, ShardedDataset
+    from fastdata.cli._synth import jpeg_bytes, synth_image
+    from fastdata.loader import _cached
+    from fastdata.shards.writer import ShardWriter
+    from fastdata.transforms import ResizeCenterCrop
+
+    monkeypatch.setattr(_cached, "MISSING_FRACTION", 0.5)  # 2 bad samples of 11 may take the cached path
+    with ShardWriter(tmp_path / "ds", max_samples=4) as w:
+        for i in range(11):
+            jpg = b"not a jpeg" if i in (9, 10) else jpeg_bytes(synth_image(np.random.default_rng(i), 20, 24), 90)
+            w.write({"__key__": f"k{i:03d}", "jpg": jpg, "cls": i})
+
+    def make(cache: Cache | None) -> ShardedDataset:
+        return ShardedDataset(tmp_path / "ds", preprocess=ResizeCenterCrop(8), on_error="skip", cache=cache)
+
+    cache = Cache(tmp_path / "cache")
+    kw = dict(batch_size=3, num_workers=2, multiprocessing_context=mp.get_context("fork"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        make(cache).build_cache()
+        states = {}
+        for path, c in (("workers", None), ("cached", cache)):
+            loader = DataLoader(make(c), **kw)
+            assert sum(1 for _ in loader) == 3 and loader.last_path == path
+            states[path] = loader.state_dict()["dataset"]["stages"]
+    assert states["cached"] == states["workers"] == [[2, [6, 5]]]

@@ -327,9 +327,14 @@ class _VirtualWorker:
 def cached_batches(
     ds: ShardedDataset, store: Any, seqs: list[np.ndarray], *, missing: frozenset[int], start: EpochStart,
     batch_size: int, drop_last: bool, collate_fn: Callable[[Any], Any], pin: str | None, gather: FastGather,
-    pinned: bool = False,
+    pinned: bool = False, positions: list[int] | None = None,
 ) -> Iterator[FastBatch]:
-    """The batches of one epoch, in the worker path's order (see the module docstring)."""
+    """The batches of one epoch, in the worker path's order (see the module docstring).
+
+    ``positions``: the loader's position per virtual worker (with ``num_workers > 0``). A walk that
+    yields no more batches after skipping samples (all its last ones, or a partial batch ``drop_last``
+    drops) moves its position to its end there, as a worker process's report-only result does.
+    """
     n = len(seqs)
     # one live cursor per virtual worker: the dataset keeps every one's open shards open;
     # with one worker ds.state_dict() follows, as with num_workers=0 on the worker path
@@ -343,11 +348,14 @@ def cached_batches(
     w = first
     while any(active):  # round-robin over the workers that are not exhausted, like torch
         if active[w]:
+            before = workers[w].cursor.pos
             metas, rows, pos = workers[w].take(batch_size, missing, cached_fields, gather.metas, fast_collate)
             full = len(rows) == batch_size
             if full or (len(rows) and not drop_last):
                 yield FastBatch(_assemble(store, metas, rows, collate_fn, fast_collate, pin, gather,
                                           pinned or pin is not None), w, pos)
+            elif positions is not None and pos - before > len(rows):  # ended in skipped samples
+                positions[w] = pos
             active[w] = full
         w = (w + 1) % n
 

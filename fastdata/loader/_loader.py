@@ -520,7 +520,7 @@ class DataLoader(torch.utils.data.DataLoader):
         return _cache_loader.cached_batches(
             ds, store, seqs, missing=missing, start=start, batch_size=batch_size,
             drop_last=self.drop_last, collate_fn=self._user_collate, pin=pin, gather=self._gather,
-            pinned=self.fast_path_pinned,
+            pinned=self.fast_path_pinned, positions=self._run.pos if self.num_workers > 0 else None,
         )
 
     def _draw_base_seed(self) -> None:
