@@ -211,3 +211,26 @@ def test_shard_schedule_of_a_host_costs_one_shard_order_per_pass(monkeypatch):
                 want[shard] = min(want.get(shard, float("inf")), 1 + pos / n)
                 pos += b - a
     assert got == want
+
+
+def test_a_streaming_rank_dealt_only_empty_shards_raises_instead_of_looping(tmp_path):
+    """Tar URLs with samples_per_epoch: a rank whose dealt shards were all empty looped over them for
+    good (without shuffling each pass deals the same ones), one GET per shard per pass: 2000 GETs in a
+    few seconds, a hang for the other ranks. Empty shards are fetched once per walk now."""
+    from loopback_server import LoopbackServer
+
+    from fastdata.errors import SourceError
+
+    for j, n in enumerate([3, 0, 3, 0]):
+        write_tar_shard(tmp_path / f"s{j}.tar", [{"__key__": f"s{j}k{k}", "cls": b"1"} for k in range(n)])
+    with LoopbackServer(tmp_path, max_requests=40, lifetime=60) as srv:
+        urls = [f"{srv.url}/s{j}.tar" for j in range(4)]
+        with pytest.raises(SourceError, match=r"rank 1 of world_size=2.*every shard it is dealt is empty .*s1\.tar, "
+                                              r".*s3\.tar\).*samples_per_epoch"):
+            list(ShardedDataset(urls, rank=1, world_size=2, samples_per_epoch=4))
+        assert sum(srv.counts.values()) == 2
+        srv.reset_counts()
+        got = [s["__key__"] for s in ShardedDataset(urls, rank=0, world_size=2, samples_per_epoch=4)]
+        assert got == ["s0k0", "s0k1"] and sum(srv.counts.values()) == 1
+        with pytest.warns(UserWarning, match="without samples_per_epoch"):  # one pass: no loop, nothing to raise
+            assert list(ShardedDataset(urls, rank=1, world_size=2)) == []

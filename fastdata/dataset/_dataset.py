@@ -51,7 +51,7 @@ from fastdata.dataset._packed import EncodedImage, key_index
 from fastdata.dataset._preload import NextEpoch
 from fastdata.dataset._readers import ReaderCache, fork_count
 from fastdata.decode import Decoder, SampleDecoder, check_max_pixels, image_to_tensor, is_image_field, suffix
-from fastdata.errors import CacheError, FastdataError, MissingFieldError, ShardError, SkipBudgetError
+from fastdata.errors import CacheError, FastdataError, MissingFieldError, ShardError, SkipBudgetError, SourceError
 from fastdata.shards import missing_fields, required_fields
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -1173,17 +1173,33 @@ class ShardedDataset(IterableDataset):
     def _stream_raw(self, epoch: int, slot: int, slots: int, endless: bool) -> Iterator[tuple[int, Any]]:
         n = len(self.source.names)
         p = epoch
+        empty: set[int] = set()  # shards that gave nothing (no sample, no error): not fetched again this walk
         while True:
             order = permutation(rng_key(self.seed, 0, p), n) if self.shuffle is not None else np.arange(n)
-            for shard in order[slot::slots].tolist():
+            dealt = [s for s in order[slot::slots].tolist() if s not in empty]
+            for shard in dealt:
+                items = 0
                 try:
                     for sample in self.source.stream(shard):
+                        items += 1
                         yield shard, sample
                 except (FastdataError, OSError) as e:  # the rest of this shard is lost
                     err = e if isinstance(e, FastdataError) else ShardError(f"{self.source.names[shard]}: {e}")
+                    items += 1
                     yield shard, err
+                if not items:
+                    empty.add(shard)
             if not endless:
                 return
+            if len(empty) == n or (self.shuffle is None and not dealt):
+                # samples_per_epoch asks for more, but every shard this slot is dealt holds nothing (without
+                # shuffling each pass deals the same ones): it looped over them for good, a GET each time
+                names = [self.source.names[s] for s in sorted(empty)][:3]
+                raise SourceError(
+                    f"rank {self.rank} of world_size={self.world_size}, worker slot {slot} of {slots}: every shard "
+                    f"it is dealt is empty ({', '.join(names)}{', ...' if len(empty) > 3 else ''}), so "
+                    "samples_per_epoch= cannot be filled: remove the empty tar files from the list"
+                    + ("" if self.shuffle is not None else ", or shuffle (each pass then deals other shards)"))
             p += 1
 
 
