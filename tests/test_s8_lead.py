@@ -195,3 +195,32 @@ def test_cached_path_state_moves_past_skips_after_a_workers_last_batch(tmp_path,
             assert sum(1 for _ in loader) == 3 and loader.last_path == path
             states[path] = loader.state_dict()["dataset"]["stages"]
     assert states["cached"] == states["workers"] == [[2, [6, 5]]]
+
+
+@pytest.mark.parametrize(("num_workers", "decode_threads", "image_decode"),
+                         [(0, 0, "cpu"), (2, 0, "cpu"), (1, 2, "cpu"), (0, 0, "device")])
+def test_a_batch_of_jpg_and_png_samples_is_a_clear_error(tmp_path, num_workers, decode_threads, image_decode) -> None:
+    """Image fields sharing a base name are alternatives, so an image folder of .jpg and .png files gives
+    samples with either: the collate failed with a bare KeyError: 'png' (found by helper decode)."""
+    import io
+    import multiprocessing as mp
+
+    from PIL import Image
+
+    from fastdata import DataLoader, ShardedDataset
+    from fastdata.errors import MissingFieldError
+    from fastdata.shards.writer import ShardWriter
+
+    def image(fmt: str) -> bytes:
+        buf = io.BytesIO()
+        Image.new("RGB", (12, 10), (9, 99, 199)).save(buf, fmt)
+        return buf.getvalue()
+
+    with ShardWriter(tmp_path / "ds", max_samples=5) as w:
+        for i in range(6):
+            w.write({"__key__": f"s{i:03d}", **({"jpg": image("JPEG")} if i % 2 else {"png": image("PNG")}), "cls": i})
+    ds = ShardedDataset(tmp_path / "ds", image_decode=image_decode)
+    kw = {"multiprocessing_context": mp.get_context("fork")} if num_workers else {}
+    loader = DataLoader(ds, batch_size=3, num_workers=num_workers, decode_threads=decode_threads, **kw)
+    with pytest.raises(MissingFieldError, match=r"different fields .*s00\d: \['cls', 'png'\]; s00\d: \['cls', 'jpg'\]"):
+        list(loader)

@@ -63,7 +63,7 @@ import time
 import warnings
 import weakref
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any
 
@@ -73,6 +73,7 @@ from torch.utils.data import default_collate
 from torch.utils.data._utils.pin_memory import pin_memory as _pin_memory
 
 from fastdata.dataset import EpochStart, ShardedDataset
+from fastdata.errors import MissingFieldError
 from fastdata.loader._cached import FastBatch
 
 __all__ = ["LOOKAHEAD", "ThreadBatches", "check_threads", "collate", "static_reason", "thread_batches"]
@@ -103,6 +104,28 @@ def collate(collate_fn: Callable[[Any], Any], data: Any) -> Any:
         return collate_fn(data)
     except StopIteration as stop:
         raise RuntimeError("collate_fn raised StopIteration") from stop
+    except KeyError as missing:
+        text = _differing_fields(data)
+        if text is None:
+            raise
+        raise MissingFieldError(
+            f"the samples of one batch hold different fields ({text}), and the collate needs the same ones "
+            "in every sample (a KeyError). Image fields sharing a base name are alternatives (a folder of "
+            ".jpg and .png files gives samples with `jpg` or `png`): re-encode the images to one format, "
+            "give them one field name in a sample_transform, or pass a collate_fn that handles both"
+        ) from missing
+
+
+def _differing_fields(data: Any) -> str | None:
+    """The first two samples of ``data`` whose field sets differ, described, or None."""
+    if not isinstance(data, list) or not all(isinstance(s, Mapping) for s in data):
+        return None
+    first = data[0] if data else None
+    for other in data[1:]:
+        if other.keys() != first.keys():
+            return "; ".join(f"{s.get('__key__', '?')!s}: {sorted(k for k in s if not str(k).startswith('__'))}"
+                             for s in (first, other))
+    return None
 
 
 def static_reason(ds: Any, *, batch_size: int | None, worker_init_fn: Any) -> str | None:
@@ -707,7 +730,7 @@ class ThreadBatches:
         try:
             for j, (s, in_place) in enumerate(rows):
                 if not in_place and not _write(s, layout, buffers, j):
-                    batch = default_collate(samples)  # torch's error for samples that do not match
+                    batch = collate(default_collate, samples)  # the error for samples that do not match
                     # they matched each other: the layout (e.g. carried from an epoch with another
                     # transform) is stale; the next dispatches use theirs
                     self._layout = self._carry["layout"] = _Layout.of(samples[0])
