@@ -234,3 +234,20 @@ def test_a_streaming_rank_dealt_only_empty_shards_raises_instead_of_looping(tmp_
         assert got == ["s0k0", "s0k1"] and sum(srv.counts.values()) == 1
         with pytest.warns(UserWarning, match="without samples_per_epoch"):  # one pass: no loop, nothing to raise
             assert list(ShardedDataset(urls, rank=1, world_size=2)) == []
+
+
+def test_persistent_workers_started_before_init_process_group_read_the_new_split(seven, monkeypatch):
+    """Persistent workers keep the dataset copy they started with: a loader iterated once before
+    torch.distributed was initialised (rank 0 of 1) went on reading every sample on every rank, while
+    len() said one rank's share (and a next-epoch preload of the old split was served as well)."""
+    ds = ShardedDataset(seven)
+    dl = DataLoader(ds, batch_size=2, num_workers=1, persistent_workers=True, collate_fn=_ids,
+                    multiprocessing_context="fork")
+    assert sorted(x for b in dl for x in b) == list(range(7))
+    with monkeypatch.context() as m:
+        _fake_dist(m, 1, 2)
+        dl.set_epoch(1)
+        want = [x for b in DataLoader(ShardedDataset(seven, rank=1, world_size=2), batch_size=2, collate_fn=_ids)
+                for x in b]
+        assert [x for b in dl for x in b] == want and len(want) == 4
+    del dl

@@ -359,6 +359,9 @@ class ShardedDataset(IterableDataset):
         self.rank, self.world_size = 0, 1
         self._warned_uneven = False  # see resolve_dist
         self._warned_unsplit = False  # see _warn_unsplit
+        # (rank, world_size) as the main process last resolved them, shared with DataLoader workers like the
+        # epoch: persistent workers started before torch.distributed was initialised read the new split
+        self._dist_shared = torch.tensor([0, 1], dtype=torch.int64).share_memory_()
         self.resolve_dist()
         self._epoch = 0
         # Shared with DataLoader workers (persistent ones too), so set_epoch reaches them.
@@ -415,6 +418,8 @@ class ShardedDataset(IterableDataset):
             self.rank, self.world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank must be in [0, world_size={self.world_size}), got {self.rank}")
+        if not _in_worker() and (int(self._dist_shared[0]), int(self._dist_shared[1])) != (self.rank, self.world_size):
+            self._dist_shared[0], self._dist_shared[1] = self.rank, self.world_size
         if (self.world_size > 1 and self.source.streaming and self.samples_per_epoch is None
                 and not self._warned_uneven and not _in_worker()):
             self._warned_uneven = True  # once per dataset (workers get the flag with their copy)
@@ -799,7 +804,9 @@ class ShardedDataset(IterableDataset):
         epoch = None
         if info is None:
             self.resolve_dist()
-        elif not self._walked:
+        else:  # the main process's (see _dist_shared); the same as this copy's unless they changed since
+            self.rank, self.world_size = int(self._dist_shared[0]), int(self._dist_shared[1])
+        if info is not None and not self._walked:
             # a worker's first walk: the epoch of the iter() that started the worker (its copy of the
             # dataset was made then), not the one a set_epoch right after iter() put in shared memory
             # before the worker got here; later walks (persistent workers, resumed within iter()): shared

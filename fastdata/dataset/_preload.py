@@ -51,10 +51,11 @@ def _stop_all() -> None:
 class _Loaded:
     """What the thread loaded: per position (position after it, sample or None, skip records so far)."""
 
-    __slots__ = ("start", "worker", "cursor", "rows", "error")
+    __slots__ = ("start", "worker", "cursor", "rows", "error", "dist")
 
-    def __init__(self, start: EpochStart, worker: int, cursor: Cursor) -> None:
+    def __init__(self, start: EpochStart, worker: int, cursor: Cursor, dist: tuple[int, int] = (0, 1)) -> None:
         self.start, self.worker, self.cursor = start, worker, cursor
+        self.dist = dist  # (rank, world_size) of the walk it loaded
         self.rows: list[tuple[int, Any, int]] = []
         self.error: BaseException | None = None
 
@@ -76,7 +77,7 @@ class NextEpoch:
     def walk(self, ds: Any, start: EpochStart, worker: int, physical: int) -> Iterator[Any]:
         """The samples of ``worker``'s walk of ``start`` (preloaded ones first), then a preload of
         the predicted next epoch (``physical``: this process's torch worker id)."""
-        loaded = self.take(start, worker)
+        loaded = self.take(start, worker, (ds.rank, ds.world_size))
         if self._last_epoch is not None and start.epoch != self._last_epoch:
             self._step = start.epoch - self._last_epoch
         self._last_epoch = start.epoch
@@ -89,13 +90,14 @@ class NextEpoch:
             yield from iter(cursor)  # from the position reached, to the end of the walk
         self._begin(ds, start, physical)
 
-    def take(self, start: EpochStart, worker: int) -> _Loaded | None:
-        """Stop the thread; its samples if they are those of ``(start, worker)``, else None."""
+    def take(self, start: EpochStart, worker: int, dist: tuple[int, int] = (0, 1)) -> _Loaded | None:
+        """Stop the thread; its samples if they are those of ``(start, worker)`` at ``dist`` (rank,
+        world_size: the main process may have resolved others since), else None."""
         self.stop()
         loaded, self._loaded = self._loaded, None
         if loaded is None:
             return None
-        if loaded.start == start and loaded.worker == worker:
+        if loaded.start == start and loaded.worker == worker and loaded.dist == dist:
             self.preloaded += 1
             return loaded
         self.discarded += 1
@@ -121,7 +123,7 @@ class NextEpoch:
         start = ds.epoch_start(nw, epoch)
         worker = (physical + start.first) % nw  # the mapping of ShardedDataset.__iter__
         cursor = ds.cursor(start, worker)
-        self._loaded = _Loaded(start, worker, cursor)
+        self._loaded = _Loaded(start, worker, cursor, (ds.rank, ds.world_size))
         self._halt = threading.Event()
         if not _HOOKED:
             atexit.register(_stop_all)
