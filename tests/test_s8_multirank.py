@@ -251,3 +251,17 @@ def test_persistent_workers_started_before_init_process_group_read_the_new_split
                 for x in b]
         assert [x for b in dl for x in b] == want and len(want) == 4
     del dl
+
+
+def test_an_explicit_rank_that_contradicts_torch_distributed_is_warned_about(seven, monkeypatch):
+    """rank=LOCAL_RANK on a 2-node job (world_size=WORLD_SIZE): rank 0 of each node read the same part and
+    the parts of ranks 4-7 were never read, without a word."""
+    with monkeypatch.context() as m:
+        _fake_dist(m, 5, 8)
+        with pytest.warns(UserWarning, match=r"rank=1 was passed, but torch.distributed says this process is rank 5 "
+                                             r"of the same world_size=8.*LOCAL_RANK"):
+            ShardedDataset(seven, rank=1, world_size=8)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            ShardedDataset(seven, rank=5, world_size=8)  # agrees
+            ShardedDataset(seven, rank=1, world_size=2)  # a data-parallel group of its own (tensor parallel): fine

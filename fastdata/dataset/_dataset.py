@@ -414,6 +414,16 @@ class ShardedDataset(IterableDataset):
         """Rank and world size: explicit, else torch.distributed (main process only). Package-internal."""
         if self._explicit_dist is not None:
             self.rank, self.world_size = self._explicit_dist
+            if not self._warned_unsplit and not _in_worker() and _dist_ready() \
+                    and torch.distributed.get_world_size() == self.world_size != 1 \
+                    and torch.distributed.get_rank() != self.rank:
+                self._warned_unsplit = True  # once per dataset
+                warnings.warn(
+                    f"rank={self.rank} was passed, but torch.distributed says this process is rank "
+                    f"{torch.distributed.get_rank()} of the same world_size={self.world_size}: two processes read "
+                    "the same part and one part is never read (LOCAL_RANK passed as rank? on several nodes it "
+                    "repeats on each); pass the global rank, or neither (taken from torch.distributed)",
+                    UserWarning, stacklevel=3)
         elif _dist_ready():
             self.rank, self.world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
         if not 0 <= self.rank < self.world_size:
