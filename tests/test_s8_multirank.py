@@ -265,3 +265,31 @@ def test_an_explicit_rank_that_contradicts_torch_distributed_is_warned_about(sev
             warnings.simplefilter("error")
             ShardedDataset(seven, rank=5, world_size=8)  # agrees
             ShardedDataset(seven, rank=1, world_size=2)  # a data-parallel group of its own (tensor parallel): fine
+
+
+def test_a_streaming_datasets_list_of_rank_states_resumes(tmp_path):
+    """The list of every rank's state (what a DDP checkpoint holds) of a tar-URL dataset could not be
+    loaded at all: "ValueError: the dataset has no samples (every shard is empty)", from a split plan
+    that streaming sources do not have; at another world size too, instead of the streaming message."""
+    from loopback_server import LoopbackServer
+
+    for j in range(4):
+        write_tar_shard(tmp_path / f"s{j}.tar", [{"__key__": f"s{j}k{k}", "cls": str(3 * j + k).encode()}
+                                                 for k in range(3)])
+    with LoopbackServer(tmp_path, max_requests=100, lifetime=60) as srv:
+        urls = [f"{srv.url}/s{j}.tar" for j in range(4)]
+
+        def loaders(world):
+            return [_loader(urls, r, world, batch_size=2, samples_per_epoch=8) for r in range(world)]
+
+        first = loaders(2)
+        for dl in first:
+            next(iter(dl))
+        states = [dl.state_dict() for dl in first]
+        whole = [list(dl) for dl in loaders(2)]
+        again = loaders(2)
+        for dl in again:
+            dl.load_state_dict(states)
+        assert [list(dl) for dl in again] == [w[1:] for w in whole]
+        with pytest.raises(ValueError, match="a streaming .URL. source cannot resume at world_size=1"):
+            loaders(1)[0].load_state_dict(states)

@@ -766,7 +766,8 @@ class ShardedDataset(IterableDataset):
             if len(values) > 1:
                 raise ValueError(f"rank states disagree on {_state_field(name)}: {sorted(values)}")
         _check_matches(states[0], mine)
-        if w1 == self.world_size and self._lockstep(states, batch_size, num_workers, drop_last):
+        if w1 == self.world_size and (self.source.streaming  # no eras: every rank continues its own stream
+                                      or self._lockstep(states, batch_size, num_workers, drop_last)):
             # same world size: continue in exactly the same order
             self._load_one(states[self.rank], _loader_shape(batch_size, num_workers, drop_last), lockstep=True)
             return
