@@ -78,6 +78,7 @@ def test_ragged_images_from_a_device_transform_are_record_streamed(monkeypatch: 
     ({"num_workers": 2, "prefetch_factor": 1.5}, "prefetch_factor"), ({"num_workers": 2, "prefetch_factor": 0}, "prefetch_factor"),
     ({"pin_memory": "no"}, "pin_memory"), ({"num_workers": 1, "persistent_workers": "no"}, "persistent_workers"),
 ])
+@pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
 def test_loader_arguments_torch_leaves_unchecked_are_refused_when_built(tmp_path, kwargs: dict, name: str) -> None:
     # each was accepted, then failed at the first iteration (TypeError, AssertionError) or, for the
     # flags, a string such as "no" was taken as true
