@@ -117,6 +117,9 @@ def test_one_ranks_state_after_an_elastic_resume_with_another_loader_is_refused(
         dl.load_state_dict(st)
     got = [list(dl) for dl in same]
     assert [len(b) for b in got] == [1, 1, 1, 1] and sorted(x for b in got for y in b for x in y) == list(range(7))
+    for dl, st in zip([_loader(seven, r, 4, batch_size=1) for r in range(4)], [d.state_dict() for d in same]):
+        dl.load_state_dict(st)  # the rest read to its end: nothing left on any rank, any loader will do
+        assert list(dl) == []
     relisted = [_loader(seven, r, 4, batch_size=1) for r in range(4)]  # the list, split again for batch_size=1
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # one worker per rank: even="pad" repeats one

@@ -702,7 +702,7 @@ class ShardedDataset(IterableDataset):
                        _origin(state.get("era_origin")))
         split_for = _split_for(state.get("split_for")) if elastic is not None else None
         if elastic is not None and not lockstep and split_for is not None and split_for != shape \
-                and len(set(elastic[2])) > 1:
+                and len(set(elastic[2])) > 1 and sum(rest_counts(elastic[2][self.rank], stages, shape[1])):
             # The rest of an elastic resume gives the ranks different sample counts, cut so that each yields
             # the same number of batches with the loader it was split for; with these, a rank that cannot
             # see the others' states cannot know their counts (states saved before split_for: as before)
