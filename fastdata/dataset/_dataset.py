@@ -359,13 +359,12 @@ class ShardedDataset(IterableDataset):
         self.rank, self.world_size = 0, 1
         self._warned_uneven = False  # see resolve_dist
         self._warned_unsplit = False  # see _warn_unsplit
-        # (rank, world_size) as the main process last resolved them, shared with DataLoader workers like the
-        # epoch: persistent workers started before torch.distributed was initialised read the new split
-        self._dist_shared = torch.tensor([0, 1], dtype=torch.int64).share_memory_()
+        # [epoch, rank, world_size], shared with DataLoader workers (persistent ones too), so set_epoch reaches
+        # them, and so does the split of a torch.distributed initialised after they started (one tensor: each
+        # shared tensor holds a file descriptor)
+        self._epoch_shared = torch.tensor([0, 0, 1], dtype=torch.int64).share_memory_()
         self.resolve_dist()
         self._epoch = 0
-        # Shared with DataLoader workers (persistent ones too), so set_epoch reaches them.
-        self._epoch_shared = torch.zeros(1, dtype=torch.int64).share_memory_()
         self._resume: tuple[int, list[Stage], int] | None = None  # (epoch, stages, next worker)
         self._resume_dist = (0, 1)  # (rank, world_size) when the resume state was loaded (see _check_resume_dist)
         # (epoch, ended eras, worker counts per rank): the rest of an epoch after a world-size change
@@ -428,8 +427,9 @@ class ShardedDataset(IterableDataset):
             self.rank, self.world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank must be in [0, world_size={self.world_size}), got {self.rank}")
-        if not _in_worker() and (int(self._dist_shared[0]), int(self._dist_shared[1])) != (self.rank, self.world_size):
-            self._dist_shared[0], self._dist_shared[1] = self.rank, self.world_size
+        shared = self._epoch_shared
+        if not _in_worker() and (int(shared[1]), int(shared[2])) != (self.rank, self.world_size):
+            shared[1], shared[2] = self.rank, self.world_size
         if (self.world_size > 1 and self.source.streaming and self.samples_per_epoch is None
                 and not self._warned_uneven and not _in_worker()):
             self._warned_uneven = True  # once per dataset (workers get the flag with their copy)
@@ -815,8 +815,8 @@ class ShardedDataset(IterableDataset):
         epoch = None
         if info is None:
             self.resolve_dist()
-        else:  # the main process's (see _dist_shared); the same as this copy's unless they changed since
-            self.rank, self.world_size = int(self._dist_shared[0]), int(self._dist_shared[1])
+        else:  # the main process's (see _epoch_shared); the same as this copy's unless they changed since
+            self.rank, self.world_size = int(self._epoch_shared[1]), int(self._epoch_shared[2])
         if info is not None and not self._walked:
             # a worker's first walk: the epoch of the iter() that started the worker (its copy of the
             # dataset was made then), not the one a set_epoch right after iter() put in shared memory
