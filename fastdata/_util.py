@@ -34,6 +34,11 @@ def _renew_npy_lock() -> None:
 os.register_at_fork(after_in_child=_renew_npy_lock)
 
 
+def local_path(text: str) -> str:
+    """``text`` without a leading ``file://`` (``file:///data/ds`` is the local ``/data/ds``)."""
+    return text[len("file://"):] if text.startswith("file://") else text
+
+
 def npy_lock() -> threading.Lock:
     """The lock every parse of a .npy header takes (``with npy_lock(): np.load(...)``)."""
     return _npy_lock

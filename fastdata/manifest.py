@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from fastdata._util import local_path
 from fastdata.errors import ManifestError
 
 __all__ = ["FORMATS", "FORMAT_VERSION", "KINDS", "MANIFEST_NAME", "FieldInfo", "Manifest", "ShardInfo", "sha256_file"]
@@ -210,7 +211,7 @@ class Manifest:
         """
         text_path = os.fspath(path)
         if isinstance(text_path, str) and text_path.startswith("file://"):
-            text_path = text_path[len("file://"):]
+            text_path = local_path(text_path)
         elif isinstance(text_path, str) and "://" in text_path:  # Path() would make 's3:/bucket/ds' of it
             raise ManifestError(f"{text_path}: a URL; Manifest.load reads a local folder or manifest.json "
                                 "(ShardedDataset and RemoteShards read folder URLs)")

@@ -225,3 +225,27 @@ def test_a_batch_of_jpg_and_png_samples_is_a_clear_error(tmp_path, num_workers, 
     loader = DataLoader(ds, batch_size=3, num_workers=num_workers, decode_threads=decode_threads, **kw)
     with pytest.raises(MissingFieldError, match=r"different fields .*s00\d: \['cls', 'png'\]; s00\d: \['cls', 'jpg'\]"):
         list(loader)
+
+
+def test_a_file_url_of_a_folder_with_a_manifest_is_read(tmp_path) -> None:
+    """``ShardedDataset("file:///folder")`` said "only uncompressed .tar shards can be read without a
+    manifest" although the folder has one (found by helper leftovers)."""
+    from fastdata import ShardedDataset
+    from fastdata.errors import SourceNotFoundError
+    from test_dataset import make_shards
+
+    folder = make_shards(tmp_path / "ds", 7, 3)
+    for url in (f"file://{folder}", f"file://{folder}/"):
+        assert [s["cls"] for s in ShardedDataset(url)] == list(range(7))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SourceNotFoundError, match="no manifest.json in this folder"):
+        ShardedDataset(f"file://{tmp_path / 'empty'}")
+
+
+def test_verify_reads_a_file_url_of_a_folder(tmp_path) -> None:
+    """``fastdata verify file:///folder`` said "no such folder" (found by helper leftovers)."""
+    from fastdata.cli._main import main
+    from test_dataset import make_shards
+
+    folder = make_shards(tmp_path / "ds", 5, 2)
+    assert main(["verify", f"file://{folder}"]) == 0

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import os
 import queue
 import sys
 import threading
@@ -23,6 +24,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from fastdata._util import local_path
 from fastdata.cli._args import byte_size, nonempty_path, nonneg_int, positive_int
 from fastdata.errors import FastdataError
 
@@ -305,7 +307,7 @@ def verify_folder(dest: str | Path, *, workers: int | None = None, progress: boo
         except ManifestError as e:
             return [str(e)]
     else:
-        check, path = verify_shard, Path(dest)
+        check, path = verify_shard, Path(local_path(os.fspath(dest)))
         if not path.is_dir():
             raise ConversionError(f"DEST {dest}: " + ("not a folder (pass the folder holding manifest.json)"
                                                      if path.exists() else "no such folder"))

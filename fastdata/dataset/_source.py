@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fastdata._util import parse_size
+from fastdata._util import local_path, parse_size
 from fastdata.dataset._readers import _LOCK_FREE
 from fastdata.errors import ManifestError, RemoteError, ShardError, SourceError, SourceNotFoundError
 from fastdata.manifest import MANIFEST_NAME, Manifest
@@ -432,7 +432,7 @@ def _from_local_tars(paths: list[str]) -> Source:
 
     readers, ident = [], []
     for p in paths:
-        local = p[len("file://"):] if p.startswith("file://") else p
+        local = local_path(p)
         try:
             st = os.stat(local)
         except OSError as e:
@@ -495,7 +495,7 @@ def resolve_source(source: str | os.PathLike[str] | RemoteShards | Sequence[str 
         return _from_remote_manifest(RemoteShards(source))
     if isinstance(source, (str, os.PathLike)):
         text = os.fspath(source)
-        p = Path(text)
+        p = Path(local_path(text))  # a file:// folder too
         if not _is_url(text) and "{" not in text:
             if p.is_dir():
                 if not (p / MANIFEST_NAME).is_file():

@@ -37,6 +37,7 @@ from typing import Any
 
 import numpy as np
 
+from fastdata._util import local_path
 from fastdata.errors import SourceError
 from fastdata.manifest import MANIFEST_NAME, FieldInfo, Manifest
 from fastdata.shards._fields import dtype_spelling
@@ -101,7 +102,7 @@ class Listing:
 def list_source(src: str | os.PathLike[str]) -> Listing:
     """Enumerate SRC (see the module docstring); :class:`SourceError` naming the problem."""
     text = os.fspath(src)
-    local = text[len("file://"):] if isinstance(text, str) and text.startswith("file://") else text
+    local = local_path(text) if isinstance(text, str) else text
     path = Path(os.path.abspath(local))
     if not path.exists():
         raise SourceError(f"SRC {src}: no such file or directory")

@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from fastdata._util import parse_size
+from fastdata._util import local_path, parse_size
 from fastdata._util import usable_cores as default_workers
 from fastdata.errors import ConversionError, FastdataError, RemoteError
 from fastdata.manifest import MANIFEST_NAME, FieldInfo, Manifest, sha256_file
@@ -712,7 +712,7 @@ def verify_dest(dest: str | os.PathLike[str]) -> list[str]:
     """Problems found re-reading every shard of DEST against its manifest (empty: all good)."""
     from fastdata.shards.reader import verify
 
-    path = Path(dest)
+    path = Path(local_path(os.fspath(dest)))
     if not path.is_dir():
         raise ConversionError(f"DEST {dest}: " + ("not a folder (pass the folder holding manifest.json)"
                                                  if path.exists() else "no such folder"))

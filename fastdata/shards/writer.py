@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from fastdata._util import local_path
 from fastdata.errors import FastdataError
 from fastdata.manifest import FieldInfo, Manifest, ShardInfo
 from fastdata.shards import _tarfmt
@@ -59,7 +60,7 @@ class ShardWriter:
             raise ValueError(f"dest must be a non-empty path, got {dest!r}")
         text = os.fspath(dest)
         if isinstance(text, str) and text.startswith("file://"):  # as Manifest.load reads it, not a folder 'file:'
-            dest = text[len("file://"):]
+            dest = local_path(text)
         elif isinstance(text, str) and "://" in text:
             raise ValueError(f"dest {text!r} is a URL; ShardWriter writes a local folder (write there, then upload)")
         self.dest = Path(dest)
