@@ -249,3 +249,43 @@ def test_verify_reads_a_file_url_of_a_folder(tmp_path) -> None:
 
     folder = make_shards(tmp_path / "ds", 5, 2)
     assert main(["verify", f"file://{folder}"]) == 0
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"seed": True}, "seed must be an int"), ({"shuffle": ""}, "shuffle must be"), ({"shuffle": []}, "shuffle must be"),
+    ({"fields": [1]}, r"fields must be .*1"), ({"fields": 5}, "fields must be"), ({"fields": b"cls"}, "fields must be"),
+    ({"fields": ["cls", None]}, r"fields must be .*None"),
+    ({"image_decode": "device", "max_pixels": 10_000}, "DecodeImages"),
+])
+def test_dataset_arguments_of_the_wrong_kind_are_named(tmp_path, kwargs: dict, match: str) -> None:
+    """Each was accepted (seed=True as 1, shuffle='' as off, max_pixels ignored with image_decode='device')
+    or failed with an AttributeError from inside (found by helpers contract and decode)."""
+    from fastdata import ShardedDataset
+    from test_dataset import make_shards
+
+    folder = make_shards(tmp_path / "ds", 4, 2)
+    with pytest.raises((TypeError, ValueError), match=match):
+        ShardedDataset(folder, **kwargs)
+    assert [s["cls"] for s in ShardedDataset(folder, shuffle=None, fields=("cls",), seed=3)] == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("kwargs", [{"open_shards": True}, {"buffer_size": True}, {"within_shard": "no"},
+                                    {"within_shard": 0}])
+def test_shuffle_options_refuse_bools_for_counts_and_strings_for_flags(kwargs: dict) -> None:
+    from fastdata import ShuffleOptions
+
+    with pytest.raises(ValueError, match=next(iter(kwargs))):
+        ShuffleOptions(**kwargs)
+
+
+def test_every_public_method_of_the_dataset_has_resolvable_hints() -> None:
+    """typing.get_type_hints(ShardedDataset.cache_store) raised NameError: 'Store' was imported for type
+    checkers only (found by helper contract)."""
+    import inspect
+    import typing
+
+    from fastdata import ShardedDataset
+
+    for name, member in inspect.getmembers(ShardedDataset, inspect.isfunction):
+        if not name.startswith("_") or name == "__init__":
+            typing.get_type_hints(member)

@@ -18,7 +18,7 @@ import warnings
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
@@ -54,8 +54,7 @@ from fastdata.decode import Decoder, SampleDecoder, check_max_pixels, image_to_t
 from fastdata.errors import CacheError, FastdataError, MissingFieldError, ShardError, SkipBudgetError, SourceError
 from fastdata.shards import missing_fields, required_fields
 
-if TYPE_CHECKING:  # pragma: no cover
-    from fastdata.cache import Store, StoreInfo
+from fastdata.cache import Store, StoreInfo  # at run time too: typing.get_type_hints resolves the hints
 
 __all__ = ["ON_ERROR", "ON_MISSING", "ShardedDataset", "ShuffleOptions", "SkipReport", "SkippedSampleWarning"]
 
@@ -279,7 +278,7 @@ class ShardedDataset(IterableDataset):
         max_skips: int | float | None = None,
         max_pixels: int | None = None,
     ):
-        if not isinstance(seed, int):
+        if not isinstance(seed, int) or isinstance(seed, bool):  # True would pass as seed 1
             raise TypeError(f"seed must be an int, got {seed!r}")
         if on_error not in ON_ERROR:
             raise ValueError(f"on_error must be one of {ON_ERROR}, got {on_error!r}")
@@ -292,8 +291,16 @@ class ShardedDataset(IterableDataset):
         ):
             raise ValueError(f"max_skips must be None, an int >= 0 or a float in (0, 1), got {max_skips!r}")
         check_max_pixels(max_pixels)
-        if isinstance(fields, str):
+        if isinstance(fields, (str, bytes)):
             raise TypeError(f"fields must be a list of field names, got the string {fields!r}")
+        if fields is not None:
+            try:
+                fields = list(fields)
+            except TypeError:
+                raise TypeError(f"fields must be a list of field names, got {fields!r}") from None
+            bad = [f for f in fields if not isinstance(f, str)]
+            if bad:
+                raise TypeError(f"fields must be a list of field names (str), got {bad[0]!r} in {fields!r}")
         if even not in EVEN_POLICIES:
             raise ValueError(f"even must be one of {EVEN_POLICIES}, got {even!r}")
         if samples_per_epoch is not None and (
@@ -324,6 +331,8 @@ class ShardedDataset(IterableDataset):
             if unknown:
                 raise ValueError(f"fields={list(fields)!r}: {unknown} not in this dataset; available fields: "
                                  f"{list(self.source.fields)}")
+        if shuffle is not None and not isinstance(shuffle, (bool, ShuffleOptions)):  # '' or [] passed as off
+            raise TypeError(f"shuffle must be a bool or ShuffleOptions, got {shuffle!r}")
         self.shuffle = ShuffleOptions() if shuffle is True else (shuffle or None)
         if self.shuffle is not None and not isinstance(self.shuffle, ShuffleOptions):
             raise TypeError(f"shuffle must be a bool or ShuffleOptions, got {shuffle!r}")
@@ -336,6 +345,9 @@ class ShardedDataset(IterableDataset):
         if image_decode == "device" and (preprocess is not None or transform is not None or cache is not None):
             raise ValueError("image_decode='device' keeps images encoded for the device decode stage: it excludes "
                              "preprocess=, transform= and cache= (use fastdata.gpu transforms after DecodeImages)")
+        if image_decode == "device" and max_pixels is not None:  # the workers never decode: it would do nothing
+            raise ValueError("image_decode='device' keeps images encoded, so max_pixels= would limit nothing here: "
+                             "pass it to the stage that decodes them, fastdata.gpu.DecodeImages(max_pixels=...)")
         self.image_decode = image_decode
         self.preprocess, self.transform, self.sample_transform = preprocess, transform, sample_transform
         self.fields = None if fields is None else frozenset(fields)

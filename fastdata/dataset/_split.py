@@ -109,10 +109,12 @@ class ShuffleOptions:
     within_shard: bool = True
 
     def __post_init__(self) -> None:
-        if not isinstance(self.open_shards, int) or self.open_shards < 1:
+        if not isinstance(self.open_shards, int) or isinstance(self.open_shards, bool) or self.open_shards < 1:
             raise ValueError(f"open_shards must be an int >= 1, got {self.open_shards!r}")
-        if not isinstance(self.buffer_size, int) or self.buffer_size < 0:
+        if not isinstance(self.buffer_size, int) or isinstance(self.buffer_size, bool) or self.buffer_size < 0:
             raise ValueError(f"buffer_size must be an int >= 0, got {self.buffer_size!r}")
+        if not isinstance(self.within_shard, bool):  # "no" would be read as True
+            raise ValueError(f"within_shard must be True or False, got {self.within_shard!r}")
 
 
 # ---------------------------------------------------------------------------------------------
