@@ -53,9 +53,20 @@ RESULTS: dict = {}
 ROWS: list[tuple[str, str]] = []
 
 
+OUT_JSON: Path | None = None  # DIR/decode_gpu.json, rewritten after every part
+
+
 def row(name: str, text: str) -> None:
-    """One line of the final table."""
+    """One line of the final table (printed now too: a run stopped by its time limit keeps it in the log)."""
     ROWS.append((name, text))
+    print(f"  {name}  {text}", flush=True)
+
+
+def save() -> None:
+    """Write what was measured so far: a time limit that kills the script keeps the finished parts."""
+    if OUT_JSON is not None:
+        RESULTS["total_seconds"] = round(elapsed(), 1)
+        OUT_JSON.write_text(json.dumps(RESULTS, indent=1, default=str))
 
 
 def elapsed() -> float:
@@ -79,6 +90,7 @@ def part(name: str, budget_left: float, need: float):
         RESULTS.setdefault(name, {})
         if isinstance(RESULTS[name], dict):
             RESULTS[name]["seconds"] = round(time.perf_counter() - t, 2)
+        save()
         return fn
     return wrap
 
@@ -143,6 +155,8 @@ def main() -> None:
         (out_dir / "decode_gpu.json").write_text(json.dumps({"error": "no CUDA"}))
         return
     dev = torch.device("cuda", 0)
+    global OUT_JSON
+    OUT_JSON = out_dir / "decode_gpu.json"
     import torchvision
 
     from fastdata import gpu
@@ -493,19 +507,22 @@ def main() -> None:
         steps = max(10, int(alone * 4 / bs))
 
         def fed_rate(priority: str) -> float:
+            # seamless=False and close(): a seamless prefetcher starts the next pass of its iterable as soon
+            # as the last batch is pulled, decoding more batches with the same stage in its thread: inside
+            # the timed window, and (the warm-up one) beside the timed prefetcher's thread
             fn = stage_fn()  # a fresh stage: its decode stream takes the side stream's priority
-            pf = CUDAPrefetcher(fn.transforms[0].ahead(Cycle(10)), device=dev, transform=fn,
-                                stream_priority=priority)
-            for b in pf:  # warm-up
-                step(b["jpg"], b["cls"])
+            with CUDAPrefetcher(fn.transforms[0].ahead(Cycle(10)), device=dev, transform=fn,
+                                stream_priority=priority, seamless=False) as pf:
+                for b in pf:  # warm-up
+                    step(b["jpg"], b["cls"])
             torch.cuda.synchronize()
-            pf = CUDAPrefetcher(fn.transforms[0].ahead(Cycle(steps)), device=dev, transform=fn,
-                                stream_priority=priority)
-            t = time.perf_counter()
-            for b in pf:
-                step(b["jpg"], b["cls"])
-            torch.cuda.synchronize()
-            return steps * bs / (time.perf_counter() - t)
+            with CUDAPrefetcher(fn.transforms[0].ahead(Cycle(steps)), device=dev, transform=fn,
+                                stream_priority=priority, seamless=False) as pf:
+                t = time.perf_counter()
+                for b in pf:
+                    step(b["jpg"], b["cls"])
+                torch.cuda.synchronize()
+                return steps * bs / (time.perf_counter() - t)
 
         # normal, high, normal, high: the order's drift shows in the repeats
         rates = {"normal": [], "high": []}
@@ -558,8 +575,7 @@ def main() -> None:
             pf.close()
         return res
 
-    RESULTS["total_seconds"] = round(elapsed(), 1)
-    (out_dir / "decode_gpu.json").write_text(json.dumps(RESULTS, indent=1, default=str))
+    save()
     width = max(len(n) for n, _ in ROWS)
     print(f"\ndecode_gpu ({RESULTS['env']['gpu']}, torch {torch.__version__}, torchvision {torchvision.__version__}, "
           f"{RESULTS['total_seconds']} s)")
