@@ -253,7 +253,9 @@ def _gpu_loader(cfg: dict[str, Any], *, threads: bool = False) -> tuple[Any, Any
     readers = min(cfg["workers"], 4)
     loader = DataLoader(ds, batch_size=cfg["batch_size"], num_workers=readers, pin_memory=True,
                         decode_threads=readers if threads else 0)
-    prefetcher = CUDAPrefetcher(loader, device="cuda", transform=stage)
+    # seamless=False: each epoch timed end to end like the other rows; a seamless prefetcher would start
+    # this row's next epoch (gpu-threads: in its thread, no fork) while the other rows' epochs are timed
+    prefetcher = CUDAPrefetcher(loader, device="cuda", transform=stage, seamless=False)
 
     def consume(b: Any) -> int:
         x = b["jpg"]

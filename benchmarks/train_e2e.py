@@ -3,7 +3,7 @@
 A torchvision ResNet (``--models``, default resnet18 and resnet50, random init, channels_last)
 is trained with ``fastdata.TrainStep`` (bf16 autocast on CUDA, SGD) on a generated photo-like JPEG
 corpus (``fastdata.cli._synth``, 300-640 px, written to tar shards), 224 px centre crops, batch
-``--batch-size``, over ``--epochs`` timed epochs (one untimed warm-up epoch before them). Compared
+``--batch-size``, over ``--epochs`` timed epochs (``--warmup`` untimed epochs before them, default 2). Compared
 for every model:
 
 - ``resident``: the same batch, already on the GPU and normalised, every step: the model's own speed;
@@ -12,8 +12,8 @@ for every model:
   ``prefetch_factor=4``, ``.to(device, non_blocking=True)`` and ``Normalize`` on the GPU;
 - ``fastdata_uncached``: ``ShardedDataset(preprocess=ResizeCenterCrop)`` -> ``fastdata.DataLoader``
   (the same workers) -> ``CUDAPrefetcher(Normalize)``, epochs through ``set_epoch`` on the prefetcher;
-- ``fastdata_cached``: the same with ``cache=``; the warm-up epoch fills the cache, the timed epochs
-  take the cached fast path.
+- ``fastdata_cached``: the same with ``cache=``; the first warm-up epoch fills the cache, the second
+  memoizes the small uncached fields, the timed epochs take the cached fast path.
 
 With ``--augment random`` the pipelines train with the ImageNet recipe's random augmentation
 (RandomResizedCrop to ``--size``, scale 8-100%, aspect 3/4-4/3, and a horizontal flip), which no
