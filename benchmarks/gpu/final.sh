@@ -9,8 +9,8 @@
 # 3. train_e2e.py: resnet18 and resnet50, bf16, channels_last, batch 128, 2,048 generated JPEGs, 2 warm-up
 #    epochs (the cached pipeline's fill and memo epochs) and 3 timed ones:
 #    resident / tuned torch DataLoader / fastdata uncached / fastdata cached   (limit 200 s)
-# 4. decode_stage.py at 8 and 15 cores: worker processes, thread decoder, GPU decode, torchvision recipe
-#                                                                             (limit 45 s)
+# 4. decode_stage.py at 8 and 15 cores: worker processes, thread decoder, GPU decode, torchvision recipe,
+#    3 timed epochs per row (medians; each N's child needs ~20 s on 16 cores)   (limit 100 s)
 # 5. epoch_start.py: 15 persistent workers, batch 128, 224 px from 400 px JPEGs, CUDAPrefetcher: epoch-start
 #    waits with and without the next-epoch preload                            (limit 90 s)
 # 6. producer_overhead.py: GIL-held Python per batch on the cached path, epoch plan (CPU only) (limit 60 s)
@@ -34,7 +34,7 @@
 BUDGET=${BUDGET:-590}
 # DRY=1: plumbing check on a CPU machine (tiny model, few images, 2 workers; CUDA tests skip)
 H2D=(--batch-mb 38.5 --warmup 8 --steps 60); E2E=(--models resnet18 resnet50 --images 2048 --batch-size 128)
-DS=(--workers 8 15 --images 1024 --reps 2 --budget 35); DSNV=(--workers 8 --images 1024); ES=(--workers 15 --batch-size 128
+DS=(--workers 8 15 --images 1024 --reps 3 --budget 75); DSNV=(--workers 8 --images 1024); ES=(--workers 15 --batch-size 128
 --images 4096 --side 400 --size 224); PO=(--size 224 --images 8192 --workers 15 --reps 2)
 DOC=(--model resnet18 --workers 8 --batch-size 128 --samples 512 --steps 15)
 if [ "${DRY:-0}" = 1 ]; then
@@ -59,7 +59,7 @@ part h2d 45 "$WORK/h2d.txt" \
 part train_e2e 200 "$WORK/e2e.txt" \
   python3 benchmarks/train_e2e.py "${E2E[@]}" --warmup 2 --epochs 3 \
   --dir "$WORK/e2e" --json "$OUT/e2e.json"
-part decode_stage 45 "$WORK/decode_stage.txt" \
+part decode_stage 100 "$WORK/decode_stage.txt" \
   python3 benchmarks/decode_stage.py "${DS[@]}" --data "$WORK/ds" \
   --json "$OUT/decode_stage.json"
 if [ -n "$NV" ]; then
