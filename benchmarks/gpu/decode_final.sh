@@ -7,7 +7,7 @@
 # nvImageCodec rows; without it they are skipped and said so.
 #
 # 1. train_e2e.py --augment random: resnet18, bf16, channels_last, batch 128, 2,048 generated JPEGs,
-#    2 warm-up + 3 timed epochs: resident / torchvision's recipe (tuned loader) / fastdata workers /
+#    2 warm-up + 6 timed epochs (the GPU rows' windows > 1 s): resident / torchvision's recipe (tuned loader) / fastdata workers /
 #    thread decoder / GPU decode / GPU decode on a high-priority side stream     (limit 190 s)
 # 2. decode_gpu.py: the decode stage alone, its correctness, sync freedom, memory over 30 epochs,
 #    resnet18 fed from packed batches (normal and high stream priority) and from tar shards (limit 180 s)
@@ -24,7 +24,7 @@ BUDGET=${BUDGET:-560}
 SIZES=(--models resnet18 --images 2048 --batch-size 128)
 # DRY=1: plumbing check on a CPU machine (tiny model, few images; the GPU-only parts say so and skip)
 if [ "${DRY:-0}" = 1 ]; then SIZES=(--models tiny --images 96 --batch-size 16 --size 64); fi
-E2E=(python3 benchmarks/train_e2e.py --augment random "${SIZES[@]}" --warmup 2 --epochs 3 --dir "$WORK/e2e")
+E2E=(python3 benchmarks/train_e2e.py --augment random "${SIZES[@]}" --warmup 2 --epochs 6 --dir "$WORK/e2e")
 part e2e_random 190 "$WORK/e2e_random.txt" "${E2E[@]}" --json "$OUT/e2e_random.json"
 part decode_gpu 180 "$WORK/decode_gpu.txt" python3 benchmarks/gpu/decode_gpu.py --out "$OUT" --budget 170
 

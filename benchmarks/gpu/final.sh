@@ -7,7 +7,8 @@
 # 2. h2d_overlap.py: 38.5 MB pageable batches, compute 4.9 / 1.1 / 0.5 ms, without and with 8 ms loader
 #    spikes; sync, one_ahead, one_ahead_pin (apex) and the prefetcher          (limit 45 s)
 # 3. train_e2e.py: resnet18 and resnet50, bf16, channels_last, batch 128, 2,048 generated JPEGs, 2 warm-up
-#    epochs (the cached pipeline's fill and memo epochs) and 3 timed ones:
+#    epochs (the cached pipeline's fill and memo epochs) and 8 timed ones (resnet18 cached: ~2 s, a dozen
+#    NVML samples; at 3 epochs the H100 run's resident row had 2 samples and read 89.5%):
 #    resident / tuned torch DataLoader / fastdata uncached / fastdata cached   (limit 200 s)
 # 4. decode_stage.py at 8 and 15 cores: worker processes, thread decoder, GPU decode, torchvision recipe,
 #    3 timed epochs per row (medians; each N's child needs ~20 s on 16 cores)   (limit 100 s)
@@ -57,7 +58,7 @@ part h2d 45 "$WORK/h2d.txt" \
   python3 benchmarks/h2d_overlap.py "${H2D[@]}" --reps 2 --compute-ms 4.9 1.1 0.5 --jitter 0 0.2 \
   --spike-ms 8 --json "$OUT/h2d.json"
 part train_e2e 200 "$WORK/e2e.txt" \
-  python3 benchmarks/train_e2e.py "${E2E[@]}" --warmup 2 --epochs 3 \
+  python3 benchmarks/train_e2e.py "${E2E[@]}" --warmup 2 --epochs 8 \
   --dir "$WORK/e2e" --json "$OUT/e2e.json"
 part decode_stage 100 "$WORK/decode_stage.txt" \
   python3 benchmarks/decode_stage.py "${DS[@]}" --data "$WORK/ds" \
