@@ -362,8 +362,10 @@ def main() -> None:
         try:
             import pynvml
 
+            from fastdata.monitor import nvml_handle
+
             pynvml.nvmlInit()
-            h = pynvml.nvmlDeviceGetHandleByIndex(0)
+            h = nvml_handle(pynvml, dev.index)[0]  # by UUID: NVML's index 0 is not CUDA's under CUDA_VISIBLE_DEVICES
             samples, stop = [], threading.Event()
 
             def poll():
