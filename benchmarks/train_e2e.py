@@ -108,6 +108,8 @@ class Utilisation:
         if self.sampler is None:
             return None, 0
         samples = self.sampler.stop()
+        if self.sampler.error is not None:  # the mean covers only part of the window: say so in the results
+            self.error = f"sampling stopped early: {self.sampler.error!r}"
         return (float(np.mean(samples)) if samples else None), len(samples)
 
 
