@@ -4,8 +4,9 @@ A synthetic loader hands out pre-made CPU batches (``--batch-mb`` of uint8, defa
 256x3x224x224 batch = 38.5 MB); each ``next()`` costs ``--load-ms`` of host time, and with
 ``--jitter P`` a batch is late by ``--spike-ms`` with probability P (seeded: every variant sees the
 same sequence). A synthetic compute step runs ``--compute-ms`` on the GPU (``torch.cuda._sleep``,
-calibrated) and reads the batch; ``--sync-every 1`` (default) synchronises after each step as a
-training loop does with ``loss.item()`` or GradScaler. Compared in the same run:
+calibrated) and reads the batch; ``--sync-every 1`` (default) synchronises the training stream after
+each step as a training loop does with ``loss.item()`` or GradScaler (the host waits for the step, not
+for copies of later batches still running on a side stream). Compared in the same run:
 
 - ``sync``: pageable ``batch.to(device)``;
 - ``pinned``: batches already pinned (as DataLoader ``pin_memory=True`` delivers them),
@@ -259,7 +260,11 @@ def bench_cuda(args: argparse.Namespace, device: torch.device) -> dict:
             acc.add_(x[-4096:].sum())  # the "model" reads the batch (its last bytes) after working
 
         resident = pinned[0].to(device)
-        sync = lambda: torch.cuda.synchronize(device)  # noqa: E731
+        # the training stream, as loss.item(): torch.cuda.synchronize() would also wait for the copies a
+        # pipeline keeps in flight on its side stream (two batches ahead for the prefetcher at depth 2, one
+        # for one_ahead), a stall no training loop has, and charge it to the deeper pipeline
+        stream = torch.cuda.current_stream(device)
+        sync = stream.synchronize
         measured = statistics.median(_timed(lambda: resident, compute, sync, args)[0] for _ in range(args.reps))
         for jitter in args.jitter:
             cfg = _config(args, compute_ms, jitter)
