@@ -39,6 +39,20 @@ def local_path(text: str) -> str:
     return text[len("file://"):] if text.startswith("file://") else text
 
 
+def user_path(text: str) -> str:
+    """:func:`local_path` of ``text`` with a leading ``~`` expanded to the home folder (as a shell, and ``Cache``,
+    do): the one rule for local path arguments (``ShardWriter("~/out")``, ``ShardedDataset("~/shards")``)."""
+    return os.path.expanduser(local_path(text))
+
+
+def byte_limit(value: str | int | float, *, name: str) -> int:
+    """A byte limit from an int, a whole float (``2e9``) or a size string (:func:`parse_size`); ValueError naming
+    ``name`` otherwise (``1.5``, meant as 1.5 GB, would be a limit of 1 byte)."""
+    if isinstance(value, float) and not (math.isfinite(value) and value.is_integer()):
+        raise ValueError(f"{name} must be a whole number of bytes or a size string such as '1.5GB', got {value!r}")
+    return parse_size(value, name=name)
+
+
 def npy_lock() -> threading.Lock:
     """The lock every parse of a .npy header takes (``with npy_lock(): np.load(...)``)."""
     return _npy_lock

@@ -136,6 +136,10 @@ class Deterministic:
         if target_size is not None and (not isinstance(target_size, int) or isinstance(target_size, bool)
                                         or target_size < 1):
             raise ValueError(f"target_size must be an int >= 1 or None, got {target_size!r}")
+        if name is not None and (not isinstance(name, str) or not name.strip()):  # it goes into the cache key
+            raise ValueError(f"name must be a non-empty string or None, got {name!r}")
+        if not isinstance(accepts_pil, bool):  # "no" is truthy: PIL images would be passed, and keyed as such
+            raise ValueError(f"accepts_pil must be True or False, got {accepts_pil!r}")
         self.fn = fn
         self.version = version
         self.name = name or getattr(fn, "__qualname__", type(fn).__name__)

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
+from fastdata._util import byte_limit
 from fastdata.cache._io import disk_usage, try_lock
 from fastdata.cache._store import (
     CACHE_FORMAT_VERSION,
@@ -111,18 +112,23 @@ class Cache:
 
     Args:
         directory: where stores live (created on first use). Local disk: locks are per host.
-        max_bytes: size limit of the directory; creating a store first evicts least recently used
-            stores that are not open anywhere. None: no limit.
+        max_bytes: size limit of the directory (bytes, or a size such as ``"500GB"``); creating a store first
+            evicts least recently used stores that are not open anywhere. None: no limit.
         fsync: flush each sample's data to disk before marking it valid, so that a power loss can
             never expose a half-written sample (a process crash never can, even without it).
             Costs one disk flush per sample while filling; reading is unaffected.
     """
 
-    def __init__(self, directory: str | os.PathLike[str], *, max_bytes: int | None = None, fsync: bool = False) -> None:
+    def __init__(self, directory: str | os.PathLike[str], *, max_bytes: int | str | None = None,
+                 fsync: bool = False) -> None:
         if not isinstance(directory, (str, os.PathLike)) or not str(directory):
             raise ValueError(f"directory must be a non-empty path, got {directory!r}")
-        if max_bytes is not None and (isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1):
-            raise ValueError(f"max_bytes must be a positive int or None, got {max_bytes!r}")
+        if max_bytes is not None:  # "500GB" as RemoteShards(max_bytes=) and `--max-bytes` take it
+            try:
+                max_bytes = byte_limit(max_bytes, name="max_bytes")
+            except ValueError:
+                raise ValueError(f"max_bytes must be a positive int, a size such as '500GB', or None, "
+                                 f"got {max_bytes!r}") from None
         if not isinstance(fsync, bool):
             raise ValueError(f"fsync must be a bool, got {fsync!r}")
         self.directory = Path(directory).expanduser().absolute()

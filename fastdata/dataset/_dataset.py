@@ -366,6 +366,13 @@ class ShardedDataset(IterableDataset):
             decode, allow_pickle=allow_pickle, draft_size=getattr(first, "target_size", None),
             images_as_pil=bool(getattr(first, "accepts_pil", False)), max_pixels=max_pixels,
         )
+        if isinstance(decode, Mapping) and self.source.fields:  # ".png" or "PNG" would match nothing, silently
+            names = set(self.source.fields) | {suffix(f) for f in self.source.fields}
+            unknown = [k for k in decode if k not in names]
+            if unknown:
+                raise ValueError(f"decode={{...}}: {unknown} match no field of this dataset (a key is a field name or "
+                                 f"its last suffix, lower case, without the dot: 'png'); available fields: "
+                                 f"{list(self.source.fields)}")
         self._cache_arg = cache
         self._explicit_dist = None if rank is None else (int(rank), int(world_size))  # type: ignore[arg-type]
         self.rank, self.world_size = 0, 1

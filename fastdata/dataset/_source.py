@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fastdata._util import local_path, parse_size
+from fastdata._util import byte_limit, user_path
 from fastdata.dataset._readers import _LOCK_FREE
 from fastdata.errors import ManifestError, RemoteError, ShardError, SourceError, SourceNotFoundError
 from fastdata.manifest import MANIFEST_NAME, Manifest
@@ -64,7 +64,7 @@ class RemoteShards:
         if not isinstance(self.url, str) or not is_url(self.url):
             raise ValueError(f"RemoteShards.url must be a URL (scheme://...), got {self.url!r}")
         if self.max_bytes is not None:
-            object.__setattr__(self, "max_bytes", parse_size(self.max_bytes, name="RemoteShards.max_bytes"))
+            object.__setattr__(self, "max_bytes", byte_limit(self.max_bytes, name="RemoteShards.max_bytes"))
         if isinstance(self.retries, bool) or not isinstance(self.retries, int) or self.retries < 1:
             raise ValueError(f"RemoteShards.retries must be an int >= 1 (attempts per request), got {self.retries!r}")
         # checked here, before the manifest is fetched (a network round trip, retried when the server is down)
@@ -78,6 +78,8 @@ class RemoteShards:
         if self.cache_dir is not None and not isinstance(self.cache_dir, (str, os.PathLike)):
             raise TypeError(f"RemoteShards.cache_dir must be a path (str or os.PathLike) or None, "
                             f"got {self.cache_dir!r}")
+        if self.cache_dir is not None and not os.fspath(self.cache_dir):  # '' would be the current folder
+            raise ValueError("RemoteShards.cache_dir must be a non-empty path or None (the default folder), got ''")
         RetryPolicy(attempts=self.retries)  # validates
 
     @property
@@ -432,7 +434,7 @@ def _from_local_tars(paths: list[str]) -> Source:
 
     readers, ident = [], []
     for p in paths:
-        local = local_path(p)
+        local = user_path(p)  # "~/shards/0.tar" too, as Cache and ShardWriter expand it
         try:
             st = os.stat(local)
         except OSError as e:
@@ -495,7 +497,7 @@ def resolve_source(source: str | os.PathLike[str] | RemoteShards | Sequence[str 
         return _from_remote_manifest(RemoteShards(source))
     if isinstance(source, (str, os.PathLike)):
         text = os.fspath(source)
-        p = Path(local_path(text))  # a file:// folder too
+        p = Path(user_path(text))  # a file:// folder too, and "~/shards"
         if not _is_url(text) and "{" not in text:
             if p.is_dir():
                 if not (p / MANIFEST_NAME).is_file():

@@ -101,8 +101,11 @@ class Normalize:
     def __post_init__(self) -> None:
         for name in ("mean", "std"):
             value = getattr(self, name)
-            try:
-                values = tuple(float(v) for v in value)
+            try:  # b"x" iterates as (120,) and "5" as ("5",); True would be 1.0
+                items = tuple(value)
+                if isinstance(value, (str, bytes, bytearray)) or any(isinstance(v, bool) for v in items):
+                    raise TypeError(name)
+                values = tuple(float(v) for v in items)
             except (TypeError, ValueError):
                 raise ValueError(f"Normalize: {name} must be a sequence of numbers, got {value!r}") from None
             if not values or not all(math.isfinite(v) for v in values):

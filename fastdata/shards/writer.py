@@ -63,7 +63,7 @@ class ShardWriter:
             dest = local_path(text)
         elif isinstance(text, str) and "://" in text:
             raise ValueError(f"dest {text!r} is a URL; ShardWriter writes a local folder (write there, then upload)")
-        self.dest = Path(dest)
+        self.dest = Path(dest).expanduser()  # "~/out", as Cache and ShardedDataset read it (not a folder named "~")
         self.format = format
         self.max_bytes = max_bytes
         self.max_samples = max_samples
