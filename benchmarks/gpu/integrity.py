@@ -134,18 +134,24 @@ def main() -> int:
     os.makedirs(args.out, exist_ok=True)
     tmp = tempfile.mkdtemp()
     r = str(args.rounds)
-    plan = [
+    plan = [  # the fork-warning pair first: it is quick (fork) and decides seamless; spawn rounds take seconds each
+        ("fork warnings seamless=True", FORKWARN, ["1", os.path.join(tmp, "d"), ROOT]),
+        ("fork warnings seamless=False", FORKWARN, ["0", os.path.join(tmp, "e"), ROOT]),
         ("plain shared spawn del", PLAIN, ["1", "spawn", r]),
         ("plain noshared spawn del", PLAIN, ["0", "spawn", r]),
         ("plain shared spawn del os._exit", PLAIN, ["1", "spawn", r, "quick_exit"]),
         ("fastdata spawn del", FASTDATA, ["spawn", r, "del", os.path.join(tmp, "a"), ROOT]),
         ("fastdata spawn prefetch-close", FASTDATA, ["spawn", r, "close", os.path.join(tmp, "b"), ROOT]),
         ("fastdata forkserver del", FASTDATA, ["forkserver", r, "del", os.path.join(tmp, "c"), ROOT]),
-        ("fork warnings seamless=True", FORKWARN, ["1", os.path.join(tmp, "d"), ROOT]),
-        ("fork warnings seamless=False", FORKWARN, ["0", os.path.join(tmp, "e"), ROOT]),
     ]
     deadline = time.perf_counter() + args.budget
-    results = []
+    results: list[dict] = []
+    meta: dict = {"python": sys.version.split()[0]}
+
+    def dump() -> None:  # after every scenario: a time limit that kills this script keeps the finished ones
+        with open(os.path.join(args.out, "integrity.json"), "w") as f:
+            json.dump({"meta": meta, "results": results}, f, indent=1)
+
     for name, code, a in plan:
         left = deadline - time.perf_counter()
         if left < 5:
@@ -155,14 +161,13 @@ def main() -> int:
             results.append(run(name, code, a, timeout=min(left, 90)))
         except Exception as e:  # noqa: BLE001 - report and go on
             results.append({"scenario": name, "rc": f"error: {e!r}"})
-    meta = {"python": sys.version.split()[0]}
+        dump()
     try:
         import torch
         meta.update(torch=torch.__version__, cuda=torch.cuda.is_available())
     except Exception as e:  # noqa: BLE001
         meta["torch"] = repr(e)
-    with open(os.path.join(args.out, "integrity.json"), "w") as f:
-        json.dump({"meta": meta, "results": results}, f, indent=1)
+    dump()
     print(f"integrity (issue 13 item 10) on {meta}")
     print(f"{'scenario':32} {'rc':>8} {'rounds':>6} {'terminate':>9} {'killed':>6} {'forkwarn':>8} {'s':>6}")
     for x in results:

@@ -16,7 +16,7 @@
 #    (a first look before the run: DRY=1 bash benchmarks/gpu/prefetch.sh --out /tmp/x on a CPU machine)
 # 4. cache_throughput.py --workers 15 (2,048 images, medians of 5 epochs: a cached one is ~50 ms) (limit 60 s)
 # 5. integrity.py: spawn/forkserver early stops (aborted workers, "killed by signal") and Python 3.12's
-#    multi-threaded fork warnings behind the prefetcher, 5 rounds per scenario   (the rest, <= 60 s)
+#    multi-threaded fork warnings behind the prefetcher, 5 rounds per scenario  (the rest, <= 110 s)
 # Each part has its own time limit; a failing part is reported and the next one runs.
 # The device returns at most 8 files, so DIR gets exactly these: summary.txt (versions, every part's
 # exit status, time and log tail, then the tables), pytest_cuda.txt, h2d_grid.json, h2d_pack8.json,
@@ -47,8 +47,8 @@ part train_e2e 130 "$WORK/train_e2e.txt" \
 part cache_throughput 60 "$WORK/cache.txt" \
   python3 benchmarks/cache_throughput.py --workers $CW --images $CI --repeats 5 --dir "$WORK/cache" --json "$OUT/cache.json"
 
-part integrity 60 "$WORK/integrity.txt" \
-  python3 benchmarks/gpu/integrity.py --out "$WORK/integrity" --rounds $IR --budget 50
+part integrity 110 "$WORK/integrity.txt" \
+  python3 benchmarks/gpu/integrity.py --out "$WORK/integrity" --rounds $IR --budget 100
 cp "$WORK/integrity/integrity.json" "$OUT/integrity.json" 2>/dev/null
 
 python3 - "$OUT" <<'EOF' >> "$SUM" 2>&1
