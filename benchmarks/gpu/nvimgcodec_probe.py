@@ -232,7 +232,10 @@ def main(argv: list[str] | None = None) -> int:
 
             def body(d: Callable[[list[bytes]], list[torch.Tensor]] = decode) -> None:
                 torch.cuda.set_device(device)
-                box["img_s"] = rate(d, batches, args.seconds * 10, stop, progress)
+                # its own current stream (as the prefetcher's side stream): on the default stream, which the
+                # trainer uses, each decode's wait_stream would hold the training kernels queued after it
+                with torch.cuda.stream(torch.cuda.Stream(device=device)):
+                    box["img_s"] = rate(d, batches, args.seconds * 10, stop, progress)
 
             t = threading.Thread(target=body, daemon=True)
             t.start()
