@@ -44,6 +44,7 @@ from fastdata._util import IMAGE_SUFFIXES, npy_lock
 from fastdata.errors import DecodeError
 
 __all__ = [
+    "DECODED_SUFFIXES",
     "IMAGE_SUFFIXES",
     "PICKLE_SUFFIXES",
     "ImageDecoder",
@@ -454,6 +455,9 @@ def _bytes(value: Any) -> bytes | memoryview | None:
 # suffixes whose values are encoded bytes: a 1-D uint8 array under another suffix (npy, npz, none known) is a
 # value (an HDF5 field of kind "array", e.g. an embedding of shape (8,)), not bytes to decode
 _ENCODED_SUFFIXES = IMAGE_SUFFIXES | _INT_SUFFIXES | _TEXT_SUFFIXES | _JSON_SUFFIXES | PICKLE_SUFFIXES
+# every suffix the default decoding treats specially (a decode= mapping shared by several datasets names some of
+# these that a given dataset lacks)
+DECODED_SUFFIXES = _ENCODED_SUFFIXES | {"npy", "npz"}
 
 
 class SampleDecoder:

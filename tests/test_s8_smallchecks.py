@@ -102,3 +102,6 @@ def test_decode_keys_naming_a_field_or_its_suffix_still_work(tmp_path):
         ds = ShardedDataset(tmp_path / "ds", decode={key: ImageDecoder(None)})
         assert tuple(next(iter(ds))["seg.png"].shape) == (1, 4, 5)  # as stored, not RGB
     assert next(iter(ShardedDataset(tmp_path / "ds", decode={"cls": None})))["cls"] == b"0"
+    # a mapping shared with datasets of other formats names suffixes this one lacks: not a typo
+    shared = {"jpg": ImageDecoder(None), "webp": ImageDecoder(None), "png": ImageDecoder(None), "npy": None}
+    assert tuple(next(iter(ShardedDataset(tmp_path / "ds", decode=shared)))["seg.png"].shape) == (1, 4, 5)

@@ -50,7 +50,8 @@ from fastdata.dataset._split import (
 from fastdata.dataset._packed import EncodedImage, key_index
 from fastdata.dataset._preload import NextEpoch
 from fastdata.dataset._readers import ReaderCache, fork_count
-from fastdata.decode import Decoder, SampleDecoder, check_max_pixels, image_to_tensor, is_image_field, suffix
+from fastdata.decode import (DECODED_SUFFIXES, Decoder, SampleDecoder, check_max_pixels, image_to_tensor,
+                             is_image_field, suffix)
 from fastdata.errors import CacheError, FastdataError, MissingFieldError, ShardError, SkipBudgetError, SourceError
 from fastdata.shards import missing_fields, required_fields
 
@@ -368,7 +369,8 @@ class ShardedDataset(IterableDataset):
         )
         if isinstance(decode, Mapping) and self.source.fields:  # ".png" or "PNG" would match nothing, silently
             names = set(self.source.fields) | {suffix(f) for f in self.source.fields}
-            unknown = [k for k in decode if k not in names]
+            # a suffix fastdata decodes may be absent ({"jpg": f, "png": f} shared by several datasets)
+            unknown = [k for k in decode if k not in names and k not in DECODED_SUFFIXES]
             if unknown:
                 raise ValueError(f"decode={{...}}: {unknown} match no field of this dataset (a key is a field name or "
                                  f"its last suffix, lower case, without the dot: 'png'); available fields: "
