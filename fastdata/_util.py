@@ -35,14 +35,10 @@ os.register_at_fork(after_in_child=_renew_npy_lock)
 
 
 def local_path(text: str) -> str:
-    """``text`` without a leading ``file://`` (``file:///data/ds`` is the local ``/data/ds``)."""
-    return text[len("file://"):] if text.startswith("file://") else text
-
-
-def user_path(text: str) -> str:
-    """:func:`local_path` of ``text`` with a leading ``~`` expanded to the home folder (as a shell, and ``Cache``,
-    do): the one rule for local path arguments (``ShardWriter("~/out")``, ``ShardedDataset("~/shards")``)."""
-    return os.path.expanduser(local_path(text))
+    """The one rule for local path arguments: a leading ``file://`` stripped (``file:///data/ds`` is
+    ``/data/ds``) and a leading ``~`` expanded to the home folder, as a shell and ``Cache`` do
+    (``ShardWriter("~/out")``, ``ShardedDataset("~/shards")``, ``fastdata shard``, ``verify``)."""
+    return os.path.expanduser(text[len("file://"):] if text.startswith("file://") else text)
 
 
 def byte_limit(value: str | int | float, *, name: str) -> int:

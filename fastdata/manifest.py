@@ -210,11 +210,11 @@ class Manifest:
         e.g. ``shards[3].sha256: ...``.
         """
         text_path = os.fspath(path)
-        if isinstance(text_path, str) and text_path.startswith("file://"):
-            text_path = local_path(text_path)
-        elif isinstance(text_path, str) and "://" in text_path:  # Path() would make 's3:/bucket/ds' of it
-            raise ManifestError(f"{text_path}: a URL; Manifest.load reads a local folder or manifest.json "
-                                "(ShardedDataset and RemoteShards read folder URLs)")
+        if isinstance(text_path, str):
+            if "://" in text_path and not text_path.startswith("file://"):  # Path() would make 's3:/bucket/ds'
+                raise ManifestError(f"{text_path}: a URL; Manifest.load reads a local folder or manifest.json "
+                                    "(ShardedDataset and RemoteShards read folder URLs)")
+            text_path = local_path(text_path)  # file://, ~
         p = Path(text_path)
         if p.is_dir():
             p = p / MANIFEST_NAME

@@ -289,3 +289,30 @@ def test_every_public_method_of_the_dataset_has_resolvable_hints() -> None:
     for name, member in inspect.getmembers(ShardedDataset, inspect.isfunction):
         if not name.startswith("_") or name == "__init__":
             typing.get_type_hints(member)
+
+
+def test_every_local_path_argument_reads_file_urls_and_the_home_folder(tmp_path, monkeypatch) -> None:
+    """``~`` was expanded by Cache, ShardWriter and ShardedDataset only: ``convert(src, "~/conv")`` wrote into a
+    folder named ``~``, and ``convert("~/imgs")``, ``Manifest.load("~/out")`` and ``fastdata verify ~/out``
+    said it did not exist (found by helper smallchecks)."""
+    import io
+
+    from PIL import Image
+
+    from fastdata.cli._main import main
+    from fastdata.manifest import Manifest
+    from fastdata.shards.convert import ConvertOptions, convert
+
+    home = tmp_path / "home"
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(tmp_path)
+    for i in range(4):
+        path = home / "imgs" / ("a" if i % 2 else "b") / f"{i}.png"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        buf = io.BytesIO()
+        Image.new("RGB", (6, 5), (i, 2 * i, 3 * i)).save(buf, "PNG")
+        path.write_bytes(buf.getvalue())
+    convert("~/imgs", "~/conv", ConvertOptions(workers=1))
+    assert not (tmp_path / "~").exists() and (home / "conv" / "manifest.json").is_file()
+    assert Manifest.load("~/conv").num_samples == 4
+    assert main(["verify", "~/conv"]) == 0

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fastdata._util import byte_limit, user_path
+from fastdata._util import byte_limit, local_path
 from fastdata.dataset._readers import _LOCK_FREE
 from fastdata.errors import ManifestError, RemoteError, ShardError, SourceError, SourceNotFoundError
 from fastdata.manifest import MANIFEST_NAME, Manifest
@@ -434,7 +434,7 @@ def _from_local_tars(paths: list[str]) -> Source:
 
     readers, ident = [], []
     for p in paths:
-        local = user_path(p)  # "~/shards/0.tar" too, as Cache and ShardWriter expand it
+        local = local_path(p)  # "~/shards/0.tar" too, as Cache and ShardWriter expand it
         try:
             st = os.stat(local)
         except OSError as e:
@@ -497,7 +497,7 @@ def resolve_source(source: str | os.PathLike[str] | RemoteShards | Sequence[str 
         return _from_remote_manifest(RemoteShards(source))
     if isinstance(source, (str, os.PathLike)):
         text = os.fspath(source)
-        p = Path(user_path(text))  # a file:// folder too, and "~/shards"
+        p = Path(local_path(text))  # a file:// folder too, and "~/shards"
         if not _is_url(text) and "{" not in text:
             if p.is_dir():
                 if not (p / MANIFEST_NAME).is_file():

@@ -245,7 +245,7 @@ def convert(src: str | os.PathLike[str], dest: str | os.PathLike[str], options: 
         return result
     plan = plan_conversion(src, opts)
     remote = isinstance(dest, str) and is_url(dest)
-    dest_path = _staging(dest, opts) if remote else Path(dest)  # type: ignore[arg-type]
+    dest_path = _staging(dest, opts) if remote else Path(local_path(os.fspath(dest)))  # file://, ~
     if remote:
         return _convert_remote(plan, str(dest), dest_path, opts, t0)
     _check_dest_vs_src(plan.listing, dest_path)

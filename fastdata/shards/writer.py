@@ -59,11 +59,10 @@ class ShardWriter:
         if not isinstance(dest, (str, os.PathLike)) or not os.fspath(dest):
             raise ValueError(f"dest must be a non-empty path, got {dest!r}")
         text = os.fspath(dest)
-        if isinstance(text, str) and text.startswith("file://"):  # as Manifest.load reads it, not a folder 'file:'
-            dest = local_path(text)
-        elif isinstance(text, str) and "://" in text:
+        if isinstance(text, str) and "://" in text and not text.startswith("file://"):
             raise ValueError(f"dest {text!r} is a URL; ShardWriter writes a local folder (write there, then upload)")
-        self.dest = Path(dest).expanduser()  # "~/out", as Cache and ShardedDataset read it (not a folder named "~")
+        # file:// and "~/out" as Manifest.load, Cache and ShardedDataset read them (not folders 'file:' or '~')
+        self.dest = Path(local_path(text) if isinstance(text, str) else text)
         self.format = format
         self.max_bytes = max_bytes
         self.max_samples = max_samples
