@@ -6,6 +6,21 @@ import pytest
 import fork_probe  # noqa: F401  registers its fork hook before fastdata's, so it runs after them
 
 
+@pytest.fixture(scope="module")
+def seven(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    """7 samples in tar shards of 4 and 3 (cls = global index): the resume and multi-rank tests' set."""
+    from fastdata.shards.tar import write_tar_shard
+
+    dest = tmp_path_factory.mktemp("seven")
+    paths, i = [], 0
+    for j, size in enumerate([4, 3]):
+        path = dest / f"s{j}.tar"
+        write_tar_shard(path, [{"__key__": f"k{i + k:04d}", "cls": str(i + k).encode()} for k in range(size)])
+        paths.append(str(path))
+        i += size
+    return paths
+
+
 def _cuda_available() -> bool:
     try:
         import torch

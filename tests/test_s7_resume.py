@@ -12,19 +12,6 @@ from fastdata.shards.tar import write_tar_shard
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
 
 
-@pytest.fixture(scope="module")
-def seven(tmp_path_factory) -> list[str]:
-    """7 samples in shards of 4 and 3 (cls = global index)."""
-    dest = tmp_path_factory.mktemp("s7resume")
-    paths, i = [], 0
-    for j, size in enumerate([4, 3]):
-        path = dest / f"s{j}.tar"
-        write_tar_shard(path, [{"__key__": f"k{i + k:04d}", "cls": str(i + k).encode()} for k in range(size)])
-        paths.append(str(path))
-        i += size
-    return paths
-
-
 def _ids(samples) -> list[int]:
     return [int(s["cls"]) for s in samples]
 

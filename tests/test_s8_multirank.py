@@ -15,30 +15,9 @@ from fastdata.loader import DataLoader
 from fastdata.shards.tar import write_tar_shard
 
 sys.path.insert(0, os.path.dirname(__file__))  # loopback_server
+from test_s7_resume import _ids, _loader  # noqa: E402 - the loader over conftest's `seven` set
 
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
-
-
-@pytest.fixture(scope="module")
-def seven(tmp_path_factory) -> list[str]:
-    """7 samples in shards of 4 and 3 (cls = global index)."""
-    dest = tmp_path_factory.mktemp("s8multirank")
-    paths, i = [], 0
-    for j, size in enumerate([4, 3]):
-        path = dest / f"s{j}.tar"
-        write_tar_shard(path, [{"__key__": f"k{i + k:04d}", "cls": str(i + k).encode()} for k in range(size)])
-        paths.append(str(path))
-        i += size
-    return paths
-
-
-def _ids(samples) -> list[int]:
-    return [int(s["cls"]) for s in samples]
-
-
-def _loader(shards, rank, world, *, batch_size, num_workers=0, **kw) -> DataLoader:
-    ds = ShardedDataset(shards, rank=rank, world_size=world, **kw)
-    return DataLoader(ds, batch_size=batch_size, num_workers=num_workers, collate_fn=_ids)
 
 
 @pytest.mark.parametrize("rank, world_size, name", [
