@@ -5,6 +5,7 @@ This module sits below every stage (it imports nothing from fastdata), so any st
 from __future__ import annotations
 
 import math
+import operator
 import os
 import re
 import threading
@@ -79,6 +80,18 @@ def parse_size(text: str | int, *, name: str | None = None) -> int:
     if value < 1:
         raise ValueError(f"{name or 'size'} must be at least 1 byte, got {text!r}")
     return value
+
+
+def check_index(name: str, value: Any, minimum: int = 0) -> int:
+    """``value`` as an int if it is one (NumPy and 0-d tensor ints too, not bools) >= ``minimum``, else a
+    ValueError naming it (``int()`` would pass 1.5 or "1" on silently)."""
+    try:
+        number = operator.index(value)  # no floats, strings or None
+    except TypeError:
+        number = None
+    if isinstance(value, bool) or number is None or number < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+    return int(number)
 
 
 def check_int(name: str, value: Any, minimum: int = 0, *, none_ok: bool = False) -> Any:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import math
-import operator
 import os
 import threading
 import types
@@ -24,6 +23,7 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
+from fastdata._util import check_index
 from fastdata.dataset._cursor import Cursor, EpochStart
 from fastdata.dataset._source import Source, resolve_source
 from fastdata.dataset._split import (
@@ -136,17 +136,6 @@ def _origin(value: Any) -> tuple[int, int]:
     except (TypeError, ValueError) as e:
         raise ValueError(f"state_dict: malformed stream origin {value!r} (want [epoch, position])") from e
     return (epoch, pos)
-
-
-def _dist_arg(name: str, value: Any, minimum: int) -> int:
-    """``rank``/``world_size`` as an int (numpy and 0-d tensor ints too), else a ValueError naming it."""
-    try:
-        number = operator.index(value)  # no floats, strings or None
-    except TypeError:
-        number = None
-    if isinstance(value, bool) or number is None or number < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
-    return int(number)
 
 
 def _loader_shape(batch_size: int | None, num_workers: int, drop_last: bool) -> tuple[int, int, bool]:
@@ -311,8 +300,8 @@ class ShardedDataset(IterableDataset):
         if (rank is None) != (world_size is None):
             raise ValueError(f"pass both rank and world_size or neither, got rank={rank!r}, world_size={world_size!r}")
         if world_size is not None:  # int(1.5) or int("1") would pass a wrong or misspelt value on silently
-            world_size = _dist_arg("world_size", world_size, 1)
-            rank = _dist_arg("rank", rank, 0)
+            world_size = check_index("world_size", world_size, 1)
+            rank = check_index("rank", rank, 0)
             if rank >= world_size:
                 raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
         for name, fn in (("preprocess", preprocess), ("transform", transform), ("sample_transform", sample_transform)):

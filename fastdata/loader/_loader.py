@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import logging
 import math
-import operator
 import threading
 import time
 import types
@@ -37,7 +36,7 @@ from typing import Any
 import torch.utils.data
 from torch.utils.data._utils.pin_memory import pin_memory as _pin_memory
 
-from fastdata._util import release_frames
+from fastdata._util import check_index, release_frames
 from fastdata.dataset import EpochStart, ShardedDataset, SkipReport, take_cursor
 from fastdata.dataset import collate as collate_encoded
 from fastdata.errors import CacheError, FastdataError, SkipBudgetError
@@ -369,13 +368,7 @@ class DataLoader(torch.utils.data.DataLoader):
         """torch checks only ``num_workers < 0`` and ``timeout < 0`` here: 1.5 workers or a NaN timeout
         failed at the first iteration with a TypeError or an AssertionError, and strings passed as
         flags (``persistent_workers="no"``) were taken as true."""
-        try:
-            workers = operator.index(self.num_workers)
-        except TypeError:
-            workers = -1
-        if isinstance(self.num_workers, bool) or workers < 0:
-            raise ValueError(f"num_workers must be an int >= 0, got {self.num_workers!r}")
-        self.num_workers = workers
+        self.num_workers = check_index("num_workers", self.num_workers, 0)
         timeout = self.timeout
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 <= timeout < math.inf:
             raise ValueError(f"timeout must be a finite number of seconds >= 0, got {timeout!r}")
