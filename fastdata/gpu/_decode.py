@@ -17,7 +17,7 @@ nvImageCodec, ``device_decoder``) reads its input. Per packed field and batch:
 3. A bad image raises :class:`~fastdata.errors.DecodeError` naming shard, key and field; with
    ``on_error="skip"``/``"warn"`` its sample is dropped from every per-sample entry of the batch
    (tensors and lists whose length is the batch size), so shapes stay consistent, and recorded in
-   :attr:`DecodeImages.skipped`.
+   :attr:`DecodeImages.skipped`; ``max_skips`` bounds the samples dropped per epoch.
 
 No host synchronisation happens in this stage's own code: sizes come from tensor metadata and the
 headers, parameters go to the device from pinned memory with ``non_blocking``. (torchvision's CUDA
@@ -43,7 +43,7 @@ import torch
 
 from fastdata.dataset import ON_ERROR, EncodedImage, PackedImages, SkippedSampleWarning
 from fastdata.decode import check_max_pixels
-from fastdata.errors import DecodeError
+from fastdata.errors import DecodeError, SkipBudgetError
 from fastdata.gpu._augment import ImageBatch
 from fastdata.gpu._transforms import _check_keys
 from fastdata.gpu._codec import (
@@ -87,6 +87,12 @@ class DecodeImages:
             ``ahead`` one chunk 14.8k images/s, chunks of 128 13.8k; without, halves 11.6k, one chunk 7.3k.
         max_pixels: refuse images whose header claims more pixels, before decoding them (a failure
             under ``on_error``); default: Pillow's ``Image.MAX_IMAGE_PIXELS``, the host decoder's limit.
+        max_skips: the skip budget of ``on_error="skip"``/``"warn"`` per epoch, as the dataset's
+            ``max_skips=`` (which does not count this stage's skips): None (default) no limit, or an
+            int: at most that many samples of one epoch (the epoch their batch was read in) dropped;
+            one more raises :class:`~fastdata.errors.SkipBudgetError` naming its shard and key, with
+            the epoch's skip records in ``.skipped``. A sample dropped again (a pass repeated over
+            the same epoch) counts once. Not a fraction: the stage does not know the epoch's size.
 
     Follow it with geometric transforms (``RandomResizedCrop``, ...) in :class:`fastdata.gpu.Compose`.
     """
@@ -94,7 +100,7 @@ class DecodeImages:
     def __init__(self, keys: Sequence[str | int] | str | int | None = None, *,
                  device: str | torch.device | None = None, on_error: str = "raise",
                  host_decoder: str = "auto", chunk_size: int | None = None, max_pixels: int | None = None,
-                 device_decoder: str = "auto") -> None:
+                 device_decoder: str = "auto", max_skips: int | None = None) -> None:
         keys = _check_keys("DecodeImages", keys)  # a float, a bool or an object: a ValueError naming keys
         self.keys = None if keys is None else frozenset(keys)
         if on_error not in ON_ERROR:
@@ -127,6 +133,11 @@ class DecodeImages:
             raise ValueError(f"DecodeImages: chunk_size must be None or an int >= 1, got {chunk_size!r}")
         self.chunk_size = chunk_size
         self.max_pixels = check_max_pixels(max_pixels)
+        if max_skips is not None and (isinstance(max_skips, bool) or not isinstance(max_skips, int) or max_skips < 0):
+            raise ValueError(f"DecodeImages: max_skips must be None or an int >= 0 (samples per epoch; not a fraction: "
+                             f"the stage does not know the epoch's size), got {max_skips!r}")
+        self.max_skips = max_skips
+        self._budget: tuple[int, dict[int, dict[str, Any]]] | None = None  # (epoch, its skips by sample index)
         self._executor: ThreadPoolExecutor | None = None
         self._executor_pid: int | None = None
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
@@ -357,12 +368,29 @@ class DecodeImages:
             raise DecodeError(msg)
         if i not in bad:
             record = {"shard": packed.shards[i], "key": packed.keys[i], "index": int(packed.indices[i]),
-                      "reason": msg}
+                      "epoch": packed.epoch, "reason": msg}
             self.skipped.append(record)
             if self.on_error == "warn":
                 warnings.warn(f"skipped sample {packed.keys[i]!r} of shard {packed.shards[i]}: {msg}",
                               SkippedSampleWarning, stacklevel=4)
+            self._count_skip(record)
         bad[i] = msg
+
+    def _count_skip(self, record: dict[str, Any]) -> None:
+        """Count a skip against ``max_skips`` (per epoch, each sample once): one too many raises SkipBudgetError."""
+        if self.max_skips is None:
+            return
+        if self._budget is None or self._budget[0] != record["epoch"]:
+            self._budget = (record["epoch"], {})
+        epoch, skips = self._budget
+        skips.setdefault(record["index"], record)
+        if len(skips) > self.max_skips:
+            records = list(skips.values())
+            shown = "; ".join(f"{r['shard']}: {r['key']!r}" for r in records[:3])
+            more = f" (and {len(records) - 3} more)" if len(records) > 3 else ""
+            raise SkipBudgetError(f"DecodeImages: {record['reason']}: {len(records)} samples of epoch {epoch} "
+                                  f"skipped, more than max_skips={self.max_skips} allows; skipped: {shown}{more} "
+                                  "(all in SkipBudgetError.skipped)", records)
 
     @property
     def num_skipped(self) -> int:

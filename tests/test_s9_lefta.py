@@ -1,0 +1,57 @@
+"""Session 9, helper left-a: DecodeImages' skip budget, doctor/tune measuring what they recommend, CLI messages."""
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+from PIL import Image
+
+from fastdata import gpu
+from fastdata.dataset import EncodedImage, collate
+from fastdata.errors import FastdataError, SkipBudgetError
+
+
+def _png(value: int = 90) -> bytes:
+    buf = io.BytesIO()
+    Image.new("RGB", (4, 3), (value, 1, 2)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def _batch(datas: list[bytes], *, epoch: int = 0, first: int = 0, shard: str = "bad.tar") -> dict:
+    return collate([{"png": EncodedImage(d, shard=shard, key=f"k{first + i}", index=first + i, epoch=epoch),
+                     "cls": first + i} for i, d in enumerate(datas)])
+
+
+# ----------------------------------------------------------------------------------- (a) skip budget
+
+def test_decode_images_max_skips_caps_the_skips_of_an_epoch():
+    # DecodeImages had no budget: a shard of bad images under on_error="skip" gave empty batches for a whole
+    # epoch (each skip counted), whatever the dataset's max_skips said
+    bad = b"\xff\xd8 not an image"
+    dec = gpu.DecodeImages(device="cpu", on_error="skip", max_skips=2)
+    out = dec(_batch([bad, _png(), bad]))  # 2 skips: within the budget
+    assert out["cls"].tolist() == [1] and dec.num_skipped == 2
+    assert dec.skipped[0]["epoch"] == 0
+    with pytest.raises(SkipBudgetError, match=r"bad\.tar.*'k4'.*max_skips=2") as info:
+        dec(_batch([_png(), bad], first=3))
+    assert isinstance(info.value, FastdataError) and [r["key"] for r in info.value.skipped] == ["k0", "k2", "k4"]
+    # another epoch counts from zero; a sample skipped again (a repeated pass over an epoch) counts once
+    dec(_batch([bad, bad], epoch=1))
+    dec(_batch([bad, bad], epoch=1))
+    with pytest.raises(SkipBudgetError, match="epoch 1"):
+        dec(_batch([bad], epoch=1, first=7))
+    # "warn" is bounded too; None (default) has no limit
+    warn = gpu.DecodeImages(device="cpu", on_error="warn", max_skips=0)
+    with pytest.warns(Warning), pytest.raises(SkipBudgetError, match="'k0'"):
+        warn(_batch([bad]))
+    free = gpu.DecodeImages(device="cpu", on_error="skip")
+    for e in range(3):
+        free(_batch([bad] * 3, epoch=0, first=3 * e))
+    assert free.num_skipped == 9
+
+
+@pytest.mark.parametrize("value", [-1, True, 0.5, "3", 1.0])
+def test_decode_images_max_skips_is_checked_when_built(value):
+    with pytest.raises(ValueError, match=r"DecodeImages: max_skips"):
+        gpu.DecodeImages(device="cpu", on_error="skip", max_skips=value)
