@@ -17,7 +17,7 @@ import warnings
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import replace
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -1174,22 +1174,22 @@ class ShardedDataset(IterableDataset):
                 break
             pos += 1
             if pos <= cursor.pos:  # resume: consumed before, skipped without decoding
-                if isinstance(item, FastdataError):  # unreadable now: the positions after it would shift and
-                    self._handle_error(item, item, shard, -1, -1, cursor, key="?")  # lose samples in silence
+                if isinstance(item, _ShardCut):  # unreadable now: the positions after it would shift and
+                    self._stream_cut(item, shard, cursor)  # lose samples in silence
                 continue
-            if self._required and not isinstance(item, FastdataError) \
-                    and self._lacks(item, self._required, shard, -1, -1, cursor):
+            if isinstance(item, _ShardCut):
+                self._stream_cut(item, shard, cursor)
+                cursor.pos = pos
+                continue
+            if self._required and self._lacks(item, self._required, shard, -1, -1, cursor):
                 cursor.pos = pos
                 continue
             try:
-                if isinstance(item, FastdataError):
-                    raise item
                 sample = self._decode_fields(item, shard, -1, cursor.epoch)
                 if not self._pil_to_transform:
                     sample = self._apply(self.preprocess, sample)
             except FastdataError as e:
-                key = "?" if isinstance(item, FastdataError) else str(item.get("__key__", "?"))
-                self._handle_error(e, e, shard, -1, -1, cursor, key=key)
+                self._handle_error(e, e, shard, -1, -1, cursor, key=str(item.get("__key__", "?")))
                 cursor.pos = pos
                 continue
             sample = self._apply(self.transform, sample)
@@ -1197,6 +1197,17 @@ class ShardedDataset(IterableDataset):
             cursor.mark_current()
             yield self._sample_transform(sample, shard) if self.sample_transform is not None else sample
         yield from self._end_of_walk(cursor)
+
+    def _stream_cut(self, cut: _ShardCut, shard: int, cursor: Cursor) -> None:
+        """Apply ``on_error`` to a streamed shard that failed after ``cut.read`` samples. A skip is one record
+        (key ``'?'``) for all the samples behind the failure: a tar URL has no manifest to count them."""
+        if self.on_error == "raise":
+            raise cut.error
+        lost = (f"the rest of the shard is lost after its first {cut.read} samples" if cut.read else
+                "no sample of the shard could be read")
+        reason = ShardError(f"{cut.error}; {lost} (count unknown: a streamed tar has no manifest; this one "
+                            "record stands for all of them)")
+        self._record_skip(reason, shard, -1, cursor, "?")
 
     def _stream_raw(self, epoch: int, slot: int, slots: int, endless: bool) -> Iterator[tuple[int, Any]]:
         n = len(self.source.names)
@@ -1213,8 +1224,8 @@ class ShardedDataset(IterableDataset):
                         yield shard, sample
                 except (FastdataError, OSError) as e:  # the rest of this shard is lost
                     err = e if isinstance(e, FastdataError) else ShardError(f"{self.source.names[shard]}: {e}")
+                    yield shard, _ShardCut(err, items)
                     items += 1
-                    yield shard, err
                 if not items:
                     empty.add(shard)
             if not endless:
@@ -1229,6 +1240,13 @@ class ShardedDataset(IterableDataset):
                     "samples_per_epoch= cannot be filled: remove the empty tar files from the list"
                     + ("" if self.shuffle is not None else ", or shuffle (each pass then deals other shards)"))
             p += 1
+
+
+class _ShardCut(NamedTuple):
+    """A streamed shard that failed after ``read`` samples: the rest of it is lost (one stream position)."""
+
+    error: FastdataError
+    read: int
 
 
 def _shuffle_buffer(items: Iterator[tuple[int, Any]], size: int, key: int) -> Iterator[tuple[int, Any]]:

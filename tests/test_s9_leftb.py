@@ -1,0 +1,34 @@
+"""Session 9, helper left-b: streaming skip reports, decode= keys, skips under a custom collate, len() after
+a resume, and what a demanding user's bug hunt over the dataset, shards and decode found."""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+from loopback_server import LoopbackServer, make_shard_set
+
+from fastdata.dataset import ShardedDataset
+
+pytestmark = pytest.mark.filterwarnings("ignore:Unclosed:ResourceWarning")
+
+
+def test_a_streamed_shard_cut_off_says_the_rest_of_it_is_lost(tmp_path, monkeypatch):
+    # One skip record with the bare network error stood for every sample behind the cut: the reason did not
+    # say that the rest of the shard was lost, nor that their number is unknown (no manifest).
+    make_shard_set(tmp_path / "www" / "ds", 16, 4, payload=2000, seed=1)
+    monkeypatch.setenv("FASTDATA_REMOTE_RETRIES", "1")
+    fault = {"/ds/shard-000001.tar": "drop", "/ds/shard-000002.tar": 404}
+    with LoopbackServer(tmp_path / "www", fault=lambda p, n: fault.get(p), max_requests=50, lifetime=60) as srv:
+        urls = [f"{srv.url}/ds/shard-{s:06d}.tar" for s in range(4)]
+        ds = ShardedDataset(urls, decode=False, on_error="skip")
+        got = [s["__key__"] for s in ds]
+    assert got[:4] == ["k00000", "k00001", "k00002", "k00003"] and got[-4:] == [f"k{i:05d}" for i in range(12, 16)]
+    cut, missing = ds.skipped
+    assert cut["shard"].endswith("shard-000001.tar") and missing["shard"].endswith("shard-000002.tar")
+    read = len(got) - 8  # samples of shard 1 delivered before the cut
+    assert f"the rest of the shard is lost after its first {read} samples" in cut["reason"]
+    assert "count unknown" in cut["reason"] and "byte" in cut["reason"]  # the network error is kept
+    assert "no sample of the shard could be read (count unknown" in missing["reason"] and "404" in missing["reason"]
