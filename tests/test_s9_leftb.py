@@ -32,3 +32,15 @@ def test_a_streamed_shard_cut_off_says_the_rest_of_it_is_lost(tmp_path, monkeypa
     assert f"the rest of the shard is lost after its first {read} samples" in cut["reason"]
     assert "count unknown" in cut["reason"] and "byte" in cut["reason"]  # the network error is kept
     assert "no sample of the shard could be read (count unknown" in missing["reason"] and "404" in missing["reason"]
+
+
+def test_a_leading_dot_decode_key_is_refused_where_the_fields_are_unknown(tmp_path):
+    # With a manifest (or tar indexes) a decode= key matching no field is refused (ed1b7b2, d501266); a streamed
+    # tar URL has no field list, so decode={".png": f} matched nothing, silently: the mask came out RGB.
+    make_shard_set(tmp_path / "www" / "ds", 4, 4, payload=10, seed=1)
+    with LoopbackServer(tmp_path / "www", max_requests=10, lifetime=60) as srv:
+        url = f"{srv.url}/ds/shard-000000.tar"
+        with pytest.raises(ValueError, match=r"'\.bin'.*without the dot: 'bin'"):
+            ShardedDataset(url, decode={".bin": len})
+        ds = ShardedDataset(url, decode={"bin": len, "png": len})  # a key without the dot may match nothing
+        assert [s["bin"] for s in ds] == [10] * 4

@@ -364,6 +364,11 @@ class ShardedDataset(IterableDataset):
                 raise ValueError(f"decode={{...}}: {unknown} match no field of this dataset (a key is a field name or "
                                  f"its last suffix, lower case, without the dot: 'png'); available fields: "
                                  f"{list(self.source.fields)}")
+        elif isinstance(decode, Mapping):  # fields unknown (tar URLs): a leading dot still matches nothing but a
+            dotted = [k for k in decode if isinstance(k, str) and k.startswith(".")]  # field '.png' ('png' does too)
+            if dotted:
+                raise ValueError(f"decode={{...}}: {dotted}: a key is a field name or its last suffix, lower case, "
+                                 f"without the dot: {dotted[0][1:].lower()!r}")
         self._cache_arg = cache
         self._explicit_dist = None if rank is None else (int(rank), int(world_size))  # type: ignore[arg-type]
         self.rank, self.world_size = 0, 1
