@@ -55,3 +55,36 @@ def test_decode_images_max_skips_caps_the_skips_of_an_epoch():
 def test_decode_images_max_skips_is_checked_when_built(value):
     with pytest.raises(ValueError, match=r"DecodeImages: max_skips"):
         gpu.DecodeImages(device="cpu", on_error="skip", max_skips=value)
+
+
+# ----------------------------------------------------------------------------------- (b) doctor's decode probe
+
+def _jpeg(i: int) -> bytes:
+    buf = io.BytesIO()
+    Image.new("RGB", (16 + i, 12), (i * 20, 40, 60)).save(buf, format="JPEG")
+    return buf.getvalue()
+
+
+def test_doctor_probe_measures_the_configured_device_decoder(monkeypatch):
+    # probe_gpu_decode called torchvision.io.decode_jpeg whatever FASTDATA_DEVICE_DECODER / device_decoder said:
+    # doctor's figure was torchvision's, and its note did not say which decoder it measured
+    from fastdata.monitor import _stages as st
+
+    jpegs = [_jpeg(i) for i in range(6)]
+    monkeypatch.delenv("FASTDATA_DEVICE_DECODER", raising=False)
+    assert st.probe_gpu_decode(jpegs, torch.device("cpu")) == (None, "no CUDA device (device decoder: torchvision)")
+
+    class OnTheCpu(gpu.DecodeImages):  # the stage a pipeline builds, run on the CPU where there is no GPU
+        def __init__(self, *args, device=None, **kwargs):
+            super().__init__(*args, device="cpu", **kwargs)
+
+    monkeypatch.setattr(gpu, "DecodeImages", OnTheCpu)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    rate, note = st.probe_gpu_decode(jpegs, torch.device("cuda"))
+    assert rate is not None and rate > 0 and note == "DecodeImages with device decoder torchvision on the GPU"
+    monkeypatch.setenv("FASTDATA_DEVICE_DECODER", "nvimgcodec")  # not installed here: said, not torchvision's figure
+    rate, note = st.probe_gpu_decode(jpegs, torch.device("cuda"))
+    assert rate is None and "nvimgcodec" in note and "pip install" in note
+    monkeypatch.setenv("FASTDATA_DEVICE_DECODER", "nvjpeg")
+    rate, note = st.probe_gpu_decode(jpegs, torch.device("cuda"))
+    assert rate is None and "FASTDATA_DEVICE_DECODER='nvjpeg'" in note

@@ -393,6 +393,12 @@ class DecodeImages:
                                   "(all in SkipBudgetError.skipped)", records)
 
     @property
+    def resolved_device_decoder(self) -> str:
+        """The device decoder ``device_decoder`` resolves to here: "torchvision" or "nvimgcodec" ("auto":
+        the environment variable ``FASTDATA_DEVICE_DECODER``, else torchvision)."""
+        return device_backend(self.device_decoder)
+
+    @property
     def num_skipped(self) -> int:
         """Samples dropped so far under ``on_error="skip"``/``"warn"``."""
         return len(self.skipped)

@@ -214,12 +214,14 @@ def _device_decode(subset: Path, fields: st.Fields, pre: Any, opts: DoctorOption
     """The input side (loader -> prefetcher -> transforms, no step) with CPU decode and with device decode."""
     cpu = run_job(_dataset(subset, fields, pre, opts.decode), opts, device, no_step, norm)[0]
     try:
-        dev = run_job(_dataset(subset, fields, pre, "device"), opts, device, no_step,
-                      device_transform(fields, pre, device))[0]
+        transform = device_transform(fields, pre, device)
+        dev = run_job(_dataset(subset, fields, pre, "device"), opts, device, no_step, transform)[0]
     except Exception as e:  # noqa: BLE001  a measurement of an option: its failure is reported, not fatal
         return {"images/s": None, "cpu images/s": cpu, "note": f"device decode failed: {type(e).__name__}: {e}"}
+    name = transform.transforms[0].resolved_device_decoder
     return {"images/s": dev, "cpu images/s": cpu, "note": "ShardedDataset(image_decode='device') + "
-            "fastdata.gpu.Compose(DecodeImages, Resize, CenterCrop, Normalize) in the CUDAPrefetcher"}
+            f"fastdata.gpu.Compose(DecodeImages (device decoder {name}), Resize, CenterCrop, Normalize) in the "
+            "CUDAPrefetcher"}
 
 
 def diagnose(source: str | os.PathLike[str], opts: DoctorOptions) -> Diagnosis:
@@ -419,7 +421,7 @@ def recommend(d: Diagnosis, lrun: st.LoaderRun, crun: st.LoaderRun, costs: st.Cp
     else:
         probe = d.measurements.get("nvjpeg_probe") or {}
         why = gpu["note"] if gpu is not None else probe.get("note", "not measured")
-        rate = f": nvJPEG alone {probe['images/s']:,.0f} images/s" if probe.get("images/s") else ""
+        rate = f": {probe['images/s']:,.0f} images/s alone" if probe.get("images/s") else ""
         d.measurements["gpu_decode_note"] = f"device decode: {why}{rate}"
     if d.step_rate and d.job_rate and d.stall is not None:
         step_s = o.batch_size / d.step_rate

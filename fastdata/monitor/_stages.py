@@ -518,18 +518,35 @@ def time_transform(transform: Callable[[Any], Any], batch: Any, device: torch.de
 
 
 def probe_gpu_decode(encoded: Sequence[bytes], device: torch.device) -> tuple[float | None, str]:
-    """Images/s of ``torchvision.io.decode_jpeg(..., device="cuda")`` on ``encoded``, or None and why not."""
-    if device.type != "cuda":
-        return None, "no CUDA device"
-    try:
-        from torchvision.io import decode_jpeg
+    """Images/s of the device decode stage a pipeline built with defaults runs (``fastdata.gpu.DecodeImages``,
+    whose ``device_decoder="auto"`` is the environment variable ``FASTDATA_DEVICE_DECODER``, else torchvision)
+    on ``encoded``, or None and why not; the note names the decoder."""
+    from fastdata.dataset import EncodedImage, PackedImages
+    from fastdata.gpu import DecodeImages
 
-        data = [torch.frombuffer(bytearray(b), dtype=torch.uint8) for b in encoded]
-        decode_jpeg(data[:4], device=device)
+    try:
+        stage = DecodeImages(device=device if device.type == "cuda" else "cpu")
+        name = stage.resolved_device_decoder
+    except Exception as e:  # noqa: BLE001  a probe: a decoder that cannot load is reported, with the reason
+        return None, f"device decoder not available: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+    if device.type != "cuda":
+        return None, f"no CUDA device (device decoder: {name})"
+
+    def batch(datas: Sequence[bytes]) -> dict[str, Any]:
+        return {"img": PackedImages.pack([EncodedImage(bytes(b), shard="doctor-probe", key=str(i), index=i, epoch=0)
+                                          for i, b in enumerate(datas)])}
+    try:
+        full = batch(encoded)
+        stage(batch(encoded[:4]))  # warm-up (library loading, decoder state)
         torch.cuda.synchronize(device)
+        host = stage.host_decoded
         t0 = time.perf_counter()
-        decode_jpeg(data, device=device)
+        stage(full)
         torch.cuda.synchronize(device)
-        return len(data) / (time.perf_counter() - t0), "torchvision.io.decode_jpeg on the GPU"
+        rate = len(encoded) / (time.perf_counter() - t0)
     except Exception as e:  # noqa: BLE001  a probe: any failure means "not available here", with the reason
-        return None, f"not available: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+        return None, (f"device decoder {name}: not available: {type(e).__name__}: "
+                      f"{str(e).splitlines()[0][:120] if str(e) else ''}")
+    on_host = stage.host_decoded - host
+    where = f"; {on_host} of {len(encoded)} images decoded on the host" if on_host else ""
+    return rate, f"DecodeImages with device decoder {name} on the GPU{where}"
