@@ -124,15 +124,16 @@ class Diagnosis:
 
 
 def _dataset(subset: Path, fields: st.Fields, preprocess: Any, backend: str, cache: Path | None = None) -> Any:
+    """The dataset measured: shuffled, as training reads it and as ``python_snippet`` prints it."""
     from fastdata.dataset import ShardedDataset
 
     keep = [fields.image] + ([fields.label] if fields.label else [])
     if backend == "device":  # images travel encoded; the prefetcher's transform decodes them (device_transform)
-        return ShardedDataset(subset, fields=keep, image_decode="device")
+        return ShardedDataset(subset, shuffle=True, fields=keep, image_decode="device")
     decode: Any = True
     if backend != "pil" and fields.encoded:
         decode = {fields.image: st.decoder(backend, None)}
-    return ShardedDataset(subset, fields=keep, preprocess=preprocess, decode=decode, cache=cache)
+    return ShardedDataset(subset, shuffle=True, fields=keep, preprocess=preprocess, decode=decode, cache=cache)
 
 
 def device_transform(fields: st.Fields, preprocess: Any, device: torch.device) -> Any:
@@ -150,10 +151,11 @@ def no_step(batch: Any) -> None:
 def _loader(ds: Any, batch_size: int, workers: int, threads: int = 0) -> Any:
     from fastdata.loader import DataLoader
 
-    # no next-epoch preload: a measurement's workers must not keep loading after it (they would load
-    # while the next measurement runs)
+    # the loader python_snippet prints: the default next-epoch preload (every measurement closes its loader
+    # at once, so preloading workers do not load on into the next one) and drop_last=False (with it, a subset
+    # of a few batches per worker would lose a batch's worth of samples per worker, or all its batches)
     return DataLoader(ds, batch_size=batch_size, num_workers=workers, persistent_workers=workers > 0 and not threads,
-                      preload_next_epoch=False, decode_threads=threads)
+                      decode_threads=threads)
 
 
 def _close(loader: Any) -> None:

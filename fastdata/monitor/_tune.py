@@ -84,7 +84,8 @@ class TuneResult:
 def python_snippet(source: str, o: DoctorOptions, fields: st.Fields, device: torch.device,
                    decode_threads: int = 0) -> str:
     """The tuned configuration as code to paste into a training script (``decode_threads``: the
-    loader's thread decoder, as :attr:`TuneResult.decode_threads`)."""
+    loader's thread decoder, as :attr:`TuneResult.decode_threads`): the dataset and loader settings
+    that were measured (shuffled, default next-epoch preload, ``drop_last`` False)."""
     keep = [fields.image] + ([fields.label] if fields.label else [])
     workers = (f"num_workers={o.num_workers}, decode_threads={decode_threads}" if decode_threads else
                f"num_workers={o.num_workers}, persistent_workers={o.num_workers > 0}")
@@ -94,7 +95,7 @@ def python_snippet(source: str, o: DoctorOptions, fields: st.Fields, device: tor
             "from fastdata.gpu import CenterCrop, Compose, DecodeImages, Normalize, Resize",
             "",
             f"ds = fastdata.ShardedDataset({source!r}, shuffle=True, fields={keep!r}, image_decode='device')",
-            f"loader = fastdata.DataLoader(ds, batch_size={o.batch_size}, {workers}, drop_last=True)",
+            f"loader = fastdata.DataLoader(ds, batch_size={o.batch_size}, {workers})",
             (f"decode = Compose(DecodeImages(keys=[{fields.image!r}]), Resize({round(o.size * 256 / 224)}), "
             f"CenterCrop({o.size}),"),
             f"                 Normalize(keys=[{fields.image!r}], channels_last={device.type == 'cuda'}))",
@@ -113,7 +114,7 @@ def python_snippet(source: str, o: DoctorOptions, fields: st.Fields, device: tor
                 f"                             preprocess=fastdata.ResizeCenterCrop({o.size}){decode})"]
                if fields.encoded else [f"ds = fastdata.ShardedDataset({source!r}, shuffle=True, fields={keep!r})"])
     lines += ["", *dataset,
-              f"loader = fastdata.DataLoader(ds, batch_size={o.batch_size}, {workers}, drop_last=True)",
+              f"loader = fastdata.DataLoader(ds, batch_size={o.batch_size}, {workers})",
               (f"batches = fastdata.CUDAPrefetcher(loader, depth={o.depth}, "
               f"transform=Normalize(keys=[{fields.image!r}], channels_last={device.type == 'cuda'}))")]
     return "\n".join(lines)
