@@ -223,14 +223,34 @@ class Manifest:
         except FileNotFoundError as e:
             raise ManifestError(f"{p}: no manifest found") from e
         except UnicodeDecodeError as e:  # a shard or an image given for the manifest
-            raise ManifestError(f"{p}: not a manifest.json (not UTF-8 text: {e})") from e
+            what = _file_kind(e.object[:512]) or f"{e.reason} at byte {e.start}"
+            raise ManifestError(f"{p}: not a manifest.json (not UTF-8 text: {what}); {_pass_instead(p)}") from e
         except OSError as e:
             raise ManifestError(f"{p}: cannot read manifest: {e}") from e
         try:
             data = json.loads(text)
         except json.JSONDecodeError as e:
+            what = _file_kind(text[:512].encode("utf-8"))  # a tar of text members is valid UTF-8
+            if what:
+                raise ManifestError(f"{p}: not a manifest.json ({what}); {_pass_instead(p)}") from e
             raise ManifestError(f"{p}: not valid JSON: {e}") from e
         return _parse(data, str(p))
+
+
+def _file_kind(head: bytes) -> str | None:
+    """What a file given for a manifest is, from its first bytes: a shard or a compressed file, else None."""
+    if head[257:262] == b"ustar":
+        return "a tar shard"
+    if head.startswith(b"\x89HDF\r\n\x1a\n"):
+        return "an HDF5 shard"
+    if head.startswith(b"\x1f\x8b"):
+        return "a gzip-compressed file"
+    return None
+
+
+def _pass_instead(p: Path) -> str:
+    beside = f" ({p.parent})" if (p.parent / MANIFEST_NAME).is_file() else ""
+    return f"pass the folder that holds manifest.json{beside} or that manifest.json"
 
 
 def _parse(data: Any, where: str) -> Manifest:

@@ -88,3 +88,66 @@ def test_doctor_probe_measures_the_configured_device_decoder(monkeypatch):
     monkeypatch.setenv("FASTDATA_DEVICE_DECODER", "nvjpeg")
     rate, note = st.probe_gpu_decode(jpegs, torch.device("cuda"))
     assert rate is None and "FASTDATA_DEVICE_DECODER='nvjpeg'" in note
+
+
+# ----------------------------------------------------------------------------------- (c) measured == pasted
+
+@pytest.fixture
+def jpeg_shards(tmp_path):
+    import fastdata
+
+    with fastdata.ShardWriter(tmp_path / "shards", max_samples=8) as w:
+        for i in range(16):
+            w.write({"__key__": f"k{i:04d}", "jpg": _jpeg(i % 8), "cls": i % 3})
+    return tmp_path / "shards"
+
+
+@pytest.mark.parametrize("decode,workers,threads", [("pil", 2, 0), ("pil", 1, 1), ("device", 1, 0)])
+def test_tune_snippet_builds_the_loader_that_was_measured(jpeg_shards, decode, workers, threads):
+    # doctor and tune measured an unshuffled dataset, without next-epoch preload and with drop_last=False,
+    # while the code they print for pasting had shuffle=True, the default preload and drop_last=True
+    from fastdata.manifest import Manifest
+    from fastdata.monitor import DoctorOptions, pick_fields, python_snippet
+    from fastdata.monitor._diagnose import _dataset, _loader
+    from fastdata.transforms import ResizeCenterCrop
+
+    o = DoctorOptions(batch_size=4, num_workers=workers, size=16, device="cpu", decode=decode)
+    fields = pick_fields(Manifest.load(jpeg_shards))
+    namespace: dict = {}
+    exec(compile(python_snippet(str(jpeg_shards), o, fields, torch.device("cpu"), threads),  # noqa: S102
+                 "<tune snippet>", "exec"), namespace)
+    namespace["batches"].close()
+    pasted = namespace["loader"]
+    measured = _loader(_dataset(jpeg_shards, fields, ResizeCenterCrop(16), decode), 4, workers, threads)
+    for name in ("batch_size", "num_workers", "decode_threads", "persistent_workers", "drop_last",
+                 "preload_next_epoch"):
+        assert getattr(measured, name) == getattr(pasted, name), name
+    for name in ("shuffle", "fields", "image_decode", "seed"):
+        assert getattr(measured.dataset, name) == getattr(pasted.dataset, name), name
+
+
+# ----------------------------------------------------------------------------------- (d) a shard for a manifest
+
+def test_a_shard_given_for_the_manifest_is_named_as_such(jpeg_shards, tmp_path, capsys):
+    # `fastdata inspect shards/shard-000000.tar` said "cannot read manifest: 'utf-8' codec can't decode byte 0xff"
+    # (later "not UTF-8 text: 'utf-8' codec ..."), and a tar of text members "not valid JSON": what the file is,
+    # and what to pass instead, went unsaid
+    import numpy as np
+
+    import fastdata
+    from fastdata.cli._main import main
+
+    with fastdata.ShardWriter(tmp_path / "text", max_samples=8) as w:  # a tar that is valid UTF-8
+        for i in range(3):
+            w.write({"__key__": f"k{i}", "txt": "hello", "cls": i})
+    with fastdata.ShardWriter(tmp_path / "h5", format="hdf5", max_samples=8) as w:
+        w.write({"__key__": "k0", "x.npy": np.zeros(3), "cls": 0})
+    for shard, what in ((jpeg_shards / "shard-000000.tar", "a tar shard"),
+                        (tmp_path / "text" / "shard-000000.tar", "a tar shard"),
+                        (tmp_path / "h5" / "shard-000000.h5", "an HDF5 shard")):
+        with pytest.raises(fastdata.ManifestError, match=rf"shard-000000\.\w+: not a manifest\.json \(.*{what}\); "
+                                                         rf"pass the folder that holds manifest\.json \(.*{shard.parent.name}\)"):
+            fastdata.Manifest.load(shard)
+    assert main(["inspect", str(jpeg_shards / "shard-000000.tar")]) != 0
+    err = capsys.readouterr().err
+    assert "a tar shard" in err and "utf-8" not in err
