@@ -44,3 +44,27 @@ def test_a_leading_dot_decode_key_is_refused_where_the_fields_are_unknown(tmp_pa
             ShardedDataset(url, decode={".bin": len})
         ds = ShardedDataset(url, decode={"bin": len, "png": len})  # a key without the dot may match nothing
         assert [s["bin"] for s in ds] == [10] * 4
+
+
+@pytest.mark.parametrize("path", ["workers", "threads"])
+def test_len_after_a_resume_is_the_whole_epoch_on_the_loader_and_its_iterator(seven, path):
+    # len(loader) stays the whole epoch's count after a resume, as torch's DataLoader and torchdata's
+    # StatefulDataLoader report it (an LR schedule sized epochs * len(loader) stays right); the iterator of the
+    # worker path had no len() at all (TypeError from torch's infinite sampler) where the threads' had one.
+    from fastdata import DataLoader
+
+    def loader() -> DataLoader:
+        return DataLoader(ShardedDataset(seven, shuffle=True, seed=3), batch_size=2, num_workers=2,
+                          decode_threads=1 if path == "threads" else 0)
+
+    first = loader()
+    whole = len(first)
+    it = iter(first)
+    done = [next(it) for _ in range(2)]
+    state = first.state_dict()
+    del it
+    again = loader()
+    again.load_state_dict(state)
+    rest = iter(again)
+    assert len(again) == len(rest) == whole == 4
+    assert len(done) + len(list(rest)) == whole

@@ -126,7 +126,9 @@ class _LoaderIter:
         return self
 
     def __len__(self) -> int:
-        return len(self._inner) if self._length is None else self._length
+        # the worker path's torch iterator has no length over an IterableDataset (an infinite sampler): the
+        # loader's, as on the other paths (the whole epoch's batches, after a resume too)
+        return len(self._loader) if self._length is None else self._length
 
     def close(self) -> None:
         """End this iteration now (later ``next()``: StopIteration): stop the stall watchdog's thread,
