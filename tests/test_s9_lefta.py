@@ -151,3 +151,18 @@ def test_a_shard_given_for_the_manifest_is_named_as_such(jpeg_shards, tmp_path, 
     assert main(["inspect", str(jpeg_shards / "shard-000000.tar")]) != 0
     err = capsys.readouterr().err
     assert "a tar shard" in err and "utf-8" not in err
+
+
+# ----------------------------------------------------------------------------------- (e) StallReport wording
+
+def test_stall_summary_of_a_cpu_only_loop_does_not_talk_of_a_gpu():
+    # "feeding the GPU fully would make this loop 2.00x faster" was said of CPU-only loops too
+    from fastdata.monitor import StallReport
+
+    rep = StallReport(steps=10, wall_s=1.0, wait_s=0.5, wait_p50_s=0.05, wait_p99_s=0.06, first_wait_s=0.0)
+    text = rep.summary()
+    assert rep.loader_bound and "GPU" not in text and "2.00x faster" in text
+    from fastdata.monitor._stall import advise
+
+    advice = advise(rep, iter(()))  # a plain iterable: the prefetcher is advised, for what it does on a CPU too
+    assert any("CUDAPrefetcher" in a for a in advice) and all("copies overlap" not in a for a in advice)

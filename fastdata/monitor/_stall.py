@@ -72,7 +72,7 @@ class StallReport:
             f"first batch {self.first_wait_s:.2f} s)"),
         ]
         if self.loader_bound:
-            lines.append(f"feeding the GPU fully would make this loop {self.speedup_if_fed:.2f}x faster")
+            lines.append(f"fed without waiting, this loop would run {self.speedup_if_fed:.2f}x faster")
         if self.periodic is not None:
             share = self.periodic.total_s / self.wall_s if self.wall_s > 0 else 0.0
             lines.append(f"periodic stalls: {self.periodic.describe()}: {share:.0%} of the wall time")
@@ -264,7 +264,8 @@ def advise(report: StallReport, loader: Any) -> list[str]:
     if workers and not threads and not cached and not getattr(dl, "persistent_workers", False):
         out.append("persistent_workers=False restarts workers every epoch: set it to True")
     if type(loader).__name__ != "CUDAPrefetcher":
-        out.append("wrap the loader in fastdata.CUDAPrefetcher so copies overlap compute")
+        out.append("wrap the loader in fastdata.CUDAPrefetcher so the next batches are fetched (and copied to the "
+                   "GPU) while the step computes")
     dataset = getattr(dl, "dataset", None)
     preprocess = getattr(dataset, "preprocess", None)
     if (dataset is not None and getattr(dataset, "cache", None) is None and preprocess is not None
