@@ -68,3 +68,32 @@ def test_len_after_a_resume_is_the_whole_epoch_on_the_loader_and_its_iterator(se
     rest = iter(again)
     assert len(again) == len(rest) == whole == 4
     assert len(done) + len(list(rest)) == whole
+
+
+def _images_of_two_sizes(dest) -> str:
+    import io
+
+    from PIL import Image
+
+    from fastdata import ShardWriter
+
+    with ShardWriter(dest) as w:
+        for i in range(4):
+            buf = io.BytesIO()
+            Image.new("RGB", (8 + (i == 2), 8), (i, i, i)).save(buf, "PNG")
+            w.write({"__key__": f"k{i}", "png": buf.getvalue(), "cls": i})
+    return str(dest)
+
+
+@pytest.mark.parametrize("path", ["in-process", "workers", "threads"])
+def test_a_batch_of_images_of_other_sizes_names_the_field_and_samples(tmp_path, path):
+    # Images of different sizes without preprocess= (the most common first mistake): the collate failed with
+    # torch's bare "stack expects each tensor to be equal size, but got [3, 8, 8] at entry 0 and [3, 8, 9] at
+    # entry 2": no field, no sample, no remedy.
+    from fastdata import DataLoader
+
+    ds = ShardedDataset(_images_of_two_sizes(tmp_path / "ds"))
+    loader = DataLoader(ds, batch_size=4, num_workers=0 if path == "in-process" else 1,
+                        decode_threads=1 if path == "threads" else 0)
+    with pytest.raises(RuntimeError, match=r"field 'png'.*'k0': \(3, 8, 8\).*'k2': \(3, 8, 9\).*preprocess="):
+        list(loader)

@@ -114,6 +114,30 @@ def collate(collate_fn: Callable[[Any], Any], data: Any) -> Any:
             ".jpg and .png files gives samples with `jpg` or `png`): re-encode the images to one format, "
             "give them one field name in a sample_transform, or pass a collate_fn that handles both"
         ) from missing
+    except RuntimeError as err:  # torch's "stack expects each tensor to be equal size": which field, which samples
+        text = _differing_shapes(data) if "equal size" in str(err) else None
+        if text is None:
+            raise
+        raise RuntimeError(
+            f"the samples of one batch hold {text}, and the collate stacks a field's values into one tensor: give "
+            "them one size with preprocess= (e.g. fastdata.ResizeCenterCrop(224)) or transform=, or pass a "
+            f"collate_fn that keeps them apart ({err})") from err
+
+
+def _differing_shapes(data: Any) -> str | None:
+    """The first field whose arrays or tensors differ in shape between two samples of ``data``, described, or None."""
+    if not isinstance(data, list) or not data or not all(isinstance(s, Mapping) for s in data):
+        return None
+    for name, value in data[0].items():
+        shape = getattr(value, "shape", None)
+        if not isinstance(value, (torch.Tensor, np.ndarray)):
+            continue
+        for other in data[1:]:
+            v = other.get(name)
+            if isinstance(v, (torch.Tensor, np.ndarray)) and tuple(v.shape) != tuple(shape):
+                return (f"field {name!r} in different shapes ({data[0].get('__key__', '?')!r}: {tuple(shape)}; "
+                        f"{other.get('__key__', '?')!r}: {tuple(v.shape)})")
+    return None
 
 
 def _differing_fields(data: Any) -> str | None:
