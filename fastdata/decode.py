@@ -434,6 +434,9 @@ def _decode_npy(data: bytes, allow_pickle: bool) -> np.ndarray:
 
 
 def _decode_npz(data: bytes, allow_pickle: bool) -> dict[str, np.ndarray]:
+    head = bytes(data[:4])
+    if head not in (b"PK\x03\x04", b"PK\x05\x06"):  # np.load would take anything else for an .npy or a pickle
+        raise ValueError(f"not an .npz (zip) archive: {len(data)} bytes starting {bytes(data[:8])!r}")
     with npy_lock(), np.load(io.BytesIO(data), allow_pickle=allow_pickle) as z:  # each member's header too
         return {k: z[k] for k in z.files}
 

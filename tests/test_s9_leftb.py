@@ -97,3 +97,58 @@ def test_a_batch_of_images_of_other_sizes_names_the_field_and_samples(tmp_path, 
                         decode_threads=1 if path == "threads" else 0)
     with pytest.raises(RuntimeError, match=r"field 'png'.*'k0': \(3, 8, 8\).*'k2': \(3, 8, 9\).*preprocess="):
         list(loader)
+
+
+@pytest.mark.parametrize("allow_pickle", [False, True])
+def test_an_npz_field_that_is_no_zip_archive_says_so(allow_pickle):
+    # np.load takes bytes that are neither a zip nor an .npy for a pickle: junk in an `npz` field was "pickled
+    # (object) data ... load it unsafely using allow_pickle=" (advice to run a shard's bytes as code), and with
+    # allow_pickle=True it was unpickled; an .npy in an `npz` field was a TypeError about context managers.
+    import io
+    import pickle
+
+    import numpy as np
+
+    from fastdata.decode import SampleDecoder
+    from fastdata.errors import DecodeError
+
+    npy = io.BytesIO()
+    np.save(npy, np.arange(3))
+    decoder = SampleDecoder(allow_pickle=allow_pickle)
+    for data in (b"junk", npy.getvalue(), pickle.dumps({"a": 1})):
+        with pytest.raises(DecodeError, match=r"'x\.npz'.*not an \.npz \(zip\) archive") as err:
+            decoder.field("x.npz", data, shard="s.tar", key="k")
+        assert "allow_pickle" not in str(err.value)
+    z = io.BytesIO()
+    np.savez(z, a=np.arange(3))
+    assert decoder.field("x.npz", z.getvalue(), shard="s.tar", key="k")["a"].tolist() == [0, 1, 2]
+
+
+def test_an_hdf5_npy_row_holding_a_zip_or_junk_is_a_shard_error_without_pickle_advice(tmp_path):
+    # The rows of an HDF5 array field of varying shape are .npy bytes read with np.load, which takes zip bytes
+    # for an .npz (a damaged row came back as a NpzFile, silently) and other bytes for a pickle ("load it
+    # unsafely using allow_pickle=").
+    import io
+
+    import h5py
+    import numpy as np
+
+    import fastdata
+    from fastdata.errors import ShardError
+    from fastdata.shards.hdf5 import HDF5ShardReader
+
+    with fastdata.ShardWriter(tmp_path / "h", format="hdf5") as w:
+        for i in range(3):
+            w.write({"__key__": f"k{i}", "v.npy": np.zeros(i + 1, np.uint8)})
+    npz = io.BytesIO()
+    np.savez(npz, a=np.arange(2))
+    path = tmp_path / "h" / "shard-000000.h5"
+    with h5py.File(path, "r+") as f:
+        f["v.npy"][1] = np.frombuffer(npz.getvalue(), np.uint8)
+        f["v.npy"][2] = np.frombuffer(b"junk" * 4, np.uint8)
+    reader = HDF5ShardReader(path)
+    for i in (1, 2):
+        with pytest.raises(ShardError, match=rf"reading field 'v\.npy' of sample {i}") as err:
+            reader.read(i)
+        assert "pickle" not in str(err.value)
+    assert reader.read(0)["v.npy"].tolist() == [0]

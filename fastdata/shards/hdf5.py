@@ -427,7 +427,8 @@ def _convert(value: Any, kind: str, npy: bool) -> Any:
     if npy:
         try:
             with npy_lock():  # the header parse is not thread-safe (decode_threads)
-                return np.load(io.BytesIO(raw), allow_pickle=False)
+                # read_array, not np.load: that takes zip bytes for an .npz and anything else for a pickle
+                return np.lib.format.read_array(io.BytesIO(raw), allow_pickle=False)
         except Exception as e:  # noqa: BLE001 - NumPy raises EOFError, tokenize.TokenError, ... on damaged bytes
             raise ValueError(f"its stored .npy bytes do not parse ({type(e).__name__}: {e})") from e
     return raw
