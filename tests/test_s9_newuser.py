@@ -56,3 +56,20 @@ def test_readme_headline_loop_says_which_field_a_jpeg_folder_gets(tmp_path):
     intro = readme[:readme.index("```python")].rstrip().rsplit("\n\n", 1)[-1]  # the paragraph before the headline loop
     assert "fastdata shard IMAGE_FOLDER shards/" in intro
     assert '"jpeg"' in intro and ".JPEG" in intro
+
+
+def test_shard_script_takes_options_between_src_and_dest(tmp_path, capsys):
+    # `fastdata shard SRC --quiet DEST` worked, `python tools/shard.py SRC --quiet DEST` said
+    # "unrecognized arguments: DEST" although the README says both take the same options
+    from PIL import Image
+
+    from fastdata.cli._shard_cmd import tool_main
+
+    (tmp_path / "src" / "a").mkdir(parents=True)
+    Image.new("RGB", (8, 8)).save(tmp_path / "src" / "a" / "x.jpg")
+    src, out = str(tmp_path / "src"), str(tmp_path / "out")
+    assert tool_main([src, "--samples-per-shard", "1", "--workers", "1", out, "--quiet"]) == 0
+    assert (tmp_path / "out" / "manifest.json").is_file()
+    assert tool_main(["--workers", "1", "--verify", out]) == 0
+    assert tool_main([src, "--workers", "1"]) == 2  # still one path short
+    assert "expected SRC and DEST, got 1 path(s)" in capsys.readouterr().err

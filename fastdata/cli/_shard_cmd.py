@@ -148,8 +148,8 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 def tool_main(argv: Sequence[str] | None = None) -> int:
     """``tools/shard.py``: run it and return the exit status."""
     parser = build_tool_parser()
-    try:
-        args = parser.parse_args(argv)
+    try:  # intermixed: options may stand between SRC and DEST, as with `fastdata shard`
+        args = parser.parse_intermixed_args(argv)
     except UsageError as e:
         print(f"{TOOL_PROG}: error: {e} (see --help)", file=sys.stderr)
         return 2
