@@ -166,3 +166,26 @@ def test_stall_summary_of_a_cpu_only_loop_does_not_talk_of_a_gpu():
 
     advice = advise(rep, iter(()))  # a plain iterable: the prefetcher is advised, for what it does on a CPU too
     assert any("CUDAPrefetcher" in a for a in advice) and all("copies overlap" not in a for a in advice)
+
+
+# ----------------------------------------------------------------------------------- bug hunt
+
+def _png_of(w: int, h: int, value: int = 90) -> bytes:
+    buf = io.BytesIO()
+    Image.new("RGB", (w, h), (value, 1, 2)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def test_geometric_transforms_after_a_second_decode_stage_reach_the_first_stages_images():
+    # Compose(DecodeImages(keys=["jpg"]), DecodeImages(keys=["png"]), CenterCrop(4)) cropped "png" only: the crop
+    # was fused into the second stage, and the first stage's images were rendered before it, uncropped (8x10)
+    batch = collate([{"jpg": EncodedImage(_png_of(10 + 2 * i, 8), shard="s.tar", key=f"k{i}", index=i, epoch=0),
+                      "png": EncodedImage(_png_of(6, 5), shard="s.tar", key=f"k{i}", index=i, epoch=0), "cls": i}
+                     for i in range(2)])
+    first, second = gpu.DecodeImages(keys=["jpg"], device="cpu"), gpu.DecodeImages(keys=["png"], device="cpu")
+    out = gpu.Compose(first, second, gpu.CenterCrop(4))(batch)
+    assert tuple(out["jpg"].shape) == tuple(out["png"].shape) == (2, 3, 4, 4)
+    out = gpu.Compose(first, gpu.Resize(4), second, gpu.CenterCrop(3))(batch)  # ragged after Resize: still pending
+    assert tuple(out["jpg"].shape) == tuple(out["png"].shape) == (2, 3, 3, 3)
+    one = gpu.Compose(gpu.DecodeImages(device="cpu"), gpu.CenterCrop(4))(batch)  # one stage: as before
+    assert torch.equal(one["jpg"], gpu.Compose(first, second, gpu.CenterCrop(4))(batch)["jpg"])

@@ -250,7 +250,8 @@ class Compose:
     :class:`~fastdata.gpu.ImageBatch` es, which are resampled once, right before the next other
     transform and at the end (ImageBatches whose images end in different sizes stay ImageBatches).
     ``DecodeImages`` followed by geometric transforms runs as one step (:meth:`DecodeImages.fuse`),
-    so that decoding and resampling overlap.
+    so that decoding and resampling overlap, unless an earlier ``DecodeImages`` of this Compose (with
+    other ``keys``) left ImageBatches pending: the transforms then apply to those too.
     """
 
     def __init__(self, *transforms: Callable[[Any], Any]) -> None:
@@ -261,12 +262,16 @@ class Compose:
 
     def __call__(self, batch: Any) -> Any:
         ts, i = self.transforms, 0
+        given = set(_image_batch_paths(batch, ()))  # ImageBatches of the input (a fused stage leaves them alone)
         while i < len(ts):
             fuse = getattr(ts[i], "fuse", None)  # DecodeImages: decode and resample chunk by chunk
             if fuse is not None:
                 j = i + 1
                 while j < len(ts) and getattr(ts[j], "lazy", None) is not None:
                     j += 1
+                if j > i + 1 and set(_image_batch_paths(batch, ())) - given:  # images an earlier stage decoded are
+                    batch, i = ts[i](batch), i + 1  # pending: the geometric transforms that follow apply to them too
+                    continue
                 batch, i = fuse(render_images(batch), ts[i + 1 : j]), j
                 continue
             lazy = getattr(ts[i], "lazy", None)
