@@ -12,12 +12,14 @@ import threading
 import traceback
 from typing import Any
 
-__all__ = ["IMAGE_SUFFIXES", "check_int", "parse_size", "quantile", "usable_cores"]
+__all__ = ["IMAGE_SUFFIXES", "INT_SUFFIXES", "check_int", "parse_size", "quantile", "usable_cores"]
 
 # Lower-case field suffixes / file extensions treated as images, everywhere in fastdata.
 IMAGE_SUFFIXES = frozenset(
     {"jpg", "jpeg", "png", "webp", "gif", "bmp", "ppm", "pgm", "pbm", "pnm", "tif", "tiff"}
 )
+# Field suffixes decoded as ints (a class index); ShardWriter refuses values they cannot be read back as.
+INT_SUFFIXES = frozenset({"cls", "cls2", "index", "inx"})
 
 # NumPy parses every .npy header with ast.literal_eval, which CPython 3.11 does not make thread-safe: ast's
 # recursion counter belongs to the interpreter, so a garbage collection that runs Python code during one

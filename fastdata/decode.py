@@ -40,7 +40,7 @@ import numpy as np
 import torch
 from PIL import Image, ImageFile
 
-from fastdata._util import IMAGE_SUFFIXES, npy_lock
+from fastdata._util import IMAGE_SUFFIXES, INT_SUFFIXES, npy_lock
 from fastdata.errors import DecodeError
 
 __all__ = [
@@ -56,7 +56,7 @@ __all__ = [
 ]
 
 PICKLE_SUFFIXES = frozenset({"pickle", "pkl", "pyd", "pth", "pt"})
-_INT_SUFFIXES = frozenset({"cls", "cls2", "index", "inx"})
+_INT_SUFFIXES = INT_SUFFIXES
 _TEXT_SUFFIXES = frozenset({"txt", "text"})
 _JSON_SUFFIXES = frozenset({"json", "jsn"})
 

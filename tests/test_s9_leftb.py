@@ -152,3 +152,22 @@ def test_an_hdf5_npy_row_holding_a_zip_or_junk_is_a_shard_error_without_pickle_a
             reader.read(i)
         assert "pickle" not in str(err.value)
     assert reader.read(0)["v.npy"].tolist() == [0]
+
+
+@pytest.mark.parametrize("fmt", ["tar", "hdf5"])
+def test_shard_writer_refuses_values_the_field_suffix_cannot_read_back(tmp_path, fmt):
+    # A float label (a pandas column with a NaN somewhere is float64) was written to a tar as "3.0", which the
+    # `cls` decoding cannot read: every sample of the set failed at read time (HDF5 gave the float back); a
+    # list in an `.npy` field was accepted by the HDF5 writer and failed at read time.
+    import numpy as np
+
+    import fastdata
+
+    writer = fastdata.ShardWriter(tmp_path / "out", format=fmt)
+    for field, value in (("cls", 3.0), ("cls", np.float64(2.0)), ("x.index", 1.5), ("v.npy", [1, 2]),
+                         ("v.npy", 0.5), ("v.npy", "abc")):
+        with pytest.raises(TypeError, match=rf"field {field!r} of sample 'a'.*{type(value).__name__}"):
+            writer.write({"__key__": "a", field: value})
+    writer.write({"__key__": "a", "cls": np.int64(3), "v.npy": np.zeros(2)})
+    writer.close()
+    assert [(s["cls"], s["v.npy"].tolist()) for s in ShardedDataset(tmp_path / "out")] == [(3, [0.0, 0.0])]

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from fastdata._util import local_path
+from fastdata._util import INT_SUFFIXES, local_path
 from fastdata.errors import FastdataError
 from fastdata.manifest import FieldInfo, Manifest, ShardInfo
 from fastdata.shards import _tarfmt
@@ -28,6 +28,18 @@ def shard_name(number: int, format: str) -> str:
     return f"shard-{number:06d}{_SUFFIX[format]}"
 
 
+def _check_readable(name: str, value: Any, key: str) -> None:
+    """Refuse a value the field's suffix would not read back: a float in an int field (``cls``: a float
+    label becomes "3.0", which no int decoding reads) or anything but an array (or its .npy bytes) in ``.npy``."""
+    ext = name.rsplit(".", 1)[-1].lower()
+    if ext in INT_SUFFIXES and isinstance(value, (float, np.floating)):
+        raise TypeError(f"field {name!r} of sample {key!r} holds ints (a '{ext}' field is read back as an int), got "
+                        f"{value!r} ({type(value).__name__}): write int(value)")
+    if ext == "npy" and not isinstance(value, (np.ndarray, bytes, bytearray, memoryview)):
+        raise TypeError(f"field {name!r} of sample {key!r} holds an array (a '.npy' field is read back with "
+                        f"np.load), got a {type(value).__name__}: write np.asarray(value)")
+
+
 class ShardWriter:
     """Write samples (dicts with ``"__key__"``) into ``dest`` as tar or HDF5 shards.
 
@@ -37,7 +49,9 @@ class ShardWriter:
     :meth:`close`. After an exception inside ``with``, finished shards stay but no manifest is written.
     Keys must be unique across the whole folder (ValueError naming the key); HDF5 samples must all
     have the fields of the first one (ValueError naming key and fields: a manifest field missing
-    from a shard could not be read); a sample rejected by :meth:`write` leaves no key or field behind. HDF5 shards are assembled in memory (a copy of each
+    from a shard could not be read); a value its field's suffix would not read back (a float in ``cls``,
+    anything but an array or its bytes in ``.npy``) is a TypeError naming key and field; a sample rejected
+    by :meth:`write` leaves no key or field behind. HDF5 shards are assembled in memory (a copy of each
     sample, up to ``max_bytes``), so keep ``max_bytes`` moderate for HDF5. A non-empty ``dest`` is
     refused unless ``overwrite=True``, which removes the shards, indexes and manifest already there
     (other files stay). ``extra`` is stored as the manifest's free-form ``extra`` object.
@@ -103,6 +117,8 @@ class ShardWriter:
         key = check_key(sample["__key__"])
         if key in self._keys:
             raise ValueError(f"duplicate key {key!r}: already written to {self.dest}")
+        for name, value in sample.items():
+            _check_readable(name, value, key)
         if self.format == "tar":
             self._write_tar(sample)
         else:
