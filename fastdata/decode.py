@@ -347,7 +347,9 @@ class ImageDecoder:
     whole, with Pillow's errors.
 
     Args:
-        mode: Pillow mode of the result ("RGB" default, "L" for masks, None: as stored).
+        mode: Pillow mode of the result ("RGB" default, "L" for greyscale masks, None: as stored). A palette
+            ("P") mask, such as Pascal VOC's, needs None: "L" (and "RGB") map its class ids through the palette
+            to grey levels (colours).
         draft_size: shorter side the consumer needs. JPEGs whose shorter side is at least twice
             this are decoded at a reduced DCT scale (``Image.draft``), still >= ``draft_size``.
     """
