@@ -171,3 +171,30 @@ def test_shard_writer_refuses_values_the_field_suffix_cannot_read_back(tmp_path,
     writer.write({"__key__": "a", "cls": np.int64(3), "v.npy": np.zeros(2)})
     writer.close()
     assert [(s["cls"], s["v.npy"].tolist()) for s in ShardedDataset(tmp_path / "out")] == [(3, [0.0, 0.0])]
+
+
+def test_a_palette_mask_decoded_as_pil_keeps_its_class_ids_through_resize_center_crop(tmp_path):
+    # The README's way to keep a label mask's ids through preprocess= (which resamples every image field).
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    import fastdata
+    from fastdata.decode import ImageDecoder
+
+    ids = np.zeros((16, 16), np.uint8)
+    ids[:, 8:] = 5
+    mask = Image.fromarray(ids, "L").convert("P")
+    mask.putpalette([0, 0, 0] * 5 + [255, 0, 0] + [0, 0, 0] * 250)
+    seg, photo = io.BytesIO(), io.BytesIO()
+    mask.save(seg, "PNG")
+    Image.new("RGB", (16, 16), (9, 9, 9)).save(photo, "PNG")
+    with fastdata.ShardWriter(tmp_path / "ds") as w:
+        w.write({"__key__": "k0", "png": photo.getvalue(), "seg.png": seg.getvalue()})
+    resize = fastdata.ResizeCenterCrop(5)
+    sample = next(iter(ShardedDataset(tmp_path / "ds", decode={"seg.png": ImageDecoder(None).pil}, preprocess=resize)))
+    assert sample["seg.png"].shape == (1, 5, 5) and sorted(sample["seg.png"].unique().tolist()) == [0, 5]
+    assert sample["png"].shape == (3, 5, 5)
+    plain = next(iter(ShardedDataset(tmp_path / "ds", preprocess=resize)))
+    assert plain["seg.png"].shape == (3, 5, 5)  # the default: RGB, resampled like a photo
