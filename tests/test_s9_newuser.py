@@ -73,3 +73,12 @@ def test_shard_script_takes_options_between_src_and_dest(tmp_path, capsys):
     assert tool_main(["--workers", "1", "--verify", out]) == 0
     assert tool_main([src, "--workers", "1"]) == 2  # still one path short
     assert "expected SRC and DEST, got 1 path(s)" in capsys.readouterr().err
+
+
+def test_readme_cpu_install_pairs_torch_with_torchvision():
+    # fastdata requires torchvision: after `pip install torch --index-url .../whl/cpu` alone, installing
+    # fastdata pulled the newest torchvision, whose `torch>=` pin replaced the CPU torch with a CUDA build
+    # (pip's resolver, seen with --dry-run: torchvision 0.29.1 and torch 2.14.1 over torch 2.13.0+cpu)
+    readme = (ROOT / "README.md").read_text()
+    (line,) = [ln for ln in readme.splitlines() if "download.pytorch.org/whl/cpu" in ln]
+    assert re.search(r"pip install torch torchvision --index-url", line)
