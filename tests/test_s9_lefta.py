@@ -189,3 +189,39 @@ def test_geometric_transforms_after_a_second_decode_stage_reach_the_first_stages
     assert tuple(out["jpg"].shape) == tuple(out["png"].shape) == (2, 3, 3, 3)
     one = gpu.Compose(gpu.DecodeImages(device="cpu"), gpu.CenterCrop(4))(batch)  # one stage: as before
     assert torch.equal(one["jpg"], gpu.Compose(first, second, gpu.CenterCrop(4))(batch)["jpg"])
+
+
+def _with_a_truncated_image(root, n: int = 24, bad: int = 20):
+    import fastdata
+
+    with fastdata.ShardWriter(root, max_samples=8) as w:
+        for i in range(n):
+            data = _jpeg(i % 8)
+            w.write({"__key__": f"k{i:03d}", "jpg": data[:60] if i == bad else data, "cls": i % 3})
+    return root
+
+
+def test_doctor_and_tune_name_the_users_shard_of_a_sample_that_does_not_load(tmp_path):
+    # the measurements run over a copy of the first samples: a corrupt image among them failed doctor with
+    # "/tmp/fastdata-doctor-.../subset/shard-000005.tar: sample 'k080' ..." (a temporary file, deleted), or,
+    # among the first 64, with "sample 'k020' field 'jpg': ..." (no shard)
+    from fastdata.manifest import Manifest
+    from fastdata.monitor import _stages as st
+
+    src = _with_a_truncated_image(tmp_path / "src")
+    fields = st.pick_fields(Manifest.load(src))
+    with pytest.raises(FastdataError, match=rf"{tmp_path}/src/shard-000002\.tar: sample 'k020' field 'jpg'"):
+        st.copy_subset(src, tmp_path / "subset", fields, 24)
+
+
+def test_tune_says_why_no_decoder_could_be_measured(jpeg_shards, monkeypatch):
+    # both CPU decoders failing on the measured images ended tune with "min() arg is an empty sequence"
+    from fastdata.errors import DecodeError
+    from fastdata.monitor import DoctorOptions, _stages, tune
+
+    def fails(*args, **kwargs):
+        raise DecodeError("shard-x.tar: sample 'k1' field 'jpg': OSError: broken")
+
+    monkeypatch.setattr(_stages, "cpu_costs", fails)
+    with pytest.raises(FastdataError, match=r"no CPU decoder.*pil: DecodeError: shard-x\.tar: sample 'k1'"):
+        tune(jpeg_shards, DoctorOptions(samples=16, batch_size=4, num_workers=0, size=16, device="cpu"))

@@ -100,14 +100,18 @@ def copy_subset(source: str | os.PathLike[str], dest: Path, fields: Fields, samp
     """Read the first ``samples`` samples of ``source`` (timed) and write them as shards into ``dest``.
 
     Every later measurement runs on this subset, so a cache for it stays small whatever the
-    size of the user's dataset.
+    size of the user's dataset. Each sample is also decoded once (untimed; JPEGs at a reduced scale):
+    one that does not load fails here, naming its shard of ``source``, rather than a measurement
+    later naming the subset's temporary copy.
     """
+    from fastdata.decode import SampleDecoder
     from fastdata.manifest import Manifest
     from fastdata.shards.reader import open_shard
     from fastdata.shards.writer import ShardWriter
 
     m = Manifest.load(source)
     keep = [fields.image] + ([fields.label] if fields.label else [])
+    check = SampleDecoder(draft_size=16)
     cpu = wall = 0.0
     nbytes = count = 0
     with ShardWriter(dest, format=m.format, max_samples=max(16, samples // 8)) as writer:
@@ -125,6 +129,7 @@ def copy_subset(source: str | os.PathLike[str], dest: Path, fields: Fields, samp
                 sample = {k: bytes(v) if isinstance(v, memoryview) else v for k, v in sample.items()}
                 cpu += time.thread_time() - c0
                 wall += time.perf_counter() - t0
+                check(sample, shard=str(Path(source) / shard.name))  # a DecodeError naming shard, key and field
                 value = sample[fields.image]
                 nbytes += len(value) if isinstance(value, (bytes, bytearray)) else int(getattr(value, "nbytes", 0))
                 writer.write(sample)

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from fastdata._util import check_int
+from fastdata.errors import FastdataError
 from fastdata.monitor import _stages as st
 from fastdata.monitor._batch import BatchSearch, search_batch_size
 from fastdata.monitor._diagnose import (
@@ -208,15 +209,19 @@ def tune(source: str | os.PathLike[str], start: DoctorOptions, *, batch_limit: i
         # 2. decode backend (CPU seconds per image, one thread: robust on a busy machine)
         if fields.encoded:
             raws = st.raw_samples(subset, fields, 48)
-            costs = {}
+            costs, failed = {}, []
             for backend in ("pil", "torchvision"):
                 try:
                     c = st.cpu_costs(raws, fields, pre, backend, best.batch_size)
                 except Exception as e:  # noqa: BLE001  a backend that cannot decode these images is no candidate
                     notes.append(f"decode backend {backend}: failed ({type(e).__name__}: {e})")
+                    failed.append(f"{backend}: {type(e).__name__}: {e}")
                     continue
                 costs[backend] = (c.decode_s or 0.0) + (c.preprocess_s or 0.0)
                 trial({"dimension": "decode", "value": backend, "images/s per core": 1 / costs[backend]})
+            if not costs:
+                raise FastdataError("no CPU decoder could decode and preprocess the measured samples: "
+                                    + "; ".join(failed))
             pick = min(costs, key=lambda k: costs[k] * (1.0 if k == start.decode else 1.0 + MIN_GAIN))
             best = dataclasses.replace(best, decode=pick)
 
