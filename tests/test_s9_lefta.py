@@ -212,6 +212,16 @@ def test_doctor_and_tune_name_the_users_shard_of_a_sample_that_does_not_load(tmp
     fields = st.pick_fields(Manifest.load(src))
     with pytest.raises(FastdataError, match=rf"{tmp_path}/src/shard-000002\.tar: sample 'k020' field 'jpg'"):
         st.copy_subset(src, tmp_path / "subset", fields, 24)
+    # image fields of two formats (jpg or png): a bare KeyError 'jpg' with a traceback
+    import fastdata
+    from fastdata.errors import MissingFieldError
+
+    with fastdata.ShardWriter(tmp_path / "mixed", max_samples=8) as w:
+        for i in range(4):
+            w.write({"__key__": f"k{i}", ("jpg" if i % 2 else "png"): _png_of(4, 3), "cls": i})
+    fields = st.pick_fields(Manifest.load(tmp_path / "mixed"))
+    with pytest.raises(MissingFieldError, match=r"mixed/shard-000000\.tar: sample 'k0' has no field 'jpg'.*re-encode"):
+        st.copy_subset(tmp_path / "mixed", tmp_path / "subset2", fields, 4)
 
 
 def test_tune_says_why_no_decoder_could_be_measured(jpeg_shards, monkeypatch):

@@ -23,7 +23,7 @@ import torch
 from fastdata._util import check_int, quantile
 from fastdata._util import usable_cores as cores  # noqa: F401 - the name other modules use
 from fastdata.decode import ImageDecoder, is_image_field, suffix
-from fastdata.errors import DecodeError, FastdataError
+from fastdata.errors import DecodeError, FastdataError, MissingFieldError
 
 _LABEL_SUFFIXES = ("cls", "cls2", "index", "inx")
 
@@ -129,7 +129,14 @@ def copy_subset(source: str | os.PathLike[str], dest: Path, fields: Fields, samp
                 sample = {k: bytes(v) if isinstance(v, memoryview) else v for k, v in sample.items()}
                 cpu += time.thread_time() - c0
                 wall += time.perf_counter() - t0
-                check(sample, shard=str(Path(source) / shard.name))  # a DecodeError naming shard, key and field
+                where = Path(source) / shard.name
+                missing = [f for f in keep if f not in sample]
+                if missing:  # e.g. image fields of two formats (jpg or png): the collate would fail on the subset
+                    raise MissingFieldError(f"{where}: sample {sample.get('__key__', '?')!r} has no field "
+                                            f"{missing[0]!r} (fields here: {[f.name for f in m.fields]}): doctor and "
+                                            "tune measure fields every sample has (--field, --label); samples "
+                                            "mixing image formats cannot be batched as one field (re-encode them)")
+                check(sample, shard=str(where))  # a DecodeError naming shard, key and field
                 value = sample[fields.image]
                 nbytes += len(value) if isinstance(value, (bytes, bytearray)) else int(getattr(value, "nbytes", 0))
                 writer.write(sample)
