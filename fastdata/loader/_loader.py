@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import logging
 import math
+import multiprocessing
+import pickle
 import threading
 import time
 import types
@@ -44,6 +46,7 @@ from fastdata.loader import _cached as _cache_loader
 from fastdata.loader import _threads as _thread_loader
 from fastdata.loader import _watchdog
 from fastdata.loader._gather import FastGather, check_gather_threads, default_gather_threads
+from fastdata.loader._pickling import explain
 
 __all__ = ["DataLoader"]
 
@@ -269,6 +272,13 @@ def _gather_helpers(inner: Any) -> list[threading.Thread | None]:
     return [t for t in threading.enumerate() if t.name.startswith("fastdata-gather")]  # the cached path's gathers
 
 
+def _start_method(ctx: Any) -> str:
+    """The start method of a DataLoader's ``multiprocessing_context`` (None: multiprocessing's default)."""
+    if ctx is not None:
+        return str(ctx.get_start_method())
+    return multiprocessing.get_start_method(allow_none=True) or multiprocessing.get_all_start_methods()[0]
+
+
 class DataLoader(torch.utils.data.DataLoader):
     """Drop-in ``torch.utils.data.DataLoader`` with exact resume for :class:`ShardedDataset`.
 
@@ -476,6 +486,15 @@ class DataLoader(torch.utils.data.DataLoader):
         try:
             with _watchdog.forking_workers():
                 inner = super()._get_iterator()
+        except (TypeError, AttributeError, pickle.PicklingError) as e:  # what pickle raises: spawn/forkserver
+            method = _start_method(self.multiprocessing_context)
+            if method == "fork":
+                raise
+            better = explain(method, [("dataset", self.dataset), ("collate_fn", self._user_collate),
+                                      ("worker_init_fn", user_fn)], e)
+            if better is None:
+                raise
+            raise better from e
         finally:
             self.worker_init_fn = user_fn
         if stacks is not None:

@@ -1,0 +1,70 @@
+"""Session 9, helper 'startmethods': the loader under the spawn and forkserver start methods.
+
+Kept fast: the pickling errors below happen in this process, before any worker starts (spawn and
+forkserver pickle a worker's arguments in ``Process.start``), so no worker imports torch.
+"""
+from __future__ import annotations
+
+import io
+import multiprocessing as mp
+import pickle
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from fastdata import DataLoader, ShardedDataset
+from fastdata.errors import FastdataError
+
+
+def _png(i: int) -> bytes:
+    buf = io.BytesIO()
+    Image.fromarray(np.full((4, 4, 3), i, np.uint8)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    from fastdata.shards.writer import ShardWriter
+
+    dest = tmp_path_factory.mktemp("s9sm") / "d"
+    with ShardWriter(dest, max_samples=4) as w:
+        for i in range(8):
+            w.write({"__key__": f"k{i}", "cls": i, "png": _png(i)})
+    return dest
+
+
+def _local_transform():
+    def keep(sample):
+        return sample
+    return keep
+
+
+@pytest.mark.parametrize("method", [m for m in ("spawn", "forkserver") if m in mp.get_all_start_methods()])
+@pytest.mark.parametrize("where", ["sample_transform", "decode", "collate_fn", "worker_init_fn"])
+def test_an_unpicklable_worker_argument_is_named_under_spawn_and_forkserver(folder, method, where):
+    """A lambda or local function in the dataset, collate_fn or worker_init_fn: spawn/forkserver workers
+    get them pickled. pickle's bare "Can't pickle <function <lambda>>" named no argument."""
+    ds_kw: dict = {}
+    dl_kw: dict = {}
+    if where == "sample_transform":
+        ds_kw["sample_transform"] = _local_transform()
+    elif where == "decode":
+        ds_kw["decode"] = {"cls": lambda b: int(b)}
+    elif where == "collate_fn":
+        dl_kw["collate_fn"] = lambda batch: batch
+    else:
+        dl_kw["worker_init_fn"] = lambda worker_id: None
+    loader = DataLoader(ShardedDataset(folder, **ds_kw), batch_size=2, num_workers=2,
+                        multiprocessing_context=method, **dl_kw)
+    with pytest.warns(UserWarning, match="pickle"), pytest.raises(FastdataError) as info:  # torch's warning
+        next(iter(loader))
+    assert isinstance(info.value, pickle.PicklingError)
+    msg = str(info.value)
+    want = {"sample_transform": "dataset.sample_transform", "decode": "dataset.decode['cls']",
+            "collate_fn": "collate_fn (", "worker_init_fn": "worker_init_fn ("}[where]
+    assert want in msg and method in msg and "module level" in msg, msg
+    # the loader is usable afterwards: the same dataset through threads (nothing to pickle)
+    if where in ("sample_transform", "decode"):
+        threads = DataLoader(loader.dataset, batch_size=2, num_workers=2, decode_threads=2)
+        assert sum(len(b["__key__"]) for b in threads) == 8
