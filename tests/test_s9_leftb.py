@@ -198,3 +198,29 @@ def test_a_palette_mask_decoded_as_pil_keeps_its_class_ids_through_resize_center
     assert sample["png"].shape == (3, 5, 5)
     plain = next(iter(ShardedDataset(tmp_path / "ds", preprocess=resize)))
     assert plain["seg.png"].shape == (3, 5, 5)  # the default: RGB, resampled like a photo
+
+
+def test_on_error_warn_warns_in_the_main_process_with_worker_processes(tmp_path):
+    # A worker process emitted the SkippedSampleWarning itself: the training process never saw it (no
+    # warnings filter, -W error or logging.captureWarnings of the job applies there); the record still came.
+    import warnings
+
+    import fastdata
+    from fastdata.dataset import SkippedSampleWarning
+
+    with fastdata.ShardWriter(tmp_path / "ds") as w:
+        for i in range(4):
+            w.write({"__key__": f"k{i}", "bin": b"bad" if i == 1 else b"ok", "cls": i})
+
+    def strict(b: bytes) -> bytes:
+        if b == b"bad":
+            raise ValueError("bad bytes")
+        return b
+
+    ds = ShardedDataset(tmp_path / "ds", on_error="warn", decode={"bin": strict})
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        keys = [k for b in fastdata.DataLoader(ds, batch_size=2, num_workers=1) for k in b["__key__"]]
+    assert keys == ["k0", "k2", "k3"] and [r["key"] for r in ds.skipped] == ["k1"]
+    shown = [str(w.message) for w in got if issubclass(w.category, SkippedSampleWarning)]
+    assert len(shown) == 1 and "'k1'" in shown[0] and "bad bytes" in shown[0]

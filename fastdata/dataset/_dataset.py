@@ -1084,7 +1084,9 @@ class ShardedDataset(IterableDataset):
             with self._skip_lock:
                 self.skipped.append(record)
         cursor.skips.append(record)
-        if self.on_error == "warn" and not cursor.defer_skips:  # deferred: warned in record_deferred_skips()
+        # deferred: warned in record_deferred_skips(); a fastdata.DataLoader worker's, in record_skips() when they
+        # reach the main process (a warning emitted in the worker never reaches the job's filters or logging)
+        if self.on_error == "warn" and not cursor.defer_skips and (not _in_worker() or self._inline_skips is None):
             _warn_skip(record, stacklevel=5)
         if not _in_worker() and not cursor.defer_skips:  # a worker's are counted when they reach the main process
             self._count_skips(1)
@@ -1097,19 +1099,19 @@ class ShardedDataset(IterableDataset):
             self._skip_first = len(self.skipped)
 
     def record_skips(self, records: Sequence[dict[str, Any]]) -> None:
-        """Skip records that reached this process from a worker: add them to ``skipped``, count them."""
+        """Skip records that reached this process from a worker: warn (``on_error="warn"``), in batch order,
+        add them to ``skipped``, count them."""
+        if self.on_error == "warn":
+            for r in records:
+                _warn_skip(r, stacklevel=3)
         if records:
             with self._skip_lock:
                 self.skipped.extend(records)
             self._count_skips(len(records))
 
-    def record_deferred_skips(self, records: Sequence[dict[str, Any]]) -> None:
-        """Skip records a walk collected ahead of the consumer (``Cursor.defer_skips``), now that the
-        consumer reaches their batch: warn (``on_error="warn"``), in batch order, then :meth:`record_skips`."""
-        if self.on_error == "warn":
-            for r in records:
-                _warn_skip(r, stacklevel=3)
-        self.record_skips(records)
+    # Skip records a walk collected ahead of the consumer (``Cursor.defer_skips``), now that the consumer
+    # reaches their batch: handled as a worker's (an alias: the warnings' stack level stays the caller's)
+    record_deferred_skips = record_skips
 
     def _count_skips(self, n: int) -> None:
         if self.max_skips is None:
