@@ -82,3 +82,21 @@ def test_readme_cpu_install_pairs_torch_with_torchvision():
     readme = (ROOT / "README.md").read_text()
     (line,) = [ln for ln in readme.splitlines() if "download.pytorch.org/whl/cpu" in ln]
     assert re.search(r"pip install torch torchvision --index-url", line)
+
+
+def test_readme_h5py_block_runs_on_a_jpeg_folder(tmp_path, monkeypatch):
+    # the block read f["jpg"] or else f["img.npy"]: a KeyError on the HDF5 shards of a .JPEG (ImageNet) folder
+    pytest.importorskip("h5py")
+    from PIL import Image
+
+    from fastdata.shards.convert import ConvertOptions, convert
+
+    (tmp_path / "src" / "n01").mkdir(parents=True)
+    Image.new("RGB", (8, 8), (200, 10, 10)).save(tmp_path / "src" / "n01" / "x_1.JPEG")
+    convert(tmp_path / "src", tmp_path / "shards-h5", ConvertOptions(format="hdf5", workers=1, progress=False))
+    readme = (ROOT / "README.md").read_text()
+    (block,) = [b for b in re.findall(r"^```python\n(.*?)^```", readme, re.S | re.M) if b.startswith("import h5py")]
+    monkeypatch.chdir(tmp_path)
+    namespace: dict = {}
+    exec(compile(block, "README.md h5py block", "exec"), namespace)
+    assert bytes(namespace["first"][:2]) == b"\xff\xd8" and list(namespace["keys"]) == ["n01/x_1"]
