@@ -235,3 +235,15 @@ def test_tune_says_why_no_decoder_could_be_measured(jpeg_shards, monkeypatch):
     monkeypatch.setattr(_stages, "cpu_costs", fails)
     with pytest.raises(FastdataError, match=r"no CPU decoder.*pil: DecodeError: shard-x\.tar: sample 'k1'"):
         tune(jpeg_shards, DoctorOptions(samples=16, batch_size=4, num_workers=0, size=16, device="cpu"))
+
+
+def test_cache_list_of_a_directory_that_does_not_exist_says_so(tmp_path, capsys):
+    # a mistyped --cache said "no stores in DIR", as for an empty cache
+    from fastdata.cli._main import main
+
+    assert main(["cache", "list", "--cache", str(tmp_path / "typo")]) == 0
+    assert capsys.readouterr().out.strip() == f"no stores in {tmp_path / 'typo'} (no such directory)"
+    assert not (tmp_path / "typo").exists()
+    (tmp_path / "empty").mkdir()
+    assert main(["cache", "list", "--cache", str(tmp_path / "empty")]) == 0
+    assert capsys.readouterr().out.strip() == f"no stores in {tmp_path / 'empty'}"

@@ -56,12 +56,13 @@ def _store_json(i: Any) -> dict[str, Any]:
 def cmd_list(args: argparse.Namespace) -> int:
     import numpy as np
 
-    infos = _cache(args).list()
+    cache = _cache(args)
+    infos = cache.list()
     if args.json:  # one object per store; sizes in bytes, times in seconds since the epoch
         print(json.dumps([_store_json(i) for i in infos], indent=1))
         return 0
     if not infos:
-        print(f"no stores in {args.cache}")
+        print(f"no stores in {args.cache}" + ("" if cache.directory.exists() else " (no such directory)"))
         return 0
     now = time.time()
     print(f"{'FINGERPRINT':<24} {'SAMPLES':>9} {'FILLED':>7} {'SIZE':>10} {'PER SAMPLE':>11} "
