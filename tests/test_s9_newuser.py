@@ -100,3 +100,20 @@ def test_readme_h5py_block_runs_on_a_jpeg_folder(tmp_path, monkeypatch):
     namespace: dict = {}
     exec(compile(block, "README.md h5py block", "exec"), namespace)
     assert bytes(namespace["first"][:2]) == b"\xff\xd8" and list(namespace["keys"]) == ["n01/x_1"]
+
+
+# torch APIs fastdata uses and the torch release that added them: the declared floor must cover them
+_TORCH_APIS = {"torch.accelerator": (2, 6), "torch.amp.GradScaler": (2, 3)}
+
+
+def test_declared_torch_floor_covers_the_torch_apis_used():
+    # pyproject said torch>=2.2, but DataLoader(pin_memory=True) on the thread and cached paths calls
+    # torch.accelerator (torch 2.6): an AttributeError on torch 2.2-2.5
+    tomllib = pytest.importorskip("tomllib")
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    (torch_dep,) = [d for d in deps if re.match(r"torch\s*>=", d)]
+    floor = tuple(int(x) for x in re.search(r">=\s*([\d.]+)", torch_dep).group(1).split(".")[:2])
+    source = "\n".join(p.read_text() for p in (ROOT / "fastdata").rglob("*.py"))
+    used = {api: version for api, version in _TORCH_APIS.items() if api + "." in source or api + "(" in source}
+    assert "torch.accelerator" in used
+    assert {api: v for api, v in used.items() if v > floor} == {}
