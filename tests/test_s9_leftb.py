@@ -224,3 +224,21 @@ def test_on_error_warn_warns_in_the_main_process_with_worker_processes(tmp_path)
     assert keys == ["k0", "k2", "k3"] and [r["key"] for r in ds.skipped] == ["k1"]
     shown = [str(w.message) for w in got if issubclass(w.category, SkippedSampleWarning)]
     assert len(shown) == 1 and "'k1'" in shown[0] and "bad bytes" in shown[0]
+
+
+def test_a_corrupt_gzip_stream_is_a_shard_error_naming_the_shard(tmp_path):
+    # zlib.error (a corrupt deflate stream inside a .tar.gz) is neither an OSError nor an EOFError: it escaped
+    # as a bare "Error -3 while decompressing data: invalid stored block lengths", naming no shard, and ended a
+    # streaming epoch even under on_error="skip".
+    import gzip
+    import io
+
+    import numpy as np
+
+    from fastdata.errors import ShardError
+    from fastdata.shards.tar import iter_tar_stream
+
+    raw = bytearray(gzip.compress(np.random.default_rng(0).bytes(3000)))  # any payload: the stream is bad
+    raw[12:] = np.random.default_rng(1).bytes(len(raw) - 12)
+    with pytest.raises(ShardError, match=r"https://h/x\.tar\.gz: cannot read tar header at byte offset 0"):
+        list(iter_tar_stream(gzip.GzipFile(fileobj=io.BytesIO(bytes(raw)), mode="rb"), "https://h/x.tar.gz"))

@@ -8,6 +8,7 @@ byte offsets in every error.
 from __future__ import annotations
 
 import tarfile
+import zlib
 from collections.abc import Callable, Iterator
 from typing import BinaryIO, NamedTuple
 
@@ -259,7 +260,7 @@ def stream_source(fileobj: BinaryIO, shard: str) -> tuple[HeaderFn, PayloadFn]:
         while left:
             try:
                 chunk = fileobj.read(min(left, 16 << 20))
-            except (OSError, EOFError, ValueError) as e:
+            except (OSError, EOFError, ValueError, zlib.error) as e:  # zlib.error: a corrupt .tar.gz
                 raise ShardError(f"{shard}: cannot read {what} at byte offset {state['pos']}: {e}") from e
             if not chunk:
                 break
