@@ -41,6 +41,11 @@ def test_decode_images_max_skips_caps_the_skips_of_an_epoch():
     dec(_batch([bad, bad], epoch=1))
     with pytest.raises(SkipBudgetError, match="epoch 1"):
         dec(_batch([bad], epoch=1, first=7))
+    # a validation pipeline sharing the stage (its own epochs) does not reset the training epoch's count
+    dec(_batch([bad, bad], epoch=2))
+    dec(_batch([bad], epoch=7, shard="val.tar"))
+    with pytest.raises(SkipBudgetError, match="epoch 2"):
+        dec(_batch([bad], epoch=2, first=5))
     # "warn" is bounded too; None (default) has no limit
     warn = gpu.DecodeImages(device="cpu", on_error="warn", max_skips=0)
     with pytest.warns(Warning), pytest.raises(SkipBudgetError, match="'k0'"):

@@ -137,7 +137,9 @@ class DecodeImages:
             raise ValueError(f"DecodeImages: max_skips must be None or an int >= 0 (samples per epoch; not a fraction: "
                              f"the stage does not know the epoch's size), got {max_skips!r}")
         self.max_skips = max_skips
-        self._budget: tuple[int, dict[int, dict[str, Any]]] | None = None  # (epoch, its skips by sample index)
+        # max_skips: the skips of the epochs seen last (a train and a validation pipeline may share the stage),
+        # per epoch by (shard, key): a sample skipped again in a repeated pass counts once
+        self._budget: dict[int, dict[tuple[str, str], dict[str, Any]]] = {}
         self._executor: ThreadPoolExecutor | None = None
         self._executor_pid: int | None = None
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
@@ -380,10 +382,12 @@ class DecodeImages:
         """Count a skip against ``max_skips`` (per epoch, each sample once): one too many raises SkipBudgetError."""
         if self.max_skips is None:
             return
-        if self._budget is None or self._budget[0] != record["epoch"]:
-            self._budget = (record["epoch"], {})
-        epoch, skips = self._budget
-        skips.setdefault(record["index"], record)
+        epoch = record["epoch"]
+        skips = self._budget.pop(epoch, None)
+        self._budget[epoch] = skips = {} if skips is None else skips  # the most recent epoch last
+        while len(self._budget) > 4:
+            del self._budget[next(iter(self._budget))]
+        skips.setdefault((record["shard"], record["key"]), record)
         if len(skips) > self.max_skips:
             records = list(skips.values())
             shown = "; ".join(f"{r['shard']}: {r['key']!r}" for r in records[:3])
