@@ -242,3 +242,16 @@ def test_a_corrupt_gzip_stream_is_a_shard_error_naming_the_shard(tmp_path):
     raw[12:] = np.random.default_rng(1).bytes(len(raw) - 12)
     with pytest.raises(ShardError, match=r"https://h/x\.tar\.gz: cannot read tar header at byte offset 0"):
         list(iter_tar_stream(gzip.GzipFile(fileobj=io.BytesIO(bytes(raw)), mode="rb"), "https://h/x.tar.gz"))
+
+
+def test_an_hdf5_shard_url_is_refused_naming_the_folder_url_to_pass():
+    # A list of .h5 URLs was streamed as tar: "bad tar header checksum at byte offset 0 ...; the shard is
+    # corrupt" (it is not: it is HDF5); one .h5 URL was taken for a folder (".../shard-000000.h5/manifest.json:
+    # HTTP 404"). Refused before any request (the host does not exist).
+    from fastdata.errors import SourceError
+
+    url = "https://data.invalid/ds/shard-000000.h5?sig=SECRET"
+    for source in (url, [url, url.replace("000000", "000001")]):
+        with pytest.raises(SourceError, match=r"shard-000000\.h5.*HDF5.*'https://data\.invalid/ds/'") as err:
+            ShardedDataset(source)
+        assert "SECRET" not in str(err.value)

@@ -34,6 +34,7 @@ __all__ = ["RemoteShards", "Source", "resolve_source"]
 
 _is_url = is_url
 _TAR_SUFFIXES = (".tar", ".tar.gz", ".tgz")
+_HDF5_SUFFIXES = (".h5", ".hdf5")
 
 
 @dataclass(frozen=True)
@@ -488,10 +489,25 @@ def _check_tar_indexes(readers: Sequence[Any]) -> tuple[tuple[str, ...], list[di
     return tuple(sorted(fields)), skipped
 
 
+def _refuse_hdf5_urls(urls: Sequence[str]) -> None:
+    """An HDF5 shard has no stream form: a URL of one is read through its folder's manifest (random access).
+    Streamed as tar it was called corrupt; alone it was taken for a folder (its manifest.json: HTTP 404)."""
+    for url in urls:
+        path = split_query(url)[0]
+        if path.lower().endswith(_HDF5_SUFFIXES):
+            folder = path.rsplit("/", 1)[0] + "/"
+            raise SourceError(f"{redact_url(url)}: an HDF5 shard is read through its folder's {MANIFEST_NAME}, "
+                              f"not streamed (URLs are streamed as tar files): pass the folder URL "
+                              f"{redact_url(folder)!r} (signed for the folder where it needs a token) or "
+                              "fastdata.RemoteShards(folder URL)")
+
+
 def resolve_source(source: str | os.PathLike[str] | RemoteShards | Sequence[str | os.PathLike[str]]) -> Source:
     """Turn the ``source`` argument of ShardedDataset into a :class:`Source`."""
     if isinstance(source, RemoteShards):
         return _from_remote_manifest(source)
+    if isinstance(source, str) and is_url(source) and "{" not in source:
+        _refuse_hdf5_urls([source])
     if (isinstance(source, str) and is_url(source) and "{" not in source
             and not split_query(source)[0].endswith(_TAR_SUFFIXES)):  # a signed tar URL is a tar URL
         return _from_remote_manifest(RemoteShards(source))
@@ -517,6 +533,7 @@ def resolve_source(source: str | os.PathLike[str] | RemoteShards | Sequence[str 
     if any(remote):
         if not all(remote):
             raise ValueError("source mixes local paths and URLs; pass one kind")
+        _refuse_hdf5_urls(paths)
         # the dataset's identity (resume states are checked against it): a rotated token or password
         # (signed URLs expire) names the same shards, another object or another order does not
         digest = hashlib.sha256(json.dumps([url_identity(p) for p in paths]).encode("utf-8")).hexdigest()
