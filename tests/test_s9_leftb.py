@@ -255,3 +255,17 @@ def test_an_hdf5_shard_url_is_refused_naming_the_folder_url_to_pass():
         with pytest.raises(SourceError, match=r"shard-000000\.h5.*HDF5.*'https://data\.invalid/ds/'") as err:
             ShardedDataset(source)
         assert "SECRET" not in str(err.value)
+
+
+def test_a_local_hdf5_shard_path_names_its_folder(tmp_path):
+    # "only uncompressed .tar shards can be read without a manifest (use a URL for streaming, ...)": an HDF5
+    # shard cannot be streamed either; its folder (with manifest.json) is what to pass.
+    import fastdata
+    from fastdata.errors import SourceError
+
+    with fastdata.ShardWriter(tmp_path / "h", format="hdf5") as w:
+        w.write({"__key__": "k0", "cls": 0})
+    with pytest.raises(SourceError, match=r"shard-000000\.h5: an HDF5 shard is read through its folder's "
+                                          r"manifest\.json.*pass the folder"):
+        ShardedDataset([str(tmp_path / "h" / "shard-000000.h5")])
+    assert [s["cls"] for s in ShardedDataset(tmp_path / "h")] == [0]

@@ -441,6 +441,9 @@ def _from_local_tars(paths: list[str]) -> Source:
         except OSError as e:
             raise (SourceNotFoundError if isinstance(e, FileNotFoundError) else SourceError)(
                 f"shard {p}: {e.strerror or e}") from e
+        if local.lower().endswith(_HDF5_SUFFIXES):
+            raise SourceError(f"shard {p}: an HDF5 shard is read through its folder's {MANIFEST_NAME}: pass the "
+                              f"folder {os.path.dirname(local) or '.'!r}")
         if not local.endswith(".tar"):
             raise SourceError(f"shard {p}: only uncompressed .tar shards can be read without a manifest "
                               "(use a URL for streaming, or convert with `fastdata shard`)")
