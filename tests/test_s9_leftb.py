@@ -269,3 +269,16 @@ def test_a_local_hdf5_shard_path_names_its_folder(tmp_path):
                                           r"manifest\.json.*pass the folder"):
         ShardedDataset([str(tmp_path / "h" / "shard-000000.h5")])
     assert [s["cls"] for s in ShardedDataset(tmp_path / "h")] == [0]
+
+
+def test_a_folder_inside_a_source_list_says_lists_hold_tar_files(tmp_path):
+    # [folder] or [folder_a, folder_b] said "only uncompressed .tar shards can be read without a manifest":
+    # the folder has one; a list names tar files, and folders are not combined.
+    import fastdata
+    from fastdata.errors import SourceError
+
+    with fastdata.ShardWriter(tmp_path / "a") as w:
+        w.write({"__key__": "k0", "cls": 0})
+    with pytest.raises(SourceError, match=r"a\b.*is a folder: a list of sources names tar files.*pass the folder "
+                                          r"itself"):
+        ShardedDataset([str(tmp_path / "a"), str(tmp_path / "a")])

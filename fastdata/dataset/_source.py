@@ -441,6 +441,9 @@ def _from_local_tars(paths: list[str]) -> Source:
         except OSError as e:
             raise (SourceNotFoundError if isinstance(e, FileNotFoundError) else SourceError)(
                 f"shard {p}: {e.strerror or e}") from e
+        if os.path.isdir(local):
+            raise SourceError(f"shard {p} is a folder: a list of sources names tar files (the folders of several "
+                              f"datasets are not combined); pass the folder itself, which reads its {MANIFEST_NAME}")
         if local.lower().endswith(_HDF5_SUFFIXES):
             raise SourceError(f"shard {p}: an HDF5 shard is read through its folder's {MANIFEST_NAME}: pass the "
                               f"folder {os.path.dirname(local) or '.'!r}")
