@@ -252,3 +252,29 @@ def test_cache_list_of_a_directory_that_does_not_exist_says_so(tmp_path, capsys)
     (tmp_path / "empty").mkdir()
     assert main(["cache", "list", "--cache", str(tmp_path / "empty")]) == 0
     assert capsys.readouterr().out.strip() == f"no stores in {tmp_path / 'empty'}"
+
+
+@pytest.mark.parametrize("form", ["~/{name}", "~/{name}/manifest.json", "file://{path}", "file://{path}/manifest.json"])
+def test_doctor_tune_and_bench_read_shards_given_with_tilde_or_file_url(jpeg_shards, monkeypatch, form):
+    # the README: every local path argument reads ~ and file://; doctor, tune and bench read
+    # "~/ok/shard-000000.tar.idx" (or "file:/tmp/.../manifest.json/...") literally
+    from fastdata.monitor import _stages as st
+
+    monkeypatch.setenv("HOME", str(jpeg_shards.parent))
+    source = form.format(name=jpeg_shards.name, path=jpeg_shards)
+    folder = st.shard_folder(source)
+    assert str(folder) == str(jpeg_shards)
+    fields = st.pick_fields(__import__("fastdata").Manifest.load(folder))
+    assert st.copy_subset(folder, jpeg_shards.parent / "subset", fields, 4).samples == 4
+    from fastdata.cli._bench import run_bench
+
+    assert run_bench(source=source, workdir=str(jpeg_shards.parent / "bench"), num_images=0, samples=4,
+                     num_workers=0, repeats=1, size=8, as_json=True) == 0
+
+
+def test_doctor_says_it_measures_local_shards_when_given_a_url():
+    from fastdata.errors import SourceError
+    from fastdata.monitor import _stages as st
+
+    with pytest.raises(SourceError, match=r"s3://bucket/ds: a URL; doctor, tune and bench measure a local shard folder"):
+        st.shard_folder("s3://bucket/ds")

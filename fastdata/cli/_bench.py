@@ -158,7 +158,9 @@ def run_bench(*, source: str | None, workdir: str | None, num_images: int, sampl
     """Measure ``source`` (or a generated set); print a table or, with ``as_json``, JSON on stdout."""
     if source is not None:  # a bad SHARDS is named before --dir is created, which would be left behind empty
         from fastdata.manifest import Manifest
+        from fastdata.monitor import shard_folder
 
+        source = str(shard_folder(source))  # ~, file:// and a manifest.json read as everywhere; a URL refused
         Manifest.load(source)
     with contextlib.ExitStack() as stack:
         if workdir is None:
@@ -174,8 +176,6 @@ def run_bench(*, source: str | None, workdir: str | None, num_images: int, sampl
                                          show_paths=workdir is not None)  # a temporary folder is gone afterwards
         else:
             shards = Path(source)
-            if shards.name == "manifest.json" and shards.is_file():  # the shards are read from its folder
-                shards = shards.parent
         results = measure(shards, samples=samples, workers=num_workers, repeats=repeats, size=size, workdir=root)
     if as_json:
         print(json.dumps(results, indent=1))

@@ -10,7 +10,7 @@ from fastdata.monitor._batch import BatchSearch, search_batch_size
 from fastdata.monitor._diagnose import Diagnosis, DoctorOptions, StageRow, diagnose
 from fastdata.monitor._nvml import GPUSampler, nvml_handle
 from fastdata.monitor._periodic import PeriodicStalls, find_periodic_stalls
-from fastdata.monitor._stages import cores, measure_h2d, pick_fields
+from fastdata.monitor._stages import cores, measure_h2d, pick_fields, shard_folder
 from fastdata.monitor._stall import LOADER_BOUND_SHARE, StallMeter, StallReport, advise
 from fastdata.monitor._tune import TuneResult, python_snippet, tune
 
@@ -34,5 +34,6 @@ __all__ = [
     "pick_fields",
     "python_snippet",
     "search_batch_size",
+    "shard_folder",
     "tune",
 ]

@@ -20,10 +20,10 @@ from typing import Any
 
 import torch
 
-from fastdata._util import check_int, quantile
+from fastdata._util import check_int, local_path, quantile
 from fastdata._util import usable_cores as cores  # noqa: F401 - the name other modules use
 from fastdata.decode import ImageDecoder, is_image_field, suffix
-from fastdata.errors import DecodeError, FastdataError, MissingFieldError
+from fastdata.errors import DecodeError, FastdataError, MissingFieldError, SourceError
 
 _LABEL_SUFFIXES = ("cls", "cls2", "index", "inx")
 
@@ -80,10 +80,17 @@ def pick_fields(manifest: Any, image: str | None = None, label: str | None = Non
 # ------------------------------------------------------------------------------- subset and read
 
 def shard_folder(source: str | os.PathLike[str]) -> str | os.PathLike[str]:
-    """The shard folder of ``source``: its folder when it names the ``manifest.json`` file (as ``Manifest.load``
-    and ``ShardedDataset`` accept), else ``source`` as given."""
+    """The local shard folder of ``source``: its folder when it names the ``manifest.json`` file (as
+    ``Manifest.load`` and ``ShardedDataset`` accept), else ``source``; ``~`` and ``file://`` read as
+    everywhere. A URL is a :class:`SourceError`: doctor, tune and bench measure a local copy."""
     from fastdata.manifest import MANIFEST_NAME
+    from fastdata.shards import redact_url
 
+    if isinstance(source, str):
+        if "://" in source and not source.startswith("file://"):
+            raise SourceError(f"{redact_url(source)}: a URL; doctor, tune and bench measure a local shard folder "
+                              "with manifest.json: measure a local copy of the dataset (its manifest.json and shards)")
+        source = local_path(source)
     path = Path(source)
     return path.parent if path.name == MANIFEST_NAME and path.is_file() else source
 
