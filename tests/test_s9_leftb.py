@@ -282,3 +282,13 @@ def test_a_folder_inside_a_source_list_says_lists_hold_tar_files(tmp_path):
     with pytest.raises(SourceError, match=r"a\b.*is a folder: a list of sources names tar files.*pass the folder "
                                           r"itself"):
         ShardedDataset([str(tmp_path / "a"), str(tmp_path / "a")])
+
+
+def test_fields_selects_the_fields_of_a_streamed_tar_as_of_a_folder(tmp_path):
+    # fields=["cls"] over tar URLs still gave (and decoded) every field of each sample; a folder gives only cls.
+    make_shard_set(tmp_path / "www" / "ds", 4, 2, payload=10, seed=1)
+    with LoopbackServer(tmp_path / "www", max_requests=20, lifetime=60) as srv:
+        urls = [f"{srv.url}/ds/shard-{s:06d}.tar" for s in range(2)]
+        streamed = list(ShardedDataset(urls, fields=["cls"]))
+    indexed = list(ShardedDataset(tmp_path / "www" / "ds", fields=["cls"]))
+    assert [sorted(s) for s in streamed] == [sorted(s) for s in indexed] == [["__key__", "cls"]] * 4

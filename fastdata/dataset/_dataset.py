@@ -1188,6 +1188,8 @@ class ShardedDataset(IterableDataset):
                 self._stream_cut(item, shard, cursor)
                 cursor.pos = pos
                 continue
+            if self.fields is not None:  # as a reader's read(i, fields=) does for indexed sources
+                item = {k: v for k, v in item.items() if k in self.fields or k.startswith("__")}
             if self._required and self._lacks(item, self._required, shard, -1, -1, cursor):
                 cursor.pos = pos
                 continue
