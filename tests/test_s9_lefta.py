@@ -278,3 +278,22 @@ def test_doctor_says_it_measures_local_shards_when_given_a_url():
 
     with pytest.raises(SourceError, match=r"s3://bucket/ds: a URL; doctor, tune and bench measure a local shard folder"):
         st.shard_folder("s3://bucket/ds")
+
+
+def test_cli_folders_and_files_read_tilde_and_file_urls(jpeg_shards, tmp_path, monkeypatch, capsys):
+    # `fastdata bench --dir "~/b"` / `demo --dir` made a folder named "~" in the current folder, and
+    # `fastdata cache build --cache file:///x/c` a folder "file:"; `--out "~/r.json"` said its folder does not exist
+    from fastdata.cli._args import output_file, work_folder
+    from fastdata.cli._main import main
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    assert work_folder("~/b") == str(tmp_path / "b") and work_folder(f"file://{tmp_path}/b") == str(tmp_path / "b")
+    assert output_file("~/r.json") == str(tmp_path / "r.json")
+    assert output_file(f"file://{tmp_path}/r.json") == str(tmp_path / "r.json")
+    assert main(["cache", "build", str(jpeg_shards), "--cache", f"file://{tmp_path}/c", "--size", "8",
+                 "--workers", "0", "-q"]) == 0
+    assert (tmp_path / "c").is_dir() and not (tmp_path / "file:").exists()
+    capsys.readouterr()
+    assert main(["cache", "list", "--cache", "~/c"]) == 0
+    assert "1 store(s)" in capsys.readouterr().out

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from fastdata._util import parse_size
+from fastdata._util import local_path, parse_size
 
 
 def _int(text: str, low: int) -> int:
@@ -76,6 +76,7 @@ def output_file(text: str) -> str:
     are not lost to a missing folder or a typo."""
     if not text:
         raise argparse.ArgumentTypeError("expected a file path, got ''")
+    text = local_path(text)  # ~ and file:// as for every local path argument
     if os.path.isdir(text):
         raise argparse.ArgumentTypeError(f"{text} is a folder; expected a file path")
     folder = os.path.dirname(os.path.abspath(text))
@@ -91,6 +92,7 @@ def work_folder(text: str) -> str:
     """A folder the command creates or reuses: anything but an existing file."""
     if not text:
         raise argparse.ArgumentTypeError("expected a folder path, got ''")
+    text = local_path(text)  # ~ and file:// as for every local path argument
     if os.path.exists(text) and not os.path.isdir(text):
         raise argparse.ArgumentTypeError(f"{text} exists and is not a folder")
     parent = os.path.dirname(os.path.abspath(text))

@@ -37,9 +37,10 @@ def _age(seconds: float) -> str:
 
 
 def _cache(args: argparse.Namespace) -> Any:
+    from fastdata._util import local_path
     from fastdata.cache import Cache
 
-    return Cache(args.cache, max_bytes=getattr(args, "max_bytes", None))
+    return Cache(local_path(args.cache), max_bytes=getattr(args, "max_bytes", None))  # ~ and file:// read
 
 
 def _store_json(i: Any) -> dict[str, Any]:
