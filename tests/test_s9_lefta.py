@@ -297,3 +297,17 @@ def test_cli_folders_and_files_read_tilde_and_file_urls(jpeg_shards, tmp_path, m
     capsys.readouterr()
     assert main(["cache", "list", "--cache", "~/c"]) == 0
     assert "1 store(s)" in capsys.readouterr().out
+
+
+def test_stall_report_of_a_cpu_prefetcher_lists_no_copy_stages():
+    # a CUDAPrefetcher on the CPU has no pinning nor host-to-device copy: the report listed
+    # "pin/pack + copy issue 0.00 ms" and "host-to-device copy (device time) 0.00 ms" for it
+    import fastdata
+
+    meter = fastdata.StallMeter()
+    with fastdata.CUDAPrefetcher([torch.zeros(2, 3)] * 4, device="cpu") as batches:
+        for _ in meter.wrap(batches):
+            pass
+    stages = dict(meter.report().stage_s)
+    assert "loader next()" in stages and "step (loop body)" in stages
+    assert not any("copy" in name for name in stages), stages

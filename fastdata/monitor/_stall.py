@@ -126,6 +126,7 @@ class StallMeter:
         self._gpu_samples: list[int] = []
         self._stage_totals: dict[str, float] = {}
         self._stage_batches = 0
+        self._cpu_stages = False  # the prefetcher ran on the CPU
 
     def wrap(self, loader: Iterable[T]) -> Iterator[T]:
         """Iterate ``loader``, timing each wait for the next batch.
@@ -182,6 +183,8 @@ class StallMeter:
             if key in after and key in before:
                 self._stage_totals[key] = self._stage_totals.get(key, 0.0) + after[key] - before[key]
         self._stage_batches += int(after.get("batches", 0) - before.get("batches", 0))
+        if after.get("device") == "cpu":  # a thread prefetcher: no pinning, no host-to-device copy to report
+            self._cpu_stages = True
 
     def report(self) -> StallReport:
         """What the waits measured so far say: share, percentiles, periodic stalls and advice (also inside the
@@ -196,7 +199,8 @@ class StallMeter:
             steps = max(len(self.waits), 1)
             loop = max(wall - sum(self.waits), 0.0) / steps
             stages = (*((label, self._stage_totals[key] / n) for key, label in _STAGE_KEYS.items()
-                        if key in self._stage_totals), ("step (loop body)", loop))
+                        if key in self._stage_totals and not (self._cpu_stages and key in _COPY_KEYS)),
+                      ("step (loop body)", loop))
         rep = StallReport(
             steps=len(self.waits), wall_s=wall, wait_s=sum(self.waits),
             wait_p50_s=quantile(waits, 0.5), wait_p99_s=quantile(waits, 0.99),
@@ -215,6 +219,8 @@ _STAGE_KEYS = {
     "copy_s": "host-to-device copy (device time)",
     "wait_s": "consumer wait",
 }
+
+_COPY_KEYS = ("stage_s", "copy_s")  # counters of a CUDA prefetcher only
 
 
 def _loader_path(loader: Any) -> str | None:
