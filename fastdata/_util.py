@@ -121,6 +121,18 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
+def add_note(error: BaseException, text: str) -> None:
+    """``error.add_note(text)`` on Python >= 3.11; on 3.10 (no notes) the note goes to ``error.__notes__``."""
+    if hasattr(error, "add_note"):
+        error.add_note(text)
+        return
+    try:
+        notes = error.__dict__.setdefault("__notes__", [])
+        notes.append(text)
+    except AttributeError:  # an exception type without a __dict__: the note is lost, the error is not
+        pass
+
+
 def release_frames(error: BaseException) -> None:
     """Drop the locals of the frames ``error`` was raised through below the frame that caught it.
 

@@ -72,6 +72,7 @@ import torch
 from torch.utils.data import default_collate
 from torch.utils.data._utils.pin_memory import pin_memory as _pin_memory
 
+from fastdata._util import add_note
 from fastdata.dataset import EpochStart, ShardedDataset
 from fastdata.errors import MissingFieldError
 from fastdata.loader._cached import FastBatch
@@ -507,8 +508,8 @@ def _load_chunk(cursor: Any, items: list[tuple[int, int, int, int]], dests: list
                 written = dest[3]
             out.append(_Item(pos, g, sample, written))
         except BaseException as e:  # noqa: BLE001 - re-raised by the consumer at this sample
-            e.add_note(f"(in thread {threading.current_thread().name} of fastdata.DataLoader(decode_threads=...), "
-                       f"virtual worker {cursor.worker}, sample {g}, position {pos} of its sequence)")
+            add_note(e, f"(in thread {threading.current_thread().name} of fastdata.DataLoader(decode_threads=...), "
+                     f"virtual worker {cursor.worker}, sample {g}, position {pos} of its sequence)")
             out.append(_Item(pos, g, error=e))
             break
     return out
@@ -723,7 +724,7 @@ class ThreadBatches:
                 break
             pos = item.pos + 1
             if item.error is not None:
-                item.error.add_note(f"(fastdata.DataLoader batch {self._batches}, virtual worker {walk.cursor.worker})")
+                add_note(item.error, f"(fastdata.DataLoader batch {self._batches}, virtual worker {walk.cursor.worker})")
                 raise item.error
             if item.sample is None:  # skipped under on_error
                 if item.skip is not None:
