@@ -292,3 +292,27 @@ def test_fields_selects_the_fields_of_a_streamed_tar_as_of_a_folder(tmp_path):
         streamed = list(ShardedDataset(urls, fields=["cls"]))
     indexed = list(ShardedDataset(tmp_path / "www" / "ds", fields=["cls"]))
     assert [sorted(s) for s in streamed] == [sorted(s) for s in indexed] == [["__key__", "cls"]] * 4
+
+
+@pytest.mark.parametrize("fmt", ["tar", "hdf5"])
+def test_shard_writer_refuses_text_and_bytes_the_field_suffix_cannot_parse(tmp_path, fmt):
+    # Text or bytes a field's suffix cannot parse were written and failed at every read: a class name in `cls`,
+    # plain text in a `.json` field, bytes that are no .npy in an `.npy` field.
+    import json
+
+    import numpy as np
+
+    import fastdata
+    from fastdata.shards.tar import encode_value
+
+    writer = fastdata.ShardWriter(tmp_path / "out", format=fmt)
+    for field, value, what in (("cls", "cat", "not an int"), ("cls", b"3.0", "not an int"),
+                               ("meta.json", "hello", "not JSON"), ("meta.json", b"{bad", "not JSON"),
+                               ("v.npy", b"raw bytes", "not .npy bytes")):
+        with pytest.raises(ValueError, match=rf"field {field!r} of sample 'a'.*{what}"):
+            writer.write({"__key__": "a", field: value})
+    writer.write({"__key__": "a", "cls": " 3\n", "meta.json": json.dumps({"x": 1}), "t.json": b"[1]",
+                  "v.npy": encode_value("v.npy", np.arange(2))})
+    writer.close()
+    (s,) = ShardedDataset(tmp_path / "out")
+    assert (s["cls"], s["meta.json"], s["t.json"], s["v.npy"].tolist()) == (3, {"x": 1}, [1], [0, 1])
