@@ -23,3 +23,15 @@ def test_add_note_works_without_exception_add_note():
     add_note(f, "a")
     add_note(f, "b")
     assert f.__notes__ == ["a", "b"]
+
+
+def test_cache_directory_takes_file_urls_and_refuses_other_urls(tmp_path, monkeypatch):
+    import pytest
+
+    from fastdata.cache import Cache
+
+    monkeypatch.chdir(tmp_path)
+    # file:///x/c made a folder named 'file:' in the current folder (the README's rule for local paths strips it)
+    assert Cache(f"file://{tmp_path}/c").directory == tmp_path / "c"
+    with pytest.raises(ValueError, match="local path"):
+        Cache("s3://bucket/c")
