@@ -35,3 +35,27 @@ def test_cache_directory_takes_file_urls_and_refuses_other_urls(tmp_path, monkey
     assert Cache(f"file://{tmp_path}/c").directory == tmp_path / "c"
     with pytest.raises(ValueError, match="local path"):
         Cache("s3://bucket/c")
+
+
+def test_trainstep_does_not_step_on_an_empty_batch():
+    import math
+
+    import torch
+
+    from fastdata import TrainStep
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.1)
+    step = TrainStep(model, opt, torch.nn.functional.cross_entropy, precision="fp32")
+    before = [p.detach().clone() for p in model.parameters()]
+    # every image of the batch skipped by DecodeImages(on_error="skip"): weight decay moved the weights, and it
+    # counted as a step
+    loss = step({"input": torch.zeros(0, 4), "target": torch.zeros(0, dtype=torch.long)})
+    assert math.isnan(float(loss))
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert (step.steps, step.micro_step, step.empty_batches) == (0, 0, 1)
+    assert not opt.state  # no Adam moments started either
+    step({"input": torch.randn(2, 4), "target": torch.tensor([0, 1])})
+    assert (step.steps, step.empty_batches) == (1, 1)
+    assert not all(torch.equal(a, b) for a, b in zip(before, model.parameters()))

@@ -81,6 +81,19 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
         model = inner
 
 
+def _is_empty(inputs: Any) -> bool:
+    """True when ``inputs`` holds no samples: a tensor (or every tensor of a mapping) with a leading dim of 0,
+    or an empty ``ImageBatch``; shapes only, no sync. False when it cannot tell."""
+    if isinstance(inputs, torch.Tensor):
+        return inputs.dim() >= 1 and inputs.shape[0] == 0
+    if isinstance(inputs, Mapping):
+        tensors = [v for v in inputs.values() if isinstance(v, torch.Tensor) and v.dim() >= 1]
+        return bool(tensors) and all(t.shape[0] == 0 for t in tensors)
+    if hasattr(inputs, "__fastdata_tensors__") and hasattr(inputs, "__len__"):  # fastdata.gpu.ImageBatch
+        return len(inputs) == 0
+    return False
+
+
 class TrainStep:
     """One AMP training step: ``loss = step(batch)``.
 
@@ -107,6 +120,9 @@ class TrainStep:
     A model in ``eval()`` mode is put in ``train()`` mode; one already in train mode is left as it is, so
     submodules set to ``eval()`` (frozen BatchNorm statistics) stay so. An error in the optimiser step
     (or in clipping) drops the gradients accumulated for it: the next call starts a new accumulation.
+    A batch with no samples (every image skipped by ``DecodeImages(on_error="skip")``) returns a NaN loss
+    and is counted in ``empty_batches``: no forward, no micro-step, no optimiser step. Under DDP it runs as
+    any batch, so that every rank joins the all-reduce, and this rank's gradients are zeros.
     """
 
     def __init__(
@@ -152,6 +168,7 @@ class TrainStep:
         self._rng = _RngStream(self.device)
         self._micro = 0  # micro-batches accumulated since the last optimiser step
         self.steps = 0  # optimiser steps taken
+        self.empty_batches = 0  # batches with no samples, returned NaN without a step (not under DDP)
 
     @property
     def micro_step(self) -> int:
@@ -161,6 +178,12 @@ class TrainStep:
     def __call__(self, batch: Any) -> torch.Tensor:
         """Run one micro-batch; step the optimiser every ``grad_accum`` calls. Returns the detached loss."""
         inputs, targets = split_batch(batch, self.input_key, self.target_key)
+        if self._no_sync is None and _is_empty(inputs):
+            # every sample of the batch was skipped (DecodeImages(on_error="skip") on a batch of bad images): a step
+            # on it would move the weights by weight decay and momentum alone and count as a step. Under DDP the
+            # step runs (all ranks must join the gradient all-reduce); this rank's gradients are zeros.
+            self.empty_batches += 1
+            return torch.full((), float("nan"), device=self.device)
         inputs = prepare(inputs, self.device, self.input_dtype)
         targets = prepare(targets, self.device, None)
         if not unwrap(self.model).training:  # after model.eval() (evaluate restores the mode itself); a model in
