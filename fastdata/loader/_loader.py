@@ -26,6 +26,7 @@ import logging
 import math
 import multiprocessing
 import pickle
+import signal
 import threading
 import time
 import types
@@ -175,6 +176,9 @@ class _LoaderIter:
                 raise
             except BaseException as e:
                 release_frames(e)  # no reference cycle keeps torch's workers alive (see there)
+                dead = _dead_worker(self._inner, e) if isinstance(e, (ConnectionError, EOFError)) else None
+                if dead is not None:
+                    raise RuntimeError(dead) from e
                 raise
             if isinstance(item, _cache_loader.FastBatch):  # skips are recorded in this process already
                 self._run.pos[item.worker] = item.pos
@@ -270,6 +274,36 @@ def _pool_helpers(inner: Any) -> list[threading.Thread | None]:
 
 def _gather_helpers(inner: Any) -> list[threading.Thread | None]:
     return [t for t in threading.enumerate() if t.name.startswith("fastdata-gather")]  # the cached path's gathers
+
+
+def _dead_worker(inner: Any, error: BaseException) -> str | None:
+    """Why receiving a batch failed with ``error`` (a ConnectionError or EOFError), when a worker process died.
+
+    A batch's tensors come with the file descriptor of their shared memory, fetched through a
+    connection to the worker that sent it: a worker killed (``kill -9``, the out-of-memory killer) with
+    batches in the queue made the next ``next()`` raise a bare ``ConnectionResetError: Connection reset
+    by peer`` (also from torch's own DataLoader), unless its process had already ended when torch looked.
+    None when no worker has died within a second (then ``error`` is about something else)."""
+    workers = getattr(inner, "_workers", None)
+    if not workers or "in DataLoader worker process" in str(error):  # raised by your code in a worker, passed on
+        return None
+    deadline = time.monotonic() + _DEAD_WAIT_S
+    while True:
+        for w in workers:
+            code = w.exitcode  # a worker done with its part of an iterable dataset exits with 0
+            if code:
+                how = (f"was killed by signal {signal.Signals(-code).name}" if code < 0 and -code in _SIGNALS
+                       else f"exited with code {code}")
+                return (f"DataLoader worker (pid {w.pid}) {how} while passing a batch to this process "
+                        f"({type(error).__name__}: {error}); its batches are lost (a SIGKILL is often the "
+                        "out-of-memory killer: see dmesg)")
+        if time.monotonic() > deadline:
+            return None
+        time.sleep(0.02)
+
+
+_DEAD_WAIT_S = 1.0
+_SIGNALS = {int(s) for s in signal.Signals}
 
 
 def _start_method(ctx: Any) -> str:
