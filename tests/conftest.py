@@ -21,6 +21,49 @@ def seven(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
     return paths
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _no_fsspec_io_thread_after_the_module():
+    """A module that used fsspec (s3, HTTP through aiohttp) leaves its IO-loop thread (and a
+    keep-alive connection's server thread) running for the rest of the session, so every later
+    ``convert``/``fastdata shard`` pooled run spawns its workers instead of forking them
+    (``convert._mp_context`` forks only from a single-threaded process): test_shard_tool took
+    2.5x as long in the suite as alone. Each module starts as it would alone: fsspec's cached
+    filesystems are dropped (their sessions closed on the running loop) and the loop is stopped;
+    fsspec starts a new one when next used."""
+    yield
+    _stop_fsspec_io_thread()
+
+
+def _stop_fsspec_io_thread() -> None:
+    import sys
+
+    asyn = sys.modules.get("fsspec.asyn")
+    if asyn is None or asyn.loop[0] is None:
+        return
+    import asyncio
+    import gc
+
+    from fsspec.spec import AbstractFileSystem
+
+    classes, todo = set(), [AbstractFileSystem]
+    while todo:
+        cls = todo.pop()
+        if cls not in classes:
+            classes.add(cls)
+            todo.extend(cls.__subclasses__())
+    for cls in classes:
+        cls.clear_instance_cache()
+    gc.collect()  # weakref finalizers close the filesystems' sessions while their loop still runs
+    loop, thread = asyn.loop[0], asyn.iothread[0]
+    with asyn.get_lock():
+        asyncio.run_coroutine_threadsafe(loop.shutdown_default_executor(), loop).result(30)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(30)
+        if not thread.is_alive():
+            loop.close()
+            asyn.loop[0] = asyn.iothread[0] = None
+
+
 def _cuda_available() -> bool:
     try:
         import torch

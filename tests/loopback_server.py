@@ -17,6 +17,7 @@ import collections
 import http.server
 import os
 import re
+import socket
 import threading
 import time
 import urllib.parse
@@ -160,6 +161,16 @@ class _Server(http.server.ThreadingHTTPServer):
         self.heads: collections.Counter[str] = collections.Counter()  # HEAD requests per path
         self.total = 0
         self.faults = 0
+        self.handlers: dict[threading.Thread, socket.socket] = {}  # connections being served, by thread
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        with self.lock:
+            self.handlers[threading.current_thread()] = request
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            with self.lock:
+                self.handlers.pop(threading.current_thread(), None)
 
 
 class LoopbackServer:
@@ -205,6 +216,18 @@ class LoopbackServer:
         self._timer.cancel()
         self._srv.shutdown()
         self._srv.server_close()
+        # as a real server going away: its open (keep-alive) connections are closed, so their handler
+        # threads end now, not when the client happens to drop its pooled connection (a lingering
+        # thread made every later pooled `convert` in the test process spawn instead of fork)
+        with self._srv.lock:
+            handlers = dict(self._srv.handlers)
+        for conn in handlers.values():
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        for thread in handlers:
+            thread.join(5)
 
     def __enter__(self) -> LoopbackServer:
         return self.start()
