@@ -295,9 +295,9 @@ def test_fields_selects_the_fields_of_a_streamed_tar_as_of_a_folder(tmp_path):
 
 
 @pytest.mark.parametrize("fmt", ["tar", "hdf5"])
-def test_shard_writer_refuses_text_and_bytes_the_field_suffix_cannot_parse(tmp_path, fmt):
-    # Text or bytes a field's suffix cannot parse were written and failed at every read: a class name in `cls`,
-    # plain text in a `.json` field, bytes that are no .npy in an `.npy` field.
+def test_shard_writer_refuses_text_the_field_suffix_cannot_parse(tmp_path, fmt):
+    # Text a field's suffix cannot parse was written and failed at every read: a class name in `cls`, plain text in
+    # a `.json` field. Bytes stay stored as given (the raw form: other tests write undecodable samples with it).
     import json
 
     import numpy as np
@@ -306,9 +306,8 @@ def test_shard_writer_refuses_text_and_bytes_the_field_suffix_cannot_parse(tmp_p
     from fastdata.shards.tar import encode_value
 
     writer = fastdata.ShardWriter(tmp_path / "out", format=fmt)
-    for field, value, what in (("cls", "cat", "not an int"), ("cls", b"3.0", "not an int"),
-                               ("meta.json", "hello", "not JSON"), ("meta.json", b"{bad", "not JSON"),
-                               ("v.npy", b"raw bytes", "not .npy bytes")):
+    for field, value, what in (("cls", "cat", "not an int"), ("x.cls", "3.0", "not an int"),
+                               ("meta.json", "hello", "not JSON"), ("meta.json", "{'a': 1}", "not JSON")):
         with pytest.raises(ValueError, match=rf"field {field!r} of sample 'a'.*{what}"):
             writer.write({"__key__": "a", field: value})
     writer.write({"__key__": "a", "cls": " 3\n", "meta.json": json.dumps({"x": 1}), "t.json": b"[1]",
@@ -316,3 +315,25 @@ def test_shard_writer_refuses_text_and_bytes_the_field_suffix_cannot_parse(tmp_p
     writer.close()
     (s,) = ShardedDataset(tmp_path / "out")
     assert (s["cls"], s["meta.json"], s["t.json"], s["v.npy"].tolist()) == (3, {"x": 1}, [1], [0, 1])
+
+
+def test_tar_urls_with_upper_case_suffixes_stream_and_a_gzip_named_tar_says_so(tmp_path):
+    # "https://h/ds/B.TAR" was taken for a folder URL (its manifest.json: HTTP 404); "A.TAR.GZ" was read as a plain
+    # tar; a gzip file named .tar said "truncated tar: header at byte offset 0 is cut off after 330 of 512 bytes".
+    import gzip
+    import io
+
+    from fastdata.errors import ShardError
+    from fastdata.shards.tar import iter_tar_stream
+
+    assert ShardedDataset("https://data.invalid/ds/B.TAR").streaming  # no request made
+    make_shard_set(tmp_path / "www" / "ds", 4, 4, payload=30, seed=1)
+    raw = (tmp_path / "www" / "ds" / "shard-000000.tar").read_bytes()
+    (tmp_path / "www" / "ds" / "A.TAR.GZ").write_bytes(gzip.compress(raw))
+    with LoopbackServer(tmp_path / "www", max_requests=10, lifetime=60) as srv:
+        assert [s["__key__"] for s in ShardedDataset([f"{srv.url}/ds/A.TAR.GZ"], decode=False)] == \
+            [f"k{i:05d}" for i in range(4)]
+    with pytest.raises(ShardError, match=r"https://h/c\.tar: is gzip-compressed"):
+        list(iter_tar_stream(io.BytesIO(gzip.compress(raw)), "https://h/c.tar"))
+    (tmp_path / "B.TAR").write_bytes(raw)  # a local one too ("only uncompressed .tar shards can be read ...")
+    assert len(list(ShardedDataset([str(tmp_path / "B.TAR")], decode=False))) == 4

@@ -129,7 +129,7 @@ class Source:
         url, name = (self.urls or self.names)[i], self.names[i]
         try:
             with RemoteStream(url, retry=self.retry or env_retry()) as raw:
-                if split_query(url)[0].endswith((".gz", ".tgz")):
+                if split_query(url)[0].lower().endswith((".gz", ".tgz")):
                     import gzip
 
                     with gzip.GzipFile(fileobj=raw, mode="rb") as f:  # type: ignore[arg-type]
@@ -447,7 +447,7 @@ def _from_local_tars(paths: list[str]) -> Source:
         if local.lower().endswith(_HDF5_SUFFIXES):
             raise SourceError(f"shard {p}: an HDF5 shard is read through its folder's {MANIFEST_NAME}: pass the "
                               f"folder {os.path.dirname(local) or '.'!r}")
-        if not local.endswith(".tar"):
+        if not local.lower().endswith(".tar"):
             raise SourceError(f"shard {p}: only uncompressed .tar shards can be read without a manifest "
                               "(use a URL for streaming, or convert with `fastdata shard`)")
         readers.append(TarShardReader(local))
@@ -515,7 +515,7 @@ def resolve_source(source: str | os.PathLike[str] | RemoteShards | Sequence[str 
     if isinstance(source, str) and is_url(source) and "{" not in source:
         _refuse_hdf5_urls([source])
     if (isinstance(source, str) and is_url(source) and "{" not in source
-            and not split_query(source)[0].endswith(_TAR_SUFFIXES)):  # a signed tar URL is a tar URL
+            and not split_query(source)[0].lower().endswith(_TAR_SUFFIXES)):  # a signed tar URL is a tar URL
         return _from_remote_manifest(RemoteShards(source))
     if isinstance(source, (str, os.PathLike)):
         text = os.fspath(source)

@@ -270,7 +270,13 @@ def stream_source(fileobj: BinaryIO, shard: str) -> tuple[HeaderFn, PayloadFn]:
         return b"".join(chunks)
 
     def header(pos: int) -> bytes:
-        return read(BLOCK, "tar header")
+        block = read(BLOCK, "tar header")
+        if pos == 0:  # a compressed file under a plain tar's name: say so, not "truncated tar" or "bad checksum"
+            packed = "gzip" if block[:2] == b"\x1f\x8b" else compression(block)
+            if packed is not None:
+                raise ShardError(f"{shard}: is {packed}-compressed, not a tar; streaming reads .tar and, by their "
+                                 "name, .tar.gz/.tgz files")
+        return block
 
     def payload(pos: int, size: int, want: bool) -> bytes | None:
         data = read(size, "member data")

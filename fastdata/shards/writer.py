@@ -30,35 +30,29 @@ def shard_name(number: int, format: str) -> str:
 
 def _check_readable(name: str, value: Any, key: str) -> None:
     """Refuse a value the field's suffix would not read back (every read of the sample would fail): a float in an
-    int field (``cls``: a float label becomes "3.0", which no int decoding reads) or text that is no int; anything
-    but an array or its .npy bytes in ``.npy``; text that is not JSON in ``.json``."""
+    int field (``cls``: a float label becomes "3.0", which no int decoding reads) or a str that is no int; anything
+    but an array or bytes in ``.npy``; a str that is not JSON in ``.json``. Bytes are stored as given, unchecked."""
     ext = name.rsplit(".", 1)[-1].lower()
     where = f"field {name!r} of sample {key!r}"
-    text = value if isinstance(value, (str, bytes, bytearray, memoryview)) else None
     if ext in INT_SUFFIXES:
         if isinstance(value, (float, np.floating)):
             raise TypeError(f"{where} holds ints (a '{ext}' field is read back as an int), got {value!r} "
                             f"({type(value).__name__}): write int(value)")
-        if text is not None:
+        if isinstance(value, str):
             try:
-                int(bytes(text) if not isinstance(text, str) else text)
-            except (ValueError, UnicodeDecodeError):
-                raise ValueError(f"{where} holds ints (a '{ext}' field is read back as an int), got "
-                                 f"{bytes(text)[:40] if not isinstance(text, str) else text[:40]!r}: not an int "
-                                 "(store a class name under another field, e.g. 'label.txt')") from None
-    if ext == "npy":
-        if not isinstance(value, (np.ndarray, bytes, bytearray, memoryview)):
-            raise TypeError(f"{where} holds an array (a '.npy' field is read back with np.load), got a "
-                            f"{type(value).__name__}: write np.asarray(value)")
-        if not isinstance(value, np.ndarray) and not bytes(value[:6]) == b"\x93NUMPY":
-            raise ValueError(f"{where}: {bytes(value[:8])!r}... is not .npy bytes (a '.npy' field is read back with "
-                             "np.load): write the array itself")
-    if ext in ("json", "jsn") and text is not None:
+                int(value)
+            except ValueError:
+                raise ValueError(f"{where} holds ints (a '{ext}' field is read back as an int), got {value[:40]!r}: "
+                                 "not an int (store a class name under another field, e.g. 'label.txt')") from None
+    if ext == "npy" and not isinstance(value, (np.ndarray, bytes, bytearray, memoryview)):
+        raise TypeError(f"{where} holds an array (a '.npy' field is read back with np.load), got a "
+                        f"{type(value).__name__}: write np.asarray(value)")
+    if ext in ("json", "jsn") and isinstance(value, str):
         try:
-            json.loads(text if isinstance(text, str) else bytes(text))
-        except ValueError as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-            raise ValueError(f"{where}: not JSON ({e}), which a '.{ext}' field is read back as: write the "
-                             "dict/list itself, or json.dumps(...)") from None
+            json.loads(value)
+        except ValueError as e:
+            raise ValueError(f"{where}: {value[:40]!r} is not JSON ({e}), which a '.{ext}' field is read back as: "
+                             "write the dict/list itself, or json.dumps(...)") from None
 
 
 class ShardWriter:
