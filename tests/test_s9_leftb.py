@@ -337,3 +337,18 @@ def test_tar_urls_with_upper_case_suffixes_stream_and_a_gzip_named_tar_says_so(t
         list(iter_tar_stream(io.BytesIO(gzip.compress(raw)), "https://h/c.tar"))
     (tmp_path / "B.TAR").write_bytes(raw)  # a local one too ("only uncompressed .tar shards can be read ...")
     assert len(list(ShardedDataset([str(tmp_path / "B.TAR")], decode=False))) == 4
+
+
+def test_relative_source_paths_survive_a_chdir(tmp_path, monkeypatch):
+    # A dataset built from a relative folder or tar path read it relative to the current directory at each read:
+    # a chdir after building it (Hydra's per-run directory, a script's os.chdir) failed every sample.
+    import fastdata
+
+    monkeypatch.chdir(tmp_path)
+    with fastdata.ShardWriter("rel") as w:
+        for i in range(3):
+            w.write({"__key__": f"k{i}", "cls": i})
+    folder, tars = ShardedDataset("rel"), ShardedDataset(["rel/shard-000000.tar"])
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    assert [s["cls"] for s in folder] == [s["cls"] for s in tars] == [0, 1, 2]

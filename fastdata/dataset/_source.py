@@ -435,7 +435,7 @@ def _from_local_tars(paths: list[str]) -> Source:
 
     readers, ident = [], []
     for p in paths:
-        local = local_path(p)  # "~/shards/0.tar" too, as Cache and ShardWriter expand it
+        local = os.path.abspath(local_path(p))  # "~/shards/0.tar" too, as Cache and ShardWriter expand it; a chdir
         try:
             st = os.stat(local)
         except OSError as e:
@@ -519,7 +519,7 @@ def resolve_source(source: str | os.PathLike[str] | RemoteShards | Sequence[str 
         return _from_remote_manifest(RemoteShards(source))
     if isinstance(source, (str, os.PathLike)):
         text = os.fspath(source)
-        p = Path(local_path(text))  # a file:// folder too, and "~/shards"
+        p = Path(os.path.abspath(local_path(text)))  # a file:// folder too, "~/shards"; a later chdir changes nothing
         if not _is_url(text) and "{" not in text:
             if p.is_dir():
                 if not (p / MANIFEST_NAME).is_file():
