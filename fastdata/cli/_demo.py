@@ -170,8 +170,10 @@ class ImageFolderRecipe:
     def __init__(self, root: Path) -> None:
         import torch
 
-        classes = sorted(p.name for p in root.iterdir() if p.is_dir())
-        self.items = [(str(f), i) for i, c in enumerate(classes) for f in sorted((root / c).iterdir())]
+        # hidden entries (.DS_Store) are skipped, as `fastdata shard` skips them
+        classes = sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
+        self.items = [(str(f), i) for i, c in enumerate(classes) for f in sorted((root / c).iterdir())
+                      if not f.name.startswith(".")]
         self.mean = torch.tensor(MEAN).view(3, 1, 1)
         self.std = torch.tensor(STD).view(3, 1, 1)
 

@@ -6,7 +6,9 @@ decode costs resemble real photos far better than flat or pure-noise images do.
 from __future__ import annotations
 
 import io
+import json
 import os
+import re
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -44,8 +46,47 @@ def _write_images(root: Path, jobs: list[tuple[int, int, int, int, int]], num_cl
         if path.exists():
             continue
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(jpeg_bytes(synth_image(np.random.default_rng([seed, i]), w, h, cls), q))
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # an interrupted write leaves no truncated JPEG
+        tmp.write_bytes(jpeg_bytes(synth_image(np.random.default_rng([seed, i]), w, h, cls), q))
+        os.replace(tmp, path)
     return len(jobs)
+
+
+_STAMP = ".fastdata-synth.json"  # the arguments the folder's images were generated with
+_GENERATED = re.compile(r"(class_\d{2}/img_\d{6}\.jpg|class_\d{2}/\.img_\d{6}\.jpg\.\d+\.tmp)")
+
+
+def _keep_only(root: Path, wanted: set[str], settings: dict[str, object]) -> None:
+    """Remove the generated files of ``root`` that are not ``wanted`` (all of them when an earlier run used
+    other ``settings``); refuse a folder holding anything else but hidden files, which the demo would train on
+    too."""
+    stamp = root / _STAMP
+    try:
+        same = json.loads(stamp.read_text()) == settings
+    except (OSError, ValueError):
+        same = False
+    stamp.unlink(missing_ok=True)  # rewritten once the folder holds what ``settings`` describe
+    if not root.is_dir():
+        return
+    foreign = []
+    for cls_dir in sorted(root.iterdir()):
+        if cls_dir.name.startswith("."):  # the stamp, .DS_Store: no class (readers skip hidden entries)
+            continue
+        if not cls_dir.is_dir() or not re.fullmatch(r"class_\d{2}", cls_dir.name):
+            foreign.append(cls_dir.name)
+            continue
+        for f in sorted(cls_dir.iterdir()):
+            rel = f"{cls_dir.name}/{f.name}"
+            if not _GENERATED.fullmatch(rel) or not f.is_file():
+                if not f.name.startswith("."):
+                    foreign.append(rel)
+            elif not same or rel not in wanted:
+                f.unlink()
+    if foreign:
+        from fastdata.errors import FastdataError
+
+        raise FastdataError(f"{root}: holds {', '.join(foreign[:3])}{', ...' if len(foreign) > 3 else ''}, which "
+                            "were not generated here; use an empty or new folder for the generated images")
 
 
 def make_image_folder(
@@ -64,7 +105,10 @@ def make_image_folder(
 
     Sizes are drawn uniformly in [min_side, max_side] per side and quality in ``quality``;
     the same arguments always give byte-identical files, whatever ``workers`` (processes) is.
-    Existing files are kept. ``progress(done, total)`` is called as images are written.
+    Afterwards ``dest`` holds exactly these images: files an earlier call with the same arguments
+    wrote are kept (not generated again), other generated ones (a larger ``num_images``, other
+    sizes or seed) are removed, and a file this function did not write is refused
+    (:class:`~fastdata.errors.FastdataError`). ``progress(done, total)`` is called as images are written.
     """
     root = Path(dest)
     rng = np.random.default_rng(seed)
@@ -72,6 +116,16 @@ def make_image_folder(
     for i in range(num_images):
         w, h = (int(v) for v in rng.integers(min_side, max_side + 1, size=2))
         jobs.append((i, i % num_classes, w, h, int(rng.integers(quality[0], quality[1] + 1))))
+    settings: dict[str, object] = {"num_classes": num_classes, "min_side": min_side, "max_side": max_side,
+                                   "quality": list(quality), "seed": seed}
+    _keep_only(root, {f"class_{cls:02d}/img_{i:06d}.jpg" for i, cls, *_ in jobs}, settings)
+    _write_all(root, jobs, num_images, num_classes, seed, workers, progress)
+    (root / _STAMP).write_text(json.dumps(settings))
+    return root
+
+
+def _write_all(root: Path, jobs: list[tuple[int, int, int, int, int]], num_images: int, num_classes: int,
+               seed: int, workers: int, progress: Callable[[int, int], None] | None) -> None:
     chunks = [jobs[i:i + 32] for i in range(0, len(jobs), 32)]
     done = 0
     if workers <= 1 or len(chunks) <= 1:
@@ -79,11 +133,10 @@ def make_image_folder(
             done += _write_images(root, chunk, num_classes, seed)
             if progress is not None:
                 progress(done, num_images)
-        return root
+        return
     with ProcessPoolExecutor(max_workers=workers) as pool:
         for n in pool.map(_write_images, [root] * len(chunks), chunks, [num_classes] * len(chunks),
                           [seed] * len(chunks)):
             done += n
             if progress is not None:
                 progress(done, num_images)
-    return root

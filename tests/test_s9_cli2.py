@@ -1,0 +1,201 @@
+"""Session 9, helper cli2: demo/bench image folders, broken pipes, `inspect` on an unfinished conversion,
+concurrent conversions into one DEST, and naming what differs when a rerun is refused."""
+from __future__ import annotations
+
+import fcntl
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fastdata.cli._main import main
+from fastdata.cli._shard_cmd import tool_main
+from fastdata.cli._synth import make_image_folder
+from fastdata.errors import ConversionError, FastdataError
+from fastdata.manifest import Manifest
+from fastdata.shards.convert import PROGRESS_DIR, ConvertOptions, convert
+
+
+def _images(root: Path, n: int = 6, **kw) -> Path:
+    return make_image_folder(root, n, num_classes=2, min_side=16, max_side=20, **kw)
+
+
+def _files(root: Path) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file() and not p.name.startswith("."))
+
+
+def _opts(**kw) -> ConvertOptions:
+    return ConvertOptions(progress=False, workers=1, **kw)
+
+
+# ----- 1. demo/bench --dir: a folder from a larger earlier run -------------------------------------------
+
+def test_image_folder_holds_exactly_the_images_asked_for(tmp_path):
+    """`fastdata demo --dir D --images 64` then `--images 32` trained on 64 images (the table said 32):
+    the generator kept every file of the earlier, larger run."""
+    root = tmp_path / "images"
+    _images(root, 8)
+    kept = (root / "class_00" / "img_000000.jpg").stat().st_mtime_ns
+    _images(root, 4)
+    assert _files(root) == ["class_00/img_000000.jpg", "class_00/img_000002.jpg", "class_01/img_000001.jpg",
+                            "class_01/img_000003.jpg"]
+    assert (root / "class_00" / "img_000000.jpg").stat().st_mtime_ns == kept  # the same image: not redone
+    first = (root / "class_00" / "img_000000.jpg").read_bytes()
+    _images(root, 4, seed=5)  # other arguments: other images
+    assert len(_files(root)) == 4 and (root / "class_00" / "img_000000.jpg").read_bytes() != first
+    (root / ".DS_Store").write_bytes(b"x")  # hidden files are nobody's class or image
+    (root / "class_00" / ".DS_Store").write_bytes(b"x")
+    _images(root, 4)
+    (root / "class_01" / "notes.txt").write_text("mine")
+    with pytest.raises(FastdataError, match=r"holds class_01/notes.txt, which were not generated here"):
+        _images(root, 4)
+    assert (root / "class_01" / "notes.txt").read_text() == "mine"
+
+
+def test_demo_shards_describe_the_images_asked_for(tmp_path, capsys):
+    from fastdata.cli._demo import ImageFolderRecipe, _make_shards
+
+    _make_shards(tmp_path, 6, 1)
+    shards, m = _make_shards(tmp_path, 3, 1)
+    assert m.num_samples == 3 and Manifest.load(shards).num_samples == 3
+    (tmp_path / "images" / "class_00" / ".DS_Store").write_bytes(b"x")
+    assert len(ImageFolderRecipe(tmp_path / "images")) == 3  # the tuned-DataLoader row reads the same 3
+    assert "[2/4] 3 samples" in capsys.readouterr().out
+
+
+# ----- 2. a reader that goes away: `fastdata inspect DEST --shards | head -1` -----------------------------
+
+def test_broken_pipe_ends_quietly(tmp_path, capsys, monkeypatch):
+    dest = tmp_path / "out"
+    convert(_images(tmp_path / "src", 6), dest, _opts(samples_per_shard=1))
+    for command, argv in ((main, ["inspect", str(dest), "--shards"]), (main, ["verify", str(dest), "--workers", "1"]),
+                          (tool_main, ["--verify", str(dest), "--workers", "1"])):
+        r, w = os.pipe()
+        os.close(r)  # the reader went away, as after `| head -1`
+        with open(w, "w", buffering=1 << 16) as out:
+            monkeypatch.setattr(sys, "stdout", out)  # here: pytest's capture swaps sys.stdout between phases
+            assert command(argv) == 1
+            monkeypatch.undo()  # (the closing flush goes to os.devnull, which now stands where the pipe was)
+        assert capsys.readouterr().err == ""  # not "error: [Errno 32] Broken pipe"
+
+
+def test_broken_pipe_elsewhere_stays_an_error(tmp_path, capsys, monkeypatch):
+    """Only stdout's broken pipe is quiet: another one (a socket to a store) is still reported."""
+    import fastdata.cli._main as cli_main
+
+    def broken(args):
+        raise BrokenPipeError(32, "Broken pipe")
+
+    parser = cli_main.build_parser()
+    monkeypatch.setattr(cli_main, "build_parser", lambda: parser)
+    parser._subparsers._group_actions[0].choices["inspect"].set_defaults(func=broken)
+    assert main(["inspect", str(tmp_path)]) == 1
+    assert "fastdata inspect: error: [Errno 32] Broken pipe" in capsys.readouterr().err
+
+
+# ----- 3. inspect on an interrupted conversion --------------------------------------------------------------
+
+def test_inspect_names_an_unfinished_conversion(tmp_path, capsys):
+    dest = tmp_path / "out"
+    convert(_images(tmp_path / "src", 4), dest, _opts(samples_per_shard=2))
+    (dest / "manifest.json").unlink()
+    (dest / PROGRESS_DIR).mkdir()
+    for given in (dest, dest / "manifest.json"):
+        assert main(["inspect", str(given)]) == 1
+        assert capsys.readouterr().err.strip() == (
+            f"fastdata inspect: error: {given}: no manifest.json: the conversion into it did not finish "
+            "(rerun it to resume)")
+    (dest / PROGRESS_DIR).rmdir()  # an ordinary folder without a manifest: as before
+    assert main(["inspect", str(dest)]) == 1
+    assert "no manifest found" in capsys.readouterr().err
+
+
+# ----- 4. two conversions into one DEST at once ---------------------------------------------------------------
+
+def test_a_second_conversion_into_a_busy_dest_fails_at_once(tmp_path):
+    src, dest = _images(tmp_path / "src", 4), tmp_path / "out"
+    dest.mkdir()
+    fd = os.open(dest, os.O_RDONLY)  # the running conversion's lock (another open file: conflicts in-process too)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with pytest.raises(ConversionError, match=rf"another conversion is writing DEST {dest} \(pid {os.getpid()}\)"):
+            convert(src, dest, _opts(samples_per_shard=2))
+        assert os.listdir(dest) == []  # nothing touched
+    finally:
+        os.close(fd)
+    assert convert(src, dest, _opts(samples_per_shard=2)).manifest.num_samples == 4
+
+
+def test_a_dead_holders_lock_is_gone(tmp_path):
+    """A conversion killed (SIGKILL) while holding the lock: the rerun resumes."""
+    src, dest = _images(tmp_path / "src", 4), tmp_path / "out"
+    dest.mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, os, sys, time\n"
+                               f"fd = os.open({str(dest)!r}, os.O_RDONLY); fcntl.flock(fd, fcntl.LOCK_EX)\n"
+                               "print('locked', flush=True); time.sleep(60)"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(ConversionError, match=rf"\(pid {holder.pid}\)"):
+            convert(src, dest, _opts(samples_per_shard=2))
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+        holder.stdout.close()
+    assert convert(src, dest, _opts(samples_per_shard=2)).manifest.num_samples == 4
+
+
+def test_the_lock_is_released_by_an_interrupted_run(tmp_path, monkeypatch):
+    import fastdata.shards.convert as convert_mod
+
+    src, dest = _images(tmp_path / "src", 4), tmp_path / "out"
+    real = convert_mod._write_job
+
+    def interrupt(task, tick):
+        if task.job.number == 1:
+            raise KeyboardInterrupt
+        return real(task, tick)
+
+    monkeypatch.setattr(convert_mod, "_write_job", interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        convert(src, dest, _opts(samples_per_shard=2))
+    monkeypatch.setattr(convert_mod, "_write_job", real)
+    result = convert(src, dest, _opts(samples_per_shard=2))
+    assert result.kept == 1 and result.manifest.num_samples == 4 and not convert_mod._held_locks
+
+
+# ----- 5. a refused rerun names what differs --------------------------------------------------------------------
+
+def test_refused_rerun_names_the_argument_and_the_inputs(tmp_path):
+    src, dest = _images(tmp_path / "src", 6), tmp_path / "out"
+    convert(src, dest, _opts(samples_per_shard=2))
+    with pytest.raises(ConversionError, match=r"different arguments or inputs: --samples-per-shard was 2, now 3; holds"):
+        convert(src, dest, _opts(samples_per_shard=3))
+    with pytest.raises(ConversionError, match=r"inputs: --format was tar, now hdf5, --check was header, now full;"):
+        convert(src, dest, _opts(samples_per_shard=2, format="hdf5", check="full"))
+    touched = src / "class_01" / "img_000003.jpg"
+    st = touched.stat()
+    os.utime(touched, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # `touch`, as `cp -r` does to every input
+    with pytest.raises(ConversionError, match=r"inputs: input files modified or added since: class_01/img_000003.jpg;"):
+        convert(src, dest, _opts(samples_per_shard=2))
+    os.utime(touched, ns=(1, 1))
+    with pytest.raises(ConversionError, match=r"inputs: input files' modification times changed;"):
+        convert(src, dest, _opts(samples_per_shard=2))
+    (src / "class_00" / "img_000000.jpg").unlink()
+    with pytest.raises(ConversionError, match=r"inputs: SRC has 5 input files, was 6;"):
+        convert(src, dest, _opts(samples_per_shard=2))
+
+
+def test_refused_resume_names_what_differs(tmp_path, monkeypatch):
+    import fastdata.shards.convert as convert_mod
+
+    src, dest = _images(tmp_path / "src", 4), tmp_path / "out"
+    monkeypatch.setattr(convert_mod, "_write_job", lambda task, tick: (_ for _ in ()).throw(KeyboardInterrupt))
+    with pytest.raises(KeyboardInterrupt):
+        convert(src, dest, _opts(samples_per_shard=2, shuffle=True, seed=1))
+    monkeypatch.undo()
+    with pytest.raises(ConversionError, match=r"an interrupted conversion with different arguments or inputs: "
+                                              r"--seed was 1, now 2; holds"):
+        convert(src, dest, _opts(samples_per_shard=2, shuffle=True, seed=2))
