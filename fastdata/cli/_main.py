@@ -13,7 +13,7 @@ from fastdata.cli._bench import add_bench_subparser
 from fastdata.cli._cache_cmd import add_cache_subparser
 from fastdata.cli._demo import add_demo_subparser
 from fastdata.cli._doctor import add_doctor_subparser
-from fastdata.cli._shard_cmd import add_shard_subparsers
+from fastdata.cli._shard_cmd import add_shard_subparsers, stdout_closed
 from fastdata.cli._tune import add_tune_subparser
 from fastdata.errors import FastdataError
 
@@ -23,7 +23,11 @@ log = logging.getLogger("fastdata")
 def _cmd_inspect(args: argparse.Namespace) -> int:
     from fastdata.manifest import Manifest
 
-    m = Manifest.load(args.dest)
+    try:
+        m = Manifest.load(args.dest)
+    except FastdataError:
+        _unfinished(args.dest)
+        raise
     if args.json:  # the manifest as stored, plus the totals the table shows
         print(json.dumps({**m.to_json(), "total_bytes": sum(s.bytes for s in m.shards)}, indent=1))
         return 0
@@ -43,6 +47,23 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         for s in m.shards:
             print(f"  {s.name}  {s.num_samples:>8d} samples  {s.bytes:>12d} B  {s.sha256[:16]}")
     return 0
+
+
+def _unfinished(dest: str) -> None:
+    """Raise, as ``fastdata verify`` says it, when DEST (or DEST/manifest.json) lacks its manifest because the
+    conversion into it did not finish."""
+    from pathlib import Path
+
+    from fastdata._util import local_path
+    from fastdata.manifest import MANIFEST_NAME
+    from fastdata.shards.convert import PROGRESS_DIR
+
+    if "://" in dest and not dest.startswith("file://"):
+        return
+    path = Path(local_path(dest))
+    folder = path if path.is_dir() else path.parent if path.name == MANIFEST_NAME else None
+    if folder is not None and not (folder / MANIFEST_NAME).exists() and (folder / PROGRESS_DIR).is_dir():
+        raise FastdataError(f"{dest}: no {MANIFEST_NAME}: the conversion into it did not finish (rerun it to resume)")
 
 
 def _message(error: BaseException) -> str:
@@ -98,8 +119,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(levelname)s %(name)s: %(message)s")
     try:
-        return int(args.func(args) or 0)
+        code = int(args.func(args) or 0)
+        sys.stdout.flush()  # a reader that went away (`| head -1`) shows here, not at exit
+        return code
     except (FastdataError, OSError, ValueError) as e:
+        if stdout_closed(e):  # quietly, status 1 (the Python docs' "Note on SIGPIPE")
+            return 1
         if args.verbose:
             raise
         print(f"fastdata {args.command}: error: {_message(e)}", file=sys.stderr)

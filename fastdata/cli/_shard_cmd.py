@@ -177,7 +177,9 @@ def run_guarded(prog: str, args: argparse.Namespace, run: Callable[[], int]) -> 
     debug = bool(args.debug or getattr(args, "verbose", False))
     try:
         with _logging_to_stderr(prog, args.quiet):
-            return run()
+            code = run()
+            sys.stdout.flush()  # a reader that went away (`| head -1`) shows here, not at exit
+            return code
     except UsageError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
@@ -187,10 +189,42 @@ def run_guarded(prog: str, args: argparse.Namespace, run: Callable[[], int]) -> 
         print(f"{prog}: error: interrupted; {then}", file=sys.stderr)
         return 130
     except Exception as e:  # noqa: BLE001 - one line, status 1 (the traceback with --debug)
+        if stdout_closed(e):
+            return 1
         if debug:
             traceback.print_exc()
         print(f"{prog}: error: {_one_line(e)}", file=sys.stderr)
         return 1
+
+
+def stdout_closed(error: BaseException) -> bool:
+    """Whether ``error`` is a write to stdout whose reader went away (``fastdata inspect DEST --shards | head -1``).
+
+    Then stdout is pointed at ``os.devnull``, so that Python's flush at exit does not fail again, and the
+    command ends quietly with status 1 (the Python docs' "Note on SIGPIPE"). A broken pipe elsewhere (a
+    socket) stays an error.
+    """
+    if not isinstance(error, BrokenPipeError):
+        return False
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # replaced by an object without a descriptor
+        return False
+    try:
+        import select
+
+        poller = select.poll()
+        poller.register(fd, select.POLLOUT)
+        if not any(events & (select.POLLERR | select.POLLHUP) for _, events in poller.poll(0)):
+            return False  # stdout is fine: the broken pipe was another one
+    except (AttributeError, OSError, ValueError):  # no poll() (Windows): take it for stdout's
+        pass
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, fd)
+    finally:
+        os.close(devnull)
+    return True
 
 
 def _one_line(err: BaseException) -> str:
