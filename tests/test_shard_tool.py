@@ -458,8 +458,8 @@ def test_dest_not_empty_needs_overwrite(tmp_path, capsys, images):
     assert run(capsys, src, dest, "--samples-per-shard", 5, "--overwrite")[0] == 0
     code, _, err = run(capsys, src, dest, "--samples-per-shard", 6)  # another plan: not this conversion
     assert code == 1 and error_line(err) == (
-        f"shard.py: error: DEST {dest} is not empty (a finished conversion with different arguments or inputs; "
-        "holds keep.txt, manifest.json, shard-000000.tar, ...); pass --overwrite to replace its shards or choose "
+        f"shard.py: error: DEST {dest} is not empty (a finished conversion with different arguments or inputs: "
+        "--samples-per-shard was 5, now 6; holds keep.txt, manifest.json, shard-000000.tar, ...); pass --overwrite to replace its shards or choose "
         "an empty folder")
     code, _, err = run(capsys, src, dest, "--samples-per-shard", 50, "--overwrite")
     assert code == 0, err

@@ -25,6 +25,12 @@ log = logging.getLogger("fastdata.convert")
 
 _PLAN_FILE = "plan.json"
 FINGERPRINT_KEY = "plan_fingerprint"  # in manifest.extra: the plan a finished DEST was written by
+PLAN_KEY = "plan"  # in manifest.extra: the arguments and an inputs summary, to name what a refused rerun changed
+
+NEWEST = 5  # inputs a listing keeps as the newest, to name them
+
+_FLAGS = {"format": "--format", "samples_per_shard": "--samples-per-shard", "shard_size": "--shard-size",
+          "shuffle": "--shuffle", "seed": "--seed", "resize": "--resize", "check": "--check"}
 
 
 def remove_outputs(dest: Path) -> None:
@@ -53,6 +59,58 @@ def _write_json(path: Path, data: Any) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(data, sort_keys=True), encoding="utf-8")
     os.replace(tmp, path)
+
+
+def plan_changes(old_extra: Any, plan: Plan) -> str:
+    """``": <what differs>"`` between the plan recorded in ``old_extra`` (a manifest's or ``plan.json``'s
+    ``extra``) and ``plan``: arguments with their old and new values, SRC, the fastdata version, inputs
+    added, removed or changed (a few named); ``""`` when the record says nothing (an older fastdata)."""
+    old = old_extra.get(PLAN_KEY) if isinstance(old_extra, dict) else None
+    new = plan.extra.get(PLAN_KEY)
+    if not isinstance(old, dict) or not isinstance(new, dict):
+        return ""
+
+    def shown(key: str, value: Any) -> str:
+        if value is None:
+            return "unset"
+        if key == "shuffle":
+            return "on" if value else "off"
+        return str(value)
+
+    changes = [f"{flag} was {shown(key, old.get(key))}, now {shown(key, new.get(key))}"
+               for key, flag in _FLAGS.items() if old.get(key) != new.get(key)]
+    old_src, new_src = old_extra.get("source"), plan.extra.get("source")
+    if isinstance(old_src, dict) and isinstance(new_src, dict):
+        if old_src.get("path") != new_src.get("path"):
+            changes.append(f"SRC was {old_src.get('path')}, now {new_src.get('path')}")
+        elif old_src.get("kind") != new_src.get("kind"):
+            changes.append(f"SRC was read as {old_src.get('kind')}, now as {new_src.get('kind')}")
+        old_cls, new_cls = old_src.get("classes"), new_src.get("classes")
+        if isinstance(old_cls, list) and isinstance(new_cls, list) and old_cls != new_cls:
+            added, gone = [c for c in new_cls if c not in old_cls], [c for c in old_cls if c not in new_cls]
+            changes.append("class folders " + ", ".join(
+                ([f"added {_few(added)}"] if added else []) + ([f"removed {_few(gone)}"] if gone else [])
+                or ["reordered"]))
+    if old.get("fastdata") != new.get("fastdata"):
+        changes.append(f"fastdata was {old.get('fastdata')}, now {new.get('fastdata')}")
+    was, now = old.get("inputs"), new.get("inputs")
+    if isinstance(was, dict) and isinstance(now, dict) and was != now:
+        count, before = now.get("count"), was.get("count")
+        if count != before:
+            changes.append(f"SRC has {count} input files, was {before}")
+        newer = [name for mtime, name in plan.listing.newest if mtime > int(was.get("newest_mtime_ns") or 0)]
+        if newer:
+            many = len(newer) == len(plan.listing.newest) == NEWEST  # maybe more than the few kept
+            changes.append(f"input files modified or added since: {_few(newer, 3, more=many)}")
+        elif count == before:
+            changes.append("input files renamed or replaced" if was.get("names") != now.get("names") else
+                           "input files' sizes changed" if was.get("bytes") != now.get("bytes") else
+                           "input files' modification times changed")
+    return ": " + ", ".join(changes) if changes else ""
+
+
+def _few(names: list[str], n: int = 3, *, more: bool = False) -> str:
+    return ", ".join(names[:n]) + (", ..." if more or len(names) > n else "")
 
 
 def _read_json(path: Path) -> Any:
@@ -149,8 +207,14 @@ def prepare(dest: Path, plan: Plan, *, overwrite: bool,
         existing = sorted(os.listdir(dest))
         if existing and not overwrite:
             shown = ", ".join(existing[:3]) + (", ..." if len(existing) > 3 else "")
-            hint = ("an interrupted conversion with different arguments or inputs; " if folder.is_dir()
-                    else "a finished conversion with different arguments or inputs; " if _converted(dest) else "")
+            if folder.is_dir():
+                record = saved.get("extra") if isinstance(saved, dict) else None
+                hint = f"an interrupted conversion with different arguments or inputs{plan_changes(record, plan)}; "
+            elif _converted(dest):
+                record = (_read_json(dest / MANIFEST_NAME) or {}).get("extra")
+                hint = f"a finished conversion with different arguments or inputs{plan_changes(record, plan)}; "
+            else:
+                hint = ""
             raise ConversionError(f"DEST {dest} is not empty ({hint}holds {shown}); pass --overwrite to replace "
                                   "its shards or choose an empty folder")
         if existing:
@@ -160,7 +224,7 @@ def prepare(dest: Path, plan: Plan, *, overwrite: bool,
                 log.info("--overwrite: kept %d unrelated entries in %s (e.g. %s)", len(left), dest, left[0])
         folder.mkdir()
         _write_json(folder / _PLAN_FILE, {"fingerprint": plan.fingerprint, "num_shards": len(plan.jobs),
-                                          "source": plan.listing.root})
+                                          "source": plan.listing.root, "extra": plan.extra})
         return ProgressState(dest, plan, {})
     for entry in os.scandir(dest):  # partial shards of the interrupted run
         if entry.name.startswith("shard-") and entry.name.endswith(".tmp"):

@@ -25,6 +25,7 @@ Source kinds (:func:`list_source`):
 from __future__ import annotations
 
 import hashlib
+import heapq
 import json
 import os
 import stat
@@ -90,6 +91,10 @@ class Listing:
     fields: tuple[FieldInfo, ...] = ()
     skipped: list[dict[str, str]] = field(default_factory=list)
     stamp: str = ""  # sha256 over input names, sizes and mtimes (part of the plan fingerprint)
+    # what a refused rerun compares to name what changed: {"count", "bytes", "names" (sha256 of the input
+    # names), "newest_mtime_ns", "stamp"}, and the few newest inputs as (mtime_ns, name), newest first
+    inputs: dict[str, Any] = field(default_factory=dict)
+    newest: list[tuple[int, str]] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def origin(self, ref: tuple) -> str:
@@ -166,12 +171,26 @@ def _stamp(items: Sequence[tuple[str, int, int]]) -> str:
     return h.hexdigest()
 
 
-def _file_stamp(root: Path, files: Sequence[Path]) -> str:
+_NEWEST = 5  # = _progress.NEWEST (which imports this module)
+
+
+def _set_stamp(listing: Listing, items: Sequence[tuple[str, int, int]]) -> None:
+    """``listing.stamp`` and the summary of the inputs ``(name, size, mtime_ns)`` a refused rerun compares."""
+    listing.stamp = _stamp(items)
+    names = hashlib.sha256()
+    for name, _, _ in items:
+        names.update(name.encode("utf-8", "surrogateescape") + b"\0")
+    listing.newest = heapq.nlargest(_NEWEST, ((mtime, name) for name, _, mtime in items))
+    listing.inputs = {"count": len(items), "bytes": sum(size for _, size, _ in items), "names": names.hexdigest(),
+                      "newest_mtime_ns": listing.newest[0][0] if listing.newest else 0, "stamp": listing.stamp}
+
+
+def _file_items(root: Path, files: Sequence[Path]) -> list[tuple[str, int, int]]:
     items = []
     for f in files:
         st = f.stat()
         items.append((os.path.relpath(f, root) if f != root else f.name, st.st_size, st.st_mtime_ns))
-    return _stamp(items)
+    return items
 
 
 # ---------------------------------------------------------------------------------------- images
@@ -285,7 +304,7 @@ def _list_images(root: Path) -> Listing:
     if classes:
         fields.append(FieldInfo("cls", "int"))
     listing.fields = tuple(sorted(fields, key=lambda f: f.name))
-    listing.stamp = _stamp(stamps)
+    _set_stamp(listing, stamps)
     return listing
 
 
@@ -345,7 +364,7 @@ def _list_tar(root: Path, files: Sequence[Path], indexes: Sequence[str | None],
     if not listing.keys:
         raise SourceError(f"SRC {root}: the tar shards hold no samples")
     listing.fields = tuple(FieldInfo(n, "bytes") for n in sorted(names))
-    listing.stamp = _file_stamp(root, files)
+    _set_stamp(listing, _file_items(root, files))
     return listing
 
 
@@ -387,7 +406,7 @@ def _list_hdf5(root: Path, files: Sequence[Path], manifest: Manifest | None = No
     if not listing.keys:
         raise SourceError(f"SRC {root}: the HDF5 shards hold no samples")
     listing.fields = tuple(merged[n] for n in sorted(merged))
-    listing.stamp = _file_stamp(root, files)
+    _set_stamp(listing, _file_items(root, files))
     return listing
 
 
@@ -503,7 +522,7 @@ def _list_npz(path: Path) -> Listing:
                       data_sizes=[sum(size - 128 for _, size in data)] * n, image_data_sizes=[0] * n,
                       fields=tuple(sorted(fields, key=lambda f: f.name)))
     listing.extra["arrays"] = [m.name for m in arrays]
-    listing.stamp = _file_stamp(path.parent, [path])
+    _set_stamp(listing, _file_items(path.parent, [path]))
     return listing
 
 

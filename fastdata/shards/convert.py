@@ -118,6 +118,13 @@ def plan_conversion(src: str | os.PathLike[str], options: ConvertOptions | None 
                              "shuffle": opts.shuffle, "resize": opts.resize, "check": _check_level(opts)}
     if opts.shuffle:
         extra["seed"] = opts.seed
+    from fastdata._version import __version__
+
+    # what a refused rerun compares, to name the argument or inputs that differ (_progress.plan_changes)
+    extra[_progress.PLAN_KEY] = {"format": opts.format, "shard_size": opts.max_bytes,
+                                 "samples_per_shard": opts.samples_per_shard, "shuffle": opts.shuffle,
+                                 "seed": opts.seed if opts.shuffle else None, "resize": opts.resize,
+                                 "check": _check_level(opts), "fastdata": __version__, "inputs": listing.inputs}
     fingerprint = _fingerprint(listing, opts, jobs, fields)
     extra[_progress.FINGERPRINT_KEY] = fingerprint  # lets a rerun recognise the finished conversion
     return Plan(listing, opts, tuple(jobs), fields, fingerprint, extra)
@@ -252,19 +259,94 @@ def convert(src: str | os.PathLike[str], dest: str | os.PathLike[str], options: 
     if opts.strict and plan.listing.skipped:
         first = plan.listing.skipped[0]
         raise ConversionError(f"{os.path.join(plan.listing.root, first['source'])}: {first['reason']} (--strict)")
-    finished = None if opts.overwrite else _progress.finished(dest_path, plan)
-    if finished is not None:
-        if opts.strict and finished.skipped:
-            first = finished.skipped[0]
-            raise ConversionError(f"{os.path.join(plan.listing.root, first['source'])}: {first['reason']} (--strict)")
-        log.debug("%s already holds this conversion, finished (same arguments and inputs)", dest_path)
-        return ConvertResult(finished, 0, len(finished.shards), time.perf_counter() - t0, 0, complete=True)
-    state = _progress.prepare(dest_path, plan, overwrite=opts.overwrite)
-    if opts.strict:
-        for result in state.done.values():
-            if result.skipped:
-                raise ConversionError(f"{result.skipped[0]['source']}: {result.skipped[0]['reason']} (--strict)")
-    return _run_plan(plan, state, dest_path, opts, t0)
+    with _dest_lock(dest_path, str(dest)):
+        finished = None if opts.overwrite else _progress.finished(dest_path, plan)
+        if finished is not None:
+            if opts.strict and finished.skipped:
+                first = finished.skipped[0]
+                raise ConversionError(
+                    f"{os.path.join(plan.listing.root, first['source'])}: {first['reason']} (--strict)")
+            log.debug("%s already holds this conversion, finished (same arguments and inputs)", dest_path)
+            return ConvertResult(finished, 0, len(finished.shards), time.perf_counter() - t0, 0, complete=True)
+        state = _progress.prepare(dest_path, plan, overwrite=opts.overwrite)
+        if opts.strict:
+            for result in state.done.values():
+                if result.skipped:
+                    raise ConversionError(f"{result.skipped[0]['source']}: {result.skipped[0]['reason']} (--strict)")
+        return _run_plan(plan, state, dest_path, opts, t0)
+
+
+_held_locks: set[int] = set()  # descriptors of the DEST locks this process holds (closed in forked workers)
+
+
+@contextlib.contextmanager
+def _dest_lock(dest: Path, shown: str) -> Iterator[None]:
+    """An exclusive lock on the folder ``dest`` (created) for the conversion's life.
+
+    A second conversion into the same DEST fails at once, naming the holder's pid, instead of
+    "resuming" the running one and deleting its partial shards. The lock is a ``flock`` on the
+    folder itself, so no file is left behind and the kernel drops it when the holder dies, however
+    it dies (a rerun after a crash resumes). Pool workers close their inherited copy; they die with
+    the converting process anyway. Where folders cannot be locked (no ``fcntl``, some network file
+    systems) conversions run unlocked, as before.
+    """
+    if dest.exists() and not dest.is_dir():
+        raise ConversionError(f"DEST {dest} exists and is not a folder")
+    dest.mkdir(parents=True, exist_ok=True)
+    try:
+        import fcntl
+    except ImportError:  # Windows
+        yield
+        return
+    try:
+        fd = os.open(dest, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        yield
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            pid = _lock_holder(os.fstat(fd))
+            raise ConversionError(
+                f"another conversion is writing DEST {shown}" + (f" (pid {pid})" if pid else "")
+                + ": wait for it to finish, or stop it and rerun to resume") from None
+        except OSError as e:  # e.g. a network file system without locks
+            log.debug("DEST %s cannot be locked (%s): converting without a lock", dest, e)
+            yield
+            return
+        _held_locks.add(fd)
+        try:
+            yield
+        finally:
+            _held_locks.discard(fd)
+    finally:
+        os.close(fd)  # the lock goes with the last descriptor of it
+
+
+def _lock_holder(st: os.stat_result) -> int | None:
+    """The pid holding a ``flock`` on the file of ``st``, from ``/proc/locks`` (Linux; else None)."""
+    try:
+        with open("/proc/locks", encoding="ascii", errors="replace") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    found = None
+    for line in lines:
+        parts = line.split()
+        if "FLOCK" not in parts or "->" in parts:  # "->": a waiter, not the holder
+            continue
+        try:
+            i = parts.index("FLOCK")
+            pid, where = int(parts[i + 3]), parts[i + 4].split(":")
+            major, minor, inode = int(where[0], 16), int(where[1], 16), int(where[2])
+        except (IndexError, ValueError):
+            continue
+        if inode == st.st_ino:
+            if os.makedev(major, minor) == st.st_dev:
+                return pid
+            found = found or pid
+    return found
 
 
 def _run_plan(plan: Plan, state: Any, dest_path: Path, opts: ConvertOptions, t0: float,
@@ -390,14 +472,19 @@ def _convert_remote(plan: Plan, url: str, staging: Path, opts: ConvertOptions, t
     if opts.strict and plan.listing.skipped:
         first = plan.listing.skipped[0]
         raise ConversionError(f"{os.path.join(plan.listing.root, first['source'])}: {first['reason']} (--strict)")
-    staging.mkdir(parents=True, exist_ok=True)
+    with _dest_lock(staging, redact_url(url)):  # two conversions into one URL share its staging folder
+        return _convert_remote_locked(plan, url, staging, opts, t0)
+
+
+def _convert_remote_locked(plan: Plan, url: str, staging: Path, opts: ConvertOptions, t0: float) -> ConvertResult:
     existing = _remote_manifest(url, staging)
     if existing is not None and not opts.overwrite:
         if existing.extra.get(_progress.FINGERPRINT_KEY) == plan.fingerprint:
             log.debug("%s already holds this conversion, finished (same arguments and inputs)", redact_url(url))
             return ConvertResult(existing, 0, len(existing.shards), time.perf_counter() - t0, 0, complete=True)
         raise ConversionError(f"DEST {redact_url(url)} holds a finished conversion with different arguments or "
-                              "inputs; pass --overwrite to replace its shards or choose another DEST")
+                              f"inputs{_progress.plan_changes(existing.extra, plan)}; pass --overwrite to replace its "
+                              "shards or choose another DEST")
     if existing is not None:  # --overwrite: the old manifest goes first, so that no reader (and no rerun)
         try:                  # takes shards half replaced for the old dataset; an interrupted run resumes
             remove(url_join(url, MANIFEST_NAME))
@@ -542,6 +629,10 @@ _worker_queue: Any = None
 def _init_worker(queue: Any, parent: int) -> None:
     global _worker_queue
     _worker_queue = queue
+    for fd in list(_held_locks):  # forked: the parent's DEST lock is the parent's (closing does not unlock it)
+        _held_locks.discard(fd)
+        with contextlib.suppress(OSError):
+            os.close(fd)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and terminates the workers
     _die_with_parent(parent)
 
