@@ -352,3 +352,18 @@ def test_relative_source_paths_survive_a_chdir(tmp_path, monkeypatch):
     (tmp_path / "elsewhere").mkdir()
     monkeypatch.chdir(tmp_path / "elsewhere")
     assert [s["cls"] for s in folder] == [s["cls"] for s in tars] == [0, 1, 2]
+
+
+def test_shard_writer_to_a_relative_folder_survives_a_chdir(tmp_path, monkeypatch):
+    # The shards after a chdir were written into another folder of the same relative name, and the manifest too.
+    import fastdata
+
+    monkeypatch.chdir(tmp_path)
+    with fastdata.ShardWriter("out", max_samples=2) as w:
+        for i in range(4):
+            if i == 2:
+                (tmp_path / "elsewhere").mkdir()
+                monkeypatch.chdir(tmp_path / "elsewhere")
+            w.write({"__key__": f"k{i}", "cls": i})
+    assert [s["cls"] for s in ShardedDataset(tmp_path / "out")] == [0, 1, 2, 3]
+    assert not (tmp_path / "elsewhere" / "out").exists()

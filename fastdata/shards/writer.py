@@ -91,7 +91,7 @@ class ShardWriter:
         if isinstance(text, str) and "://" in text and not text.startswith("file://"):
             raise ValueError(f"dest {text!r} is a URL; ShardWriter writes a local folder (write there, then upload)")
         # file:// and "~/out" as Manifest.load, Cache and ShardedDataset read them (not folders 'file:' or '~')
-        self.dest = Path(local_path(text) if isinstance(text, str) else text)
+        self.dest = Path(os.path.abspath(local_path(text) if isinstance(text, str) else text))  # chdir-proof
         self.format = format
         self.max_bytes = max_bytes
         self.max_samples = max_samples
