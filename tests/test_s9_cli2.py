@@ -199,3 +199,28 @@ def test_refused_resume_names_what_differs(tmp_path, monkeypatch):
     with pytest.raises(ConversionError, match=r"an interrupted conversion with different arguments or inputs: "
                                               r"--seed was 1, now 2; holds"):
         convert(src, dest, _opts(samples_per_shard=2, shuffle=True, seed=2))
+
+
+# ----- hunt: demo/bench --dir pointed at a folder holding the user's own shards or cache -------------------
+
+def test_demo_and_bench_dir_refuse_a_folder_they_did_not_make(tmp_path, capsys):
+    """`fastdata demo --dir D` replaced D/shards (overwrite=True) and deleted D/cache (rmtree): a user's
+    own dataset and cache, under those natural names, were lost."""
+    mine = tmp_path / "data"
+    (mine / "cache").mkdir(parents=True)
+    (mine / "cache" / "entry.bin").write_bytes(b"precious")
+    argv = ["--images", "8", "--epochs", "1", "--batch-size", "8", "--workers", "0"]
+    assert main(["demo", "--dir", str(mine), *argv]) == 1
+    assert f"--dir {mine}: holds cache, which fastdata demo did not write" in capsys.readouterr().err
+    assert main(["bench", "--dir", str(mine), "--images", "8", "--workers", "0", "--repeats", "1"]) == 1
+    assert "which fastdata bench did not write" in capsys.readouterr().err
+    assert (mine / "cache" / "entry.bin").read_bytes() == b"precious"
+    from fastdata.cli._demo import claim_workdir
+
+    new = claim_workdir(tmp_path / "new" / "w", "demo")  # a new folder is claimed, then reused
+    (new / "shards").mkdir()
+    assert claim_workdir(new, "bench") == new
+    hidden = tmp_path / "hidden"
+    hidden.mkdir()
+    (hidden / ".DS_Store").write_bytes(b"x")
+    assert claim_workdir(hidden, "demo") == hidden

@@ -166,8 +166,9 @@ def run_bench(*, source: str | None, workdir: str | None, num_images: int, sampl
         if workdir is None:
             root = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="fastdata-bench-")))
         else:
-            root = Path(workdir)
-            root.mkdir(parents=True, exist_ok=True)
+            from fastdata.cli._demo import claim_workdir
+
+            root = claim_workdir(Path(workdir), "bench")
         if source is None:
             from fastdata.cli._demo import _make_shards
 
@@ -212,7 +213,8 @@ def add_bench_subparser(subparsers: Any) -> Any:
                    help="samples of SHARDS to measure (default: 2048)")
     p.add_argument("--images", type=positive_int, default=1024, metavar="N",
                    help="images to generate when no SHARDS are given (default: 1024)")
-    p.add_argument("--dir", type=work_folder, default=None, metavar="DIR", help="working folder (default: a temporary one, deleted afterwards)")
+    p.add_argument("--dir", type=work_folder, default=None, metavar="DIR", help="working folder: a new or empty one, or one an earlier bench or demo "
+                   "used (default: a temporary one, deleted afterwards)")
     p.add_argument("--workers", type=nonneg_int, default=2, metavar="N", help="DataLoader workers (default: 2)")
     p.add_argument("--repeats", type=positive_int, default=3, metavar="N", help="timed passes, median (default: 3)")
     p.add_argument("--size", type=positive_int, default=IMAGE_SIZE, metavar="PX",

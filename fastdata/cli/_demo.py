@@ -56,12 +56,31 @@ def default_workers() -> int:
     return max(1, min(8, usable_cores()))
 
 
+WORKDIR_MARK = ".fastdata-workdir"  # in a --dir that demo/bench made: theirs to replace parts of
+
+
+def claim_workdir(root: Path, command: str) -> Path:
+    """``root`` (created) as the ``--dir`` of ``command``, which replaces its ``images``, ``shards``,
+    ``subset`` and ``cache``: refused (:class:`~fastdata.errors.FastdataError`) when it already holds
+    other files that no demo or bench put there, e.g. a user's own ``shards`` or ``cache``."""
+    if root.is_dir() and not (root / WORKDIR_MARK).exists():
+        held = sorted(p.name for p in root.iterdir() if not p.name.startswith("."))
+        if held:
+            from fastdata.errors import FastdataError
+
+            raise FastdataError(
+                f"--dir {root}: holds {', '.join(held[:3])}{', ...' if len(held) > 3 else ''}, which fastdata "
+                f"{command} did not write; it replaces {root}/images, shards, subset and cache: choose an empty "
+                "or new folder")
+    root.mkdir(parents=True, exist_ok=True)
+    (root / WORKDIR_MARK).touch()
+    return root
+
+
 @contextmanager
 def _workdir(path: str | None) -> Iterator[Path]:
     if path is not None:
-        root = Path(path)
-        root.mkdir(parents=True, exist_ok=True)
-        yield root
+        yield claim_workdir(Path(path), "demo")
         return
     with tempfile.TemporaryDirectory(prefix="fastdata-demo-") as tmp:
         yield Path(tmp)
@@ -468,7 +487,8 @@ def add_demo_subparser(sub: Any) -> None:
                     "torch.utils.data.DataLoader, fastdata uncached and fastdata cached; print one table "
                     "(images/s, input wait, GPU utilisation, speed-up).")
     demo.add_argument("--dir", type=work_folder, default=None, metavar="DIR",
-                      help="keep the images, shards and cache in DIR (default: a temporary folder, removed after)")
+                      help="keep the images, shards and cache in DIR: a new or empty folder, or one an earlier demo or "
+                           "bench used (default: a temporary folder, removed after)")
     demo.add_argument("--images", type=positive_int, default=1024, metavar="N",
                       help="number of JPEGs to generate (default: 1024)")
     demo.add_argument("--workers", type=nonneg_int, default=None, metavar="N",
