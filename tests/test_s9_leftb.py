@@ -367,3 +367,13 @@ def test_shard_writer_to_a_relative_folder_survives_a_chdir(tmp_path, monkeypatc
             w.write({"__key__": f"k{i}", "cls": i})
     assert [s["cls"] for s in ShardedDataset(tmp_path / "out")] == [0, 1, 2, 3]
     assert not (tmp_path / "elsewhere" / "out").exists()
+
+
+def test_a_batch_of_tuples_with_images_of_other_sizes_names_the_position(tmp_path):
+    # sample_transform=lambda s: (s["png"], s["cls"]), the usual tuple form: the bare torch message again.
+    from fastdata import DataLoader
+
+    ds = ShardedDataset(_images_of_two_sizes(tmp_path / "ds"), sample_transform=lambda s: (s["png"], s["cls"]))
+    with pytest.raises(RuntimeError, match=r"element 0 of each sample in different shapes \(sample 0 of the batch: "
+                                           r"\(3, 8, 8\); sample 2 of the batch: \(3, 8, 9\)\)"):
+        list(DataLoader(ds, batch_size=4))

@@ -126,18 +126,28 @@ def collate(collate_fn: Callable[[Any], Any], data: Any) -> Any:
 
 
 def _differing_shapes(data: Any) -> str | None:
-    """The first field whose arrays or tensors differ in shape between two samples of ``data``, described, or None."""
-    if not isinstance(data, list) or not data or not all(isinstance(s, Mapping) for s in data):
+    """The first field (or tuple position) whose arrays or tensors differ in shape between two samples of ``data``,
+    described, or None."""
+    if not isinstance(data, list) or not data:
         return None
-    for name, value in data[0].items():
-        shape = getattr(value, "shape", None)
-        if not isinstance(value, (torch.Tensor, np.ndarray)):
+    if all(isinstance(s, Mapping) for s in data):
+        names, label = list(data[0]), lambda j, s: repr(s.get("__key__", f"#{j}"))
+        what = "field {!r}"
+    elif all(isinstance(s, (tuple, list)) and len(s) == len(data[0]) for s in data):  # (image, label) samples
+        names, label = list(range(len(data[0]))), lambda j, s: f"sample {j} of the batch"
+        what = "element {} of each sample"
+    else:
+        return None
+    arrays = (torch.Tensor, np.ndarray)
+    for name in names:
+        first = data[0][name]
+        if not isinstance(first, arrays):
             continue
-        for other in data[1:]:
-            v = other.get(name)
-            if isinstance(v, (torch.Tensor, np.ndarray)) and tuple(v.shape) != tuple(shape):
-                return (f"field {name!r} in different shapes ({data[0].get('__key__', '?')!r}: {tuple(shape)}; "
-                        f"{other.get('__key__', '?')!r}: {tuple(v.shape)})")
+        for j, other in enumerate(data[1:], 1):
+            v = other.get(name) if isinstance(other, Mapping) else other[name]
+            if isinstance(v, arrays) and tuple(v.shape) != tuple(first.shape):
+                return (f"{what.format(name)} in different shapes ({label(0, data[0])}: {tuple(first.shape)}; "
+                        f"{label(j, other)}: {tuple(v.shape)})")
     return None
 
 
