@@ -29,9 +29,12 @@ def _no_fsspec_io_thread_after_the_module():
     (``convert._mp_context`` forks only from a single-threaded process): test_shard_tool took
     2.5x as long in the suite as alone. Each module starts as it would alone: fsspec's cached
     filesystems are dropped (their sessions closed on the running loop) and the loop is stopped;
-    fsspec starts a new one when next used."""
+    fsspec starts a new one when next used. (The LoopbackServer closes its connections itself.)"""
     yield
     _stop_fsspec_io_thread()
+
+
+_STOPPED_FSSPEC_LOOPS: list = []
 
 
 def _stop_fsspec_io_thread() -> None:
@@ -60,7 +63,9 @@ def _stop_fsspec_io_thread() -> None:
         loop.call_soon_threadsafe(loop.stop)
         thread.join(30)
         if not thread.is_alive():
-            loop.close()
+            # stopped, not closed, and kept: an fsspec file dropped later (one whose open failed is
+            # closed only by its __del__) schedules its close here harmlessly, with no warning
+            _STOPPED_FSSPEC_LOOPS.append(loop)
             asyn.loop[0] = asyn.iothread[0] = None
 
 
