@@ -224,3 +224,17 @@ def test_demo_and_bench_dir_refuse_a_folder_they_did_not_make(tmp_path, capsys):
     hidden.mkdir()
     (hidden / ".DS_Store").write_bytes(b"x")
     assert claim_workdir(hidden, "demo") == hidden
+
+
+def test_inspect_reads_a_folder_url_as_verify_does(tmp_path, capsys):
+    """`fastdata verify URL` and `fastdata shard SRC URL` work; `fastdata inspect URL` said "a URL;
+    Manifest.load reads a local folder" (an API the user did not call)."""
+    from loopback_server import LoopbackServer
+
+    convert(_images(tmp_path / "src", 4), tmp_path / "www" / "ds", _opts(samples_per_shard=2))
+    with LoopbackServer(tmp_path / "www", max_requests=20, lifetime=30) as srv:
+        assert main(["inspect", f"{srv.url}/ds", "--shards"]) == 0
+        out = capsys.readouterr().out
+        assert "samples     4" in out and "shard-000001.tar" in out
+        assert main(["inspect", f"{srv.url}/nothing"]) == 1
+        assert "nothing/manifest.json" in capsys.readouterr().err

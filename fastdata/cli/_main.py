@@ -21,10 +21,10 @@ log = logging.getLogger("fastdata")
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
-    from fastdata.manifest import Manifest
+    from fastdata.shards.reader import load_manifest
 
     try:
-        m = Manifest.load(args.dest)
+        m = load_manifest(args.dest)  # a folder URL (s3://, https://, ...) too, as `fastdata verify` reads
     except FastdataError:
         _unfinished(args.dest)
         raise
@@ -99,7 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     inspect = sub.add_parser("inspect", help="summarise a shard folder's manifest",
                              description="Summarise DEST's manifest.json: format, samples, shards, bytes, fields "
                                          "and skipped inputs. Reads only the manifest (`fastdata verify` checks the shards).")
-    inspect.add_argument("dest", metavar="DEST", type=nonempty_path, help="folder with manifest.json (or the file)")
+    inspect.add_argument("dest", metavar="DEST", type=nonempty_path, help="folder with manifest.json (or the file), or its URL")
     inspect.add_argument("--shards", action="store_true", help="list every shard (default: off)")
     inspect.add_argument("--show-skipped", type=nonneg_int, default=10, metavar="N",
                          help="list at most N skipped inputs with their reasons (default: 10)")
