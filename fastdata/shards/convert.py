@@ -293,35 +293,40 @@ def _dest_lock(dest: Path, shown: str) -> Iterator[None]:
     if dest.exists() and not dest.is_dir():
         raise ConversionError(f"DEST {dest} exists and is not a folder")
     dest.mkdir(parents=True, exist_ok=True)
+    fd = _try_lock(dest, shown)
+    if fd is None:
+        yield
+        return
+    _held_locks.add(fd)
+    try:
+        yield
+    finally:
+        _held_locks.discard(fd)
+        os.close(fd)  # the lock goes with the last descriptor of it
+
+
+def _try_lock(dest: Path, shown: str) -> int | None:
+    """A descriptor of ``dest`` holding its exclusive ``flock``; None where folders cannot be locked."""
     try:
         import fcntl
     except ImportError:  # Windows
-        yield
-        return
+        return None
     try:
         fd = os.open(dest, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
     except OSError:
-        yield
-        return
+        return None
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            pid = _lock_holder(os.fstat(fd))
-            raise ConversionError(
-                f"another conversion is writing DEST {shown}" + (f" (pid {pid})" if pid else "")
-                + ": wait for it to finish, or stop it and rerun to resume") from None
-        except OSError as e:  # e.g. a network file system without locks
-            log.debug("DEST %s cannot be locked (%s): converting without a lock", dest, e)
-            yield
-            return
-        _held_locks.add(fd)
-        try:
-            yield
-        finally:
-            _held_locks.discard(fd)
-    finally:
-        os.close(fd)  # the lock goes with the last descriptor of it
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return fd
+    except BlockingIOError:
+        pid = _lock_holder(os.fstat(fd))
+        os.close(fd)
+        raise ConversionError(f"another conversion is writing DEST {shown}" + (f" (pid {pid})" if pid else "")
+                              + ": wait for it to finish, or stop it and rerun to resume") from None
+    except OSError as e:  # e.g. a network file system without locks
+        os.close(fd)
+        log.debug("DEST %s cannot be locked (%s): converting without a lock", dest, e)
+        return None
 
 
 def _lock_holder(st: os.stat_result) -> int | None:
