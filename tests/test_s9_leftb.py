@@ -377,3 +377,34 @@ def test_a_batch_of_tuples_with_images_of_other_sizes_names_the_position(tmp_pat
     with pytest.raises(RuntimeError, match=r"element 0 of each sample in different shapes \(sample 0 of the batch: "
                                            r"\(3, 8, 8\); sample 2 of the batch: \(3, 8, 9\)\)"):
         list(DataLoader(ds, batch_size=4))
+
+
+@pytest.mark.parametrize("num_workers", [0, 1])
+def test_members_a_streamed_tar_leaves_out_are_listed_in_skipped(tmp_path, num_workers):
+    # The README: each tar member left out (a symlink out of the archive, a name that is no '<key>.<field>') is
+    # listed in ShardedDataset.skipped for manifest-less tars. A streamed tar only warned, in the process that
+    # read it (a DataLoader worker's warning never reaches the training process), and listed nothing.
+    import io
+    import tarfile
+    import warnings
+
+    import fastdata
+
+    (tmp_path / "www").mkdir()
+    with tarfile.open(tmp_path / "www" / "a.tar", "w") as t:
+        for name, data in (("k0.cls", b"0"), ("k1.cls", b"1")):
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            t.addfile(info, io.BytesIO(data))
+        link = tarfile.TarInfo("k1.txt")
+        link.type, link.linkname = tarfile.SYMTYPE, "/etc/passwd"
+        t.addfile(link)
+    with LoopbackServer(tmp_path / "www", max_requests=10, lifetime=60) as srv:
+        ds = ShardedDataset([f"{srv.url}/a.tar"], max_skips=0)  # a member left out is no skipped sample
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            keys = [k for b in fastdata.DataLoader(ds, batch_size=2, num_workers=num_workers) for k in b["__key__"]]
+    assert keys == ["k0", "k1"]
+    (record,) = ds.skipped
+    assert (record["shard"], record["key"], record["member"], record["epoch"]) == (f"{srv.url}/a.tar", "k1", "k1.txt", 0)
+    assert "points outside the archive" in record["reason"]

@@ -1100,14 +1100,16 @@ class ShardedDataset(IterableDataset):
 
     def record_skips(self, records: Sequence[dict[str, Any]]) -> None:
         """Skip records that reached this process from a worker: warn (``on_error="warn"``), in batch order,
-        add them to ``skipped``, count them."""
+        add them to ``skipped``, count them (tar members left out, records with a ``member``, are only listed)."""
+        samples = [r for r in records if "member" not in r]
         if self.on_error == "warn":
-            for r in records:
+            for r in samples:
                 _warn_skip(r, stacklevel=3)
         if records:
             with self._skip_lock:
                 self.skipped.extend(records)
-            self._count_skips(len(records))
+            if samples:
+                self._count_skips(len(samples))
 
     # Skip records a walk collected ahead of the consumer (``Cursor.defer_skips``), now that the consumer
     # reaches their batch: handled as a worker's (an alias: the warnings' stack level stays the caller's)
@@ -1172,7 +1174,9 @@ class ShardedDataset(IterableDataset):
         slots, slot = self.world_size * nwe, self.rank * nwe + cursor.worker
         quota = None if self.samples_per_epoch is None else split_sizes(self._per_rank(), nwe)[cursor.worker]
         key = rng_key(self.seed, 2, cursor.epoch, self.rank, nwe, cursor.worker)
-        raw = self._stream_raw(cursor.epoch, slot, slots, quota is not None)
+        # members a shard leaves out are listed when it is read (outside the shuffle buffer: no stream position)
+        raw = self._stream_raw(cursor.epoch, slot, slots, quota is not None,
+                               lambda shard, members: self._list_left_out(members, shard, cursor))
         if self.shuffle is not None and self.shuffle.buffer_size > 1:
             raw = _shuffle_buffer(raw, self.shuffle.buffer_size, key)
         pos = 0
@@ -1207,6 +1211,24 @@ class ShardedDataset(IterableDataset):
             yield self._sample_transform(sample, shard) if self.sample_transform is not None else sample
         yield from self._end_of_walk(cursor)
 
+    def _list_left_out(self, members: list[tuple[str, str]], shard: int, cursor: Cursor) -> None:
+        """Tar members a streamed shard left out (a symlink out of the archive, a name that is no key.field), in
+        ``skipped`` as those of local tars are (with ``member``; not sample skips: ``max_skips`` does not count
+        them). A DataLoader worker's ride to the main process with its skip records."""
+        from fastdata.shards import split_member_name
+
+        name = self.source.names[shard]
+        records = []
+        for member, reason in members:
+            parts = split_member_name(member)
+            records.append({"shard": name, "key": None if parts is None else parts[0], "member": member,
+                            "index": None, "epoch": cursor.epoch, "reason": reason})
+        if _in_worker() and self._inline_skips is not None:
+            cursor.skips.extend(records)
+        else:
+            with self._skip_lock:
+                self.skipped.extend(records)
+
     def _stream_cut(self, cut: _ShardCut, shard: int, cursor: Cursor) -> None:
         """Apply ``on_error`` to a streamed shard that failed after ``cut.read`` samples. A skip is one record
         (key ``'?'``) for all the samples behind the failure: a tar URL has no manifest to count them."""
@@ -1218,7 +1240,8 @@ class ShardedDataset(IterableDataset):
                             "record stands for all of them)")
         self._record_skip(reason, shard, -1, cursor, "?")
 
-    def _stream_raw(self, epoch: int, slot: int, slots: int, endless: bool) -> Iterator[tuple[int, Any]]:
+    def _stream_raw(self, epoch: int, slot: int, slots: int, endless: bool,
+                    left_out: Callable[[int, list[tuple[str, str]]], None]) -> Iterator[tuple[int, Any]]:
         n = len(self.source.names)
         p = epoch
         empty: set[int] = set()  # shards that gave nothing (no sample, no error): not fetched again this walk
@@ -1227,14 +1250,17 @@ class ShardedDataset(IterableDataset):
             dealt = [s for s in order[slot::slots].tolist() if s not in empty]
             for shard in dealt:
                 items = 0
+                members: list[tuple[str, str]] = []  # members that give no data (iter_tar_stream warns too)
                 try:
-                    for sample in self.source.stream(shard):
+                    for sample in self.source.stream(shard, members):
                         items += 1
                         yield shard, sample
                 except (FastdataError, OSError) as e:  # the rest of this shard is lost
                     err = e if isinstance(e, FastdataError) else ShardError(f"{self.source.names[shard]}: {e}")
                     yield shard, _ShardCut(err, items)
                     items += 1
+                if members:
+                    left_out(shard, members)
                 if not items:
                     empty.add(shard)
             if not endless:

@@ -122,8 +122,9 @@ class Source:
         """A random-access reader of shard ``i`` (lazy: opens on first use)."""
         return self._opener(i)
 
-    def stream(self, i: int) -> Iterator[dict[str, Any]]:
-        """Samples of shard ``i`` in file order (streaming sources)."""
+    def stream(self, i: int, skipped: list[tuple[str, str]] | None = None) -> Iterator[dict[str, Any]]:
+        """Samples of shard ``i`` in file order (streaming sources); members left out go to ``skipped``
+        as ``(member, reason)``."""
         from fastdata.shards.tar import iter_tar_stream
 
         url, name = (self.urls or self.names)[i], self.names[i]
@@ -133,9 +134,9 @@ class Source:
                     import gzip
 
                     with gzip.GzipFile(fileobj=raw, mode="rb") as f:  # type: ignore[arg-type]
-                        yield from iter_tar_stream(f, name)  # type: ignore[arg-type]
+                        yield from iter_tar_stream(f, name, skipped)  # type: ignore[arg-type]
                 else:
-                    yield from iter_tar_stream(raw, name)  # type: ignore[arg-type]
+                    yield from iter_tar_stream(raw, name, skipped)  # type: ignore[arg-type]
         except ShardError as e:
             if isinstance(e.__cause__, RemoteError):  # the network failed, not the tar: say so
                 raise e.__cause__ from None
