@@ -53,6 +53,10 @@ def test_image_folder_holds_exactly_the_images_asked_for(tmp_path):
     with pytest.raises(FastdataError, match=r"holds class_01/notes.txt, which were not generated here"):
         _images(root, 4)
     assert (root / "class_01" / "notes.txt").read_text() == "mine"
+    many = tmp_path / "many"  # 3-digit class folders and 7-digit image numbers are the generator's own too
+    make_image_folder(many, 105, num_classes=101, min_side=8, max_side=9)
+    make_image_folder(many, 102, num_classes=101, min_side=8, max_side=9)
+    assert len(_files(many)) == 102
 
 
 def test_demo_shards_describe_the_images_asked_for(tmp_path, capsys):

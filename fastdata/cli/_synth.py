@@ -53,7 +53,7 @@ def _write_images(root: Path, jobs: list[tuple[int, int, int, int, int]], num_cl
 
 
 _STAMP = ".fastdata-synth.json"  # the arguments the folder's images were generated with
-_GENERATED = re.compile(r"(class_\d{2}/img_\d{6}\.jpg|class_\d{2}/\.img_\d{6}\.jpg\.\d+\.tmp)")
+_GENERATED = re.compile(r"(class_\d{2,}/img_\d{6,}\.jpg|class_\d{2,}/\.img_\d{6,}\.jpg\.\d+\.tmp)")
 
 
 def _keep_only(root: Path, wanted: set[str], settings: dict[str, object]) -> None:
@@ -72,7 +72,7 @@ def _keep_only(root: Path, wanted: set[str], settings: dict[str, object]) -> Non
     for cls_dir in sorted(root.iterdir()):
         if cls_dir.name.startswith("."):  # the stamp, .DS_Store: no class (readers skip hidden entries)
             continue
-        if not cls_dir.is_dir() or not re.fullmatch(r"class_\d{2}", cls_dir.name):
+        if not cls_dir.is_dir() or not re.fullmatch(r"class_\d{2,}", cls_dir.name):
             foreign.append(cls_dir.name)
             continue
         for f in sorted(cls_dir.iterdir()):
