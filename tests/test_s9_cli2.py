@@ -242,3 +242,16 @@ def test_inspect_reads_a_folder_url_as_verify_does(tmp_path, capsys):
         assert "samples     4" in out and "shard-000001.tar" in out
         assert main(["inspect", f"{srv.url}/nothing"]) == 1
         assert "nothing/manifest.json" in capsys.readouterr().err
+
+
+def test_a_dest_holding_only_hidden_files_is_empty(tmp_path):
+    """A DEST holding only Finder's .DS_Store was "not empty" and needed --overwrite (hidden files in
+    SRC are ignored)."""
+    src, dest = _images(tmp_path / "src", 4), tmp_path / "out"
+    dest.mkdir()
+    (dest / ".DS_Store").write_bytes(b"x")
+    assert convert(src, dest, _opts(samples_per_shard=2)).manifest.num_samples == 4
+    assert (dest / ".DS_Store").read_bytes() == b"x"
+    (dest / "notes.txt").write_text("mine")  # a visible file still makes it not empty
+    with pytest.raises(ConversionError, match=r"not empty \(a finished conversion .*holds manifest.json, notes.txt"):
+        convert(src, dest, _opts(samples_per_shard=3))

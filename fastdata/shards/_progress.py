@@ -204,7 +204,8 @@ def prepare(dest: Path, plan: Plan, *, overwrite: bool,
     saved = _read_json(folder / _PLAN_FILE)
     resumable = isinstance(saved, dict) and saved.get("fingerprint") == plan.fingerprint
     if overwrite or not resumable:
-        existing = sorted(os.listdir(dest))
+        # hidden entries (.DS_Store, .Trash, ...) are ignored, as in SRC; the progress folder is not
+        existing = sorted(n for n in os.listdir(dest) if not n.startswith(".") or n == PROGRESS_DIR)
         if existing and not overwrite:
             shown = ", ".join(existing[:3]) + (", ..." if len(existing) > 3 else "")
             if folder.is_dir():
