@@ -255,3 +255,24 @@ def test_a_dest_holding_only_hidden_files_is_empty(tmp_path):
     (dest / "notes.txt").write_text("mine")  # a visible file still makes it not empty
     with pytest.raises(ConversionError, match=r"not empty \(a finished conversion .*holds manifest.json, notes.txt"):
         convert(src, dest, _opts(samples_per_shard=3))
+
+
+def test_verify_and_inspect_tell_a_running_conversion_from_an_interrupted_one(tmp_path, capsys):
+    """While a conversion runs, verify and inspect said it "did not finish (rerun it to resume)"; a
+    rerun then only failed on the lock."""
+    dest = tmp_path / "out"
+    convert(_images(tmp_path / "src", 4), dest, _opts(samples_per_shard=2))
+    (dest / "manifest.json").unlink()
+    (dest / PROGRESS_DIR).mkdir()
+    fd = os.open(dest, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # as the running conversion holds it
+        running = f"no manifest.json yet: a conversion into it is running (pid {os.getpid()}); try again once it finishes"
+        assert main(["verify", str(dest)]) == 1
+        assert capsys.readouterr().err.strip() == f"fastdata verify: error: {dest}: {running}"
+        assert main(["inspect", str(dest)]) == 1
+        assert capsys.readouterr().err.strip() == f"fastdata inspect: error: {dest}: {running}"
+    finally:
+        os.close(fd)
+    assert main(["verify", str(dest)]) == 1
+    assert "did not finish (rerun it to resume)" in capsys.readouterr().err

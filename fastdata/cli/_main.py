@@ -13,7 +13,7 @@ from fastdata.cli._bench import add_bench_subparser
 from fastdata.cli._cache_cmd import add_cache_subparser
 from fastdata.cli._demo import add_demo_subparser
 from fastdata.cli._doctor import add_doctor_subparser
-from fastdata.cli._shard_cmd import add_shard_subparsers, stdout_closed
+from fastdata.cli._shard_cmd import add_shard_subparsers, stdout_closed, unfinished_conversion
 from fastdata.cli._tune import add_tune_subparser
 from fastdata.errors import FastdataError
 
@@ -63,7 +63,7 @@ def _unfinished(dest: str) -> None:
     path = Path(local_path(dest))
     folder = path if path.is_dir() else path.parent if path.name == MANIFEST_NAME else None
     if folder is not None and not (folder / MANIFEST_NAME).exists() and (folder / PROGRESS_DIR).is_dir():
-        raise FastdataError(f"{dest}: no {MANIFEST_NAME}: the conversion into it did not finish (rerun it to resume)")
+        raise FastdataError(f"{dest}: {unfinished_conversion(folder)}")
 
 
 def _message(error: BaseException) -> str:

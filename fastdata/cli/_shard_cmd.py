@@ -317,6 +317,17 @@ def _verify(dest: str, workers: int | None, quiet: bool, prog: str) -> int:
     return 0
 
 
+def unfinished_conversion(folder: str | Path) -> str:
+    """Why ``folder``, holding a conversion's progress records, has no manifest: still running, or interrupted."""
+    from fastdata.manifest import MANIFEST_NAME
+    from fastdata.shards.convert import converting_pid
+
+    pid = converting_pid(folder)
+    if pid is not None:
+        return f"no {MANIFEST_NAME} yet: a conversion into it is running (pid {pid}); try again once it finishes"
+    return f"no {MANIFEST_NAME}: the conversion into it did not finish (rerun it to resume)"
+
+
 def verify_folder(dest: str | Path, *, workers: int | None = None, progress: bool | None = None) -> list[str]:
     """Every problem of the shard folder ``dest`` (empty: all good), checking shards in threads.
 
@@ -346,7 +357,7 @@ def verify_folder(dest: str | Path, *, workers: int | None = None, progress: boo
             raise ConversionError(f"DEST {dest}: " + ("not a folder (pass the folder holding manifest.json)"
                                                      if path.exists() else "no such folder"))
         if not (path / MANIFEST_NAME).exists() and (path / PROGRESS_DIR).is_dir():
-            return [f"no {MANIFEST_NAME}: the conversion into it did not finish (rerun it to resume)"]
+            return [unfinished_conversion(path)]
         try:
             manifest = Manifest.load(path)
         except ManifestError as e:

@@ -87,7 +87,7 @@ from fastdata.shards._sources import (
 
 __all__ = [
     "DEFAULT_SHARD_SIZE", "PROGRESS_DIR", "ConversionError", "ConvertOptions", "ConvertResult", "Plan",
-    "ShardJob", "ShardResult", "convert", "default_workers", "parse_size", "plan_conversion",
+    "ShardJob", "ShardResult", "convert", "converting_pid", "default_workers", "parse_size", "plan_conversion",
 ]
 
 log = logging.getLogger("fastdata.convert")
@@ -326,6 +326,15 @@ def _try_lock(dest: Path, shown: str) -> int | None:
     except OSError as e:  # e.g. a network file system without locks
         os.close(fd)
         log.debug("DEST %s cannot be locked (%s): converting without a lock", dest, e)
+        return None
+
+
+def converting_pid(dest: str | os.PathLike[str]) -> int | None:
+    """The pid of the process converting into the local folder ``dest`` right now (it holds the DEST
+    lock), read from ``/proc/locks`` without taking the lock; None if none, or where that is unknown."""
+    try:
+        return _lock_holder(os.stat(dest))
+    except OSError:
         return None
 
 
