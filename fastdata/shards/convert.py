@@ -345,7 +345,6 @@ def _lock_holder(st: os.stat_result) -> int | None:
             lines = f.read().splitlines()
     except OSError:
         return None
-    found = None
     for line in lines:
         parts = line.split()
         if "FLOCK" not in parts or "->" in parts:  # "->": a waiter, not the holder
@@ -356,11 +355,9 @@ def _lock_holder(st: os.stat_result) -> int | None:
             major, minor, inode = int(where[0], 16), int(where[1], 16), int(where[2])
         except (IndexError, ValueError):
             continue
-        if inode == st.st_ino:
-            if os.makedev(major, minor) == st.st_dev:
-                return pid
-            found = found or pid
-    return found
+        if inode == st.st_ino and os.makedev(major, minor) == st.st_dev and pid > 0:  # (an inode number alone
+            return pid  # is another file on another disk; pid 0: a process in another pid namespace, unknown here)
+    return None
 
 
 def _run_plan(plan: Plan, state: Any, dest_path: Path, opts: ConvertOptions, t0: float,
