@@ -1120,7 +1120,8 @@ class ShardedDataset(IterableDataset):
             return
         with self._skip_lock:
             self._skip_count += n
-            count, records = self._skip_count, self.skipped[self._skip_first:]
+            count = self._skip_count
+            records = [r for r in self.skipped[self._skip_first:] if "member" not in r]  # samples, not tar members
         if isinstance(self.max_skips, float):
             per_rank = self._per_rank()
             limit, what = math.floor(self.max_skips * per_rank), f"{self.max_skips:g} of the {per_rank} samples"
