@@ -276,3 +276,18 @@ def test_verify_and_inspect_tell_a_running_conversion_from_an_interrupted_one(tm
         os.close(fd)
     assert main(["verify", str(dest)]) == 1
     assert "did not finish (rerun it to resume)" in capsys.readouterr().err
+
+
+def test_verify_keeps_a_urls_password_and_token_out_of_its_lines(tmp_path, capsys):
+    """`fastdata verify http://me:secret@host/ds?sig=tok` printed the password and the signed URL's
+    token on its ok and error lines (the messages inside them were redacted)."""
+    from loopback_server import LoopbackServer
+
+    convert(_images(tmp_path / "src", 4), tmp_path / "www" / "ds", _opts(samples_per_shard=2))
+    with LoopbackServer(tmp_path / "www", max_requests=20, lifetime=30) as srv:
+        base = srv.url.replace("http://", "http://me:secret@")
+        assert main(["verify", f"{base}/ds?sig=tok", "--workers", "1"]) == 0
+        assert main(["verify", f"{base}/nothing?sig=tok"]) == 1
+    out, err = capsys.readouterr()
+    assert "me:***@" in out and "me:***@" in err and "sig=***" in out
+    assert "secret" not in out + err and "tok" not in out + err

@@ -287,6 +287,9 @@ def _convert(src: str, dest: str, args: argparse.Namespace) -> int:
     result = convert(src, dest, options)
     if args.quiet:
         return 0
+    from fastdata.shards import redact_url
+
+    dest = redact_url(dest)  # a URL's password and signed-URL tokens stay out of logs
     m = result.manifest
     shards = f"{len(m.shards)} {m.format} shard{'s' if len(m.shards) != 1 else ''}"
     if result.complete:
@@ -301,19 +304,22 @@ def _convert(src: str, dest: str, args: argparse.Namespace) -> int:
 
 
 def _verify(dest: str, workers: int | None, quiet: bool, prog: str) -> int:
+    from fastdata.shards import redact_url
+
+    shown = redact_url(dest)  # a URL's password and signed-URL tokens stay out of logs
     problems = verify_folder(dest, workers=workers, progress=False if quiet else None)
     for problem in problems:
-        print(f"{prog}: error: {dest}: {problem}", file=sys.stderr)
+        print(f"{prog}: error: {shown}: {problem}", file=sys.stderr)
     if problems:
         if len(problems) > 1:
-            print(f"{prog}: {dest}: {len(problems)} problems", file=sys.stderr)
+            print(f"{prog}: {shown}: {len(problems)} problems", file=sys.stderr)
         return 1
     if not quiet:
         from fastdata.shards.reader import load_manifest
 
         manifest = load_manifest(dest)
         n = len(manifest.shards)
-        print(f"{dest}: ok, {n} shard{'s' if n != 1 else ''}, {manifest.num_samples} samples")
+        print(f"{shown}: ok, {n} shard{'s' if n != 1 else ''}, {manifest.num_samples} samples")
     return 0
 
 
