@@ -291,3 +291,68 @@ def test_verify_keeps_a_urls_password_and_token_out_of_its_lines(tmp_path, capsy
     out, err = capsys.readouterr()
     assert "me:***@" in out and "me:***@" in err and "sig=***" in out
     assert "secret" not in out + err and "tok" not in out + err
+
+
+class _FakeRay:
+    """Just enough of ``ray`` for ``fastdata.shards._ray.execute``: tasks run at ``.remote()``."""
+
+    class exceptions:  # noqa: N801
+        class RayTaskError(Exception):
+            pass
+
+    def __init__(self, initialized: bool):
+        self.initialized, self.calls = initialized, []
+
+    def is_initialized(self):
+        return self.initialized
+
+    def init(self, **kw):
+        self.calls.append("init")
+        self.initialized = True
+
+    def shutdown(self):
+        self.calls.append("shutdown")
+        self.initialized = False
+
+    def cluster_resources(self):
+        return {"CPU": 1}
+
+    def remote(self, **kw):
+        class Remote:
+            def __init__(self, fn):
+                self.fn = fn
+
+            def remote(self, *args):
+                return ("ref", self.fn(*args))
+        return Remote
+
+    def wait(self, refs, num_returns=1, timeout=None):
+        return refs[:num_returns], refs[num_returns:]
+
+    def get(self, ref):
+        return ref[1]
+
+    def cancel(self, ref, force=False):
+        pass
+
+
+@pytest.mark.parametrize("initialized", [False, True])
+def test_ray_started_by_a_conversion_is_shut_down_by_it(monkeypatch, initialized):
+    """A Ray instance `--engine ray` started was left to Ray's atexit hook: a Ctrl-C landing there
+    printed a traceback after the summary line and left Ray's agents orphaned. One the caller
+    initialised is left running."""
+    from fastdata.shards import _ray
+
+    fake = _FakeRay(initialized)
+    monkeypatch.setattr(_ray, "_ray", lambda: fake)
+    out = list(_ray.execute([1, 2, 3], lambda task, tick: task * 10, workers=2, tick=lambda n: None, size=lambda t: 1))
+    assert sorted(out) == [10, 20, 30]
+    assert fake.calls == ([] if initialized else ["init", "shutdown"])
+    fake.initialized = initialized
+
+    def fail(task, tick):
+        raise ValueError("bad shard")
+
+    with pytest.raises(ValueError, match="bad shard"):  # an error ends it too
+        list(_ray.execute([1], fail, workers=1, tick=lambda n: None, size=lambda t: 1))
+    assert fake.initialized == initialized

@@ -7,7 +7,8 @@ local engine's: the driver records each finished shard in ``DEST/.fastdata-progr
 ``manifest.json`` last, so a rerun (on Ray or locally) redoes only the missing shards.
 
 Where the tasks run: ``ray.init()`` connects to the cluster named by ``RAY_ADDRESS`` or a running
-local one, else starts a local instance; an already initialised Ray is used as it is. On a
+local one, else starts a local instance, and ``ray.shutdown()`` follows when the conversion ends;
+an already initialised Ray is used as it is (and left running). On a
 multi-node cluster every node must see SRC and DEST at the same paths (shared storage), or DEST
 is a URL: each task then writes into its node's staging folder and uploads the finished shard.
 
@@ -48,9 +49,19 @@ def execute(tasks: Sequence[Any], write: Callable[[Any, Callable[[int], None]], 
     the tasks not finished are cancelled.
     """
     ray = _ray()
-    if not ray.is_initialized():
+    started = not ray.is_initialized()
+    if started:
         ray.init(log_to_driver=False)
         log.info("ray: connected (%s CPUs)", ray.cluster_resources().get("CPU"))
+    try:
+        yield from _execute(ray, tasks, write, workers=workers, tick=tick, size=size)
+    finally:
+        if started:  # what this conversion started ends with it, not in Ray's atexit hook (a Ctrl-C
+            ray.shutdown()  # landing there printed a traceback after the summary and orphaned Ray's agents)
+
+
+def _execute(ray: Any, tasks: Sequence[Any], write: Callable[[Any, Callable[[int], None]], Any], *,
+             workers: int | None, tick: Callable[[int], None], size: Callable[[Any], int]) -> Iterator[Any]:
     remote = ray.remote(num_cpus=1, max_retries=1)(_run)  # a lost worker node reruns its shard once
     queue = list(tasks)
     limit = len(queue) if workers is None else max(1, workers)
