@@ -107,3 +107,29 @@ def test_a_worker_killed_while_passing_a_batch_is_named_not_a_connection_reset(f
         it._inner = real
         it.close()
         signal.signal(signal.SIGCHLD, old)
+
+
+def test_convert_from_a_script_without_a_main_guard_says_why_its_spawned_workers_died(tmp_path):
+    """convert() spawns its workers when the calling process runs another thread (a forked copy of such a
+    process can deadlock); spawned workers import the calling script again, and an unguarded script
+    calls convert() in each of them. That was reported as "a worker process died (killed, out of
+    memory?) while writing a shard" though no shard was started and nothing was killed."""
+    import subprocess
+    import sys
+
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(4):
+        (src / f"{i}.png").write_bytes(_png(i))
+    script = tmp_path / "unguarded.py"
+    script.write_text(
+        "import threading, time\n"
+        "from fastdata.shards.convert import ConvertOptions, convert\n"
+        "threading.Thread(target=time.sleep, args=(60,), daemon=True).start()  # tqdm's monitor, a logger...\n"
+        f"convert({str(src)!r}, {str(tmp_path / 'out')!r}, ConvertOptions(samples_per_shard=1, workers=2, "
+        "progress=False))\n")
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, check=False)
+    assert run.returncode == 1
+    last = run.stderr.strip().splitlines()[-1]
+    assert "ConversionError" in last and "if __name__ ==" in last and "spawn" in last, run.stderr[-2000:]
+    assert "out of memory" not in last

@@ -591,6 +591,14 @@ def _execute(tasks: list[_Task], opts: ConvertOptions, tick: Callable[[int], Non
                     _drain(queue, tick, writing)
                     names = sorted(writing)
                     which = names[0] if len(names) == 1 else f"one of {', '.join(names)}" if names else "a shard"
+                    if not names and ctx.get_start_method() != "fork":  # died starting: the script re-imported?
+                        raise ConversionError(
+                            f"a worker process died before writing any shard into DEST {tasks[0].dest} (its error, "
+                            f"if any, is printed above). The workers were started with {ctx.get_start_method()} "
+                            "(fork only when this process runs no other thread: forking one that does can "
+                            "deadlock), so each imported the script that called convert() again: a script must "
+                            "call it under "
+                            "`if __name__ == \"__main__\":`") from e
                     raise ConversionError(
                         f"a worker process died (killed, out of memory?) while writing {which} into DEST "
                         f"{tasks[0].dest}; the shards finished before are kept: rerun to resume") from e
