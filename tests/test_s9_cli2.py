@@ -356,3 +356,14 @@ def test_ray_started_by_a_conversion_is_shut_down_by_it(monkeypatch, initialized
     with pytest.raises(ValueError, match="bad shard"):  # an error ends it too
         list(_ray.execute([1], fail, workers=1, tick=lambda n: None, size=lambda t: 1))
     assert fake.initialized == initialized
+
+
+def test_rerun_of_a_conversion_that_read_nothing_fails_again(tmp_path, capsys):
+    """`fastdata shard SRC DEST` where no input is readable fails (status 1); the same command again
+    said "DEST: complete, 0 samples ... nothing to do" with status 0 (a retry loop went on with an empty set)."""
+    src, dest = tmp_path / "src", tmp_path / "out"
+    (src / "c0").mkdir(parents=True)
+    (src / "c0" / "a.jpg").write_bytes(b"not an image")
+    for _ in range(2):
+        assert main(["shard", str(src), str(dest), "--quiet"]) == 1
+        assert "none of its 1 inputs could be read" in capsys.readouterr().err

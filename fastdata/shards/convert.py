@@ -266,6 +266,7 @@ def convert(src: str | os.PathLike[str], dest: str | os.PathLike[str], options: 
                 first = finished.skipped[0]
                 raise ConversionError(
                     f"{os.path.join(plan.listing.root, first['source'])}: {first['reason']} (--strict)")
+            _check_some_read(plan, finished, dest_path)
             log.debug("%s already holds this conversion, finished (same arguments and inputs)", dest_path)
             return ConvertResult(finished, 0, len(finished.shards), time.perf_counter() - t0, 0, complete=True)
         state = _progress.prepare(dest_path, plan, overwrite=opts.overwrite)
@@ -379,16 +380,21 @@ def _run_plan(plan: Plan, state: Any, dest_path: Path, opts: ConvertOptions, t0:
     if upload_to is not None:  # the manifest goes last: readers never see a half-uploaded set
         _upload(dest_path / MANIFEST_NAME, upload_to, MANIFEST_NAME)
         shutil.rmtree(dest_path, ignore_errors=True)
-    if manifest.num_samples == 0:
-        first = manifest.skipped[0]
-        raise ConversionError(f"SRC {plan.listing.root}: none of its {len(manifest.skipped)} inputs could be read "
-                              f"(reasons in {upload_to or dest_path}/{MANIFEST_NAME}, e.g. {first['source']}: "
-                              f"{first['reason']})")
+    _check_some_read(plan, manifest, upload_to or dest_path)
     if manifest.skipped:
         examples = "; ".join(f"{s['source']}: {s['reason']}" for s in manifest.skipped[:3])
         log.warning("skipped %d input(s) (listed in %s/%s under 'skipped'), e.g. %s",
                     len(manifest.skipped), upload_to or dest_path, MANIFEST_NAME, examples)
     return ConvertResult(manifest, len(todo), kept, time.perf_counter() - t0, plan.num_samples - initial)
+
+
+def _check_some_read(plan: Plan, manifest: Manifest, dest: Any) -> None:
+    """A conversion that read none of its inputs failed (its manifest lists them all as skipped), also
+    when a rerun finds it finished."""
+    if manifest.num_samples == 0 and manifest.skipped:
+        first = manifest.skipped[0]
+        raise ConversionError(f"SRC {plan.listing.root}: none of its {len(manifest.skipped)} inputs could be read "
+                              f"(reasons in {dest}/{MANIFEST_NAME}, e.g. {first['source']}: {first['reason']})")
 
 
 def _staging(url: str, opts: ConvertOptions) -> Path:
@@ -491,6 +497,7 @@ def _convert_remote_locked(plan: Plan, url: str, staging: Path, opts: ConvertOpt
     existing = _remote_manifest(url, staging)
     if existing is not None and not opts.overwrite:
         if existing.extra.get(_progress.FINGERPRINT_KEY) == plan.fingerprint:
+            _check_some_read(plan, existing, redact_url(url))
             log.debug("%s already holds this conversion, finished (same arguments and inputs)", redact_url(url))
             return ConvertResult(existing, 0, len(existing.shards), time.perf_counter() - t0, 0, complete=True)
         raise ConversionError(f"DEST {redact_url(url)} holds a finished conversion with different arguments or "
