@@ -59,3 +59,59 @@ def test_trainstep_does_not_step_on_an_empty_batch():
     step({"input": torch.randn(2, 4), "target": torch.tensor([0, 1])})
     assert (step.steps, step.empty_batches) == (1, 1)
     assert not all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def _jpg(v):
+    import io
+
+    from PIL import Image
+
+    b = io.BytesIO()
+    Image.new("RGB", (16, 16), (v, v, v)).save(b, "JPEG")
+    return b.getvalue()
+
+
+def _write_detection_set(dest, boxes_rows):
+    import numpy as np
+
+    import fastdata
+
+    with fastdata.ShardWriter(dest) as w:
+        for i in range(3):
+            data = _jpg(40 * i) if i != 1 else _jpg(40)[:200] + b"\0" * 50  # sample 1 corrupt
+            w.write({"__key__": f"s{i}", "jpg": data, "boxes.npy": np.full((boxes_rows(i), 4), i, np.float32),
+                     "cls": i})
+    return fastdata.ShardedDataset(dest, image_decode="device")
+
+
+def test_decode_skip_drops_the_skipped_samples_item_of_a_per_sample_list(tmp_path):
+    import pytest
+    import torch
+
+    import fastdata
+    from fastdata import gpu
+    from fastdata.dataset import collate
+    from fastdata.errors import DecodeError
+
+    ds = _write_detection_set(tmp_path / "a", lambda i: i + 2)
+
+    def detection(samples):  # images packed, boxes as a per-sample list (a custom collate)
+        out = collate([{k: v for k, v in s.items() if k != "boxes.npy"} for s in samples])
+        out["boxes"] = [torch.as_tensor(s["boxes.npy"]) for s in samples]
+        out["targets"] = [{"labels": torch.as_tensor(s["boxes.npy"])[:, 0]} for s in samples]
+        return out
+
+    stage = gpu.Compose(gpu.DecodeImages(device="cpu", on_error="skip"), gpu.CenterCrop(8))
+    (b,) = [stage(b) for b in fastdata.DataLoader(ds, batch_size=3, num_workers=0, collate_fn=detection)]
+    # the skipped sample s1's boxes stayed, paired with s2's image, and s1's boxes (3 rows = n) lost a row
+    assert b["__key__"] == ["s0", "s2"] and b["jpg"].shape[0] == 2
+    assert [t.shape[0] for t in b["boxes"]] == [2, 4] and [int(t[0, 0]) for t in b["boxes"]] == [0, 2]
+    assert [len(t["labels"]) for t in b["targets"]] == [2, 4]
+    # every sample with 3 boxes in a batch of 3: a list field of 3 batched tensors looks the same: refused
+    stage = gpu.Compose(gpu.DecodeImages(device="cpu", on_error="skip"))
+    ds = _write_detection_set(tmp_path / "b", lambda i: 3)
+    loader = fastdata.DataLoader(ds, batch_size=3, num_workers=0,
+                                 collate_fn=lambda s: {k: v for k, v in detection(s).items() if k != "targets"})
+    with pytest.raises(DecodeError, match=r"\['boxes'\] is a list of 3 items of 3 rows"):
+        for b in loader:
+            stage(b)

@@ -572,6 +572,42 @@ def _select_packed(packed: PackedImages, keep: list[int]) -> PackedImages:
                                            index=index[i], epoch=packed.epoch) for i in keep])
 
 
+def _batched(obj: Any, n: int) -> bool:
+    """True when every leaf of ``obj`` is ``n`` rows (a tensor's first dim, packed or decoded images, a list of
+    ``n`` plain values): what a collate makes of one field of ``n`` samples."""
+    if isinstance(obj, (torch.Tensor, np.ndarray)):
+        return obj.ndim >= 1 and obj.shape[0] == n
+    if isinstance(obj, (ImageBatch, PackedImages)):
+        return len(obj) == n
+    if isinstance(obj, Mapping):
+        return all(_batched(v, n) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        if not any(isinstance(v, (torch.Tensor, np.ndarray, PackedImages, ImageBatch, Mapping, list, tuple))
+                   for v in obj):
+            return len(obj) == n
+        return all(_batched(v, n) for v in obj)
+    return False
+
+
+def _per_sample(obj: list | tuple, n: int, path: tuple[Any, ...]) -> bool:
+    """Whether a list of ``n`` items holds one item per sample (a custom collate's list of boxes tensors, of
+    target dicts, of strings) rather than a collated structure (a sample's list field: ``n`` batched tensors).
+    A list of ``n`` plain values or dicts, or of items that are not all ``n`` rows, is per sample. One whose
+    other items are all ``n`` rows too could be either: an error naming it rather than a guess, which would pair the targets
+    of one sample with the image of another, silently."""
+    containers = any(isinstance(v, (torch.Tensor, np.ndarray, PackedImages, ImageBatch, Mapping, list, tuple))
+                     for v in obj)
+    if not containers or not all(_batched(v, n) for v in obj) or all(isinstance(v, Mapping) for v in obj):
+        return True  # a list of n dicts: torchvision's detection targets, one per sample
+    where = "".join(f"[{k!r}]" for k in path) or "the batch"
+    raise DecodeError(
+        f"DecodeImages(on_error={'skip'!r}): batch entry {where} is a list of {n} items of {n} rows each, with {n} "
+        f"samples in the batch: it cannot tell whether it holds one item per sample (drop the skipped sample's "
+        f"item) or a collated field of {n} batched items (drop a row of each). Give per-sample items another "
+        f"form, e.g. one dict per sample ({{'boxes': tensor}}) for a detection target, or a batch size other "
+        f"than the length of a list field")
+
+
 def _drop_rows(obj: Any, n: int, keep: list[int], done: set, path: tuple[Any, ...] = ()) -> Any:
     """Keep rows ``keep`` of every per-sample entry: tensors with first dim ``n``, lists of ``n`` leaves, and
     the packed or decoded images of other fields (another stage's ``keys``)."""
@@ -591,8 +627,7 @@ def _drop_rows(obj: Any, n: int, keep: list[int], done: set, path: tuple[Any, ..
     if isinstance(obj, dict):
         return {k: _drop_rows(v, n, keep, done, (*path, k)) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        containers = any(isinstance(v, (torch.Tensor, PackedImages, ImageBatch, dict, list, tuple)) for v in obj)
-        if not containers and len(obj) == n:
+        if len(obj) == n and _per_sample(obj, n, path):
             items = [obj[i] for i in keep]
         else:
             items = [_drop_rows(v, n, keep, done, (*path, k)) for k, v in enumerate(obj)]
