@@ -367,3 +367,20 @@ def test_rerun_of_a_conversion_that_read_nothing_fails_again(tmp_path, capsys):
     for _ in range(2):
         assert main(["shard", str(src), str(dest), "--quiet"]) == 1
         assert "none of its 1 inputs could be read" in capsys.readouterr().err
+
+
+def test_bench_out_file_is_written_before_stdout(tmp_path, capsys, monkeypatch):
+    """`fastdata bench --json --out r.json | head -c 100`: the results were printed first, and the broken
+    pipe ended the command before --out was written, after all the measuring."""
+    import fastdata.cli._bench as bench
+
+    dest = tmp_path / "out"
+    convert(_images(tmp_path / "src", 4), dest, _opts(samples_per_shard=2))
+    monkeypatch.setattr(bench, "measure", lambda *a, **kw: {"samples": 4, "measured": True})
+    r, w = os.pipe()
+    os.close(r)
+    with open(w, "w", buffering=1) as out:  # line-buffered, as on a terminal: the print itself fails
+        monkeypatch.setattr(sys, "stdout", out)
+        assert main(["bench", str(dest), "--json", "--out", str(tmp_path / "r.json")]) == 1
+        monkeypatch.setattr(sys, "stdout", sys.__stdout__)
+    assert '"measured": true' in (tmp_path / "r.json").read_text()

@@ -178,12 +178,12 @@ def run_bench(*, source: str | None, workdir: str | None, num_images: int, sampl
         else:
             shards = Path(source)
         results = measure(shards, samples=samples, workers=num_workers, repeats=repeats, size=size, workdir=root)
+    if out:  # first: a reader of stdout that went away (`| head`) does not lose the file
+        Path(out).write_text(json.dumps(results, indent=1))
     if as_json:
         print(json.dumps(results, indent=1))
     else:
         print("\n".join(format_results(results)))
-    if out:
-        Path(out).write_text(json.dumps(results, indent=1))
     return 0
 
 

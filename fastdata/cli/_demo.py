@@ -450,6 +450,12 @@ def run_demo(*, workdir: str | None, num_images: int, num_workers: int | None, e
                                   workers=workers, epochs=epochs, gpu_decode=gpu_decode_available(device))
         finally:
             torch.set_num_threads(threads)
+    if json_path:  # first: a reader of stdout that went away (`| head`) does not lose the file
+        out = {"benchmark": "demo", "machine": _machine(device), "settings": {"images": num_images, "workers": workers, "epochs": epochs,
+                                                        "batch_size": batch_size, "model": model_name,
+                                                        "image_size": IMAGE_SIZE},
+               "rows": [r.to_json() for r in rows]}
+        Path(json_path).write_text(json.dumps(out, indent=1) + "\n")
     print(f"[4/4] {num_images} images, {device}" + (f" ({torch.cuda.get_device_name(device)})"
                                                      if device.type == "cuda" else f", {os.cpu_count()} CPU cores"))
     for line in _table(rows, device):
@@ -463,12 +469,6 @@ def run_demo(*, workdir: str | None, num_images: int, num_workers: int | None, e
     bound = [r.pipeline for r in rows if r.loader_bound]
     print(f"      loader-bound (waits > {LOADER_BOUND_SHARE:.0%}): " + (", ".join(bound) if bound else "none") +
           f"; total {time.perf_counter() - t_all:.0f} s")
-    if json_path:
-        out = {"benchmark": "demo", "machine": _machine(device), "settings": {"images": num_images, "workers": workers, "epochs": epochs,
-                                                        "batch_size": batch_size, "model": model_name,
-                                                        "image_size": IMAGE_SIZE},
-               "rows": [r.to_json() for r in rows]}
-        Path(json_path).write_text(json.dumps(out, indent=1) + "\n")
     return 0
 
 
