@@ -133,3 +133,22 @@ def test_convert_from_a_script_without_a_main_guard_says_why_its_spawned_workers
     last = run.stderr.strip().splitlines()[-1]
     assert "ConversionError" in last and "if __name__ ==" in last and "spawn" in last, run.stderr[-2000:]
     assert "out of memory" not in last
+
+
+def test_a_transform_defined_in_a_notebook_is_named_before_spawn_workers_die_starting(folder, monkeypatch):
+    """A class defined in a notebook cell (``__main__`` without a file; also ``python -c``) pickles by
+    name in the parent, but no spawn/forkserver worker can import it: each died while starting (its
+    AttributeError only on the kernel's stderr) and the loop got "DataLoader worker exited unexpectedly"."""
+    import sys
+    import types
+
+    notebook = types.ModuleType("__main__")  # as ipykernel's: no __file__
+    Crop = type("Crop", (), {"__call__": lambda self, sample: sample, "__module__": "__main__"})
+    notebook.Crop = Crop
+    monkeypatch.setitem(sys.modules, "__main__", notebook)
+    loader = DataLoader(ShardedDataset(folder, sample_transform=Crop()), batch_size=2, num_workers=2,
+                        multiprocessing_context="spawn")
+    with pytest.raises(FastdataError, match=r"dataset\.sample_transform uses the class 'Crop' defined in __main__"):
+        next(iter(loader))
+    fork = DataLoader(loader.dataset, batch_size=2, num_workers=2, multiprocessing_context="fork")
+    assert sum(len(b["__key__"]) for b in fork) == 8  # fork workers inherit it: no error there

@@ -47,7 +47,7 @@ from fastdata.loader import _cached as _cache_loader
 from fastdata.loader import _threads as _thread_loader
 from fastdata.loader import _watchdog
 from fastdata.loader._gather import FastGather, check_gather_threads, default_gather_threads
-from fastdata.loader._pickling import explain
+from fastdata.loader._pickling import explain, main_without_file
 
 __all__ = ["DataLoader"]
 
@@ -512,20 +512,23 @@ class DataLoader(torch.utils.data.DataLoader):
         can dump its stacks."""
         if self.num_workers == 0 or not isinstance(self.dataset, ShardedDataset):
             return super()._get_iterator()
+        user_fn = self.worker_init_fn
+        parts = [("dataset", self.dataset), ("collate_fn", self._user_collate), ("worker_init_fn", user_fn)]
+        method = _start_method(self.multiprocessing_context)
+        unimportable = main_without_file(method, parts) if method != "fork" else None
+        if unimportable is not None:  # the workers would die while starting
+            raise unimportable
         watched = _watchdog.CAN_DUMP and _watchdog.threshold(self.stall_warning, self.timeout) is not None
         stacks = _watchdog.WorkerStacks() if watched else None
-        user_fn = self.worker_init_fn
         self.worker_init_fn = (stacks.init_fn(user_fn) if stacks is not None
                                else _watchdog.WorkerInit(None, user_fn))
         try:
             with _watchdog.forking_workers():
                 inner = super()._get_iterator()
         except (TypeError, AttributeError, pickle.PicklingError) as e:  # what pickle raises: spawn/forkserver
-            method = _start_method(self.multiprocessing_context)
             if method == "fork":
                 raise
-            better = explain(method, [("dataset", self.dataset), ("collate_fn", self._user_collate),
-                                      ("worker_init_fn", user_fn)], e)
+            better = explain(method, parts, e)
             if better is None:
                 raise
             raise better from e

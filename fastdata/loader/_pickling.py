@@ -12,13 +12,16 @@ from __future__ import annotations
 
 import copyreg
 import functools
+import io
 import pickle
+import sys
 import types
+from collections.abc import Callable
 from typing import Any
 
 from fastdata.errors import FastdataError
 
-__all__ = ["WorkerPickleError", "explain", "find_unpicklable"]
+__all__ = ["WorkerPickleError", "explain", "find_unpicklable", "main_without_file"]
 
 _DEPTH = 8  # attribute/item levels searched below each argument
 # internal attribute paths of a ShardedDataset, as the user passed them
@@ -77,10 +80,11 @@ def _children(obj: Any) -> list[tuple[str, Any]]:
     return out
 
 
-def find_unpicklable(obj: Any, path: str) -> tuple[str, Any, BaseException] | None:
+def find_unpicklable(obj: Any, path: str, test: Callable[[Any], Any] = _pickles) -> tuple[str, Any, Any] | None:
     """``(path, part, pickle's error)`` of the innermost part of ``obj`` that pickle refuses; None when
-    ``obj`` pickles (plain :mod:`pickle`, as spawn and forkserver workers need)."""
-    error = _pickles(obj)
+    ``obj`` pickles (plain :mod:`pickle`, as spawn and forkserver workers need). ``test``: another
+    check of a part (None: the part is fine)."""
+    error = test(obj)
     if error is None:
         return None
     seen = {id(obj)}
@@ -88,7 +92,7 @@ def find_unpicklable(obj: Any, path: str) -> tuple[str, Any, BaseException] | No
         for suffix, child in _children(obj):
             if id(child) in seen:
                 continue
-            child_error = _pickles(child)
+            child_error = test(child)
             if child_error is not None:
                 seen.add(id(child))
                 obj, path, error = child, path + suffix, child_error
@@ -123,4 +127,51 @@ def explain(method: str, parts: list[tuple[str, Any]], error: BaseException) -> 
             f"{method} worker processes receive the dataset, collate_fn and worker_init_fn by pickling, and "
             f"{path} ({what}) cannot be pickled: {type(why).__name__}: {why}. To fix it: {hint}; or use "
             f"multiprocessing_context='fork' (Linux) or decode_threads=N (no worker processes)")
+    return None
+
+
+class _MainFinder(pickle.Pickler):
+    """Pickles to nowhere, noting the first function or class of module ``__main__`` it meets."""
+
+    def __init__(self) -> None:
+        super().__init__(io.BytesIO(), protocol=pickle.HIGHEST_PROTOCOL)
+        self.found: Any = None
+
+    def persistent_id(self, obj: Any) -> None:
+        if (self.found is None and isinstance(obj, (types.FunctionType, type))
+                and getattr(obj, "__module__", None) == "__main__"):
+            self.found = obj
+
+
+def _main_reference(obj: Any) -> Any:
+    """The first function or class of module ``__main__`` that pickling ``obj`` refers to, or None."""
+    finder = _MainFinder()
+    try:
+        finder.dump(obj)
+    except Exception:  # noqa: BLE001 - not picklable at all: starting the workers says so (see explain)
+        return finder.found
+    return finder.found
+
+
+def main_without_file(method: str, parts: list[tuple[str, Any]]) -> WorkerPickleError | None:
+    """The error to raise before starting ``method`` workers when one of ``parts`` refers to a function or
+    class of a ``__main__`` module that has no file (a notebook, ``python -c``, an interactive session):
+    it pickles here, but a worker cannot import it, so each worker died while starting (its
+    ``AttributeError: Can't get attribute ...`` only on the parent's stderr, not in a notebook) and the
+    loop got torch's "DataLoader worker (pid(s) ...) exited unexpectedly". None otherwise (also when
+    ``__main__`` has a file: a worker imports it again)."""
+    main = sys.modules.get("__main__")
+    if main is None or getattr(main, "__file__", None) or getattr(getattr(main, "__spec__", None), "name", None):
+        return None
+    for name, obj in parts:
+        found = find_unpicklable(obj, name, _main_reference)
+        if found is not None:
+            path, _, ref = found
+            kind = "class" if isinstance(ref, type) else "function"
+            return WorkerPickleError(
+                f"{path} uses the {kind} {ref.__qualname__!r} defined in __main__ without a file (a "
+                f"notebook, python -c, an interactive session): {method} worker processes receive it by name and "
+                "cannot import it from there (each would die while starting). Move it into a .py module and "
+                "import it from there; or use multiprocessing_context='fork' (Linux) or decode_threads=N "
+                "(no worker processes)")
     return None
