@@ -115,3 +115,28 @@ def test_decode_skip_drops_the_skipped_samples_item_of_a_per_sample_list(tmp_pat
     with pytest.raises(DecodeError, match=r"\['boxes'\] is a list of 3 items of 3 rows"):
         for b in loader:
             stage(b)
+
+
+def test_trainstep_counts_the_steps_a_grad_scaler_skipped():
+    import torch
+
+    from fastdata import TrainStep
+
+    model = torch.nn.Linear(2, 2)
+    step = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.nn.functional.cross_entropy,
+                     precision="fp32")
+    step.scaler = torch.amp.GradScaler("cpu")  # fp16 is CUDA only; the scaler's bookkeeping is the same on the CPU
+    good = {"input": torch.ones(2, 2), "target": torch.tensor([0, 1])}
+    step(good)
+    step({"input": torch.full((2, 2), float("inf")), "target": torch.tensor([0, 1])})  # overflow: step skipped
+    step(good)
+    assert (step.steps, step.skipped_steps) == (3, 1)
+    state = step.state_dict()
+    assert state["skipped_steps"] == 1
+    again = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.nn.functional.cross_entropy,
+                      precision="fp32")
+    again.load_state_dict(state)
+    assert (again.steps, again.skipped_steps) == (3, 1)
+    del state["skipped_steps"]  # a state saved before the count existed
+    again.load_state_dict(state)
+    assert again.skipped_steps == 0

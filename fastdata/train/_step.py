@@ -167,8 +167,15 @@ class TrainStep:
         self._no_sync = getattr(model, "no_sync", None)
         self._rng = _RngStream(self.device)
         self._micro = 0  # micro-batches accumulated since the last optimiser step
-        self.steps = 0  # optimiser steps taken
+        self.steps = 0  # optimiser steps taken (fp16: skipped_steps of them skipped by the GradScaler)
         self.empty_batches = 0  # batches with no samples, returned NaN without a step (not under DDP)
+        self._skipped: torch.Tensor | None = None  # fp16: steps the GradScaler skipped, counted on the device
+
+    @property
+    def skipped_steps(self) -> int:
+        """Optimiser steps of ``steps`` that fp16's ``GradScaler`` skipped after an overflow (inf/NaN gradients);
+        0 without a scaler. Reading it synchronises with the device, as reading the loss does."""
+        return 0 if self._skipped is None else int(self._skipped)
 
     @property
     def micro_step(self) -> int:
@@ -240,7 +247,11 @@ class TrainStep:
             torch.nn.utils.clip_grad_norm_(params, self.options.clip_norm)
         if self.scaler is not None:
             self.scaler.step(self.optimizer)
+            before = self.scaler._scale.clone() if isinstance(self.scaler._scale, torch.Tensor) else None
             self.scaler.update()
+            if before is not None:  # update() backs the scale off after an overflow, whose step it skipped
+                skipped = (self.scaler._scale < before).to(torch.int64)  # on the device: no sync
+                self._skipped = skipped if self._skipped is None else self._skipped + skipped
         else:
             self.optimizer.step()
 
@@ -248,7 +259,8 @@ class TrainStep:
         """Scaler state and counters (model and optimizer state are saved by their owners, or
         all together by :func:`fastdata.save_checkpoint`)."""
         return {"scaler": self.scaler.state_dict() if self.scaler else None,
-                "micro": self._micro, "steps": self.steps, "rng": self._rng.state_dict()}
+                "micro": self._micro, "steps": self.steps, "rng": self._rng.state_dict(),
+                "skipped_steps": self.skipped_steps}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict` (checked whole before anything is restored)."""
@@ -257,7 +269,8 @@ class TrainStep:
             got = sorted(map(str, state)) if isinstance(state, Mapping) else type(state).__name__
             raise ValueError(f"state must be a TrainStep.state_dict() (scaler, micro, steps, rng), got {got}")
         micro, steps, rng = state["micro"], state["steps"], state["rng"]
-        for name, value in (("micro", micro), ("steps", steps)):
+        skipped = state.get("skipped_steps", 0)  # absent from states saved before it was counted
+        for name, value in (("micro", micro), ("steps", steps), ("skipped_steps", skipped)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"state has {name}={value!r}; expected an int >= 0")
         if not micro < self.options.grad_accum:
@@ -268,6 +281,7 @@ class TrainStep:
             self.scaler.load_state_dict(state["scaler"])
         self._micro = micro
         self.steps = steps
+        self._skipped = torch.tensor(skipped, device=self.device) if skipped else None
         if rng is not None:
             self._rng.load_state_dict(rng)
 
