@@ -219,7 +219,7 @@ def test_demo_and_bench_dir_refuse_a_folder_they_did_not_make(tmp_path, capsys):
     assert main(["bench", "--dir", str(mine), "--images", "8", "--workers", "0", "--repeats", "1"]) == 1
     assert "which fastdata bench did not write" in capsys.readouterr().err
     assert (mine / "cache" / "entry.bin").read_bytes() == b"precious"
-    from fastdata.cli._demo import claim_workdir
+    from fastdata.cli._demo import WORKDIR_MARK, claim_workdir
 
     new = claim_workdir(tmp_path / "new" / "w", "demo")  # a new folder is claimed, then reused
     (new / "shards").mkdir()
@@ -228,6 +228,14 @@ def test_demo_and_bench_dir_refuse_a_folder_they_did_not_make(tmp_path, capsys):
     hidden.mkdir()
     (hidden / ".DS_Store").write_bytes(b"x")
     assert claim_workdir(hidden, "demo") == hidden
+    old = tmp_path / "old"  # a demo's --dir from before the mark: its shards were converted from its images
+    convert(_images(old / "images", 2), old / "shards", _opts())
+    (old / "cache").mkdir()
+    assert claim_workdir(old, "demo") == old
+    (old / "notes.txt").write_text("mine")
+    (old / WORKDIR_MARK).unlink()
+    with pytest.raises(FastdataError, match="which fastdata demo did not write"):
+        claim_workdir(old, "demo")
 
 
 def test_inspect_reads_a_folder_url_as_verify_does(tmp_path, capsys):

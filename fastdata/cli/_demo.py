@@ -65,7 +65,7 @@ def claim_workdir(root: Path, command: str) -> Path:
     other files that no demo or bench put there, e.g. a user's own ``shards`` or ``cache``."""
     if root.is_dir() and not (root / WORKDIR_MARK).exists():
         held = sorted(p.name for p in root.iterdir() if not p.name.startswith("."))
-        if held:
+        if held and not _made_before_marks(root, held):
             from fastdata.errors import FastdataError
 
             raise FastdataError(
@@ -75,6 +75,19 @@ def claim_workdir(root: Path, command: str) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     (root / WORKDIR_MARK).touch()
     return root
+
+
+def _made_before_marks(root: Path, held: list[str]) -> bool:
+    """Whether ``root`` is a demo's or bench's --dir from before the mark: only their folders, and
+    ``shards`` converted from ``root/images`` (whose generated files ``make_image_folder`` checks)."""
+    if not set(held) <= {"images", "shards", "subset", "cache"} or "images" not in held:
+        return False
+    try:
+        text = (root / "shards" / "manifest.json").read_text(encoding="utf-8")
+        source = json.loads(text)["extra"]["source"]["path"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    return isinstance(source, str) and os.path.realpath(source) == os.path.realpath(root / "images")
 
 
 @contextmanager
