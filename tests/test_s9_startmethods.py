@@ -152,3 +152,25 @@ def test_a_transform_defined_in_a_notebook_is_named_before_spawn_workers_die_sta
         next(iter(loader))
     fork = DataLoader(loader.dataset, batch_size=2, num_workers=2, multiprocessing_context="fork")
     assert sum(len(b["__key__"]) for b in fork) == 8  # fork workers inherit it: no error there
+
+
+def test_a_persistent_worker_pool_with_a_dead_worker_is_replaced_at_the_next_iter(folder):
+    """A persistent worker killed (the OOM killer) fails that epoch; a retry with the same loader got
+    "DataLoader worker (pid(s) N) exited unexpectedly" at every later iter(), for good."""
+    import os
+    import signal
+
+    loader = DataLoader(ShardedDataset(folder), batch_size=2, num_workers=2, persistent_workers=True,
+                        multiprocessing_context="fork", stall_warning=None)
+    assert sum(len(b["__key__"]) for b in loader) == 8
+    victim = loader._iterator._workers[0]
+    old = signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # torch's handler raises wherever this thread is then
+    try:
+        os.kill(victim.pid, signal.SIGKILL)
+        victim.join(10)
+    finally:
+        signal.signal(signal.SIGCHLD, old)
+    keys = [k for b in loader for k in b["__key__"]]
+    assert sorted(keys) == [f"k{i}" for i in range(8)]
+    assert all(w.is_alive() for w in loader._iterator._workers)
+    loader._iterator._shutdown_workers()

@@ -487,6 +487,12 @@ class DataLoader(torch.utils.data.DataLoader):
         # torch's iterator compares its batch count with the sample count of the latest len() call, which
         # may be another epoch's (an elastic resume's rest): it would warn at every batch; len() is exact here
         self._IterableDataset_len_called = None
+        pool = self._iterator  # persistent workers
+        if pool is not None and any(w.exitcode is not None for w in getattr(pool, "_workers", ())):
+            # one died (kill -9, out of memory): torch would reuse the pool, and every later iter() raised
+            # "DataLoader worker (pid(s) N) exited unexpectedly" naming the dead one; start a new pool
+            pool._shutdown_workers()
+            self._iterator = None
         if self.num_workers > 0:  # workers report skips after their last batch (see ShardedDataset.report_skips_inline)
             ds.report_skips_inline(self.batch_size, self.drop_last)
             if self.persistent_workers and self.preload_next_epoch:
