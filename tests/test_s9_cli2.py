@@ -392,3 +392,19 @@ def test_bench_out_file_is_written_before_stdout(tmp_path, capsys, monkeypatch):
         assert main(["bench", str(dest), "--json", "--out", str(tmp_path / "r.json")]) == 1
         monkeypatch.setattr(sys, "stdout", sys.__stdout__)
     assert '"measured": true' in (tmp_path / "r.json").read_text()
+
+
+def test_bench_on_generated_data_names_no_deleted_folder(tmp_path, capsys, monkeypatch):
+    """`fastdata bench` (no SHARDS, no --dir) reported "(64 samples of /tmp/fastdata-bench-x/shards, ...)",
+    a temporary folder deleted before the line was printed."""
+    import fastdata.cli._bench as bench
+    import fastdata.cli._demo as demo
+
+    def fake_shards(root, *a, **kw):
+        convert(_images(root / "images", 4), root / "shards", _opts())
+        return root / "shards", None
+
+    monkeypatch.setattr(demo, "_make_shards", fake_shards)
+    monkeypatch.setattr(bench, "measure", lambda source, **kw: {"source": str(source), "samples": 4})
+    assert main(["bench", "--images", "4", "--json"]) == 0
+    assert '"source": "4 generated photo-like JPEGs (in a temporary folder, deleted)"' in capsys.readouterr().out

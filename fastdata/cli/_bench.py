@@ -178,6 +178,8 @@ def run_bench(*, source: str | None, workdir: str | None, num_images: int, sampl
         else:
             shards = Path(source)
         results = measure(shards, samples=samples, workers=num_workers, repeats=repeats, size=size, workdir=root)
+        if source is None and workdir is None:  # not the temporary folder's path, gone by now
+            results["source"] = f"{num_images} generated photo-like JPEGs (in a temporary folder, deleted)"
     if out:  # first: a reader of stdout that went away (`| head`) does not lose the file
         Path(out).write_text(json.dumps(results, indent=1))
     if as_json:
