@@ -137,9 +137,9 @@ def test_a_dead_holders_lock_is_gone(tmp_path):
     """A conversion killed (SIGKILL) while holding the lock: the rerun resumes."""
     src, dest = _images(tmp_path / "src", 4), tmp_path / "out"
     dest.mkdir()
-    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, os, sys, time\n"
-                               f"fd = os.open({str(dest)!r}, os.O_RDONLY); fcntl.flock(fd, fcntl.LOCK_EX)\n"
-                               "print('locked', flush=True); time.sleep(60)"], stdout=subprocess.PIPE, text=True)
+    code = (f"import fcntl, os, time\nfd = os.open({str(dest)!r}, os.O_RDONLY); fcntl.flock(fd, fcntl.LOCK_EX)\n"
+            "print('locked', flush=True); time.sleep(60)")
+    holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "locked"
         with pytest.raises(ConversionError, match=rf"\(pid {holder.pid}\)"):
@@ -304,7 +304,7 @@ def test_verify_keeps_a_urls_password_and_token_out_of_its_lines(tmp_path, capsy
 class _FakeRay:
     """Just enough of ``ray`` for ``fastdata.shards._ray.execute``: tasks run at ``.remote()``."""
 
-    class exceptions:  # noqa: N801
+    class exceptions:
         class RayTaskError(Exception):
             pass
 

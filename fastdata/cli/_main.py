@@ -13,7 +13,11 @@ from fastdata.cli._bench import add_bench_subparser
 from fastdata.cli._cache_cmd import add_cache_subparser
 from fastdata.cli._demo import add_demo_subparser
 from fastdata.cli._doctor import add_doctor_subparser
-from fastdata.cli._shard_cmd import add_shard_subparsers, stdout_closed, unfinished_conversion
+from fastdata.cli._shard_cmd import (
+    add_shard_subparsers,
+    stdout_closed,
+    unfinished_conversion,
+)
 from fastdata.cli._tune import add_tune_subparser
 from fastdata.errors import FastdataError
 
