@@ -408,3 +408,20 @@ def test_bench_on_generated_data_names_no_deleted_folder(tmp_path, capsys, monke
     monkeypatch.setattr(bench, "measure", lambda source, **kw: {"source": str(source), "samples": 4})
     assert main(["bench", "--images", "4", "--json"]) == 0
     assert '"source": "4 generated photo-like JPEGs (in a temporary folder, deleted)"' in capsys.readouterr().out
+
+
+def test_bench_dir_starts_with_an_empty_cache(tmp_path, capsys, monkeypatch):
+    """`fastdata bench --dir D` kept every earlier run's cache entries in D/cache (one per dataset
+    version, ~150 MB per 1024 images), piling up run after run."""
+    import fastdata.cli._bench as bench
+
+    dest, work = tmp_path / "out", tmp_path / "work"
+    convert(_images(tmp_path / "src", 4), dest, _opts())
+    seen = []
+    monkeypatch.setattr(bench, "measure", lambda source, **kw: seen.append(sorted(
+        p.name for p in (kw["workdir"] / "cache").glob("*"))) or {"source": str(source), "samples": 4})
+    assert main(["bench", str(dest), "--dir", str(work), "--json"]) == 0
+    (work / "cache").mkdir()
+    (work / "cache" / "v1-old").mkdir()
+    assert main(["bench", str(dest), "--dir", str(work), "--json"]) == 0
+    assert seen == [[], []]

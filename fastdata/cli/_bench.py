@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import shutil
 import statistics
 import sys
 import tempfile
@@ -169,6 +170,8 @@ def run_bench(*, source: str | None, workdir: str | None, num_images: int, sampl
             from fastdata.cli._demo import claim_workdir
 
             root = claim_workdir(Path(workdir), "bench")
+            if (root / "cache").is_dir():  # an earlier run's entries (other data): one per run would pile up
+                shutil.rmtree(root / "cache")
         if source is None:
             from fastdata.cli._demo import _make_shards
 
