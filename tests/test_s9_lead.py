@@ -140,3 +140,23 @@ def test_trainstep_counts_the_steps_a_grad_scaler_skipped():
     del state["skipped_steps"]  # a state saved before the count existed
     again.load_state_dict(state)
     assert again.skipped_steps == 0
+
+
+def test_build_cache_with_spawn_workers_names_an_unpicklable_part(tmp_path, monkeypatch):
+    import multiprocessing
+
+    import pytest
+
+    import fastdata
+    from fastdata.errors import FastdataError
+
+    with fastdata.ShardWriter(tmp_path / "d") as w:
+        for i in range(4):
+            w.write({"__key__": f"s{i}", "jpg": _jpg(10 * i), "cls": i})
+    ds = fastdata.ShardedDataset(tmp_path / "d", preprocess=fastdata.ResizeCenterCrop(4), cache=tmp_path / "c",
+                                 decode={"cls": lambda b: int(b)})
+    # multiprocessing's default start method made spawn (pickling fails in this process, before a child starts)
+    monkeypatch.setattr(multiprocessing.context._default_context, "_actual_context",
+                        multiprocessing.get_context("spawn"))
+    with pytest.raises(FastdataError, match=r"dataset\.decode\['cls'\] .*cannot be pickled.*num_workers=0"):
+        ds.build_cache(num_workers=2)  # it was pickle's bare "Can't pickle <function <lambda>>"

@@ -2,10 +2,13 @@
 from __future__ import annotations
 
 import copy
+import multiprocessing
+import pickle
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from fastdata._pickling import explain, main_without_file
 from fastdata._util import release_frames
 from fastdata.errors import CacheError
 
@@ -51,8 +54,23 @@ def build_dataset(dataset: Any, *, num_workers: int = 0, progress: bool = False)
         from tqdm import tqdm
 
         bar = tqdm(total=total, unit="img", desc="cache build", dynamic_ncols=True)
+    # multiprocessing's default, without fixing it as get_start_method() would (a later set_start_method refused)
+    method = (multiprocessing.get_start_method(allow_none=True) or multiprocessing.get_all_start_methods()[0]
+              if num_workers else "fork")
+    parts = [("dataset", dataset)]
+    remedy = "num_workers=0 (filled in this process), or a 'fork' start method (Linux)"
+    unimportable = main_without_file(method, parts, remedy=remedy) if method != "fork" else None
+    if unimportable is not None:  # the workers would die while starting
+        raise unimportable
     try:
-        for n in loader:
+        try:
+            batches = iter(loader)
+        except (TypeError, AttributeError, pickle.PicklingError) as e:  # what pickle raises: spawn/forkserver
+            better = explain(method, parts, e, remedy=remedy) if method != "fork" else None
+            if better is None:
+                raise
+            raise better from e
+        for n in batches:
             if bar is not None:
                 bar.update(n)
     except BaseException as e:

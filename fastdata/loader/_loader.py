@@ -47,7 +47,7 @@ from fastdata.loader import _cached as _cache_loader
 from fastdata.loader import _threads as _thread_loader
 from fastdata.loader import _watchdog
 from fastdata.loader._gather import FastGather, check_gather_threads, default_gather_threads
-from fastdata.loader._pickling import explain, main_without_file
+from fastdata._pickling import explain, main_without_file
 
 __all__ = ["DataLoader"]
 

@@ -105,9 +105,14 @@ def find_unpicklable(obj: Any, path: str, test: Callable[[Any], Any] = _pickles)
     return path, obj, error
 
 
-def explain(method: str, parts: list[tuple[str, Any]], error: BaseException) -> WorkerPickleError | None:
+_LOADER_REMEDY = "multiprocessing_context='fork' (Linux) or decode_threads=N (no worker processes)"
+
+
+def explain(method: str, parts: list[tuple[str, Any]], error: BaseException, *,
+            remedy: str = _LOADER_REMEDY) -> WorkerPickleError | None:
     """The error to raise instead of pickle's ``error`` when starting ``method`` workers failed, or None
-    when none of ``parts`` (``(name, object)``: the dataset, collate_fn, worker_init_fn) is the cause."""
+    when none of ``parts`` (``(name, object)``: the dataset, collate_fn, worker_init_fn) is the cause.
+    ``remedy``: the ways around worker processes the message offers."""
     for name, obj in parts:
         try:
             found = find_unpicklable(obj, name)
@@ -123,10 +128,11 @@ def explain(method: str, parts: list[tuple[str, Any]], error: BaseException) -> 
                 "pickled), or make it a class instance with __call__"
                 if isinstance(part, types.FunctionType) or "<locals>" in type(part).__qualname__
                 else "make it picklable")
+        names = ", ".join(name for name, _ in parts[:-1]) + (" and " if len(parts) > 1 else "") + parts[-1][0]
         return WorkerPickleError(
-            f"{method} worker processes receive the dataset, collate_fn and worker_init_fn by pickling, and "
+            f"{method} worker processes receive the {names} by pickling, and "
             f"{path} ({what}) cannot be pickled: {type(why).__name__}: {why}. To fix it: {hint}; or use "
-            f"multiprocessing_context='fork' (Linux) or decode_threads=N (no worker processes)")
+            f"{remedy}")
     return None
 
 
@@ -153,7 +159,8 @@ def _main_reference(obj: Any) -> Any:
     return finder.found
 
 
-def main_without_file(method: str, parts: list[tuple[str, Any]]) -> WorkerPickleError | None:
+def main_without_file(method: str, parts: list[tuple[str, Any]], *,
+                      remedy: str = _LOADER_REMEDY) -> WorkerPickleError | None:
     """The error to raise before starting ``method`` workers when one of ``parts`` refers to a function or
     class of a ``__main__`` module that has no file (a notebook, ``python -c``, an interactive session):
     it pickles here, but a worker cannot import it, so each worker died while starting (its
@@ -172,6 +179,5 @@ def main_without_file(method: str, parts: list[tuple[str, Any]]) -> WorkerPickle
                 f"{path} uses the {kind} {ref.__qualname__!r} defined in __main__ without a file (a "
                 f"notebook, python -c, an interactive session): {method} worker processes receive it by name and "
                 "cannot import it from there (each would die while starting). Move it into a .py module and "
-                "import it from there; or use multiprocessing_context='fork' (Linux) or decode_threads=N "
-                "(no worker processes)")
+                f"import it from there; or use {remedy}")
     return None
