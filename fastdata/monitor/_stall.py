@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 from fastdata._util import quantile
@@ -27,6 +27,12 @@ log = logging.getLogger(__name__)
 # A loop that spends more than this share of its wall time waiting on input is loader-bound.
 # 10% is where input stalls start to cost more than the usual launch and logging overheads.
 LOADER_BOUND_SHARE = 0.10
+
+# Per-step waits kept for the percentiles and the periodic-stall search: the last WAITS_KEPT to
+# 2 x WAITS_KEPT steps (as CUDAPrefetcher.stats() keeps the last 100k batches); steps, total wait and
+# the first wait stay exact over the whole run. Unbounded, a job of a million steps held ~54 MB of
+# waits and each report() took ~1.7 s, growing for as long as it ran.
+WAITS_KEPT = 100_000
 
 
 @dataclass(frozen=True)
@@ -104,6 +110,9 @@ class StallMeter:
     ...     step(batch)
     >>> print(meter.report().summary())
 
+    Memory stays bounded over any run: steps, total and first wait are exact; percentiles and periodic
+    stalls come from the last ``WAITS_KEPT`` (100k) to 2x that many steps, which ``waits`` holds.
+
     Args:
         sample_gpu: also sample GPU utilisation with NVML (nvidia-ml-py) while iterating.
         gpu_interval_s: polling period of the sampler (the driver's buffered samples are
@@ -118,12 +127,16 @@ class StallMeter:
             raise ValueError(f"sample_gpu must be a bool, got {sample_gpu!r}")
         self.sample_gpu = sample_gpu
         self.gpu_interval_s = float(gpu_interval_s)
-        self.waits: list[float] = []
+        self.waits: list[float] = []  # the recent per-step waits (see WAITS_KEPT): older ones are folded into
+        self._folded_steps = 0  # ... the count,
+        self._folded_wait_s = 0.0  # ... the total
+        self._first_wait_s = 0.0  # ... and the first (start-up) wait, once folded
         self.wall_s = 0.0  # time inside wrap(), once over nested or interleaved wraps; report() adds the open span
         self._open = 0  # wraps in progress (a validation loop inside the training loop, or report() inside the loop)
         self._span_start = 0.0  # when the first of the wraps in progress started
         self._loader: Any = None
-        self._gpu_samples: list[int] = []
+        self._gpu_samples: list[int] = []  # the recent ones; older ones only count in the mean:
+        self._gpu_folded = (0, 0)  # (their sum, their count)
         self._stage_totals: dict[str, float] = {}
         self._stage_batches = 0
         self._cpu_stages = False  # the prefetcher ran on the CPU
@@ -151,6 +164,8 @@ class StallMeter:
                 except StopIteration:
                     return
                 self.waits.append(time.perf_counter() - t0)
+                if len(self.waits) > 2 * WAITS_KEPT:
+                    self._fold_waits()
                 yield batch
                 t0 = time.perf_counter()
         finally:
@@ -159,7 +174,22 @@ class StallMeter:
                 self.wall_s += time.perf_counter() - self._span_start
             if sampler is not None:
                 self._gpu_samples.extend(sampler.stop())
+                if len(self._gpu_samples) > 2 * WAITS_KEPT:
+                    total, count = self._gpu_folded
+                    self._gpu_folded = (total + sum(self._gpu_samples), count + len(self._gpu_samples))
+                    self._gpu_samples = []
             self._add_stage_times(before, _prefetch_stats(loader))
+
+    def _fold_waits(self) -> None:
+        """Keep the last ``WAITS_KEPT`` waits; the older ones count in the totals only."""
+        drop = len(self.waits) - WAITS_KEPT
+        if drop <= 0:
+            return
+        if self._folded_steps == 0:
+            self._first_wait_s = self.waits[0]
+        self._folded_steps += drop
+        self._folded_wait_s += sum(self.waits[:drop])
+        del self.waits[:drop]
 
     def _start_sampler(self, loader: Any) -> GPUSampler | None:
         if not self.sample_gpu:
@@ -190,23 +220,29 @@ class StallMeter:
         """What the waits measured so far say: share, percentiles, periodic stalls and advice (also inside the
         loop: the wall time then runs to now)."""
         wall = self.wall_s + (time.perf_counter() - self._span_start if self._open else 0.0)
-        waits = sorted(self.waits[1:])  # the first wait is start-up, reported apart: with fewer than 100 steps
-        # it would be the p99 itself, and "waits are spiky" advice would rest on worker start-up
+        folded = self._folded_steps > 0
+        waits = sorted(self.waits if folded else self.waits[1:])  # the first wait is start-up, reported apart:
+        # with fewer than 100 steps it would be the p99 itself, and "waits are spiky" advice would rest on it
+        steps = self._folded_steps + len(self.waits)
+        wait_s = self._folded_wait_s + sum(self.waits)
         gpu = self._gpu_samples
+        gpu_sum, gpu_n = self._gpu_folded[0], self._gpu_folded[1] + len(gpu)
         n = self._stage_batches
         stages: tuple[tuple[str, float], ...] = ()
         if n > 0:
-            steps = max(len(self.waits), 1)
-            loop = max(wall - sum(self.waits), 0.0) / steps
+            loop = max(wall - wait_s, 0.0) / max(steps, 1)
             stages = (*((label, self._stage_totals[key] / n) for key, label in _STAGE_KEYS.items()
                         if key in self._stage_totals and not (self._cpu_stages and key in _COPY_KEYS)),
                       ("step (loop body)", loop))
+        periodic = find_periodic_stalls([0.0, *self.waits] if folded else self.waits)
+        if folded and periodic is not None and self.waits:  # found in the recent window: its time, for the whole run
+            periodic = replace(periodic, total_s=periodic.total_s * (steps - 1) / len(self.waits))
         rep = StallReport(
-            steps=len(self.waits), wall_s=wall, wait_s=sum(self.waits),
+            steps=steps, wall_s=wall, wait_s=wait_s,
             wait_p50_s=quantile(waits, 0.5), wait_p99_s=quantile(waits, 0.99),
-            first_wait_s=self.waits[0] if self.waits else 0.0,
-            gpu_util_mean=sum(gpu) / len(gpu) if gpu else None, gpu_util_samples=len(gpu),
-            periodic=find_periodic_stalls(self.waits), stage_s=stages, loader_path=_loader_path(self._loader),
+            first_wait_s=self._first_wait_s if folded else self.waits[0] if self.waits else 0.0,
+            gpu_util_mean=(gpu_sum + sum(gpu)) / gpu_n if gpu_n else None, gpu_util_samples=gpu_n,
+            periodic=periodic, stage_s=stages, loader_path=_loader_path(self._loader),
         )
         return StallReport(**{**rep.__dict__, "advice": tuple(advise(rep, self._loader))})
 
