@@ -48,3 +48,35 @@ def test_a_stallmeter_folds_old_gpu_samples_into_the_mean(monkeypatch: pytest.Mo
     rep = meter.report()
     assert len(meter._gpu_samples) <= 2 * 10 + 16
     assert rep.gpu_util_samples == 30 * 16 and rep.gpu_util_mean == 60.0
+
+
+def _worker_skips(sample: dict) -> dict:
+    import torch.utils.data
+
+    info = torch.utils.data.get_worker_info()
+    sample["held"] = len(info.dataset.skipped)  # the skip records this worker's copy of the dataset holds
+    return sample
+
+
+def test_a_persistent_workers_copy_of_the_dataset_holds_no_growing_skip_list(tmp_path) -> None:
+    """Under fastdata.DataLoader a worker's skips reach the main process's ``dataset.skipped`` through the result
+    queue; the worker appended each one to its own copy's ``skipped`` too, which nothing reads: with persistent
+    workers that list grew by every skip of every epoch for the whole run, in every worker."""
+    import numpy as np
+
+    from fastdata.cli._synth import jpeg_bytes, synth_image
+    from fastdata.shards.writer import ShardWriter
+
+    with ShardWriter(tmp_path / "ds", max_samples=6) as w:
+        for i in range(12):
+            j = jpeg_bytes(synth_image(np.random.default_rng(i), 16, 16), 90)
+            w.write({"__key__": f"k{i:03d}", "jpg": j[:40] if i % 4 == 1 else j, "cls": i})
+    ds = fastdata.ShardedDataset(tmp_path / "ds", on_error="skip", sample_transform=_worker_skips)
+    loader = fastdata.DataLoader(ds, batch_size=3, num_workers=1, persistent_workers=True,
+                                 multiprocessing_context="fork")
+    held = []
+    for epoch in range(8):
+        loader.set_epoch(epoch)
+        held += [int(h) for b in loader for h in b["held"]]
+    assert len(ds.skipped) == 8 * 3  # the main process's report: every skip of every epoch, as documented
+    assert max(held) == 0, held  # before: 24 by the last epoch (3 more each epoch)

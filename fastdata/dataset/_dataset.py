@@ -1080,7 +1080,10 @@ class ShardedDataset(IterableDataset):
         """Record a skipped sample (``skipped``, the cursor's report, the budget of this process)."""
         name = self.source.names[shard]
         record = {"shard": name, "key": key, "index": g, "epoch": cursor.epoch, "reason": str(err)}
-        if not cursor.defer_skips:  # deferred: record_skips() when the consumer reaches the sample
+        # deferred: record_skips() when the consumer reaches the sample; a fastdata.DataLoader worker's reach the
+        # main process's list the same way (kept here too, nothing would read them and a persistent worker's copy
+        # would grow by every skip of the run)
+        if not cursor.defer_skips and (not _in_worker() or self._inline_skips is None):
             with self._skip_lock:
                 self.skipped.append(record)
         cursor.skips.append(record)
