@@ -1121,15 +1121,17 @@ class ShardedDataset(IterableDataset):
     def _count_skips(self, n: int) -> None:
         if self.max_skips is None:
             return
-        with self._skip_lock:
-            self._skip_count += n
-            count = self._skip_count
-            records = [r for r in self.skipped[self._skip_first:] if "member" not in r]  # samples, not tar members
         if isinstance(self.max_skips, float):
             per_rank = self._per_rank()
             limit, what = math.floor(self.max_skips * per_rank), f"{self.max_skips:g} of the {per_rank} samples"
         else:
             limit, what = self.max_skips, "samples"
+        with self._skip_lock:
+            self._skip_count += n
+            count = self._skip_count
+            # the records only for the error: copied at every skip, they made an epoch's skips cost quadratic time
+            records = ([r for r in self.skipped[self._skip_first:] if "member" not in r]  # samples, not tar members
+                       if count > limit else [])
         if count > limit:
             shown = "; ".join(f"{r['shard']}: {r['key']!r}: {r['reason']}" for r in records[:3])
             more = f" (and {len(records) - 3} more)" if len(records) > 3 else ""
