@@ -882,27 +882,34 @@ def test_epochs_of_a_global_rng_loader_start_where_a_plain_loop_starts_them(monk
 
 
 def _check_seamless_wait(seamless: bool) -> None:
-    loader = _SlowStartLoader(8, startup_s=0.04)
-    pf = CUDAPrefetcher(loader, device="cpu", depth=2, seamless=seamless)
-    for epoch in range(4):
-        got = []
-        for b in pf:
-            got.append(int(b[0]))
-            time.sleep(0.04)  # compute: 2 batches ahead = 80 ms of slack > 40 ms start-up
-        assert got == list(range(8))
-        if epoch == 0:
-            pf.reset_stats()  # the first epoch's start-up cannot be hidden
-    s = pf.stats()
-    pf.close()
-    assert s["batches"] == 24
-    if seamless:
-        assert s["wait_p99_s"] < 0.015, s  # ~0.1 ms unloaded; generous for a busy machine
-        assert s["lookahead_epochs"] >= 3 and s["lookahead_discarded"] == 0
-    else:
-        assert s["wait_p99_s"] > 0.03, s  # each epoch start waits for the start-up
-        assert s["lookahead_epochs"] == 0
-    # seamless: the fifth epoch is started ahead, unless close() came first
-    assert loader.iters in ((4, 5) if seamless else (4,))
+    # p99 of 24 waits is their maximum: one scheduling hiccup of a loaded machine (60 ms once, in a suite
+    # run beside other jobs) fails a seamless run, so the timing gets up to 3 tries. A run that is not
+    # seamless waits the 40 ms start-up at every epoch, every time, and fails all three.
+    for attempt in range(3):
+        loader = _SlowStartLoader(8, startup_s=0.04)
+        pf = CUDAPrefetcher(loader, device="cpu", depth=2, seamless=seamless)
+        for epoch in range(4):
+            got = []
+            for b in pf:
+                got.append(int(b[0]))
+                time.sleep(0.04)  # compute: 2 batches ahead = 80 ms of slack > 40 ms start-up
+            assert got == list(range(8))
+            if epoch == 0:
+                pf.reset_stats()  # the first epoch's start-up cannot be hidden
+        s = pf.stats()
+        pf.close()
+        assert s["batches"] == 24
+        # seamless: the fifth epoch is started ahead, unless close() came first
+        assert loader.iters in ((4, 5) if seamless else (4,))
+        if seamless:
+            assert s["lookahead_epochs"] >= 3 and s["lookahead_discarded"] == 0
+            if s["wait_p99_s"] < 0.015 or attempt == 2:  # ~0.1 ms unloaded; generous for a busy machine
+                assert s["wait_p99_s"] < 0.015, s
+                return
+        else:
+            assert s["wait_p99_s"] > 0.03, s  # each epoch start waits for the start-up
+            assert s["lookahead_epochs"] == 0
+            return
 
 
 class _Steps(torch.utils.data.Dataset):
