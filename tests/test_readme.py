@@ -73,7 +73,8 @@ def test_readme_python_blocks_run_as_written(readme_folder, monkeypatch, capsys)
 
     # the headline's TrainStep(tf32=True) changes process-wide flags on a GPU: restore them afterwards
     matmul, cudnn = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
-    headline: dict = {"__name__": "__readme__"}
+    # run as a script: the headline loop sits under `if __name__ == "__main__":`, as spawn/forkserver need
+    headline: dict = {"__name__": "__main__"}
     namespaces = []
     try:
         for i, (line, source) in enumerate(blocks):
