@@ -6,41 +6,6 @@ import pytest
 import fork_probe  # noqa: F401  registers its fork hook before fastdata's, so it runs after them
 
 
-def _keep_the_test_process_small() -> None:
-    """The test process forks thousands of loader workers; a fork copies its page tables, so it costs
-    in proportion to the process's resident memory. With glibc's default (dynamic) mmap threshold,
-    large buffers freed by earlier tests stay in the heap: the process grew to ~1 GB by the end of
-    the suite and the fork-heavy tests after its midpoint ran up to ~1.5x slower than alone (after
-    seven other modules, test_resume + test_start_methods: 44-46 s, 31-38 s with this). Large
-    allocations are mmapped (returned to the system when freed) and each module ends with a trim. No test depends on the allocator; the
-    forked workers inherit the setting, spawned and other child processes do not."""
-    import ctypes
-    import sys
-
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        mallopt, trim = libc.mallopt, libc.malloc_trim
-    except (OSError, AttributeError):  # not glibc
-        return
-    m_trim_threshold, m_mmap_threshold = -1, -3
-    mallopt(m_mmap_threshold, 128 * 1024)  # a fixed threshold: no dynamic raise after a large free
-    mallopt(m_trim_threshold, 128 * 1024)
-    _MALLOC_TRIM.append(trim)
-
-
-_MALLOC_TRIM: list = []
-_keep_the_test_process_small()
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _trim_the_heap_after_the_module():
-    yield
-    for trim in _MALLOC_TRIM:
-        trim(0)
-
-
 @pytest.fixture(scope="module")
 def seven(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
     """7 samples in tar shards of 4 and 3 (cls = global index): the resume and multi-rank tests' set."""
