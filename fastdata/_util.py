@@ -37,6 +37,11 @@ def _renew_npy_lock() -> None:
 os.register_at_fork(after_in_child=_renew_npy_lock)
 
 
+def is_url(path: str) -> bool:
+    """True for ``scheme://...`` other than ``file://`` (a local path, see :func:`local_path`)."""
+    return "://" in path and not path.startswith("file://")
+
+
 def local_path(text: str) -> str:
     """The one rule for local path arguments: a leading ``file://`` stripped (``file:///data/ds`` is
     ``/data/ds``) and a leading ``~`` expanded to the home folder, as a shell and ``Cache`` do

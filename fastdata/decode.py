@@ -56,7 +56,6 @@ __all__ = [
 ]
 
 PICKLE_SUFFIXES = frozenset({"pickle", "pkl", "pyd", "pth", "pt"})
-_INT_SUFFIXES = INT_SUFFIXES
 _TEXT_SUFFIXES = frozenset({"txt", "text"})
 _JSON_SUFFIXES = frozenset({"json", "jsn"})
 
@@ -459,7 +458,7 @@ def _bytes(value: Any) -> bytes | memoryview | None:
 
 # suffixes whose values are encoded bytes: a 1-D uint8 array under another suffix (npy, npz, none known) is a
 # value (an HDF5 field of kind "array", e.g. an embedding of shape (8,)), not bytes to decode
-_ENCODED_SUFFIXES = IMAGE_SUFFIXES | _INT_SUFFIXES | _TEXT_SUFFIXES | _JSON_SUFFIXES | PICKLE_SUFFIXES
+_ENCODED_SUFFIXES = IMAGE_SUFFIXES | INT_SUFFIXES | _TEXT_SUFFIXES | _JSON_SUFFIXES | PICKLE_SUFFIXES
 # every suffix the default decoding treats specially (a decode= mapping shared by several datasets names some of
 # these that a given dataset lacks)
 DECODED_SUFFIXES = _ENCODED_SUFFIXES | {"npy", "npz"}
@@ -537,7 +536,7 @@ class SampleDecoder:
         ext = suffix(name)
         data = None if isinstance(value, np.ndarray) and ext not in _ENCODED_SUFFIXES else _bytes(value)
         if data is None:  # already decoded (HDF5 arrays, ints)
-            if ext in _INT_SUFFIXES and isinstance(value, (np.integer, np.ndarray)) and np.ndim(value) == 0:
+            if ext in INT_SUFFIXES and isinstance(value, (np.integer, np.ndarray)) and np.ndim(value) == 0:
                 return int(value)
             return value
         if ext in IMAGE_SUFFIXES:
@@ -546,7 +545,7 @@ class SampleDecoder:
             return _decode_npy(data, self.allow_pickle)
         if ext == "npz":
             return _decode_npz(data, self.allow_pickle)
-        if ext in _INT_SUFFIXES:
+        if ext in INT_SUFFIXES:
             return int(bytes(data).decode("utf-8").strip())
         if ext in _TEXT_SUFFIXES:
             return bytes(data).decode("utf-8")

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fastdata._util import local_path
+from fastdata._util import is_url, local_path
 from fastdata.errors import ManifestError
 
 __all__ = ["FORMATS", "FORMAT_VERSION", "KINDS", "MANIFEST_NAME", "FieldInfo", "Manifest", "ShardInfo", "sha256_file"]
@@ -211,7 +211,7 @@ class Manifest:
         """
         text_path = os.fspath(path)
         if isinstance(text_path, str):
-            if "://" in text_path and not text_path.startswith("file://"):  # Path() would make 's3:/bucket/ds'
+            if is_url(text_path):  # Path() would make 's3:/bucket/ds'
                 raise ManifestError(f"{text_path}: a URL; Manifest.load reads a local folder or manifest.json "
                                     "(ShardedDataset and RemoteShards read folder URLs)")
             text_path = local_path(text_path)  # file://, ~

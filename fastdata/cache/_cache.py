@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fastdata._util import byte_limit, local_path
+from fastdata._util import byte_limit, is_url, local_path
 from fastdata.cache._io import disk_usage, try_lock
 from fastdata.cache._store import (
     CACHE_FORMAT_VERSION,
@@ -132,7 +132,7 @@ class Cache:
         if not isinstance(fsync, bool):
             raise ValueError(f"fsync must be a bool, got {fsync!r}")
         text = os.fspath(directory)
-        if "://" in text and not text.startswith("file://"):
+        if is_url(text):
             raise ValueError(f"directory must be a local path (the cache is memory-mapped), got the URL {text!r}")
         self.directory = Path(local_path(text)).absolute()
         self.max_bytes = max_bytes

@@ -58,11 +58,11 @@ def _unfinished(dest: str) -> None:
     conversion into it did not finish."""
     from pathlib import Path
 
-    from fastdata._util import local_path
+    from fastdata._util import is_url, local_path
     from fastdata.manifest import MANIFEST_NAME
     from fastdata.shards.convert import PROGRESS_DIR
 
-    if "://" in dest and not dest.startswith("file://"):
+    if is_url(dest):
         return
     path = Path(local_path(dest))
     folder = path if path.is_dir() else path.parent if path.name == MANIFEST_NAME else None

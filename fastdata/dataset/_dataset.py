@@ -1080,19 +1080,23 @@ class ShardedDataset(IterableDataset):
         """Record a skipped sample (``skipped``, the cursor's report, the budget of this process)."""
         name = self.source.names[shard]
         record = {"shard": name, "key": key, "index": g, "epoch": cursor.epoch, "reason": str(err)}
-        # deferred: record_skips() when the consumer reaches the sample; a fastdata.DataLoader worker's reach the
-        # main process's list the same way (kept here too, nothing would read them and a persistent worker's copy
-        # would grow by every skip of the run)
-        if not cursor.defer_skips and (not _in_worker() or self._inline_skips is None):
+        # Deferred ones are listed and warned in record_skips() when the consumer reaches the sample, and so
+        # are a fastdata.DataLoader worker's when they reach the main process: kept in the worker too, nothing
+        # would read them and a persistent worker's copy would grow by every skip of the run, and a warning
+        # emitted in the worker never reaches the job's filters or logging.
+        here = not cursor.defer_skips and not self._skips_ride_to_main()
+        if here:
             with self._skip_lock:
                 self.skipped.append(record)
         cursor.skips.append(record)
-        # deferred: warned in record_deferred_skips(); a fastdata.DataLoader worker's, in record_skips() when they
-        # reach the main process (a warning emitted in the worker never reaches the job's filters or logging)
-        if self.on_error == "warn" and not cursor.defer_skips and (not _in_worker() or self._inline_skips is None):
+        if self.on_error == "warn" and here:
             _warn_skip(record, stacklevel=5)
         if not _in_worker() and not cursor.defer_skips:  # a worker's are counted when they reach the main process
             self._count_skips(1)
+
+    def _skips_ride_to_main(self) -> bool:
+        """True in a fastdata.DataLoader worker: its skip records reach the main process with its batches."""
+        return self._inline_skips is not None and _in_worker()
 
     # ----- skip reports and the failure budget (package-internal: fastdata.loader) ---------------
     def begin_skip_budget(self) -> None:
@@ -1229,7 +1233,7 @@ class ShardedDataset(IterableDataset):
             parts = split_member_name(member)
             records.append({"shard": name, "key": None if parts is None else parts[0], "member": member,
                             "index": None, "epoch": cursor.epoch, "reason": reason})
-        if _in_worker() and self._inline_skips is not None:
+        if self._skips_ride_to_main():
             cursor.skips.extend(records)
         else:
             with self._skip_lock:

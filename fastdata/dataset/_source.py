@@ -515,9 +515,8 @@ def resolve_source(source: str | os.PathLike[str] | RemoteShards | Sequence[str 
         return _from_remote_manifest(source)
     if isinstance(source, str) and is_url(source) and "{" not in source:
         _refuse_hdf5_urls([source])
-    if (isinstance(source, str) and is_url(source) and "{" not in source
-            and not split_query(source)[0].lower().endswith(_TAR_SUFFIXES)):  # a signed tar URL is a tar URL
-        return _from_remote_manifest(RemoteShards(source))
+        if not split_query(source)[0].lower().endswith(_TAR_SUFFIXES):  # a signed tar URL is a tar URL
+            return _from_remote_manifest(RemoteShards(source))
     if isinstance(source, (str, os.PathLike)):
         text = os.fspath(source)
         p = Path(os.path.abspath(local_path(text)))  # a file:// folder too, "~/shards"; a later chdir changes nothing

@@ -572,6 +572,9 @@ def _select_packed(packed: PackedImages, keep: list[int]) -> PackedImages:
                                            index=index[i], epoch=packed.epoch) for i in keep])
 
 
+_CONTAINERS = (torch.Tensor, np.ndarray, PackedImages, ImageBatch, Mapping, list, tuple)
+
+
 def _batched(obj: Any, n: int) -> bool:
     """True when every leaf of ``obj`` is ``n`` rows (a tensor's first dim, packed or decoded images, a list of
     ``n`` plain values): what a collate makes of one field of ``n`` samples."""
@@ -582,8 +585,7 @@ def _batched(obj: Any, n: int) -> bool:
     if isinstance(obj, Mapping):
         return all(_batched(v, n) for v in obj.values())
     if isinstance(obj, (list, tuple)):
-        if not any(isinstance(v, (torch.Tensor, np.ndarray, PackedImages, ImageBatch, Mapping, list, tuple))
-                   for v in obj):
+        if not any(isinstance(v, _CONTAINERS) for v in obj):
             return len(obj) == n
         return all(_batched(v, n) for v in obj)
     return False
@@ -593,10 +595,9 @@ def _per_sample(obj: list | tuple, n: int, path: tuple[Any, ...]) -> bool:
     """Whether a list of ``n`` items holds one item per sample (a custom collate's list of boxes tensors, of
     target dicts, of strings) rather than a collated structure (a sample's list field: ``n`` batched tensors).
     A list of ``n`` plain values or dicts, or of items that are not all ``n`` rows, is per sample. One whose
-    other items are all ``n`` rows too could be either: an error naming it rather than a guess, which would pair the targets
-    of one sample with the image of another, silently."""
-    containers = any(isinstance(v, (torch.Tensor, np.ndarray, PackedImages, ImageBatch, Mapping, list, tuple))
-                     for v in obj)
+    other items are all ``n`` rows too could be either: an error naming it rather than a guess, which would
+    pair the targets of one sample with the image of another, silently."""
+    containers = any(isinstance(v, _CONTAINERS) for v in obj)
     if not containers or not all(_batched(v, n) for v in obj) or all(isinstance(v, Mapping) for v in obj):
         return True  # a list of n dicts: torchvision's detection targets, one per sample
     where = "".join(f"[{k!r}]" for k in path) or "the batch"
@@ -609,8 +610,8 @@ def _per_sample(obj: list | tuple, n: int, path: tuple[Any, ...]) -> bool:
 
 
 def _drop_rows(obj: Any, n: int, keep: list[int], done: set, path: tuple[Any, ...] = ()) -> Any:
-    """Keep rows ``keep`` of every per-sample entry: tensors with first dim ``n``, lists of ``n`` leaves, and
-    the packed or decoded images of other fields (another stage's ``keys``)."""
+    """Keep rows ``keep`` of every per-sample entry: tensors with first dim ``n``, lists of ``n`` items one per
+    sample (:func:`_per_sample`), and the packed or decoded images of other fields (another stage's ``keys``)."""
     if path in done:
         return obj
     if isinstance(obj, ImageBatch):

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from fastdata._util import check_int, local_path, quantile
+from fastdata._util import check_int, is_url, local_path, quantile
 from fastdata._util import usable_cores as cores  # noqa: F401 - the name other modules use
 from fastdata.decode import ImageDecoder, is_image_field, suffix
 from fastdata.errors import DecodeError, FastdataError, MissingFieldError, SourceError
@@ -87,7 +87,7 @@ def shard_folder(source: str | os.PathLike[str]) -> str | os.PathLike[str]:
     from fastdata.shards import redact_url
 
     if isinstance(source, str):
-        if "://" in source and not source.startswith("file://"):
+        if is_url(source):
             raise SourceError(f"{redact_url(source)}: a URL; doctor, tune and bench measure a local shard folder "
                               "with manifest.json: measure a local copy of the dataset (its manifest.json and shards)")
         source = local_path(source)

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from fastdata._util import release_frames
+from fastdata._util import add_note, release_frames
 from fastdata.prefetch._queue import CLOSED, END, EpochStart, Failure, Pipe, Stats, Stopped, perf_counter, POLL_S
 from fastdata.prefetch._stage import STREAM_PRIORITIES, CpuStager, CudaStager, default_pack_threads
 from fastdata.prefetch.tree import keys_matcher
@@ -790,5 +790,4 @@ def _close_generator(source: Any) -> None:
 
 
 def _note(error: BaseException, text: str) -> None:
-    if hasattr(error, "add_note"):  # Python >= 3.11
-        error.add_note(f"fastdata.CUDAPrefetcher: {text}")
+    add_note(error, f"fastdata.CUDAPrefetcher: {text}")

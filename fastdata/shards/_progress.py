@@ -18,7 +18,7 @@ from typing import Any
 from fastdata.errors import ConversionError, ShardError
 from fastdata.manifest import MANIFEST_NAME, Manifest, ShardInfo, sha256_file
 from fastdata.shards._plan import Plan, ShardResult
-from fastdata.shards._sources import PROGRESS_DIR
+from fastdata.shards._sources import NEWEST_KEPT, PROGRESS_DIR
 
 
 log = logging.getLogger("fastdata.convert")
@@ -27,7 +27,6 @@ _PLAN_FILE = "plan.json"
 FINGERPRINT_KEY = "plan_fingerprint"  # in manifest.extra: the plan a finished DEST was written by
 PLAN_KEY = "plan"  # in manifest.extra: the arguments and an inputs summary, to name what a refused rerun changed
 
-NEWEST = 5  # inputs a listing keeps as the newest, to name them
 
 _FLAGS = {"format": "--format", "samples_per_shard": "--samples-per-shard", "shard_size": "--shard-size",
           "shuffle": "--shuffle", "seed": "--seed", "resize": "--resize", "check": "--check"}
@@ -100,7 +99,7 @@ def plan_changes(old_extra: Any, plan: Plan) -> str:
             changes.append(f"SRC has {count} input files, was {before}")
         newer = [name for mtime, name in plan.listing.newest if mtime > int(was.get("newest_mtime_ns") or 0)]
         if newer:
-            many = len(newer) == len(plan.listing.newest) == NEWEST  # maybe more than the few kept
+            many = len(newer) == len(plan.listing.newest) == NEWEST_KEPT  # maybe more than the few kept
             changes.append(f"input files modified or added since: {_few(newer, 3, more=many)}")
         elif count == before:
             changes.append("input files renamed or replaced" if was.get("names") != now.get("names") else

@@ -25,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from fastdata._util import is_url
 from fastdata.errors import RemoteError
 
 __all__ = [
@@ -37,11 +38,6 @@ T = TypeVar("T")
 _TRANSIENT_STATUS = frozenset({408, 425, 429, 500, 502, 503, 504})
 _CHUNK = 4 << 20
 _TIMEOUT_S = 60.0  # per socket operation (connect, each read) of the standard-library HTTP client
-
-
-def is_url(path: str) -> bool:
-    """True for ``scheme://...`` other than ``file://``."""
-    return "://" in path and not path.startswith("file://")
 
 
 def split_query(url: str) -> tuple[str, str]:

@@ -171,7 +171,7 @@ def _stamp(items: Sequence[tuple[str, int, int]]) -> str:
     return h.hexdigest()
 
 
-_NEWEST = 5  # = _progress.NEWEST (which imports this module)
+NEWEST_KEPT = 5  # inputs a listing keeps as the newest (Listing.newest), to name them
 
 
 def _set_stamp(listing: Listing, items: Sequence[tuple[str, int, int]]) -> None:
@@ -180,7 +180,7 @@ def _set_stamp(listing: Listing, items: Sequence[tuple[str, int, int]]) -> None:
     names = hashlib.sha256()
     for name, _, _ in items:
         names.update(name.encode("utf-8", "surrogateescape") + b"\0")
-    listing.newest = heapq.nlargest(_NEWEST, ((mtime, name) for name, _, mtime in items))
+    listing.newest = heapq.nlargest(NEWEST_KEPT, ((mtime, name) for name, _, mtime in items))
     listing.inputs = {"count": len(items), "bytes": sum(size for _, size, _ in items), "names": names.hexdigest(),
                       "newest_mtime_ns": listing.newest[0][0] if listing.newest else 0, "stamp": listing.stamp}
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from fastdata._util import INT_SUFFIXES, local_path
+from fastdata._util import INT_SUFFIXES, is_url, local_path
 from fastdata.errors import FastdataError
 from fastdata.manifest import FieldInfo, Manifest, ShardInfo
 from fastdata.shards import _tarfmt
@@ -88,7 +88,7 @@ class ShardWriter:
         if not isinstance(dest, (str, os.PathLike)) or not os.fspath(dest):
             raise ValueError(f"dest must be a non-empty path, got {dest!r}")
         text = os.fspath(dest)
-        if isinstance(text, str) and "://" in text and not text.startswith("file://"):
+        if isinstance(text, str) and is_url(text):
             raise ValueError(f"dest {text!r} is a URL; ShardWriter writes a local folder (write there, then upload)")
         # file:// and "~/out" as Manifest.load, Cache and ShardedDataset read them (not folders 'file:' or '~')
         self.dest = Path(os.path.abspath(local_path(text) if isinstance(text, str) else text))  # chdir-proof
