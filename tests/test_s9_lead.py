@@ -1,6 +1,7 @@
 """Session 9, lead: small fixes."""
 from __future__ import annotations
 
+from _images import jpeg  # tests/_images.py
 from fastdata._util import add_note
 
 
@@ -61,16 +62,6 @@ def test_trainstep_does_not_step_on_an_empty_batch():
     assert not all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
 
 
-def _jpg(v):
-    import io
-
-    from PIL import Image
-
-    b = io.BytesIO()
-    Image.new("RGB", (16, 16), (v, v, v)).save(b, "JPEG")
-    return b.getvalue()
-
-
 def _write_detection_set(dest, boxes_rows):
     import numpy as np
 
@@ -78,7 +69,7 @@ def _write_detection_set(dest, boxes_rows):
 
     with fastdata.ShardWriter(dest) as w:
         for i in range(3):
-            data = _jpg(40 * i) if i != 1 else _jpg(40)[:200] + b"\0" * 50  # sample 1 corrupt
+            data = jpeg(i, 16, 16) if i != 1 else jpeg(i, 16, 16)[:200] + b"\0" * 50  # sample 1 corrupt
             w.write({"__key__": f"s{i}", "jpg": data, "boxes.npy": np.full((boxes_rows(i), 4), i, np.float32),
                      "cls": i})
     return fastdata.ShardedDataset(dest, image_decode="device")
@@ -152,7 +143,7 @@ def test_build_cache_with_spawn_workers_names_an_unpicklable_part(tmp_path, monk
 
     with fastdata.ShardWriter(tmp_path / "d") as w:
         for i in range(4):
-            w.write({"__key__": f"s{i}", "jpg": _jpg(10 * i), "cls": i})
+            w.write({"__key__": f"s{i}", "jpg": jpeg(i, 16, 16), "cls": i})
     ds = fastdata.ShardedDataset(tmp_path / "d", preprocess=fastdata.ResizeCenterCrop(4), cache=tmp_path / "c",
                                  decode={"cls": lambda b: int(b)})
     # multiprocessing's default start method made spawn (pickling fails in this process, before a child starts)

@@ -1,21 +1,13 @@
 """Session 9, helper left-a: DecodeImages' skip budget, doctor/tune measuring what they recommend, CLI messages."""
 from __future__ import annotations
 
-import io
-
 import pytest
 import torch
-from PIL import Image
 
+from _images import jpeg  # tests/_images.py
 from fastdata import gpu
 from fastdata.dataset import EncodedImage, collate
 from fastdata.errors import FastdataError, SkipBudgetError
-
-
-def _png(value: int = 90) -> bytes:
-    buf = io.BytesIO()
-    Image.new("RGB", (4, 3), (value, 1, 2)).save(buf, format="PNG")
-    return buf.getvalue()
 
 
 def _batch(datas: list[bytes], *, epoch: int = 0, first: int = 0, shard: str = "bad.tar") -> dict:
@@ -30,11 +22,11 @@ def test_decode_images_max_skips_caps_the_skips_of_an_epoch():
     # epoch (each skip counted), whatever the dataset's max_skips said
     bad = b"\xff\xd8 not an image"
     dec = gpu.DecodeImages(device="cpu", on_error="skip", max_skips=2)
-    out = dec(_batch([bad, _png(), bad]))  # 2 skips: within the budget
+    out = dec(_batch([bad, jpeg(90, 4, 3, format="PNG"), bad]))  # 2 skips: within the budget
     assert out["cls"].tolist() == [1] and dec.num_skipped == 2
     assert dec.skipped[0]["epoch"] == 0
     with pytest.raises(SkipBudgetError, match=r"bad\.tar.*'k4'.*max_skips=2") as info:
-        dec(_batch([_png(), bad], first=3))
+        dec(_batch([jpeg(90, 4, 3, format="PNG"), bad], first=3))
     assert isinstance(info.value, FastdataError) and [r["key"] for r in info.value.skipped] == ["k0", "k2", "k4"]
     # another epoch counts from zero; a sample skipped again (a repeated pass over an epoch) counts once
     dec(_batch([bad, bad], epoch=1))
@@ -64,18 +56,12 @@ def test_decode_images_max_skips_is_checked_when_built(value):
 
 # ----------------------------------------------------------------------------------- (b) doctor's decode probe
 
-def _jpeg(i: int) -> bytes:
-    buf = io.BytesIO()
-    Image.new("RGB", (16 + i, 12), (i * 20, 40, 60)).save(buf, format="JPEG")
-    return buf.getvalue()
-
-
 def test_doctor_probe_measures_the_configured_device_decoder(monkeypatch):
     # probe_gpu_decode called torchvision.io.decode_jpeg whatever FASTDATA_DEVICE_DECODER / device_decoder said:
     # doctor's figure was torchvision's, and its note did not say which decoder it measured
     from fastdata.monitor import _stages as st
 
-    jpegs = [_jpeg(i) for i in range(6)]
+    jpegs = [jpeg(i, 16 + i, 12) for i in range(6)]
     monkeypatch.delenv("FASTDATA_DEVICE_DECODER", raising=False)
     assert st.probe_gpu_decode(jpegs, torch.device("cpu")) == (None, "no CUDA device (device decoder: torchvision)")
 
@@ -103,7 +89,7 @@ def jpeg_shards(tmp_path):
 
     with fastdata.ShardWriter(tmp_path / "shards", max_samples=8) as w:
         for i in range(16):
-            w.write({"__key__": f"k{i:04d}", "jpg": _jpeg(i % 8), "cls": i % 3})
+            w.write({"__key__": f"k{i:04d}", "jpg": jpeg(i % 8, 16 + i % 8, 12), "cls": i % 3})
     return tmp_path / "shards"
 
 
@@ -175,17 +161,11 @@ def test_stall_summary_of_a_cpu_only_loop_does_not_talk_of_a_gpu():
 
 # ----------------------------------------------------------------------------------- bug hunt
 
-def _png_of(w: int, h: int, value: int = 90) -> bytes:
-    buf = io.BytesIO()
-    Image.new("RGB", (w, h), (value, 1, 2)).save(buf, format="PNG")
-    return buf.getvalue()
-
-
 def test_geometric_transforms_after_a_second_decode_stage_reach_the_first_stages_images():
     # Compose(DecodeImages(keys=["jpg"]), DecodeImages(keys=["png"]), CenterCrop(4)) cropped "png" only: the crop
     # was fused into the second stage, and the first stage's images were rendered before it, uncropped (8x10)
-    batch = collate([{"jpg": EncodedImage(_png_of(10 + 2 * i, 8), shard="s.tar", key=f"k{i}", index=i, epoch=0),
-                      "png": EncodedImage(_png_of(6, 5), shard="s.tar", key=f"k{i}", index=i, epoch=0), "cls": i}
+    batch = collate([{"jpg": EncodedImage(jpeg(i, 10 + 2 * i, 8, format="PNG"), shard="s.tar", key=f"k{i}", index=i, epoch=0),
+                      "png": EncodedImage(jpeg(i, 6, 5, format="PNG"), shard="s.tar", key=f"k{i}", index=i, epoch=0), "cls": i}
                      for i in range(2)])
     first, second = gpu.DecodeImages(keys=["jpg"], device="cpu"), gpu.DecodeImages(keys=["png"], device="cpu")
     out = gpu.Compose(first, second, gpu.CenterCrop(4))(batch)
@@ -201,7 +181,7 @@ def _with_a_truncated_image(root, n: int = 24, bad: int = 20):
 
     with fastdata.ShardWriter(root, max_samples=8) as w:
         for i in range(n):
-            data = _jpeg(i % 8)
+            data = jpeg(i % 8, 16 + i % 8, 12)
             w.write({"__key__": f"k{i:03d}", "jpg": data[:60] if i == bad else data, "cls": i % 3})
     return root
 
@@ -223,7 +203,7 @@ def test_doctor_and_tune_name_the_users_shard_of_a_sample_that_does_not_load(tmp
 
     with fastdata.ShardWriter(tmp_path / "mixed", max_samples=8) as w:
         for i in range(4):
-            w.write({"__key__": f"k{i}", ("jpg" if i % 2 else "png"): _png_of(4, 3), "cls": i})
+            w.write({"__key__": f"k{i}", ("jpg" if i % 2 else "png"): jpeg(i, 4, 3, format="PNG"), "cls": i})
     fields = st.pick_fields(Manifest.load(tmp_path / "mixed"))
     with pytest.raises(MissingFieldError, match=r"mixed/shard-000000\.tar: sample 'k0' has no field 'jpg'.*re-encode"):
         st.copy_subset(tmp_path / "mixed", tmp_path / "subset2", fields, 4)

@@ -5,22 +5,14 @@ forkserver pickle a worker's arguments in ``Process.start``), so no worker impor
 """
 from __future__ import annotations
 
-import io
 import multiprocessing as mp
 import pickle
 
-import numpy as np
 import pytest
-from PIL import Image
 
+from _images import jpeg  # tests/_images.py
 from fastdata import DataLoader, ShardedDataset
 from fastdata.errors import FastdataError
-
-
-def _png(i: int) -> bytes:
-    buf = io.BytesIO()
-    Image.fromarray(np.full((4, 4, 3), i, np.uint8)).save(buf, format="PNG")
-    return buf.getvalue()
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +22,7 @@ def folder(tmp_path_factory):
     dest = tmp_path_factory.mktemp("s9sm") / "d"
     with ShardWriter(dest, max_samples=4) as w:
         for i in range(8):
-            w.write({"__key__": f"k{i}", "cls": i, "png": _png(i)})
+            w.write({"__key__": f"k{i}", "cls": i, "png": jpeg(i, 4, 4, format="PNG")})
     return dest
 
 
@@ -120,7 +112,7 @@ def test_convert_from_a_script_without_a_main_guard_says_why_its_spawned_workers
     src = tmp_path / "src"
     src.mkdir()
     for i in range(4):
-        (src / f"{i}.png").write_bytes(_png(i))
+        (src / f"{i}.png").write_bytes(jpeg(i, 4, 4, format="PNG"))
     script = tmp_path / "unguarded.py"
     script.write_text(
         "import threading, time\n"
