@@ -4,7 +4,7 @@
     python3 benchmarks/remote_throughput.py [--shards 16] [--shard-mb 16] [--epochs 3] [--out DIR]
 
 Writes a shard set (random payloads, so nothing compresses), serves it from a separate process on
-127.0.0.1 (tests/loopback_server.py, no Range support, stops by itself), then times full epochs
+127.0.0.1 (tests/helpers/loopback_server.py, no Range support, stops by itself), then times full epochs
 (shuffled; ``--payload raw``: random bytes, no decoding, the I/O path alone and the hardest case
 for remote reads; ``--payload jpeg``: JPEGs decoded and resized, a training input pipeline):
 
@@ -59,7 +59,7 @@ def make_set(dest: Path, shards: int, shard_mb: int, sample_kb: int, payload: st
 
 def serve(root: Path, lifetime: float) -> tuple[subprocess.Popen, str]:
     port_file = root / "url.txt"
-    proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "loopback_server.py"), str(root), "--port-file",
+    proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "helpers" / "loopback_server.py"), str(root), "--port-file",
                              str(port_file), "--lifetime", str(lifetime), "--no-ranges"])
     t0 = time.monotonic()
     while not port_file.exists():

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-import fork_probe  # noqa: F401  registers its fork hook before fastdata's, so it runs after them
+from tests.helpers import fork_probe
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ from fastdata.errors import CacheError
 from fastdata.loader import DataLoader
 from fastdata.shards.writer import ShardWriter
 from fastdata.transforms import ResizeCenterCrop
-from batch_checks import assert_same, batch_keys, epoch_on_path  # noqa: E402 - tests/ is on sys.path
+from tests.helpers.batches import assert_same, batch_keys, epoch_on_path
 
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
 

@@ -18,7 +18,7 @@ from fastdata import gpu
 from fastdata.errors import DecodeError, FastdataError
 from fastdata.gpu import _codec, _decode
 
-from _images import jpeg, many_jpegs, packed, pillow_rgb, run_without_host_sync  # tests/_images.py
+from tests.helpers.images import jpeg, many_jpegs, packed, pillow_rgb, run_without_host_sync
 
 ENV = _codec.DEVICE_DECODER_ENV
 CPU = torch.device("cpu")

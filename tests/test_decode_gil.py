@@ -16,7 +16,7 @@ from fastdata.cli._synth import jpeg_bytes, synth_image
 from fastdata.decode import ImageDecoder, SampleDecoder, image_to_tensor
 from fastdata.transforms import ResizeCenterCrop
 
-from _images import chw, pillow_decoded  # tests/_images.py
+from tests.helpers.images import chw, pillow_decoded
 
 SIZES = [(1, 1), (2, 1), (1, 3), (3, 5), (7, 2), (16, 16), (223, 224), (224, 223), (333, 127), (640, 481)]
 MODES = ["RGB", "L", "P", "RGBA", "RGBX", "RGBa", "CMYK", "YCbCr", "HSV", "LAB", "1", "I", "F", "LA", "La", "PA",

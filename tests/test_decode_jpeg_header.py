@@ -16,7 +16,7 @@ from fastdata.cli._synth import jpeg_bytes, synth_image
 from fastdata.decode import ImageDecoder, SampleDecoder
 from fastdata.errors import DecodeError
 
-from _images import chw, pillow_decoded  # tests/_images.py
+from tests.helpers.images import chw, pillow_decoded
 
 
 def _save(img: Image.Image, **kw: object) -> bytes:

@@ -24,7 +24,7 @@ from fastdata.loader import DataLoader
 from fastdata.prefetch import CUDAPrefetcher
 from fastdata.shards.writer import ShardWriter
 
-from _images import jpeg, many_jpegs, packed, pillow_rgb, run_without_host_sync  # tests/_images.py
+from tests.helpers.images import jpeg, many_jpegs, packed, pillow_rgb, run_without_host_sync
 
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
 

@@ -15,8 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-sys.path.insert(0, os.path.dirname(__file__))
-from loopback_server import LoopbackServer, make_shard_set  # noqa: E402
+from tests.helpers.loopback_server import LoopbackServer, make_shard_set  # noqa: E402
 
 from fastdata.dataset import RemoteShards, ShardedDataset, ShuffleOptions  # noqa: E402
 from fastdata.errors import RemoteError  # noqa: E402

@@ -14,7 +14,7 @@ import pytest
 from fastdata.dataset import ShardedDataset, ShuffleOptions, _readers
 from fastdata.loader import DataLoader
 from fastdata.shards.writer import ShardWriter
-from batch_checks import batch_keys  # noqa: E402 - tests/ is on sys.path
+from tests.helpers.batches import batch_keys
 
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
 
@@ -280,8 +280,7 @@ def test_open_budget_follows_the_file_descriptor_limit(monkeypatch):
 def test_a_node_cache_with_a_byte_limit_keeps_the_floor(tmp_path):
     """Each open reader of a remote manifest pins its shard in the node cache, whose max_bytes is
     documented to need room for open_shards x walks + 2 readers: a wide walk keeps to that."""
-    sys.path.insert(0, str(Path(__file__).parent))
-    from loopback_server import LoopbackServer, make_shard_set
+    from tests.helpers.loopback_server import LoopbackServer, make_shard_set
 
     from fastdata.dataset import RemoteShards
     from fastdata.manifest import Manifest

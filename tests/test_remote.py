@@ -12,8 +12,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(__file__))
-from loopback_server import LoopbackServer, make_shard_set  # noqa: E402
+from tests.helpers.loopback_server import LoopbackServer, make_shard_set  # noqa: E402
 
 from fastdata.dataset import RemoteShards, ShardedDataset  # noqa: E402
 from fastdata.errors import RemoteError  # noqa: E402

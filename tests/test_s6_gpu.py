@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
-from test_augment import reference, smooth_images  # the same smooth images and torchvision resize reference
+from tests.test_augment import reference, smooth_images  # the same smooth images and torchvision resize reference
 
 from fastdata import gpu
 from fastdata.gpu import (
@@ -106,7 +106,7 @@ def test_sixteen_bit_greyscale_keeps_its_high_byte_on_every_path(monkeypatch):
     """A 16-bit greyscale PNG came out clipped at 255 (near white) with mode RGB or L, as the low byte
     (wrapped around) with mode None, while Pillow reads a 16-bit colour PNG by its high byte. Values above
     255 now mean the full 16-bit range (the high byte); label masks (none above 255) keep their values."""
-    from _images import packed  # tests/_images.py
+    from tests.helpers.images import packed
 
     from fastdata.decode import ImageDecoder, SampleDecoder, image_to_tensor
     from fastdata.gpu import _codec
@@ -315,7 +315,7 @@ def test_a_device_decoder_that_fails_on_good_images_is_reported(monkeypatch):
     """A device decoder failing on every call (torchvision without working CUDA image ops) sent every batch
     to the host, many times slower, with a debug log line only: a batched call's RuntimeError is taken for
     a corrupt image in the chunk. Now a RuntimeWarning, once, when the host finds no corrupt image."""
-    from _images import jpeg, packed  # tests/_images.py
+    from tests.helpers.images import jpeg, packed
 
     stage = gpu.DecodeImages(device="cpu", host_decoder="pillow")
     _failing_device_decode(stage, monkeypatch)
@@ -372,7 +372,7 @@ def test_sizes_given_as_bools_are_refused():
 def test_a_skipped_sample_leaves_the_other_image_fields_too():
     """DecodeImages(keys=["jpg"], on_error="skip") dropped a bad sample from the tensors and lists of the batch
     but not from its other image fields (packed, or decoded by an earlier stage): 3 png images, 2 labels."""
-    from _images import jpeg, packed  # tests/_images.py
+    from tests.helpers.images import jpeg, packed
 
     bad = b"\xff\xd8\xffjunk"
     batch = {"jpg": packed([jpeg(1), bad, jpeg(3)]), "png": packed([jpeg(k, format="PNG") for k in (4, 5, 6)]),

@@ -7,8 +7,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(__file__))
-from loopback_server import LoopbackServer, make_shard_set  # noqa: E402
+from tests.helpers.loopback_server import LoopbackServer, make_shard_set  # noqa: E402
 
 
 @pytest.mark.parametrize("suffix", ["/ds?sig=abc", "/ds/?sig=abc", "/ds/manifest.json?sig=abc", "/ds/manifest.json"])
@@ -31,7 +30,7 @@ def test_no_node_cache_releaser_runs_while_the_process_forks(tmp_path: Path) -> 
     lock held forever in the child (a fork worker), and Python 3.12 warns about it."""
     import threading
 
-    import fork_probe
+    from tests.helpers import fork_probe
 
     from fastdata.dataset import RemoteShards, ShardedDataset
     from fastdata.manifest import Manifest

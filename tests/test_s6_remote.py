@@ -11,8 +11,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(__file__))
-from loopback_server import LoopbackServer, make_shard_set
+from tests.helpers.loopback_server import LoopbackServer, make_shard_set
 
 from fastdata.dataset import RemoteShards, ShardedDataset
 from fastdata.dataset import _nodecache

@@ -107,8 +107,7 @@ def test_converting_a_signed_source_url_keeps_its_token_out_of_names_and_message
     from fastdata.shards.convert import ConvertOptions, convert
 
     monkeypatch.setenv("FASTDATA_REMOTE_RETRIES", "1")  # the 404 below: no back-off
-    sys.path.insert(0, str(Path(__file__).parent))
-    from loopback_server import LoopbackServer, make_shard_set
+    from tests.helpers.loopback_server import LoopbackServer, make_shard_set
 
     make_shard_set(tmp_path / "www" / "ds", 8, 4, payload=64, seed=1)
     staging = str(tmp_path / "staging")
@@ -137,8 +136,7 @@ def test_a_streaming_resume_whose_replay_fails_raises_instead_of_losing_samples(
     from fastdata.errors import FastdataError
 
     monkeypatch.setenv("FASTDATA_REMOTE_RETRIES", "1")
-    sys.path.insert(0, str(Path(__file__).parent))
-    from loopback_server import LoopbackServer, make_shard_set
+    from tests.helpers.loopback_server import LoopbackServer, make_shard_set
 
     make_shard_set(tmp_path / "www" / "ds", 16, 4, payload=64, seed=1)
     bad: set[str] = set()
@@ -173,8 +171,7 @@ def test_verify_of_a_url_calls_a_404_a_missing_shard_and_a_compressed_tar_is_a_s
     from fastdata.shards.reader import verify
 
     monkeypatch.setenv("FASTDATA_REMOTE_RETRIES", "1")
-    sys.path.insert(0, str(Path(__file__).parent))
-    from loopback_server import LoopbackServer, make_shard_set
+    from tests.helpers.loopback_server import LoopbackServer, make_shard_set
 
     make_shard_set(tmp_path / "www" / "ds", 8, 4, payload=64, seed=1)
     gone = "/ds/shard-000001.tar"

@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from test_prefetch import fake_cuda  # noqa: F401  (fixture: CUDA faked on the CPU)
+from tests.test_prefetch import fake_cuda  # noqa: F401  (fixture: CUDA faked on the CPU)
 
 from fastdata.prefetch import CUDAPrefetcher
 
@@ -173,7 +173,7 @@ def test_images_packed_in_a_dataclass_or_another_mapping_are_not_passed_on_undec
     import collections
     import dataclasses
 
-    from _images import jpeg, packed
+    from tests.helpers.images import jpeg, packed
 
     from fastdata import gpu
 

@@ -9,8 +9,7 @@ import traceback
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(__file__))
-from loopback_server import LoopbackServer, make_shard_set
+from tests.helpers.loopback_server import LoopbackServer, make_shard_set
 
 from fastdata.dataset import RemoteShards, ShardedDataset
 from fastdata.errors import FastdataError
@@ -139,7 +138,7 @@ def test_no_prefetch_thread_runs_while_the_process_forks(served, tmp_path, monke
     import threading
     import time
 
-    import fork_probe
+    from tests.helpers import fork_probe
 
     from fastdata.dataset import _nodecache
 

@@ -83,7 +83,7 @@ def test_loader_arguments_torch_leaves_unchecked_are_refused_when_built(tmp_path
     # each was accepted, then failed at the first iteration (TypeError, AssertionError) or, for the
     # flags, a string such as "no" was taken as true
     from fastdata import DataLoader, ShardedDataset
-    from test_dataset import make_shards
+    from tests.test_dataset import make_shards
 
     ds = ShardedDataset(make_shards(tmp_path / "ds", 6, 3))
     with pytest.raises(ValueError, match=name):
@@ -94,7 +94,7 @@ def test_loader_takes_a_numpy_worker_count_as_an_int(tmp_path) -> None:
     import numpy as np
 
     from fastdata import DataLoader, ShardedDataset
-    from test_dataset import make_shards
+    from tests.test_dataset import make_shards
 
     ds = ShardedDataset(make_shards(tmp_path / "ds", 6, 3))
     loader = DataLoader(ds, batch_size=2, num_workers=np.int64(0), timeout=np.float64(0))
@@ -232,7 +232,7 @@ def test_a_file_url_of_a_folder_with_a_manifest_is_read(tmp_path) -> None:
     manifest" although the folder has one (found by helper leftovers)."""
     from fastdata import ShardedDataset
     from fastdata.errors import SourceNotFoundError
-    from test_dataset import make_shards
+    from tests.test_dataset import make_shards
 
     folder = make_shards(tmp_path / "ds", 7, 3)
     for url in (f"file://{folder}", f"file://{folder}/"):
@@ -245,7 +245,7 @@ def test_a_file_url_of_a_folder_with_a_manifest_is_read(tmp_path) -> None:
 def test_verify_reads_a_file_url_of_a_folder(tmp_path) -> None:
     """``fastdata verify file:///folder`` said "no such folder" (found by helper leftovers)."""
     from fastdata.cli._main import main
-    from test_dataset import make_shards
+    from tests.test_dataset import make_shards
 
     folder = make_shards(tmp_path / "ds", 5, 2)
     assert main(["verify", f"file://{folder}"]) == 0
@@ -261,7 +261,7 @@ def test_dataset_arguments_of_the_wrong_kind_are_named(tmp_path, kwargs: dict, m
     """Each was accepted (seed=True as 1, shuffle='' as off, max_pixels ignored with image_decode='device')
     or failed with an AttributeError from inside (found by helpers contract and decode)."""
     from fastdata import ShardedDataset
-    from test_dataset import make_shards
+    from tests.test_dataset import make_shards
 
     folder = make_shards(tmp_path / "ds", 4, 2)
     with pytest.raises((TypeError, ValueError), match=match):

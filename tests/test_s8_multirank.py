@@ -14,8 +14,7 @@ from fastdata.dataset import ShardedDataset
 from fastdata.loader import DataLoader
 from fastdata.shards.tar import write_tar_shard
 
-sys.path.insert(0, os.path.dirname(__file__))  # loopback_server
-from test_s7_resume import _ids, _loader  # noqa: E402 - the loader over conftest's `seven` set
+from tests.test_s7_resume import _ids, _loader  # noqa: E402 - the loader over conftest's `seven` set
 
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
 
@@ -112,7 +111,7 @@ def test_one_ranks_state_after_an_elastic_resume_with_another_loader_is_refused(
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    from loopback_server import make_shard_set  # noqa: E402
+    from tests.helpers.loopback_server import make_shard_set  # noqa: E402
 
     root = tmp_path_factory.mktemp("s8www")
     make_shard_set(root / "ds", 8, 4, payload=300, seed=3)  # 2 shards
@@ -126,7 +125,7 @@ def test_a_node_cache_that_cannot_store_or_lock_is_an_error_not_a_skip(served, t
     hang. The node cache's local side is this host's problem, as the preprocessing cache's: raised."""
     import errno
 
-    from loopback_server import LoopbackServer
+    from tests.helpers.loopback_server import LoopbackServer
 
     from fastdata.dataset import RemoteShards, _nodecache
     from fastdata.errors import CacheError, RemoteError
@@ -199,7 +198,7 @@ def test_a_streaming_rank_dealt_only_empty_shards_raises_instead_of_looping(tmp_
     """Tar URLs with samples_per_epoch: a rank whose dealt shards were all empty looped over them for
     good (without shuffling each pass deals the same ones), one GET per shard per pass: 2000 GETs in a
     few seconds, a hang for the other ranks. Empty shards are fetched once per walk now."""
-    from loopback_server import LoopbackServer
+    from tests.helpers.loopback_server import LoopbackServer
 
     from fastdata.errors import SourceError
 
@@ -253,7 +252,7 @@ def test_a_streaming_datasets_list_of_rank_states_resumes(tmp_path):
     """The list of every rank's state (what a DDP checkpoint holds) of a tar-URL dataset could not be
     loaded at all: "ValueError: the dataset has no samples (every shard is empty)", from a split plan
     that streaming sources do not have; at another world size too, instead of the streaming message."""
-    from loopback_server import LoopbackServer
+    from tests.helpers.loopback_server import LoopbackServer
 
     for j in range(4):
         write_tar_shard(tmp_path / f"s{j}.tar", [{"__key__": f"s{j}k{k}", "cls": str(3 * j + k).encode()}

@@ -241,7 +241,7 @@ def test_demo_and_bench_dir_refuse_a_folder_they_did_not_make(tmp_path, capsys):
 def test_inspect_reads_a_folder_url_as_verify_does(tmp_path, capsys):
     """`fastdata verify URL` and `fastdata shard SRC URL` work; `fastdata inspect URL` said "a URL;
     Manifest.load reads a local folder" (an API the user did not call)."""
-    from loopback_server import LoopbackServer
+    from tests.helpers.loopback_server import LoopbackServer
 
     convert(_images(tmp_path / "src", 4), tmp_path / "www" / "ds", _opts(samples_per_shard=2))
     with LoopbackServer(tmp_path / "www", max_requests=20, lifetime=30) as srv:
@@ -289,7 +289,7 @@ def test_verify_and_inspect_tell_a_running_conversion_from_an_interrupted_one(tm
 def test_verify_keeps_a_urls_password_and_token_out_of_its_lines(tmp_path, capsys):
     """`fastdata verify http://me:secret@host/ds?sig=tok` printed the password and the signed URL's
     token on its ok and error lines (the messages inside them were redacted)."""
-    from loopback_server import LoopbackServer
+    from tests.helpers.loopback_server import LoopbackServer
 
     convert(_images(tmp_path / "src", 4), tmp_path / "www" / "ds", _opts(samples_per_shard=2))
     with LoopbackServer(tmp_path / "www", max_requests=20, lifetime=30) as srv:

@@ -1,7 +1,7 @@
 """Session 9, lead: small fixes."""
 from __future__ import annotations
 
-from _images import jpeg  # tests/_images.py
+from tests.helpers.images import jpeg
 from fastdata._util import add_note
 
 

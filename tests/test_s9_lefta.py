@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from _images import jpeg  # tests/_images.py
+from tests.helpers.images import jpeg
 from fastdata import gpu
 from fastdata.dataset import EncodedImage, collate
 from fastdata.errors import FastdataError, SkipBudgetError

@@ -10,7 +10,7 @@ import pickle
 
 import pytest
 
-from _images import jpeg  # tests/_images.py
+from tests.helpers.images import jpeg
 from fastdata import DataLoader, ShardedDataset
 from fastdata.errors import FastdataError
 

@@ -96,7 +96,7 @@ def test_no_fork_while_a_prefetch_thread_is_alive(folder):
     """Non-persistent fork workers behind a CUDAPrefetcher: no other thread may run when a worker
     forks (Python 3.12 warns "This process is multi-threaded, use of fork() may lead to deadlocks
     in the child", and a child can inherit a lock held by another thread)."""
-    import fork_probe  # its hook runs after fastdata's own fork hooks (which pause their threads)
+    from tests.helpers import fork_probe  # its hook runs after fastdata's own fork hooks (which pause their threads)
 
     import fastdata
 

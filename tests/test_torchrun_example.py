@@ -18,8 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-sys.path.insert(0, os.path.dirname(__file__))
-from loopback_server import LoopbackServer  # noqa: E402
+from tests.helpers.loopback_server import LoopbackServer  # noqa: E402
 
 from fastdata.cli._synth import jpeg_bytes, synth_image  # noqa: E402
 from fastdata.shards.writer import ShardWriter  # noqa: E402

@@ -8,7 +8,7 @@ connection) or ``"corrupt"`` (serve the body with one byte flipped). Bounded: it
 
 Usable as a module (``LoopbackServer(root, ...)``, a context manager) or as a script::
 
-    python3 tests/loopback_server.py ROOT --port-file FILE [--lifetime S]
+    python3 tests/helpers/loopback_server.py ROOT --port-file FILE [--lifetime S]
 """
 from __future__ import annotations
 
