@@ -14,7 +14,8 @@ A block that cannot run alone (a fragment of a script that needs ``torchrun``) i
 ``<!-- not run by tests/project/test_docs.py: REASON -->`` naming where it is tested instead; such
 blocks are listed in the test's output, and there may be only a few in all.
 
-Every relative link of those pages (``[text](path)``, images too) names a file that exists.
+Every relative link of those pages (``[text](path)``, images too) names a file that exists, and a
+link to a heading (``page.md#anchor``, ``#anchor``) names a heading of that page.
 """
 from __future__ import annotations
 
@@ -151,21 +152,50 @@ LINK = re.compile(r"!?\[[^\]\n]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
 REFERENCE = re.compile(r"^\s*\[[^\]\n]+\]:\s*<?(\S+?)>?(?:\s+\"[^\"]*\")?\s*$", re.M)
 
 
-def relative_links(text: str) -> list[str]:
-    """The targets of the page's relative links and images, without their anchors (code left out)."""
+def links(text: str) -> list[str]:
+    """The targets of the page's relative links and images, anchors included (code left out)."""
     text = CODE_SPAN.sub("", FENCE.sub("", text))
     targets = LINK.findall(text) + REFERENCE.findall(text)
-    return [t.split("#", 1)[0] for t in targets
-            if not re.match(r"[a-zA-Z][a-zA-Z0-9+.-]*:", t) and not t.startswith("#")]
+    return [t for t in targets if not re.match(r"[a-zA-Z][a-zA-Z0-9+.-]*:", t)]
+
+
+def relative_links(text: str) -> list[str]:
+    """The files the page's relative links and images name, without their anchors."""
+    return [t.split("#", 1)[0] for t in links(text) if not t.startswith("#")]
+
+
+def anchors(text: str) -> set[str]:
+    """The anchors of a page's headings, as GitHub makes them (a repeated one gets -1, -2, ...)."""
+    out, counts = set(), {}
+    for heading in re.findall(r"^#{1,6} +(.+?) *$", FENCE.sub("", text), re.M):
+        slug = re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-")
+        n = counts[slug] = counts.get(slug, -1) + 1
+        out.add(slug if n == 0 else f"{slug}-{n}")
+    return out
 
 
 def test_the_link_extractor_finds_relative_links_only():
     text = ("[a](docs/a.md) ![pic](../p.png \"title\") [web](https://x.org/y) [here](#anchor) "
             "[b](b.md#part) `[no](code.md)`\n```python\nx = d[0](1)\n```\n[ref]: ../c.md\n")
+    assert links(text) == ["docs/a.md", "../p.png", "#anchor", "b.md#part", "../c.md"]
     assert relative_links(text) == ["docs/a.md", "../p.png", "b.md", "../c.md"]
+    assert anchors("# Scaling out\n## `fastdata shard`: converting data\n## Notes\n## Notes\n") == {
+        "scaling-out", "fastdata-shard-converting-data", "notes", "notes-1"}
 
 
 @pytest.mark.parametrize("page", PAGES, ids=name)
 def test_relative_links_name_files_that_exist(page):
     missing = [t for t in relative_links(page.read_text()) if not (page.parent / t).exists()]
     assert missing == [], f"{name(page)} links to files that do not exist: {missing}"
+
+
+@pytest.mark.parametrize("page", PAGES, ids=name)
+def test_links_to_headings_name_headings_that_exist(page):
+    missing = []
+    for target in links(page.read_text()):
+        path, _, anchor = target.partition("#")
+        target_page = (page.parent / path) if path else page
+        if anchor and target_page.suffix == ".md" and target_page.exists():
+            if anchor not in anchors(target_page.read_text()):
+                missing.append(target)
+    assert missing == [], f"{name(page)} links to headings that do not exist: {missing}"
