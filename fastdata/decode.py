@@ -1,31 +1,15 @@
 """Field decoders. Safe by default: nothing read from a shard can execute code.
 
-A field is decoded by the last suffix of its name (``jpg``, ``seg.png`` -> ``png``):
+A field is decoded by the last suffix of its name (``jpg``, ``seg.png`` -> ``png``): images become
+uint8 (C, H, W) RGB tensors, ``npy``/``npz`` NumPy arrays (``allow_pickle=False``), ``cls``-like
+fields ``int``, ``txt`` ``str``, ``json`` objects, anything else ``bytes``; pickles and torch files
+are refused unless ``allow_pickle``. Values that are not bytes (arrays from HDF5 shards) pass
+through, except integer scalars of ``cls``-like fields, which become ``int``.
 
-========================================  ===============================================
-suffix                                    value
-========================================  ===============================================
-jpg jpeg png webp gif bmp ppm pgm tif ...  uint8 ``torch.Tensor`` (C, H, W), RGB (3 channels)
-npy                                       ``np.ndarray`` (``allow_pickle=False``)
-npz                                       ``dict[str, np.ndarray]`` (``allow_pickle=False``)
-cls cls2 index inx                        ``int``
-txt text                                  ``str`` (UTF-8)
-json jsn                                  decoded JSON object
-pickle pkl pyd                            refused (:class:`DecodeError`) unless ``allow_pickle``
-pth pt                                    refused unless ``allow_pickle``; then ``torch.load(weights_only=True)``
-anything else                             ``bytes`` unchanged
-========================================  ===============================================
+Images of more than 8 bits per sample become uint8 without silent loss, or are refused; EXIF
+orientation is not applied (pixels as stored, as on the device decode path).
 
-Values that are not bytes (arrays from HDF5 shards) pass through, except that integer
-scalars of ``cls``-like fields become ``int``.
-
-Images wider than 8 bits per sample become uint8 without silent loss: 16-bit greyscale keeps its
-values where none exceeds 255 (label masks), else its high byte (``value >> 8``: the full 16-bit range,
-as Pillow reads 16-bit colour PNGs and as torchvision's ``to_dtype(uint8, scale=True)`` after
-``decode_image``); 32-bit integer and float images (modes I and F) keep their values where they are
-integers in 0..255 and are refused otherwise. For 16-bit labels above 255 give the field your own
-decoder. EXIF orientation is not applied (pixels as stored), as by torchvision's decoders by default
-and the device decode stage.
+The suffix table and the rules for 16- and 32-bit images: docs/design/field-decoders.md.
 """
 from __future__ import annotations
 

@@ -94,11 +94,11 @@ def test_readme_h5py_block_runs_on_a_jpeg_folder(tmp_path, monkeypatch):
     (tmp_path / "src" / "n01").mkdir(parents=True)
     Image.new("RGB", (8, 8), (200, 10, 10)).save(tmp_path / "src" / "n01" / "x_1.JPEG")
     convert(tmp_path / "src", tmp_path / "shards-h5", ConvertOptions(format="hdf5", workers=1, progress=False))
-    readme = (ROOT / "README.md").read_text()
-    (block,) = [b for b in re.findall(r"^```python\n(.*?)^```", readme, re.S | re.M) if b.startswith("import h5py")]
+    guide = (ROOT / "docs" / "guide" / "shards.md").read_text()
+    (block,) = [b for b in re.findall(r"^```python\n(.*?)^```", guide, re.S | re.M) if b.startswith("import h5py")]
     monkeypatch.chdir(tmp_path)
     namespace: dict = {}
-    exec(compile(block, "README.md h5py block", "exec"), namespace)
+    exec(compile(block, "docs/guide/shards.md h5py block", "exec"), namespace)
     assert bytes(namespace["first"][:2]) == b"\xff\xd8" and list(namespace["keys"]) == ["n01/x_1"]
 
 

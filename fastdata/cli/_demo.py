@@ -1,26 +1,14 @@
 """``fastdata demo``: the before and after, on the same generated data and the same model.
 
-1. photo-like JPEGs in an ImageFolder layout (``_synth``, in worker processes, with progress);
-2. tar shards of them (``fastdata shard``'s engine), checksums verified;
-3. the same model trained by the same :class:`fastdata.TrainStep` from three input pipelines:
+Generates photo-like JPEGs (``_synth``), shards and verifies them, then trains the same model with
+the same :class:`fastdata.TrainStep` from each input pipeline: a tuned torch DataLoader, fastdata
+uncached, fastdata cached and, where the device decode path runs, fastdata with GPU decode. Each
+pipeline's first epoch is a warm-up reported on its own; images/s, input wait
+(:class:`fastdata.StallMeter`) and GPU utilisation are over the later epochs. Prints one table with
+the speed-up against the tuned DataLoader; with ``json_path`` also writes the rows, settings,
+machine and every step's input wait as JSON (for ``benchmarks/plot.py``).
 
-   - **torch DataLoader, tuned**: the recipe the tuning guides end with: a map-style Dataset over
-     the JPEG files (PIL decode, ``Resize(256)``, ``CenterCrop(224)``, ``ToTensor``, ``Normalize``
-     in the workers), ``num_workers``, ``pin_memory`` (CUDA), ``persistent_workers``,
-     ``prefetch_factor=4``, ``.to(device, non_blocking=True)``;
-   - **fastdata, uncached**: ``ShardedDataset(preprocess=ResizeCenterCrop(224))`` ->
-     ``fastdata.DataLoader`` (same workers) -> ``CUDAPrefetcher(Normalize)`` (uint8 over the bus,
-     normalised on the device);
-   - **fastdata, cached**: the same with ``cache=``: the first epoch fills the store, later epochs
-     read it in-process (the cached fast path).
-
-   Each pipeline runs ``epochs`` epochs; the first is the warm-up (workers starting, the cache
-   filling) and is reported on its own; images/s, the share of time the loop waited for input
-   (:class:`fastdata.StallMeter`) and, on a GPU, its utilisation are over the later epochs.
-4. one table, the speed-up against the tuned DataLoader, and the stall verdicts.
-
-With ``json_path`` the rows, the settings, the machine and every step's input wait (the stall
-timeline that ``benchmarks/plot.py`` draws) are written as JSON.
+The pipelines and what each measures: docs/design/demo.md.
 """
 from __future__ import annotations
 
