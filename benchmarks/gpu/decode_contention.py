@@ -201,6 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--priorities", nargs="+", default=list(PRIORITIES), choices=PRIORITIES)
     args = ap.parse_args(argv)
     t_start = time.perf_counter()
+    datas = corpus(args.images, 0)  # in worker processes, forked before this process starts CUDA
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     on_cuda = device.type == "cuda"
     if on_cuda:
@@ -215,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
         report["best"] = best(report["rows"])
         args.json.write_text(json.dumps(report, indent=1))
 
-    batches = packed_batches(corpus(args.images, 0), args.batch, pin=on_cuda)
+    batches = packed_batches(datas, args.batch, pin=on_cuda)
     model = make_model(args.model, device, 10)
     step = make_step(model, device)
     g = torch.Generator().manual_seed(0)
