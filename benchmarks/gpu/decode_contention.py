@@ -38,6 +38,7 @@ sys.path[:0] = [str(HERE.parents[1]), str(HERE.parent), str(HERE)]  # the reposi
 
 from candidates import CANDIDATES, DECODERS, PRIORITIES, Candidate, decoder_status
 from decode_gpu import corpus
+from report import best_row
 from train_e2e import make_model, make_step
 
 from fastdata.dataset import EncodedImage, PackedImages
@@ -176,16 +177,6 @@ def environment(device: torch.device) -> dict[str, Any]:
     return env
 
 
-def best(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
-    done = [r for r in rows if "stage_beside_images_per_s" in r and not r.get("repeat")]
-    if not done:
-        return None
-    top = max(done, key=lambda r: (min(r["stage_beside_images_per_s"], r["train_beside_images_per_s"]),
-                                   r["stage_beside_images_per_s"]))
-    return {k: top[k] for k in ("decoder", "candidate", "priority", "stage_beside_images_per_s",
-                                "train_beside_images_per_s", "train_share")}
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", type=Path, required=True)
@@ -213,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def save() -> None:
         report["seconds"] = round(time.perf_counter() - t_start, 1)
-        report["best"] = best(report["rows"])
+        report["best"] = best_row(report["rows"])
         args.json.write_text(json.dumps(report, indent=1))
 
     batches = packed_batches(datas, args.batch, pin=on_cuda)

@@ -41,6 +41,16 @@ def measured(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [r for r in rows if "stage_beside_images_per_s" in r]
 
 
+def best_row(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The row with the most :func:`fed` images/s (then the most stage images/s beside training), in brief."""
+    done = [r for r in measured(rows) if not r.get("repeat")]
+    if not done:
+        return None
+    top = max(done, key=lambda r: (fed(r), r["stage_beside_images_per_s"]))
+    return {k: top[k] for k in ("decoder", "candidate", "priority", "stage_beside_images_per_s",
+                                "train_beside_images_per_s", "train_share")}
+
+
 def spread(rows: list[dict[str, Any]]) -> float | None:
     """Relative difference of the first row and its repeat (min(stage, training) beside training)."""
     done = measured(rows)
