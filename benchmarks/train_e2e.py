@@ -26,12 +26,15 @@ cache can serve:
   (``decode_stage.py``'s ``DecodeRandomResizedCropFlip``) -> ``CUDAPrefetcher(Normalize)``;
 - ``fastdata_threads_rrc``: the same in ``decode_threads`` threads of this process, no workers;
 - ``fastdata_gpu_rrc``: ``image_decode="device"``: min(workers, 4) workers read JPEG bytes, the
-  prefetcher decodes (nvJPEG), crops, flips and normalises on the GPU (``DecodeImages.ahead``), on
-  the CPU without CUDA; ``fastdata_gpu_rrc_hiprio``: the same with ``stream_priority="high"``.
+  prefetcher decodes (``--device-decoder``), crops, flips and normalises on the GPU, the stage run as
+  ``--decode-candidate`` says (a row of ``benchmarks/gpu/candidates.py``; default ``DecodeImages.ahead``),
+  on a ``--stream-priority`` side stream; on the CPU without CUDA; ``fastdata_gpu_rrc_hiprio``: the same
+  with ``stream_priority="high"``.
 
 Reported per run: images/s over the timed epochs (epoch starts included), its share of
 ``resident``, mean GPU utilisation (NVML, the device looked up by UUID/PCI bus id, sampled over the
-timed window), and the training thread's wait for its next batch (p50/p99/max). JSON with
+timed window), the CPU cores used (CPU time of this process and its workers over the timed window,
+with psutil), and the training thread's wait for its next batch (p50/p99/max). JSON with
 ``--json``. Without CUDA it runs on the CPU (fp32; utilisation n/a), small, as a smoke test.
 
     python benchmarks/train_e2e.py --json /tmp/e2e.json                     # CUDA machine
@@ -41,10 +44,12 @@ timed window), and the training thread's wait for its next batch (p50/p99/max). 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
 import platform
+import resource
 import sys
 import tempfile
 import time
@@ -113,6 +118,22 @@ class Utilisation:
         return (float(np.mean(samples)) if samples else None), len(samples)
 
 
+def tree_cpu_s() -> float:
+    """CPU seconds (user + system) of this process and its live child processes (the loader's persistent
+    workers); without psutil, of this process and its finished children only."""
+    try:
+        import psutil
+    except ImportError:
+        me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+        return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+    proc = psutil.Process()
+    total = sum(proc.cpu_times()[:2])
+    for child in proc.children(recursive=True):
+        with contextlib.suppress(psutil.Error):  # a worker that ended meanwhile
+            total += sum(child.cpu_times()[:2])
+    return total
+
+
 def make_model(name: str, device: torch.device, num_classes: int) -> torch.nn.Module:
     if name == "tiny":  # smoke tests of the harness where torchvision is unavailable
         model: torch.nn.Module = torch.nn.Sequential(
@@ -160,6 +181,7 @@ def run_epochs(step: Any, epoch_iter: Any, epochs: int, device: torch.device, *,
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     util = Utilisation(device)
+    cpu0 = tree_cpu_s()
     waits: list[float] = []
     images = 0
     t0 = time.perf_counter()
@@ -175,9 +197,10 @@ def run_epochs(step: Any, epoch_iter: Any, epochs: int, device: torch.device, *,
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     wall = time.perf_counter() - t0
+    cpu_cores = (tree_cpu_s() - cpu0) / wall
     mean_util, samples = util.stop()
     out = {"images": images, "wall_s": wall, "images_per_s": images / wall, "epoch_images_per_s": per_epoch,
-           "warmup_epochs": warmup, "gpu_util_pct": mean_util,
+           "warmup_epochs": warmup, "gpu_util_pct": mean_util, "cpu_cores": cpu_cores,
            "gpu_util_samples": samples, "final_loss": loss, **quantiles(waits)}
     if util.error:
         out["gpu_util_error"] = util.error
@@ -293,6 +316,16 @@ def _decode_stage() -> Any:
     return decode_stage
 
 
+def _candidates() -> Any:
+    """benchmarks/gpu/candidates.py: the ways of running the device decode stage, one table."""
+    here = str(Path(__file__).resolve().parent / "gpu")
+    if here not in sys.path:
+        sys.path.insert(0, here)
+    import candidates
+
+    return candidates
+
+
 def torch_recipe_rrc(model_name: str, args: argparse.Namespace, device: torch.device, corpus: Path) -> dict:
     """torchvision's usual random-augmentation recipe, float32 normalised in the workers, tuned loader."""
     ds_mod = _decode_stage()
@@ -328,9 +361,10 @@ def fastdata_rrc(model_name: str, args: argparse.Namespace, device: torch.device
         readers = min(args.workers, 4)
         loader = DataLoader(ds, batch_size=args.batch_size, num_workers=readers, drop_last=True,
                             pin_memory=device.type == "cuda", persistent_workers=readers > 0)
-        decode = gpu.DecodeImages(keys=["jpg"], device=device)
+        cand = _candidates().by_name(args.decode_candidate)  # default "ahead1": batch i + 1 decodes while i resamples
+        decode = cand.decode_stage(args.device_decoder, device, keys=["jpg"])
         transform = gpu.Compose(decode, gpu.RandomResizedCrop(args.size), gpu.RandomHorizontalFlip(), norm)
-        source: Any = decode.ahead(loader)  # batch i + 1 decodes while batch i is resampled
+        source: Any = cand.source(decode, loader)
     else:
         ds_mod = _decode_stage()
         ds = ShardedDataset(shards, shuffle=True, seed=0, fields=["jpg", "cls"], rank=0, world_size=1,
@@ -350,7 +384,8 @@ def fastdata_rrc(model_name: str, args: argparse.Namespace, device: torch.device
         out.update(stream_priority=priority,
                    **prefetcher_stats(pf, ("batches", "epochs", "load_s", "pack_s", "copy_gbps")))
         if where == "gpu":
-            out["host_decoded"] = decode.host_decoded
+            out.update(host_decoded=decode.host_decoded, decoder=decode.resolved_device_decoder,
+                       decode_candidate=args.decode_candidate)
         return out
     finally:
         pf.close()
@@ -374,6 +409,12 @@ def main(argv: list[str] | None = None) -> int:
                          "fill and its first epoch from the cache, which memoizes the uncached fields)")
     ap.add_argument("--workers", type=int, default=None, help="loader workers (default: cores - 1, at most 15)")
     ap.add_argument("--depth", type=int, default=2, help="CUDAPrefetcher depth")
+    ap.add_argument("--device-decoder", default="auto", help="device JPEG decoder of the GPU decode rows "
+                    "(DecodeImages(device_decoder=...): auto, torchvision, torchcodec, nvimgcodec)")
+    ap.add_argument("--decode-candidate", default="ahead1",
+                    help="how the GPU decode rows run the stage: a row of benchmarks/gpu/candidates.py")
+    ap.add_argument("--stream-priority", default="normal", choices=("normal", "high"),
+                    help="CUDAPrefetcher stream priority of fastdata_gpu_rrc (fastdata_gpu_rrc_hiprio: high)")
     ap.add_argument("--classes", type=int, default=10)
     ap.add_argument("--dir", default=None, help="work folder (corpus and shards kept and reused)")
     ap.add_argument("--device", default="auto")
@@ -436,8 +477,10 @@ def main(argv: list[str] | None = None) -> int:
                         r = fastdata_run(model_name, args, device, shards, cache)
                     elif variant == "torch_recipe_rrc":
                         r = torch_recipe_rrc(model_name, args, device, corpus)
-                    elif variant in ("fastdata_workers_rrc", "fastdata_threads_rrc", "fastdata_gpu_rrc"):
+                    elif variant in ("fastdata_workers_rrc", "fastdata_threads_rrc"):
                         r = fastdata_rrc(model_name, args, device, shards, variant.split("_")[1])
+                    elif variant == "fastdata_gpu_rrc":
+                        r = fastdata_rrc(model_name, args, device, shards, "gpu", priority=args.stream_priority)
                     elif variant == "fastdata_gpu_rrc_hiprio":
                         r = fastdata_rrc(model_name, args, device, shards, "gpu", priority="high")
                     else:
@@ -469,7 +512,8 @@ def _row(r: dict) -> str:
     util = f"{r['gpu_util_pct']:.0f}%" if r.get("gpu_util_pct") is not None else "n/a"
     share = f"{r['share_of_resident']:.0%}" if "share_of_resident" in r else "-"
     return (f"{r['model']:<9} {r['variant']:<23} {r['images_per_s']:9.0f} img/s  {share:>5} of resident  "
-            f"GPU {util:>4}  wait p50/p99/max {r['wait_p50_ms']:.2f}/{r['wait_p99_ms']:.2f}/{r['wait_max_ms']:.1f} ms")
+            f"GPU {util:>4}  CPU {r.get('cpu_cores', 0):4.1f} cores  "
+            f"wait p50/p99/max {r['wait_p50_ms']:.2f}/{r['wait_p99_ms']:.2f}/{r['wait_max_ms']:.1f} ms")
 
 
 def _table(results: list[dict]) -> str:

@@ -2,9 +2,9 @@
 
 Stage 6 of the pipeline (shards -> dataset -> cache -> loader -> prefetch -> **GPU** -> train).
 Behind it: ``_transforms`` (Normalize, ToDtype, ChannelsLast, Compose), ``_decode`` (DecodeImages:
-packed encoded images -> images on the device), ``_augment`` (batched RandomResizedCrop,
-RandomHorizontalFlip, Resize, CenterCrop over an ImageBatch), ``_codec`` (the one module that calls
-image codec libraries).
+packed encoded images -> images on the device; ``_ahead``: its read-ahead, ``_fields``: the batch's
+packed fields and skipped rows), ``_augment`` (batched RandomResizedCrop, RandomHorizontalFlip, Resize,
+CenterCrop over an ImageBatch), ``_codec`` (the one module that calls image codec libraries).
 """
 from fastdata.gpu._augment import (
     CenterCrop,

@@ -1,44 +1,21 @@
 """Batched geometric augmentation with torchvision semantics, on CPU or CUDA tensors.
 
 ``RandomResizedCrop``, ``RandomHorizontalFlip``, ``Resize`` and ``CenterCrop`` act on an
-:class:`ImageBatch`: the images of a batch, each of its own size (as ``DecodeImages`` returns them),
-plus a *pending geometry* per image. Each transform only updates that geometry on the host (numpy,
-no device work); the pixels are resampled once, when the batch is *rendered* into one uint8 tensor
-``(N, C, H, W)``. So ``Resize(256)`` + ``CenterCrop(224)`` or ``RandomResizedCrop`` + flip cost one
-resampling, and nothing is rounded in between.
+:class:`ImageBatch` (the images of a batch, each of its own size, as ``DecodeImages`` returns them)
+by updating a *pending geometry* per image on the host: no device work. The pixels are resampled
+once, when the batch is *rendered* into one uint8 tensor ``(N, C, H, W)``, so a chain of transforms
+costs one resampling and nothing is rounded in between.
 
-Geometry. Per image and axis, an output pixel coordinate ``u`` maps to the source coordinate
-``a * u + b`` (``a < 0`` after a flip); ``clip`` is the source pixel range the filter may read, and
-``frame`` (around ``clip``) the range it reads as pixels, zeros outside ``clip``: the padding of a
-``CenterCrop`` larger than the image. A crop sets ``frame`` and narrows ``clip`` only while no
-resampling is pending, which reproduces torchvision in the usual chains: ``RandomResizedCrop``
-(crop, then resize: the filter sees only the crop), ``Resize`` + ``CenterCrop`` (resize the whole
-image, then crop: the filter sees the whole image) and ``CenterCrop`` padding, then ``Resize`` (the
-filter reads the padding's zeros). ``window`` is the source region the view shows: each crop
-narrows it (a crop with no resampling pending sets it, with its padding); output pixels whose
-centre falls outside it are 0 (``Resize``, then a padding ``CenterCrop``: torchvision pads the
-resized image with zeros).
+Invariants:
+- Results match torchvision's for the usual chains (crop then resize, resize then crop, padding);
+  resampling is antialiased bilinear (``interpolate(..., antialias=True)``'s filter).
+- A render has no resampling launch per image: images are grouped by size and each group is
+  resampled with two batched matrix products over a zero-padded canvas (float16 on CUDA).
+- A batch is reproduced bit for bit; the same image in another batch may differ by one grey level.
+- Random parameters come from a counter-based hash of ``(seed, epoch, sample index)`` on the host:
+  a sample gets the same crop and flip in a resumed run, in any batch, worker count or device.
 
-Resampling. Bilinear with antialiasing, the filter of ``torch.nn.functional.interpolate(...,
-antialias=True)`` (PIL's): output pixel ``j`` reads source pixels ``k`` with weight
-``max(0, 1 - |k + 0.5 - c_j| / s)``, ``c_j = a (j + 0.5) + b``, ``s = max(|a|, 1)``, normalised per
-output pixel. It is separable, so a group of images is resampled with two batched matrix products
-``Wy @ X @ Wx^T`` over a zero-padded canvas ``X`` holding each image's ``clip`` pixels in its ``frame``
-(cut to the padding the filter can blend in). Images are grouped by size so that padding stays
-bounded (and the canvas under ``max_canvas`` elements).
-Launches per render: the weights of all images at once (about a dozen kernels per axis; of a run of
-groups at a time where one large image would pad every image's weights to its size), then per
-group a zero canvas, the images' ``clip`` regions copied in by one ``torch._foreach_copy_`` call (the
-copies are dispatched in C++; ``torch.nested.to_padded_tensor`` would fuse them but synchronises
-the host on CUDA), two matmuls, rounding and a scatter into the output rows: no resampling launch
-per image. The canvas is float16 on CUDA (integers 0..255 are exact, weights to 2^-11; results
-within a grey level of float32) and float32 on the CPU. A batch is reproduced bit for bit; the same
-image in a batch of other images can differ by one grey level (the padded canvas changes the
-summation order). Output pixels in a ``CenterCrop``'s padding are 0, as torchvision's padding gives.
-
-Random parameters come from a counter-based hash of ``(seed, epoch, sample index)`` computed on
-the host (splitmix64, the hash behind the dataset's shuffling): a sample gets the same crop and flip
-in a resumed run, in any batch, on any worker count or device, and another crop in another epoch.
+Design note (the geometry model, the filter, grouping and launches): docs/design/gpu-augment.md.
 """
 from __future__ import annotations
 

@@ -1,50 +1,41 @@
-"""The device decode stage: :class:`PackedImages` in a batch -> :class:`ImageBatch` on the device.
+"""The device decode stage: the :class:`PackedImages` of a batch -> images on the device.
 
-Meant as the first step of ``CUDAPrefetcher(transform=...)``, which runs it in its producer thread
-on its side stream after copying the batch's tensors; the prefetcher leaves ``PackedImages`` on
-the host (it is not a container it walks), which is where nvJPEG (through torchvision or
-nvImageCodec, ``device_decoder``) reads its input. Per packed field and batch:
+The first step of ``CUDAPrefetcher(transform=...)``: it runs in the producer thread on the side
+stream; the packed bytes stay on the host, where the device decoder (``device_decoder``, through
+:mod:`fastdata.gpu._codec`) reads them. Per packed field and batch:
 
-1. Route each image by the header facts sniffed in the worker: JPEGs the device decoder takes
-   (:func:`fastdata.gpu._codec.device_decodable`) go to batched device decode calls, made by a
-   background thread (one or two per batch, see ``chunk_size``); the rest (PNG, CMYK, 12-bit,
-   arithmetic-coded, unknown) are decoded on the host meanwhile, pinned and copied with
-   ``non_blocking`` (only those samples). Images whose header claims more than ``max_pixels`` are
-   refused before any decode.
-2. If torchvision's batched call fails (a corrupt JPEG fails the whole call), each of its images
-   is decoded on the host instead, which finds the bad ones; nvImageCodec returns the images it
-   could not decode as ``None``, and only those are decoded on the host.
-3. A bad image raises :class:`~fastdata.errors.DecodeError` naming shard, key and field; with
-   ``on_error="skip"``/``"warn"`` its sample is dropped from every per-sample entry of the batch
-   (tensors and lists whose length is the batch size), so shapes stay consistent, and recorded in
-   :attr:`DecodeImages.skipped`; ``max_skips`` bounds the samples dropped per epoch.
+1. JPEGs the device decoder takes go to batched device decode calls in a background thread (chunks,
+   ``chunk_size``); the rest are decoded on the host meanwhile and copied (only those samples).
+   Images whose header claims more than ``max_pixels`` are refused before any decode.
+2. A failed batched call is retried image by image on the host, which finds the bad ones.
+3. A bad image raises :class:`~fastdata.errors.DecodeError` naming shard, key and field, or under
+   ``on_error="skip"``/``"warn"`` drops its sample from every per-sample entry (:mod:`._fields`),
+   recorded in :attr:`DecodeImages.skipped`, within ``max_skips`` per epoch.
 
-No host synchronisation happens in this stage's own code: sizes come from tensor metadata and the
-headers, parameters go to the device from pinned memory with ``non_blocking``. (torchvision's CUDA
-decode waits on the host for its private decode stream, the nvImageCodec path for an event after
-its work on the stage's decode stream; that blocks the background decode thread, not the training
-stream.) On the CPU (``device="cpu"``) every image is decoded on the host with the same routing
-and error handling, so every semantic is testable without a GPU; with
-``device_decoder="nvimgcodec"`` the device-decodable images go to nvImageCodec's CPU backend
-instead, in the background thread and chunks of the CUDA path, which tests that glue without a GPU.
+Invariants: no host synchronisation in the stage's own code (decoders wait for their own work in the
+background thread, never the training stream); one decode stream per device and priority, taking the
+priority of the stream the stage runs on; random parameters depend on sample indices only, so chunking
+and :meth:`DecodeImages.ahead` (:mod:`._ahead`) change no crop or flip. On the CPU every semantic runs
+with host decoding. Design note: docs/design/gpu-decode.md.
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 import torch
 
-from fastdata.dataset import ON_ERROR, EncodedImage, PackedImages, SkippedSampleWarning
+from fastdata.dataset import ON_ERROR, PackedImages, SkippedSampleWarning
 from fastdata.decode import check_max_pixels
 from fastdata.errors import DecodeError, SkipBudgetError
+from fastdata.gpu._ahead import DecodeAhead
 from fastdata.gpu._augment import ImageBatch
+from fastdata.gpu._fields import drop_rows, field_name, find_packed, rebuild
 from fastdata.gpu._transforms import _check_keys
 from fastdata.gpu._codec import (
     DEVICE_BACKENDS,
@@ -83,8 +74,7 @@ class DecodeImages:
         chunk_size: images per batched device decode call; chunks are decoded in a background
             thread while this one resamples the previous chunk (see :meth:`fuse`). None (default):
             the whole batch when it was submitted ahead (:meth:`ahead`: decoding already overlaps
-            the previous batch), else two halves. Measured on an H100, batches of 256: with
-            ``ahead`` one chunk 14.8k images/s, chunks of 128 13.8k; without, halves 11.6k, one chunk 7.3k.
+            the previous batch), else two halves (the measurements behind it: docs/design/gpu-decode.md).
         max_pixels: refuse images whose header claims more pixels, before decoding them (a failure
             under ``on_error``); default: Pillow's ``Image.MAX_IMAGE_PIXELS``, the host decoder's limit.
         max_skips: the skip budget of ``on_error="skip"``/``"warn"`` per epoch, as the dataset's
@@ -142,7 +132,7 @@ class DecodeImages:
         self._budget: dict[int, dict[tuple[str, str], dict[str, Any]]] = {}
         self._executor: ThreadPoolExecutor | None = None
         self._executor_pid: int | None = None
-        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+        self._streams: dict[tuple[torch.device, int], torch.cuda.Stream] = {}  # by device and priority
         self._warned_device = False
 
     def _device(self) -> torch.device:
@@ -170,12 +160,12 @@ class DecodeImages:
         """
         device = self._device()
         found: list[tuple[tuple[Any, ...], PackedImages]] = []
-        _find(batch, (), found)
+        find_packed(batch, (), found)
         selected = [(p, pk) for p, pk in found if self.keys is None or any(k in self.keys for k in p)]
         if not selected:  # nothing packed: unchanged, unless that would silently skip packed fields or transforms
             if found:
                 raise ValueError(f"DecodeImages: keys {list(self.keys or ())} match none of the batch's packed image "
-                                 f"fields {[_field(p) for p, _ in found]}")
+                                 f"fields {[field_name(p) for p, _ in found]}")
             if geometric:  # as the transforms would say on their own ("the batch holds no ImageBatch")
                 has = f"keys {list(batch)}" if isinstance(batch, dict) else f"a {type(batch).__name__}"
                 raise ValueError(f"DecodeImages: the batch holds no packed images for {list(geometric)} (the batch "
@@ -188,7 +178,7 @@ class DecodeImages:
         n = sizes.pop()
         backend = host_backend(self.host_decoder)
         bad: dict[int, str] = {}
-        results = {path: self._field(packed, _field(path), device, backend, bad, geometric) for path, packed in found}
+        results = {path: self._field(packed, field_name(path), device, backend, bad, geometric) for path, packed in found}
         keep = [i for i in range(n) if i not in bad]
         replace: dict[tuple[Any, ...], Any] = {}
         for path, (value, rows) in results.items():
@@ -196,9 +186,9 @@ class DecodeImages:
                 replace[path] = value.select([k for k, r in enumerate(rows) if r not in bad])
             else:  # a rendered tensor with a row per sample (rows of bad samples unwritten)
                 replace[path] = value.index_select(0, _index(keep, value.device)) if bad else value
-        out = _rebuild(batch, (), replace)
+        out = rebuild(batch, (), replace)
         if bad:
-            out = _drop_rows(out, n, keep, set(replace))
+            out = drop_rows(out, n, keep, set(replace))
         return out
 
     def _field(self, packed: PackedImages, field: str, device: torch.device, backend: str, bad: dict[int, str],
@@ -297,26 +287,29 @@ class DecodeImages:
         if device.type != "cuda":
             return
         found: list[tuple[tuple[Any, ...], PackedImages]] = []
-        _find(batch, (), found)
+        find_packed(batch, (), found)
         for path, packed in found:
             if (self.keys is None or any(k in self.keys for k in path)) and packed.pending is None:
                 packed.pending = self._start(packed, packed.views(), device, ahead=True)
 
-    def ahead(self, iterable: Any) -> DecodeAhead:
-        """``iterable`` (e.g. a DataLoader) reading one batch ahead and starting its device decode early.
+    def ahead(self, iterable: Any, batches: int = 1) -> DecodeAhead:
+        """``iterable`` (e.g. a DataLoader) reading ``batches`` batches ahead and starting their device decode early.
 
-        Give it to ``CUDAPrefetcher`` in place of the loader: the decode of batch ``i + 1`` then runs
-        while this stage resamples batch ``i``. ``state_dict()`` and other attributes are the loader's,
-        as of the batch last yielded (the batch read ahead is not counted).
+        Give it to ``CUDAPrefetcher`` in place of the loader: the decode of batches ``i + 1`` to
+        ``i + batches`` then runs while this stage resamples batch ``i`` (more device memory for
+        decoded images in flight). ``state_dict()`` and other attributes are the loader's, as of the
+        batch last yielded (batches read ahead are not counted).
         """
-        return DecodeAhead(iterable, self)
+        return DecodeAhead(iterable, self, batches)
 
     def _decode_stream(self, device: torch.device) -> torch.cuda.Stream:
-        stream = self._streams.get(device)
-        if stream is None:  # one per device for the life of the stage (no stream per batch), with the priority
-            # of the stream it is first called on (CUDAPrefetcher(stream_priority="high") -> high)
-            priority = torch.cuda.current_stream(device).priority
-            stream = self._streams[device] = torch.cuda.Stream(device, priority=priority)
+        # one per device and priority for the life of the stage (no stream per batch), with the priority of
+        # the stream it is called on (CUDAPrefetcher(stream_priority="high") -> high), also when one stage
+        # serves prefetchers of both priorities
+        priority = torch.cuda.current_stream(device).priority
+        stream = self._streams.get((device, priority))
+        if stream is None:
+            stream = self._streams[(device, priority)] = torch.cuda.Stream(device, priority=priority)
         return stream
 
     def _host(self, packed: PackedImages, rows: list[int], views: list[torch.Tensor], field: str, device: torch.device, backend: str, bad: dict[int, str]) -> list[torch.Tensor | None]:
@@ -441,68 +434,6 @@ def _take(result: tuple[list[torch.Tensor | None], torch.cuda.Event | None],
     return images
 
 
-class DecodeAhead:
-    """An iterable of batches whose packed images started decoding one batch early (:meth:`DecodeImages.ahead`)."""
-
-    def __init__(self, iterable: Any, stage: DecodeImages) -> None:
-        self.iterable = iterable
-        self.stage = stage
-        self._state: Any = None
-        self._has_state = False
-
-    def __iter__(self) -> Any:
-        # the loader's iterator is made here, in the caller's thread, as without this wrapper (a
-        # DataLoader starts or resets its workers there); batches are pulled where they are consumed
-        self._has_state = False  # until its first batch, the state is the loader's: the new epoch's start
-        return self._batches(iter(self.iterable))
-
-    def _batches(self, it: Any) -> Any:
-        snapshot = getattr(self.iterable, "state_dict", None)
-        self._has_state = False
-        nxt = next(it, _END)
-        state = snapshot() if callable(snapshot) and nxt is not _END else None
-        if nxt is not _END:
-            self.stage.submit(nxt)
-        while nxt is not _END:
-            cur, cur_state = nxt, state
-            nxt = next(it, _END)
-            if nxt is not _END:
-                state = snapshot() if callable(snapshot) else None
-                self.stage.submit(nxt)
-            self._state, self._has_state = cur_state, True
-            yield cur
-
-    @property
-    def state_dict(self) -> Any:
-        """The loader's ``state_dict`` as of the batch last yielded (not the one read ahead); an
-        AttributeError, as for the loader, when it has none."""
-        fn = self.iterable.state_dict
-
-        def state_dict() -> Any:
-            return self._state if self._has_state else fn()
-        return state_dict
-
-    @property
-    def load_state_dict(self) -> Any:
-        fn = self.iterable.load_state_dict
-
-        def load_state_dict(state: Any) -> None:
-            self._has_state = False
-            fn(state)
-        return load_state_dict
-
-    def __len__(self) -> int:
-        return len(self.iterable)
-
-    def __getattr__(self, name: str) -> Any:
-        if name in ("iterable", "stage", "_state", "_has_state"):
-            raise AttributeError(name)
-        return getattr(self.iterable, name)
-
-
-_END = object()
-
-
 def _index(rows: Sequence[int], device: torch.device) -> torch.Tensor:
     idx = torch.from_numpy(np.asarray(rows, dtype=np.int64))
     return idx.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else idx
@@ -521,118 +452,3 @@ def _concat(parts: list[ImageBatch], rows: list[int]) -> ImageBatch:
     return ImageBatch([images[i] for i in order.tolist()], ids[order], parts[0].epoch, geom=geom[order],
                       clip=clip[order], size=size[order], frame=frame[order],
                       window=window[order])
-
-
-def _field(path: tuple[Any, ...]) -> str:
-    return ".".join(str(p) for p in path) or "<batch>"
-
-
-def _find(obj: Any, path: tuple[Any, ...], found: list) -> None:
-    if isinstance(obj, PackedImages):
-        found.append((path, obj))
-    elif isinstance(obj, dict):
-        for k, v in obj.items():
-            _find(v, (*path, k), found)
-    elif isinstance(obj, (list, tuple)):
-        for k, v in enumerate(obj):
-            _find(v, (*path, k), found)
-    elif isinstance(obj, Mapping) or (dataclasses.is_dataclass(obj) and not isinstance(obj, type)):
-        # the stage rebuilds dicts, lists and tuples only: images packed in another container would pass untouched
-        inner: list = []
-        items = obj.items() if isinstance(obj, Mapping) else [(f.name, getattr(obj, f.name))
-                                                              for f in dataclasses.fields(obj)]
-        for k, v in items:
-            _find(v, (*path, k), inner)
-        if inner:
-            raise ValueError(f"DecodeImages: the packed images at {_field(inner[0][0])!r} sit in a "
-                             f"{type(obj).__name__}; DecodeImages finds and replaces them in dicts, lists and tuples "
-                             "only: make the batch (collate_fn) one of those")
-
-
-def _rebuild(obj: Any, path: tuple[Any, ...], replace: dict[tuple[Any, ...], Any]) -> Any:
-    if path in replace:
-        return replace[path]
-    if isinstance(obj, dict):
-        return {k: _rebuild(v, (*path, k), replace) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)) and any(isinstance(v, (PackedImages, dict, list, tuple)) for v in obj):
-        items = [_rebuild(v, (*path, k), replace) for k, v in enumerate(obj)]
-        if isinstance(obj, list):
-            return items
-        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
-    return obj
-
-
-def _select_packed(packed: PackedImages, keep: list[int]) -> PackedImages:
-    """The images ``keep`` of ``packed``, packed anew (a decode started ahead for it is dropped)."""
-    if not keep:
-        return PackedImages(torch.empty(0, dtype=torch.uint8), torch.zeros(1, dtype=torch.int64), shards=[], keys=[],
-                            epoch=packed.epoch)
-    views, index = packed.views(), packed.indices.tolist()
-    return PackedImages.pack([EncodedImage(views[i].numpy(), shard=packed.shards[i], key=packed.keys[i],
-                                           index=index[i], epoch=packed.epoch) for i in keep])
-
-
-_CONTAINERS = (torch.Tensor, np.ndarray, PackedImages, ImageBatch, Mapping, list, tuple)
-
-
-def _batched(obj: Any, n: int) -> bool:
-    """True when every leaf of ``obj`` is ``n`` rows (a tensor's first dim, packed or decoded images, a list of
-    ``n`` plain values): what a collate makes of one field of ``n`` samples."""
-    if isinstance(obj, (torch.Tensor, np.ndarray)):
-        return obj.ndim >= 1 and obj.shape[0] == n
-    if isinstance(obj, (ImageBatch, PackedImages)):
-        return len(obj) == n
-    if isinstance(obj, Mapping):
-        return all(_batched(v, n) for v in obj.values())
-    if isinstance(obj, (list, tuple)):
-        if not any(isinstance(v, _CONTAINERS) for v in obj):
-            return len(obj) == n
-        return all(_batched(v, n) for v in obj)
-    return False
-
-
-def _per_sample(obj: list | tuple, n: int, path: tuple[Any, ...]) -> bool:
-    """Whether a list of ``n`` items holds one item per sample (a custom collate's list of boxes tensors, of
-    target dicts, of strings) rather than a collated structure (a sample's list field: ``n`` batched tensors).
-    A list of ``n`` plain values or dicts, or of items that are not all ``n`` rows, is per sample. One whose
-    other items are all ``n`` rows too could be either: an error naming it rather than a guess, which would
-    pair the targets of one sample with the image of another, silently."""
-    containers = any(isinstance(v, _CONTAINERS) for v in obj)
-    if not containers or not all(_batched(v, n) for v in obj) or all(isinstance(v, Mapping) for v in obj):
-        return True  # a list of n dicts: torchvision's detection targets, one per sample
-    where = "".join(f"[{k!r}]" for k in path) or "the batch"
-    raise DecodeError(
-        f"DecodeImages(on_error={'skip'!r}): batch entry {where} is a list of {n} items of {n} rows each, with {n} "
-        f"samples in the batch: it cannot tell whether it holds one item per sample (drop the skipped sample's "
-        f"item) or a collated field of {n} batched items (drop a row of each). Give per-sample items another "
-        f"form, e.g. one dict per sample ({{'boxes': tensor}}) for a detection target, or a batch size other "
-        f"than the length of a list field")
-
-
-def _drop_rows(obj: Any, n: int, keep: list[int], done: set, path: tuple[Any, ...] = ()) -> Any:
-    """Keep rows ``keep`` of every per-sample entry: tensors with first dim ``n``, lists of ``n`` items one per
-    sample (:func:`_per_sample`), and the packed or decoded images of other fields (another stage's ``keys``)."""
-    if path in done:
-        return obj
-    if isinstance(obj, ImageBatch):
-        return obj.select(keep) if len(obj) == n else obj
-    if isinstance(obj, PackedImages):
-        return _select_packed(obj, keep) if len(obj) == n else obj
-    if isinstance(obj, torch.Tensor):
-        if obj.dim() >= 1 and obj.shape[0] == n:
-            idx = torch.from_numpy(np.asarray(keep, dtype=np.int64))
-            if obj.device.type == "cuda":
-                idx = idx.pin_memory().to(obj.device, non_blocking=True)
-            return obj.index_select(0, idx)
-        return obj
-    if isinstance(obj, dict):
-        return {k: _drop_rows(v, n, keep, done, (*path, k)) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        if len(obj) == n and _per_sample(obj, n, path):
-            items = [obj[i] for i in keep]
-        else:
-            items = [_drop_rows(v, n, keep, done, (*path, k)) for k, v in enumerate(obj)]
-        if isinstance(obj, list):
-            return items
-        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
-    return obj
