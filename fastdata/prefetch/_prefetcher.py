@@ -6,13 +6,12 @@ there; the training thread only takes finished batches. Without CUDA (``device="
 available) the same thread and pipe give a CPU prefetcher with identical semantics. With
 ``seamless=True`` the next epoch is started while the consumer finishes the current one: by the
 thread itself when the wrapped iterable's ``iter()`` neither forks nor draws from torch's global RNG
-(``_iter_hazards``), else by the consumer's thread (see ``CUDAPrefetcher``). See ``_stage.py`` for
+(``_epochs.iter_hazards``), else by the consumer's thread (see ``CUDAPrefetcher``). See ``_stage.py`` for
 the memory bound and the memory-safety design.
 """
 from __future__ import annotations
 
 import atexit
-import multiprocessing
 import os
 import threading
 import time
@@ -27,6 +26,8 @@ from typing import Any
 import torch
 
 from fastdata._util import add_note, release_frames
+from fastdata.prefetch._epochs import EpochRunner, NextStart
+from fastdata.prefetch._epochs import iter_hazards as _iter_hazards
 from fastdata.prefetch._queue import CLOSED, END, EpochStart, Failure, Pipe, Stats, Stopped, perf_counter, POLL_S
 from fastdata.prefetch._stage import STREAM_PRIORITIES, CpuStager, CudaStager, default_pack_threads
 from fastdata.prefetch.tree import keys_matcher
@@ -134,142 +135,6 @@ def _local_rank() -> int:
         return int(value)
     except ValueError:
         raise ValueError(f"LOCAL_RANK must be an integer, got {value!r}") from None
-
-
-def _iter_hazards(iterable: Any) -> tuple[bool, bool]:
-    """(forks, draws_global_rng): what ``iter(iterable)`` would do if called now.
-
-    Only a ``torch.utils.data.DataLoader`` (fastdata's included) is inspected; any other iterable is
-    taken to neither fork nor draw from torch's global RNG in its ``iter()``. A DataLoader forks when
-    it has ``num_workers > 0`` worker processes to start (not persistent ones already alive, not
-    fastdata's ``decode_threads``) under the ``fork`` start method (its ``multiprocessing_context``,
-    else the default one). It draws from the global RNG without ``generator=`` (its workers' base
-    seed; persistent workers already alive skip that draw), and through a sampler that is not known
-    to use its own generator (``RandomSampler``/``SubsetRandomSampler``/``WeightedRandomSampler``
-    without ``generator=``, or any sampler or batch sampler class other than those and
-    ``SequentialSampler``, ``DistributedSampler``, ``BatchSampler``). A DataPipe dataset counts as both (torch's iterator may run collectives).
-    A wrapper that keeps the loader it iterates as ``.iterable`` (``DecodeImages.ahead(loader)``,
-    another prefetcher) is judged by that loader: its ``iter()`` calls the loader's.
-    """
-    data = torch.utils.data
-    seen = 0
-    while not isinstance(iterable, data.DataLoader) and seen < 8:
-        inner = getattr(iterable, "iterable", None)
-        if inner is None or inner is iterable:
-            break
-        iterable, seen = inner, seen + 1
-    if not isinstance(iterable, data.DataLoader):
-        return False, False
-    pipe = getattr(data, "IterDataPipe", None)
-    if pipe is not None and isinstance(iterable.dataset, pipe):
-        return True, True
-    workers = iterable.num_workers > 0 and not getattr(iterable, "decode_threads", 0)
-    alive = workers and iterable.persistent_workers and getattr(iterable, "_iterator", None) is not None
-    forks = workers and not alive and _start_method(iterable) == "fork"
-    rng = iterable.generator is None and not alive
-    batches = iterable.batch_sampler
-    if batches is not None and type(batches) is not data.BatchSampler:
-        return forks, True  # a batch sampler of the user's: may draw from the global RNG
-    samplers = [iterable.sampler, getattr(batches, "sampler", None)]
-    return forks, rng or any(_sampler_draws(s) for s in samplers if s is not None)
-
-
-_SEEDED_SAMPLERS = ("RandomSampler", "SubsetRandomSampler", "WeightedRandomSampler")
-
-
-def _sampler_draws(sampler: Any) -> bool:
-    data = torch.utils.data
-    if type(sampler) in (data.SequentialSampler, data.DistributedSampler):
-        return False
-    if type(sampler).__name__ == "_InfiniteConstantSampler":  # an IterableDataset's: draws nothing
-        return False
-    if type(sampler) in tuple(getattr(data, n) for n in _SEEDED_SAMPLERS):
-        return getattr(sampler, "generator", None) is None
-    return True  # unknown sampler: may draw from the global RNG
-
-
-def _start_method(loader: Any) -> str:
-    ctx = loader.multiprocessing_context
-    if ctx is not None:
-        return str(ctx.get_start_method())
-    # the default context's method without fixing it (the first of get_all_start_methods is the default)
-    return multiprocessing.get_start_method(allow_none=True) or multiprocessing.get_all_start_methods()[0]
-
-
-def _epoch_api(iterable: Any) -> tuple[Callable[[], Any], Callable[[int], None]] | None:
-    """(get, set) of the wrapped loader's epoch: its own ``set_epoch`` (fastdata.DataLoader), else its
-    sampler's (DistributedSampler) or its dataset's (an IterableDataset with ``set_epoch``)."""
-    candidates = [iterable, getattr(iterable, "sampler", None), getattr(iterable, "dataset", None)]
-    owner = next((c for c in candidates if c is not None and callable(getattr(c, "set_epoch", None))), None)
-    if owner is None:
-        return None
-    holder = next((c for c in candidates if c is not None and isinstance(getattr(c, "epoch", None), int)), None)
-    return (lambda: getattr(holder, "epoch", None)), owner.set_epoch
-
-
-class _Epochs:
-    """Starts epochs of the wrapped iterable, in the consumer's thread or (look-ahead) the producer's.
-
-    Shared by the prefetcher and its thread; holds no reference to the prefetcher. ``driven``: the
-    user called ``CUDAPrefetcher.set_epoch``, so every epoch start sets the loader's epoch (the value
-    asked for, else the previous one + 1)."""
-
-    def __init__(self, iterable: Iterable[Any]) -> None:
-        self.iterable = iterable
-        self.api = _epoch_api(iterable)
-        self.lock = threading.Lock()
-        self.driven = False
-        self.next_value: int | None = None
-        self.last_value: int | None = None
-        self.advances = False  # iter() of the iterable moves its epoch itself
-        fn = getattr(iterable, "state_dict", None)
-        self.snapshot: Callable[[], Any] | None = fn if callable(fn) else None
-        self.state_error: BaseException | None = None
-
-    def current(self) -> Any:
-        return self.api[0]() if self.api is not None else None
-
-    def begin(self, on_started: Callable[[Any], None] | None = None,
-              ahead: bool = False) -> tuple[Iterator[Any], Any, Any]:
-        """(iterator, loader state before its first batch, the loader's epoch value).
-
-        ``ahead``: called by the thread (a look-ahead), while the consumer may set the loader's epoch.
-        Its epoch value is then read before ``iter()``: an epoch set during (or after) that ``iter()``
-        differs from it, and the consumer discards the epoch (``_ahead_still_valid``) instead of taking
-        the old epoch's iterator for the new epoch. Unless ``iter()`` itself moves the epoch (seen
-        in the consumer's thread, where nothing else can set it meanwhile): then the value after it."""
-        with self.lock:
-            if self.driven and self.api is not None:
-                now = self.current()
-                if self.next_value is not None:
-                    value = self.next_value
-                elif self.last_value is not None and now is not None and now != self.last_value:
-                    value = now  # set on the loader behind the prefetcher: honoured, then + 1 from there
-                else:
-                    value = (self.last_value or 0) + 1
-                if now != value:
-                    self.api[1](value)
-                self.next_value, self.last_value = None, value
-            before = self.current()
-            source = iter(self.iterable)  # DataLoader starts/resets its workers here
-            state = self._snap()
-            value = self.current()
-            if not ahead and value != before:
-                self.advances = True  # the iterable's iter() advances its own epoch
-            elif ahead and not self.advances:
-                value = before
-            if on_started is not None:
-                on_started(value)
-            return source, state, value
-
-    def _snap(self) -> Any:
-        if self.snapshot is None:
-            return None
-        try:
-            return self.snapshot()
-        except (TypeError, NotImplementedError) as e:  # e.g. fastdata.DataLoader over a plain dataset
-            self.state_error, self.snapshot = e, None
-            return None
 
 
 class _Run:
@@ -388,7 +253,7 @@ class CUDAPrefetcher:
         if self.device.type == "cuda" and getattr(iterable, "fast_path_pinned", None) is False:
             # fastdata.DataLoader: gather cached batches straight into page-locked memory (no pack)
             iterable.fast_path_pinned = True  # type: ignore[attr-defined]
-        self._epochs = _Epochs(iterable)
+        self._epochs = EpochRunner(iterable, hazards=_iter_hazards)  # the module's name: replaceable in tests
         self._stats = Stats()
         skip = keys_matcher(self.options.keep_on_host)
         if self.device.type == "cuda":
@@ -469,8 +334,7 @@ class CUDAPrefetcher:
                     if number > 0 and not self._ahead_still_valid(item):
                         self._stats.add(lookahead_discarded=1)
                         self._stop_run()
-                        with self._epochs.lock:  # restart with the epoch the loader was set to
-                            self._epochs.next_value = self._epochs.current()
+                        self._epochs.restart_from_loader()  # restart with the epoch the loader was set to
                         run, number = self._start_run(), 0
                         continue
                     run.begun = number
@@ -539,7 +403,7 @@ class CUDAPrefetcher:
 
     def _ahead_still_valid(self, start: EpochStart) -> bool:
         """A look-ahead epoch is kept unless the loader's epoch was changed behind the prefetcher."""
-        if start.epoch_value is None or self._epochs.current() == start.epoch_value:
+        if self._epochs.still_valid(start.epoch_value):
             return True
         if not self._warned_epoch:
             self._warned_epoch = True
@@ -578,9 +442,7 @@ class CUDAPrefetcher:
         if ahead is not None:
             self._stats.add(lookahead_discarded=1)
             self._stop_run()
-        with ep.lock:
-            ep.api[1](epoch)
-            ep.next_value, ep.last_value = epoch, epoch
+        ep.set_now(epoch)
 
     # --- resume ----------------------------------------------------------------------------------
 
@@ -607,10 +469,8 @@ class CUDAPrefetcher:
         self._stop_run()
         fn(state)
         self._state = None
-        ep = self._epochs
-        with ep.lock:
-            if ep.driven:  # the next epoch is the resumed one, not the one after it
-                ep.next_value = ep.current()
+        if self._epochs.driven:  # the next epoch is the resumed one, not the one after it
+            self._epochs.restart_from_loader()
 
     # --- shutdown --------------------------------------------------------------------------------
 
@@ -700,7 +560,7 @@ class CUDAPrefetcher:
 def _produce(
     run: _Run,
     source: Iterator[Any],
-    epochs: _Epochs,
+    epochs: EpochRunner,
     stager: CpuStager | CudaStager,
     stats: Stats,
     device: torch.device,
@@ -708,7 +568,7 @@ def _produce(
     number: int = 0,
 ) -> None:
     """Thread body, from epoch ``number`` of the run on. Holds no reference to the prefetcher, so
-    dropping it stops the thread. Starts the next epoch itself only where ``_iter_hazards`` allows;
+    dropping it stops the thread. Starts the next epoch itself only where the epoch policy (``_epochs``) allows;
     otherwise it leaves ``run.handoff`` and ends, and the consumer starts that epoch in its thread."""
     pipe = run.pipe
     where = [f"raised while setting up the thread for {device}"]
@@ -720,10 +580,10 @@ def _produce(
             _pump(pipe, source, stager, stats, epochs, number, device, where)
             if seamless:
                 where[0] = "raised while inspecting the wrapped iterable before the next epoch"
-                forks, draws = _iter_hazards(epochs.iterable)
-                if forks or draws:  # set before END: the consumer sees it once it has taken END
+                start = epochs.where_next()
+                if start is not NextStart.THREAD:  # set before END: the consumer sees it once it has taken END
                     # forking: as soon as the consumer notices; global RNG: where a plain loop draws
-                    run.handoff = (number + 1, not draws)
+                    run.handoff = (number + 1, start is NextStart.CONSUMER)
                     seamless = False
             pipe.items.put(END)
             _close_generator(source)
@@ -749,7 +609,7 @@ def _produce(
         _close_generator(source)
 
 
-def _pump(pipe: Pipe, source: Iterator[Any], stager: CpuStager | CudaStager, stats: Stats, epochs: _Epochs,
+def _pump(pipe: Pipe, source: Iterator[Any], stager: CpuStager | CudaStager, stats: Stats, epochs: EpochRunner,
           number: int, device: torch.device, where: list[str]) -> None:
     """Stage every batch of one epoch into the pipe (raises ``Stopped`` when the run is stopped);
     ``where[0]`` names the step in progress, for the note on an error."""
