@@ -6,6 +6,7 @@ Behind it: ``_prefetcher`` (the iterator, seamless epochs and the persistent pro
 credits that bound memory, and statistics); ``tree`` walks nested batches and is shared with
 :mod:`fastdata.gpu`.
 """
-from fastdata.prefetch._prefetcher import CUDAPrefetcher, PrefetchOptions, resolve_device
+from fastdata.prefetch._options import PrefetchOptions, resolve_device
+from fastdata.prefetch._prefetcher import CUDAPrefetcher
 
 __all__ = ["CUDAPrefetcher", "PrefetchOptions", "resolve_device"]
