@@ -135,9 +135,9 @@ class CUDAPrefetcher:
                                        stream_priority=stream_priority)
         self.device = resolve_device(device)
         self._iterable = iterable
-        if self.device.type == "cuda" and getattr(iterable, "fast_path_pinned", None) is False:
-            # fastdata.DataLoader: gather cached batches straight into page-locked memory (no pack)
-            iterable.fast_path_pinned = True  # type: ignore[attr-defined]
+        pin = getattr(iterable, "pin_fast_path", None)
+        if self.device.type == "cuda" and callable(pin):
+            pin()  # fastdata.DataLoader: gather cached batches straight into page-locked memory (no pack)
         self._epochs = EpochRunner(iterable, hazards=_iter_hazards)  # the module's name: replaceable in tests
         self._stats = Stats()
         skip = keys_matcher(self.options.keep_on_host)
