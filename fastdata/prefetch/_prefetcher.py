@@ -80,7 +80,7 @@ class CUDAPrefetcher:
         stream_priority: ``"normal"`` (default) or ``"high"``: the CUDA priority of the side stream
             that copies and runs ``transform``. With ``"high"`` the GPU schedules the transform's
             kernels (e.g. the device decode stage's resampling) ahead of queued training kernels
-            instead of behind them. Not measured on a GPU yet; no effect on the CPU.
+            instead of behind them. No effect on the CPU.
 
     Use it on one stream: the consumer's current stream at each ``next()`` waits for the batch.
     Iterating again starts the next epoch (an unfinished one is stopped first). Errors raised by the
