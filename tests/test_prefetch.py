@@ -1149,6 +1149,9 @@ def test_cuda_prefetcher_asks_the_loader_for_pinned_gathers(fake_cuda: dict) -> 
     class Loader:
         fast_path_pinned = False
 
+        def pin_fast_path(self):
+            self.fast_path_pinned = True
+
         def __iter__(self):
             return iter([torch.zeros(3)])
 

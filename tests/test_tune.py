@@ -129,8 +129,10 @@ def test_tune_tries_device_decode_and_its_snippet_runs(shards):
                           step_ms=0.5, device_decode=True)
     r = tune(shards, start)
     tried = [t for t in r.trials if t["dimension"] == "decode (input side)"]
-    assert {t["value"] for t in tried} == {"pil", "device"} and all(t["images/s"] > 0 for t in tried)
-    assert r.best.decode in ("pil", "device")
+    # against the CPU decoder chosen before: Pillow, or torchvision where it loads and measures faster
+    host = tried[0]["value"]
+    assert host in ("pil", "torchvision") and {t["value"] for t in tried} == {host, "device"}
+    assert all(t["images/s"] > 0 for t in tried) and r.best.decode in (host, "device")
     fields = pick_fields(Manifest.load(shards))
     code = python_snippet(str(shards), dataclasses.replace(r.best, decode="device"), fields, torch.device("cpu"))
     assert "image_decode='device'" in code and "DecodeImages" in code

@@ -367,10 +367,10 @@ class DataLoader(torch.utils.data.DataLoader):
         and they end within a second when this process dies (``kill -9`` included), whatever their
         parent process (a ``forkserver`` worker's is the fork server; see ``_watchdog.WorkerInit``).
 
-    ``fast_path_pinned`` (attribute, default False): gather the cached fast path's batches straight
-    into page-locked buffers even without ``pin_memory``; ``CUDAPrefetcher`` sets it on the loader it
-    wraps (on a CUDA device), so its host-to-device copies need no pack. The thread decoder
-    (``decode_threads``) then writes its samples into page-locked batch rows too.
+    ``pin_fast_path()``: gather the cached fast path's batches straight into page-locked buffers even
+    without ``pin_memory``; ``CUDAPrefetcher`` calls it on the loader it wraps (on a CUDA device), so
+    its host-to-device copies need no pack. The thread decoder (``decode_threads``) then writes its
+    samples into page-locked batch rows too. ``fast_path_pinned`` (read-only) says whether it was called.
     """
 
     def __init__(self, dataset: Any, *args: Any, cached_fast_path: bool | str = "auto", decode_threads: int = 0,
@@ -382,7 +382,7 @@ class DataLoader(torch.utils.data.DataLoader):
             raise ValueError(f"preload_next_epoch must be True or False, got {preload_next_epoch!r}")
         self.preload_next_epoch = preload_next_epoch
         self.gather_threads = check_gather_threads(gather_threads)
-        self.fast_path_pinned = False
+        self._fast_path_pinned = False  # pin_fast_path()
         self._gather: FastGather | None = None
         self.decode_threads = _thread_loader.check_threads(decode_threads)
         with warnings.catch_warnings():
@@ -437,6 +437,17 @@ class DataLoader(torch.utils.data.DataLoader):
     def set_epoch(self, epoch: int) -> None:
         """``dataset.set_epoch(epoch)`` (reaches persistent workers too)."""
         self._sharded().set_epoch(epoch)
+
+    @property
+    def fast_path_pinned(self) -> bool:
+        """Whether :meth:`pin_fast_path` was called (then batches of the fast paths are page-locked)."""
+        return self._fast_path_pinned
+
+    def pin_fast_path(self) -> None:
+        """Build the cached fast path's and the thread decoder's batches in page-locked memory from the
+        next ``iter()`` on, even without ``pin_memory``, for a consumer that copies them to a CUDA
+        device (``CUDAPrefetcher`` calls it): its copies then need no pack into pinned memory."""
+        self._fast_path_pinned = True
 
     def __len__(self) -> int:
         if not isinstance(self.dataset, ShardedDataset):

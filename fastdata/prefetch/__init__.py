@@ -1,11 +1,14 @@
 """CUDAPrefetcher: pinned staging, side-stream host-to-device copies, device transforms.
 
 Stage 5 of the pipeline (shards -> dataset -> cache -> loader -> **prefetch** -> GPU -> train).
-Behind it: ``_prefetcher`` (the iterator, seamless epochs and the persistent producer thread),
-``_stage`` (pinned staging ring, parallel pack, copies, the memory bound), ``_queue`` (the pipe, the
-credits that bound memory, and statistics); ``tree`` walks nested batches and is shared with
-:mod:`fastdata.gpu`.
+Behind it: ``_prefetcher`` (the iterator: the consumer's side, epochs, resume, shutdown),
+``_producer`` (the persistent producer thread), ``_epochs`` (the seamless-epoch policy: where the
+next epoch starts, with which number), ``_stage`` (pinned staging ring, parallel pack, copies),
+``_queue`` (the pipe, the credits that bound memory, and statistics), ``_options`` (validated
+options, device resolution); ``tree`` walks nested batches and is shared with :mod:`fastdata.gpu`.
+Design: docs/design/prefetch.md.
 """
-from fastdata.prefetch._prefetcher import CUDAPrefetcher, PrefetchOptions, resolve_device
+from fastdata.prefetch._options import PrefetchOptions, resolve_device
+from fastdata.prefetch._prefetcher import CUDAPrefetcher
 
 __all__ = ["CUDAPrefetcher", "PrefetchOptions", "resolve_device"]

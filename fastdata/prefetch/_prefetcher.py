@@ -1,44 +1,41 @@
 """``CUDAPrefetcher``: overlap loading and host-to-device copies with compute, across epochs.
 
-A background thread pulls batches from the wrapped iterable, packs their tensors into a reused pinned
-staging ring, copies them to the GPU on a persistent side stream and runs optional device transforms
-there; the training thread only takes finished batches. Without CUDA (``device="cpu"`` or none
-available) the same thread and pipe give a CPU prefetcher with identical semantics. With
-``seamless=True`` the next epoch is started while the consumer finishes the current one: by the
-thread itself when the wrapped iterable's ``iter()`` neither forks nor draws from torch's global RNG
-(``_iter_hazards``), else by the consumer's thread (see ``CUDAPrefetcher``). See ``_stage.py`` for
-the memory bound and the memory-safety design.
+This module is the consumer's side: iteration, the hand-over of each staged batch, epochs begun
+by the consumer, ``set_epoch``, exact resume (``state_dict`` as of the last batch handed over),
+shutdown and statistics. A producer thread (``_producer``) pulls batches from the wrapped iterable
+and stages them (``_stage``: pinned ring, side-stream copies, device transforms) into a pipe with a
+memory bound (``_queue``); where each next epoch starts is the epoch policy's decision (``_epochs``).
+Without CUDA the same thread and pipe give a CPU prefetcher with identical semantics.
+
+Invariants: one run (thread and pipe) at a time per prefetcher; errors of the thread are raised at
+the batch where they happened; a thread still running when the interpreter exits is stopped first
+(``_stop_runs_at_exit``). Design: docs/design/prefetch.md.
 """
 from __future__ import annotations
 
 import atexit
-import multiprocessing
-import os
 import threading
 import time
-import types
 import warnings
-import weakref
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from fastdata._util import add_note, release_frames
-from fastdata.prefetch._queue import CLOSED, END, EpochStart, Failure, Pipe, Stats, Stopped, perf_counter, POLL_S
-from fastdata.prefetch._stage import STREAM_PRIORITIES, CpuStager, CudaStager, default_pack_threads
+from fastdata.prefetch._epochs import EpochRunner
+from fastdata.prefetch._epochs import iter_hazards as _iter_hazards
+from fastdata.prefetch._options import PrefetchOptions, resolve_device
+from fastdata.prefetch._producer import RUNS, Run, note
+from fastdata.prefetch._queue import CLOSED, END, EpochStart, Failure, Pipe, Stats, perf_counter
+from fastdata.prefetch._stage import CpuStager, CudaStager, default_pack_threads
 from fastdata.prefetch.tree import keys_matcher
 
-__all__ = ["CUDAPrefetcher", "PrefetchOptions", "resolve_device"]
+__all__ = ["CUDAPrefetcher"]
 
 # How long break/close wait for the thread (it can only stop between two next() calls of the wrapped
 # iterable) before warning and leaving the daemon thread to finish that call on its own.
 JOIN_TIMEOUT_S = 10.0
-
-_thread_ids = iter(range(1 << 62))
-_RUNS: weakref.WeakSet[_Run] = weakref.WeakSet()  # every producer run not yet collected
 
 
 def _stop_runs_at_exit() -> None:
@@ -47,7 +44,7 @@ def _stop_runs_at_exit() -> None:
     torch code when the interpreter finalizes is ended by ``pthread_exit``, whose unwinding through
     torch's C++ frames aborted the process at the end of a script that had run normally ("terminate
     called without an active exception", exit status 134)."""
-    runs = [run for run in list(_RUNS) if run.alive()]
+    runs = [run for run in list(RUNS) if run.alive()]
     for run in runs:
         run.pipe.stop.set()
     deadline = time.monotonic() + JOIN_TIMEOUT_S
@@ -58,253 +55,6 @@ def _stop_runs_at_exit() -> None:
 
 
 atexit.register(_stop_runs_at_exit)
-
-
-@dataclass(frozen=True)
-class PrefetchOptions:
-    """Validated options of ``CUDAPrefetcher`` (see its docstring)."""
-
-    depth: int = 2  # batches staged ahead of the one the consumer holds
-    keep_on_host: tuple[Any, ...] = ()
-    transform: Callable[[Any], Any] | None = None
-    seamless: bool = True
-    pack_threads: int | None = None
-    stream_priority: str = "normal"
-
-    def __post_init__(self) -> None:
-        if isinstance(self.depth, bool) or not isinstance(self.depth, int) or self.depth < 1:
-            raise ValueError(f"depth must be an int >= 1, got {self.depth!r}")
-        keep = self.keep_on_host
-        if isinstance(keep, (str, int)):
-            keep = (keep,)
-        try:
-            if isinstance(keep, (bytes, bytearray)):  # not a sequence of keys: its items are ints
-                raise TypeError
-            keep = tuple(keep)
-        except TypeError:
-            raise ValueError(
-                f"keep_on_host must be a key or a sequence of keys (str or int), got {self.keep_on_host!r}"
-            ) from None
-        bad = [k for k in keep if isinstance(k, bool) or not isinstance(k, (str, int))]
-        if bad:
-            raise ValueError(f"keep_on_host keys must be str or int, got {bad[0]!r} in {self.keep_on_host!r}")
-        object.__setattr__(self, "keep_on_host", keep)
-        if self.transform is not None and not callable(self.transform):
-            raise ValueError(f"transform must be callable or None, got {self.transform!r}")
-        if not isinstance(self.seamless, bool):
-            raise ValueError(f"seamless must be True or False, got {self.seamless!r}")
-        p = self.pack_threads
-        if p is not None and (isinstance(p, bool) or not isinstance(p, int) or p < 1):
-            raise ValueError(f"pack_threads must be an int >= 1 or None, got {p!r}")
-        if self.stream_priority not in STREAM_PRIORITIES:
-            raise ValueError(f"stream_priority must be one of {STREAM_PRIORITIES}, got {self.stream_priority!r}")
-
-
-_DEVICE_FORMS = "'cpu', 'cuda', 'cuda:N', a CUDA index, a torch.device or None"
-
-
-def resolve_device(device: str | int | torch.device | None) -> torch.device:
-    """``None`` -> CUDA when available else CPU; a bare ``"cuda"`` -> ``cuda:$LOCAL_RANK`` (or current)."""
-    if device is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if isinstance(device, bool):
-        raise ValueError(f"device must be {_DEVICE_FORMS}, got {device!r}")
-    try:
-        dev = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
-    except (RuntimeError, TypeError) as e:
-        raise ValueError(f"device must be {_DEVICE_FORMS}, got {device!r}") from e
-    if dev.type == "cpu":
-        return torch.device("cpu")
-    if dev.type != "cuda":
-        raise ValueError(f"device must be 'cpu' or a CUDA device, got {device!r}")
-    if not torch.cuda.is_available():
-        raise ValueError(f"device={device!r} requested but CUDA is not available")
-    index = dev.index if dev.index is not None else _local_rank()
-    count = torch.cuda.device_count()
-    if not 0 <= index < count:
-        raise ValueError(f"device index {index} (from device={device!r} / LOCAL_RANK) out of range: {count} GPUs")
-    return torch.device("cuda", index)
-
-
-def _local_rank() -> int:
-    value = os.environ.get("LOCAL_RANK")
-    if value is None or value.strip() == "":
-        return torch.cuda.current_device()
-    try:
-        return int(value)
-    except ValueError:
-        raise ValueError(f"LOCAL_RANK must be an integer, got {value!r}") from None
-
-
-def _iter_hazards(iterable: Any) -> tuple[bool, bool]:
-    """(forks, draws_global_rng): what ``iter(iterable)`` would do if called now.
-
-    Only a ``torch.utils.data.DataLoader`` (fastdata's included) is inspected; any other iterable is
-    taken to neither fork nor draw from torch's global RNG in its ``iter()``. A DataLoader forks when
-    it has ``num_workers > 0`` worker processes to start (not persistent ones already alive, not
-    fastdata's ``decode_threads``) under the ``fork`` start method (its ``multiprocessing_context``,
-    else the default one). It draws from the global RNG without ``generator=`` (its workers' base
-    seed; persistent workers already alive skip that draw), and through a sampler that is not known
-    to use its own generator (``RandomSampler``/``SubsetRandomSampler``/``WeightedRandomSampler``
-    without ``generator=``, or any sampler or batch sampler class other than those and
-    ``SequentialSampler``, ``DistributedSampler``, ``BatchSampler``). A DataPipe dataset counts as both (torch's iterator may run collectives).
-    A wrapper that keeps the loader it iterates as ``.iterable`` (``DecodeImages.ahead(loader)``,
-    another prefetcher) is judged by that loader: its ``iter()`` calls the loader's.
-    """
-    data = torch.utils.data
-    seen = 0
-    while not isinstance(iterable, data.DataLoader) and seen < 8:
-        inner = getattr(iterable, "iterable", None)
-        if inner is None or inner is iterable:
-            break
-        iterable, seen = inner, seen + 1
-    if not isinstance(iterable, data.DataLoader):
-        return False, False
-    pipe = getattr(data, "IterDataPipe", None)
-    if pipe is not None and isinstance(iterable.dataset, pipe):
-        return True, True
-    workers = iterable.num_workers > 0 and not getattr(iterable, "decode_threads", 0)
-    alive = workers and iterable.persistent_workers and getattr(iterable, "_iterator", None) is not None
-    forks = workers and not alive and _start_method(iterable) == "fork"
-    rng = iterable.generator is None and not alive
-    batches = iterable.batch_sampler
-    if batches is not None and type(batches) is not data.BatchSampler:
-        return forks, True  # a batch sampler of the user's: may draw from the global RNG
-    samplers = [iterable.sampler, getattr(batches, "sampler", None)]
-    return forks, rng or any(_sampler_draws(s) for s in samplers if s is not None)
-
-
-_SEEDED_SAMPLERS = ("RandomSampler", "SubsetRandomSampler", "WeightedRandomSampler")
-
-
-def _sampler_draws(sampler: Any) -> bool:
-    data = torch.utils.data
-    if type(sampler) in (data.SequentialSampler, data.DistributedSampler):
-        return False
-    if type(sampler).__name__ == "_InfiniteConstantSampler":  # an IterableDataset's: draws nothing
-        return False
-    if type(sampler) in tuple(getattr(data, n) for n in _SEEDED_SAMPLERS):
-        return getattr(sampler, "generator", None) is None
-    return True  # unknown sampler: may draw from the global RNG
-
-
-def _start_method(loader: Any) -> str:
-    ctx = loader.multiprocessing_context
-    if ctx is not None:
-        return str(ctx.get_start_method())
-    # the default context's method without fixing it (the first of get_all_start_methods is the default)
-    return multiprocessing.get_start_method(allow_none=True) or multiprocessing.get_all_start_methods()[0]
-
-
-def _epoch_api(iterable: Any) -> tuple[Callable[[], Any], Callable[[int], None]] | None:
-    """(get, set) of the wrapped loader's epoch: its own ``set_epoch`` (fastdata.DataLoader), else its
-    sampler's (DistributedSampler) or its dataset's (an IterableDataset with ``set_epoch``)."""
-    candidates = [iterable, getattr(iterable, "sampler", None), getattr(iterable, "dataset", None)]
-    owner = next((c for c in candidates if c is not None and callable(getattr(c, "set_epoch", None))), None)
-    if owner is None:
-        return None
-    holder = next((c for c in candidates if c is not None and isinstance(getattr(c, "epoch", None), int)), None)
-    return (lambda: getattr(holder, "epoch", None)), owner.set_epoch
-
-
-class _Epochs:
-    """Starts epochs of the wrapped iterable, in the consumer's thread or (look-ahead) the producer's.
-
-    Shared by the prefetcher and its thread; holds no reference to the prefetcher. ``driven``: the
-    user called ``CUDAPrefetcher.set_epoch``, so every epoch start sets the loader's epoch (the value
-    asked for, else the previous one + 1)."""
-
-    def __init__(self, iterable: Iterable[Any]) -> None:
-        self.iterable = iterable
-        self.api = _epoch_api(iterable)
-        self.lock = threading.Lock()
-        self.driven = False
-        self.next_value: int | None = None
-        self.last_value: int | None = None
-        self.advances = False  # iter() of the iterable moves its epoch itself
-        fn = getattr(iterable, "state_dict", None)
-        self.snapshot: Callable[[], Any] | None = fn if callable(fn) else None
-        self.state_error: BaseException | None = None
-
-    def current(self) -> Any:
-        return self.api[0]() if self.api is not None else None
-
-    def begin(self, on_started: Callable[[Any], None] | None = None,
-              ahead: bool = False) -> tuple[Iterator[Any], Any, Any]:
-        """(iterator, loader state before its first batch, the loader's epoch value).
-
-        ``ahead``: called by the thread (a look-ahead), while the consumer may set the loader's epoch.
-        Its epoch value is then read before ``iter()``: an epoch set during (or after) that ``iter()``
-        differs from it, and the consumer discards the epoch (``_ahead_still_valid``) instead of taking
-        the old epoch's iterator for the new epoch. Unless ``iter()`` itself moves the epoch (seen
-        in the consumer's thread, where nothing else can set it meanwhile): then the value after it."""
-        with self.lock:
-            if self.driven and self.api is not None:
-                now = self.current()
-                if self.next_value is not None:
-                    value = self.next_value
-                elif self.last_value is not None and now is not None and now != self.last_value:
-                    value = now  # set on the loader behind the prefetcher: honoured, then + 1 from there
-                else:
-                    value = (self.last_value or 0) + 1
-                if now != value:
-                    self.api[1](value)
-                self.next_value, self.last_value = None, value
-            before = self.current()
-            source = iter(self.iterable)  # DataLoader starts/resets its workers here
-            state = self._snap()
-            value = self.current()
-            if not ahead and value != before:
-                self.advances = True  # the iterable's iter() advances its own epoch
-            elif ahead and not self.advances:
-                value = before
-            if on_started is not None:
-                on_started(value)
-            return source, state, value
-
-    def _snap(self) -> Any:
-        if self.snapshot is None:
-            return None
-        try:
-            return self.snapshot()
-        except (TypeError, NotImplementedError) as e:  # e.g. fastdata.DataLoader over a plain dataset
-            self.state_error, self.snapshot = e, None
-            return None
-
-
-class _Run:
-    """One producer thread: its pipe, and the epochs it and the consumer have reached."""
-
-    def __init__(self, pipe: Pipe) -> None:
-        self.pipe = pipe
-        self.thread: threading.Thread | None = None
-        self.cv = threading.Condition()
-        self.requested = 1  # epochs the consumer has begun (or asked for)
-        self.claimed = 0  # the latest epoch an iterator was handed out for (only one iterator per epoch)
-        self.begun = -1  # the latest epoch the consumer has begun
-        self.finished = -1  # the latest epoch the consumer has taken to its end
-        self.ahead: tuple[int, Any] | None = None  # (number, epoch value) of the latest look-ahead epoch
-        # set by a thread that ended after its epoch instead of looking ahead: (the next epoch's number,
-        # may the consumer start it before taking the current epoch's last batches?)
-        self.handoff: tuple[int, bool] | None = None
-        _RUNS.add(self)
-
-    def alive(self) -> bool:
-        return self.thread is not None and self.thread.is_alive()
-
-    def request(self, number: int) -> None:
-        with self.cv:
-            self.requested = max(self.requested, number + 1)
-            self.cv.notify_all()
-
-    def wait_requested(self, count: int) -> None:
-        with self.cv:
-            while self.requested < count:
-                if self.pipe.stop.is_set():
-                    raise Stopped
-                self.cv.wait(POLL_S)
-        if self.pipe.stop.is_set():
-            raise Stopped
 
 
 class CUDAPrefetcher:
@@ -330,7 +80,7 @@ class CUDAPrefetcher:
         stream_priority: ``"normal"`` (default) or ``"high"``: the CUDA priority of the side stream
             that copies and runs ``transform``. With ``"high"`` the GPU schedules the transform's
             kernels (e.g. the device decode stage's resampling) ahead of queued training kernels
-            instead of behind them. Not measured on a GPU yet; no effect on the CPU.
+            instead of behind them. No effect on the CPU.
 
     Use it on one stream: the consumer's current stream at each ``next()`` waits for the batch.
     Iterating again starts the next epoch (an unfinished one is stopped first). Errors raised by the
@@ -385,10 +135,10 @@ class CUDAPrefetcher:
                                        stream_priority=stream_priority)
         self.device = resolve_device(device)
         self._iterable = iterable
-        if self.device.type == "cuda" and getattr(iterable, "fast_path_pinned", None) is False:
-            # fastdata.DataLoader: gather cached batches straight into page-locked memory (no pack)
-            iterable.fast_path_pinned = True  # type: ignore[attr-defined]
-        self._epochs = _Epochs(iterable)
+        pin = getattr(iterable, "pin_fast_path", None)
+        if self.device.type == "cuda" and callable(pin):
+            pin()  # fastdata.DataLoader: gather cached batches straight into page-locked memory (no pack)
+        self._epochs = EpochRunner(iterable, hazards=_iter_hazards)  # the module's name: replaceable in tests
         self._stats = Stats()
         skip = keys_matcher(self.options.keep_on_host)
         if self.device.type == "cuda":
@@ -399,7 +149,7 @@ class CUDAPrefetcher:
             )
         else:
             self._stager = CpuStager(transform, skip)
-        self._run: _Run | None = None
+        self._run: Run | None = None
         # __iter__ and _stop_run from several consumer threads: one run at a time on the staging slots
         self._run_lock = threading.RLock()
         self._recent: deque[Any] = deque(maxlen=depth)  # credits of the last hand-overs
@@ -433,28 +183,22 @@ class CUDAPrefetcher:
                 run, number = self._start_run(), 0
         return self._consume(run, number)
 
-    def _continues(self, run: _Run) -> bool:
+    def _continues(self, run: Run) -> bool:
         """The consumer took the run's latest epoch to its end and the thread goes on (or left a word)."""
         return (self.options.seamless and run.finished == run.claimed and not run.pipe.stop.is_set()
                 and (run.alive() or not run.pipe.items.empty() or run.handoff is not None))
 
-    def _start_run(self) -> _Run:
+    def _start_run(self) -> Run:
         credits = [None] * (self.options.depth - len(self._recent)) + list(self._recent)
-        run = _Run(Pipe(credits))
+        run = Run(Pipe(credits))
         source, state, value = self._epochs.begin()  # in the caller's thread
         self._state = state  # state_dict() before the first batch: this epoch's start, not the last run's
         run.pipe.items.put(EpochStart(0, state, value))
-        run.thread = threading.Thread(
-            target=_produce,
-            args=(run, source, self._epochs, self._stager, self._stats, self.device, self.options.seamless),
-            name=f"fastdata-prefetch-{next(_thread_ids)}",
-            daemon=True,
-        )
         self._run = run
-        run.thread.start()
+        run.start(source, self._epochs, self._stager, self._stats, self.device, self.options.seamless)
         return run
 
-    def _consume(self, run: _Run, number: int) -> Iterator[Any]:
+    def _consume(self, run: Run, number: int) -> Iterator[Any]:
         finished = False
         try:
             t0 = perf_counter()
@@ -469,8 +213,7 @@ class CUDAPrefetcher:
                     if number > 0 and not self._ahead_still_valid(item):
                         self._stats.add(lookahead_discarded=1)
                         self._stop_run()
-                        with self._epochs.lock:  # restart with the epoch the loader was set to
-                            self._epochs.next_value = self._epochs.current()
+                        self._epochs.restart_from_loader()  # restart with the epoch the loader was set to
                         run, number = self._start_run(), 0
                         continue
                     run.begun = number
@@ -503,7 +246,7 @@ class CUDAPrefetcher:
             if not finished and self._run is run:
                 self._stop_run()
 
-    def _begin_next(self, run: _Run) -> None:
+    def _begin_next(self, run: Run) -> None:
         """Start the epoch the thread left to the consumer (``run.handoff``), in this thread, once the
         thread has ended (so no other thread of ours runs while the loader may fork its workers),
         and a new thread that stages it into the same pipe and credits."""
@@ -523,23 +266,17 @@ class CUDAPrefetcher:
         try:
             source, state, value = self._epochs.begin(started)
         except Exception as e:  # noqa: BLE001  surfaces at that epoch, like a look-ahead's error
-            _note(e, f"raised while starting epoch {number} (iter() of the wrapped iterable)")
+            note(e, f"raised while starting epoch {number} (iter() of the wrapped iterable)")
             run.pipe.items.put(Failure(e))
             return
         if early:
             self._stats.add(lookahead_epochs=1)
         run.pipe.items.put(EpochStart(number, state, value))
-        run.thread = threading.Thread(
-            target=_produce,
-            args=(run, source, self._epochs, self._stager, self._stats, self.device, self.options.seamless, number),
-            name=f"fastdata-prefetch-{next(_thread_ids)}",
-            daemon=True,
-        )
-        run.thread.start()
+        run.start(source, self._epochs, self._stager, self._stats, self.device, self.options.seamless, number)
 
     def _ahead_still_valid(self, start: EpochStart) -> bool:
         """A look-ahead epoch is kept unless the loader's epoch was changed behind the prefetcher."""
-        if start.epoch_value is None or self._epochs.current() == start.epoch_value:
+        if self._epochs.still_valid(start.epoch_value):
             return True
         if not self._warned_epoch:
             self._warned_epoch = True
@@ -578,9 +315,7 @@ class CUDAPrefetcher:
         if ahead is not None:
             self._stats.add(lookahead_discarded=1)
             self._stop_run()
-        with ep.lock:
-            ep.api[1](epoch)
-            ep.next_value, ep.last_value = epoch, epoch
+        ep.set_now(epoch)
 
     # --- resume ----------------------------------------------------------------------------------
 
@@ -607,10 +342,8 @@ class CUDAPrefetcher:
         self._stop_run()
         fn(state)
         self._state = None
-        ep = self._epochs
-        with ep.lock:
-            if ep.driven:  # the next epoch is the resumed one, not the one after it
-                ep.next_value = ep.current()
+        if self._epochs.driven:  # the next epoch is the resumed one, not the one after it
+            self._epochs.restart_from_loader()
 
     # --- shutdown --------------------------------------------------------------------------------
 
@@ -695,99 +428,3 @@ class CUDAPrefetcher:
 
     def __repr__(self) -> str:
         return f"CUDAPrefetcher({self._iterable!r}, device={str(self.device)!r}, depth={self.options.depth})"
-
-
-def _produce(
-    run: _Run,
-    source: Iterator[Any],
-    epochs: _Epochs,
-    stager: CpuStager | CudaStager,
-    stats: Stats,
-    device: torch.device,
-    seamless: bool,
-    number: int = 0,
-) -> None:
-    """Thread body, from epoch ``number`` of the run on. Holds no reference to the prefetcher, so
-    dropping it stops the thread. Starts the next epoch itself only where ``_iter_hazards`` allows;
-    otherwise it leaves ``run.handoff`` and ends, and the consumer starts that epoch in its thread."""
-    pipe = run.pipe
-    where = [f"raised while setting up the thread for {device}"]
-    try:
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        stager.begin_thread()
-        while True:
-            _pump(pipe, source, stager, stats, epochs, number, device, where)
-            if seamless:
-                where[0] = "raised while inspecting the wrapped iterable before the next epoch"
-                forks, draws = _iter_hazards(epochs.iterable)
-                if forks or draws:  # set before END: the consumer sees it once it has taken END
-                    # forking: as soon as the consumer notices; global RNG: where a plain loop draws
-                    run.handoff = (number + 1, not draws)
-                    seamless = False
-            pipe.items.put(END)
-            _close_generator(source)
-            if not seamless:
-                return
-            run.wait_requested(number + 1)  # at most one epoch ahead of the consumer
-            number += 1
-            where[0] = f"raised while starting epoch {number} ahead (iter() of the wrapped iterable)"
-
-            def started(value: Any, n: int = number) -> None:
-                run.ahead = (n, value)
-
-            source, state, value = epochs.begin(started, ahead=True)
-            stats.add(lookahead_epochs=1)
-            pipe.items.put(EpochStart(number, state, value))
-    except Stopped:
-        return
-    except BaseException as e:  # noqa: BLE001  travels to the consumer, traceback included
-        release_frames(e)  # a torch DataLoader's error must not keep its workers alive in a cycle
-        _note(e, f"{where[0]} (thread {threading.current_thread().name})")
-        pipe.items.put(Failure(e))
-    finally:
-        _close_generator(source)
-
-
-def _pump(pipe: Pipe, source: Iterator[Any], stager: CpuStager | CudaStager, stats: Stats, epochs: _Epochs,
-          number: int, device: torch.device, where: list[str]) -> None:
-    """Stage every batch of one epoch into the pipe (raises ``Stopped`` when the run is stopped);
-    ``where[0]`` names the step in progress, for the note on an error."""
-    index = 0
-    snapshot = epochs.snapshot
-    stop = pipe.stop
-    while True:
-        if stop.is_set():
-            raise Stopped
-        t0 = perf_counter()
-        where[0] = f"raised by the wrapped iterable at batch {index} of epoch {number}"
-        try:
-            batch = next(source)
-        except StopIteration:
-            return
-        where[0] = f"raised by the wrapped iterable's state_dict() after batch {index}"
-        state = snapshot() if snapshot is not None else None
-        stats.add(load_s=perf_counter() - t0)
-        credit = pipe.take_credit()
-        if stop.is_set():
-            raise Stopped
-        where[0] = f"raised while staging batch {index} (transform or copy to {device})"
-        item = stager.stage(batch, credit)
-        del batch
-        item.state = state
-        pipe.items.put(item)
-        index += 1
-
-
-def _close_generator(source: Any) -> None:
-    """Run a generator's cleanup in the thread that ran it (it may be stopped mid-epoch)."""
-    if not isinstance(source, types.GeneratorType):
-        return
-    try:
-        source.close()
-    except Exception as e:  # noqa: BLE001  nobody is waiting for this epoch any more
-        warnings.warn(f"CUDAPrefetcher: closing the wrapped generator raised {e!r}", RuntimeWarning, stacklevel=1)
-
-
-def _note(error: BaseException, text: str) -> None:
-    add_note(error, f"fastdata.CUDAPrefetcher: {text}")

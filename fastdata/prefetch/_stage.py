@@ -1,37 +1,21 @@
 """Staging of one batch for ``CUDAPrefetcher``: the CPU pass-through and the CUDA copy engine.
 
-Memory-safety design of the CUDA stager (read this before changing anything):
+``CudaStager`` packs a batch's pageable tensors into one slot of a pinned staging ring (``depth + 1``
+slots, ``PackPool`` threads doing numpy copies with the GIL released), sends each slot with ONE
+``non_blocking`` copy on the device's persistent side stream (``side_stream``), runs the device
+transform there, and hands the batch over with ``record_stream`` on the consumer's stream.
+``CpuStager`` does the same with no copy. Read docs/design/prefetch.md ("Memory safety") before
+changing anything here.
 
-* Pinned staging ring, ``depth + 1`` slots. Each slot is one page-locked byte buffer that grows only
-  when a batch is bigger than any before, to that size rounded up to 1/32 of its power of two
-  (``slot_capacity``: at most 1/16 more than the batch). Slots are anonymous memory registered with ``cudaHostRegister`` (exact size;
-  PyTorch's pinned allocator would round every slot up to a power of two, up to twice the batch);
-  where registration is unavailable they fall back to PyTorch's pinned allocator. All pageable
-  tensors of a batch are packed into the slot at aligned offsets (by ``PackPool``: byte ranges split
-  over a few threads, numpy memcpy with the GIL released, never torch's intra-op pool) and sent
-  with ONE ``non_blocking`` copy. Before a slot is repacked the producer waits on the event recorded
-  right after that slot's copy, so pinned memory is never rewritten while the DMA engine reads it.
-  Tensors that are already pinned (DataLoader ``pin_memory=True``) are copied directly; the slot
-  keeps them referenced until the same event has completed.
-* Device memory: each batch gets fresh memory from PyTorch's caching allocator, allocated on the side
-  stream (one block for all packed tensors), and at hand-over every device storage of the batch gets
-  ``record_stream(consumer_stream)``. We chose this over an event-guarded ring of device buffers
-  because the consumer owns its batches: training code may keep a batch (or a view of it) for
-  logging, gradient accumulation or a later step, and a ring would silently overwrite it; with
-  ``record_stream`` a block is reused only after all consumer work queued before the last reference
-  died has finished, whatever the consumer does. In steady state the caching allocator serves these
-  from cached blocks, so there is no ``cudaMalloc`` per batch.
-* Bound (credits, ``_queue.Pipe``): the producer takes a credit before it stages a batch; a run starts
-  with ``depth`` credits and every hand-over returns one, carrying an event recorded on the consumer's
-  stream at that moment (it marks the end of the consumer's work on the batches before). Before it
-  stages batch ``j`` the producer therefore (a) has seen batch ``j - depth`` handed over, so at most
-  ``depth`` staged batches wait for the consumer, and (b) waits until the consumer's work on batch
-  ``j - depth - 1`` has finished on the GPU, so a host far ahead of the GPU cannot make the allocator
-  grow. The credits continue across seamless epochs, and a new run inherits the events of the last
-  ``depth`` hand-overs, so epoch starts are throttled like any other batch.
-* Ordering: copies and transforms run on one persistent side stream per device (cached for the life of
-  the process: a stream per epoch would grow reserved memory); the consumer's current stream waits on
-  the batch's ready event, which costs the host nothing.
+Invariants:
+* a pinned slot is repacked only after the event recorded right after its copy has completed, and
+  an already-pinned source tensor stays referenced by its slot until then;
+* a slot only grows, to its largest batch rounded up to 1/32 of that batch's power of two;
+* device memory of a handed-over batch is reused only after the consumer's work queued before its
+  last reference died (``record_stream``), whatever the consumer keeps;
+* the producer takes a credit (``_queue.Pipe``) before staging: at most ``depth`` staged batches
+  wait, and batch ``j`` waits until the GPU finished the consumer's work on batch ``j - depth - 1``;
+* one side stream per device and priority for the life of the process.
 """
 from __future__ import annotations
 
@@ -59,7 +43,8 @@ MIN_SLOT_BYTES = 1 << 16
 # A slot's capacity is its largest batch rounded up to this fraction of the batch's power of two
 # (so at most 1/16 more than the batch: the power of two is less than twice the batch).
 SLOT_GRANULE_DIV = 32
-# Packs smaller than this run in the producer thread alone (thread hand-offs cost ~10-50 us).
+# Packs smaller than this run in the producer thread alone (a hand-off to the pack threads costs more
+# than it saves).
 PARALLEL_PACK_BYTES = 4 << 20
 # No pack thread gets less than this.
 MIN_PACK_CHUNK = 1 << 20
