@@ -4,7 +4,7 @@ Every ``import`` in ``fastdata`` is found with :mod:`ast` (module level, inside 
 under ``if TYPE_CHECKING:`` alike), so a lazy import cannot hide an upward dependency. The
 stage order (low to high) is the README's pipeline::
 
-    _version, _util, errors < manifest < shards < decode, transforms < cache < dataset < loader
+    _version, _util, errors < io < manifest < shards < decode, transforms < cache < dataset < loader
     < prefetch < gpu < train < monitor < cli (and __main__)
 
 ``fastdata/__init__.py`` (the lazy public names) sits above all of them, so no module may import
@@ -40,6 +40,7 @@ PACKAGE = ROOT / "fastdata"
 # Low to high; a module may import from its own stage and the ones before it.
 STAGES: tuple[tuple[str, ...], ...] = (
     ("_version", "_util", "_pickling", "errors"),
+    ("io",),
     ("manifest",),
     ("shards",),
     ("decode", "transforms"),

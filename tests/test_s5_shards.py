@@ -436,7 +436,7 @@ def test_overwrite_of_a_url_dest_removes_its_old_manifest_first(tmp_path, monkey
     replaced by the new run, and the rerun without --overwrite refused to resume ("holds a
     finished conversion with different arguments")."""
     pytest.importorskip("fsspec")
-    from fastdata.shards._remote import remote_size
+    from fastdata.io import remote_size
 
     url = f"memory://fastdata-s5/{tmp_path.name}/ds"
     src = image_folder(tmp_path / "src")

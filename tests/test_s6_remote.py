@@ -357,7 +357,7 @@ def test_download_that_cannot_be_written_names_the_destination(served, tmp_path)
     # fastdata.shards.download (a URL SRC of `fastdata shard`) let a local write error out bare:
     # "OSError: [Errno 27] File too large", naming neither the file nor the URL (and not a RemoteError,
     # which the conversion turns into a ConversionError naming SRC).
-    from fastdata.shards import download
+    from fastdata.io import download
 
     dest = tmp_path / "copy.tar"
     with LoopbackServer(served, ranges=False, max_requests=50, lifetime=60) as srv:

@@ -13,7 +13,7 @@ from tests.helpers.loopback_server import LoopbackServer, make_shard_set
 
 from fastdata.dataset import RemoteShards, ShardedDataset
 from fastdata.errors import FastdataError
-from fastdata.shards import RetryPolicy, read_bytes, redact_url
+from fastdata.io import RetryPolicy, read_bytes, redact_url
 
 pytestmark = pytest.mark.filterwarnings("ignore:Unclosed:ResourceWarning")
 

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fastdata._util import byte_limit, is_url, local_path
+from fastdata._util import byte_limit
 from fastdata.cache._io import disk_usage, try_lock
 from fastdata.cache._store import (
     CACHE_FORMAT_VERSION,
@@ -39,6 +39,7 @@ from fastdata.cache._store import (
     read_meta,
 )
 from fastdata.errors import CacheError
+from fastdata.io import is_url, local_path
 
 __all__ = ["CACHE_FORMAT_VERSION", "Cache", "FieldLayout", "Store", "StoreInfo", "store_key"]
 

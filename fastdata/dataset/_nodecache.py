@@ -71,9 +71,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fastdata.shards import (RemoteStream, RetryPolicy, redact_url, remote_error, split_query, url_identity,
-                            url_join)
 from fastdata.errors import CacheError, FastdataError, RemoteError
+from fastdata.io import (RemoteStream, RetryPolicy, redact_url, remote_error, split_query, url_identity,
+                         url_join)
 from fastdata.manifest import Manifest, ShardInfo
 
 __all__ = ["EVICTION_POLICIES", "NodeCacheError", "ShardCache", "default_cache_dir"]

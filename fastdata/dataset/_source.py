@@ -23,12 +23,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fastdata._util import byte_limit, local_path
+from fastdata._util import byte_limit
 from fastdata.dataset._readers import _LOCK_FREE
 from fastdata.errors import ManifestError, RemoteError, ShardError, SourceError, SourceNotFoundError
 from fastdata.manifest import MANIFEST_NAME, Manifest
-from fastdata.shards import (RemoteStream, RetryPolicy, env_retry, folder_url, is_url, read_bytes, redact_url,
-                             split_query, url_identity, url_join)
+from fastdata.io import (RemoteStream, RetryPolicy, env_retry, folder_url, is_url, local_path, read_bytes,
+                         redact_url, split_query, url_identity, url_join)
 
 __all__ = ["RemoteShards", "Source", "resolve_source"]
 

@@ -38,8 +38,8 @@ from typing import Any
 
 import numpy as np
 
-from fastdata._util import local_path
 from fastdata.errors import SourceError
+from fastdata.io import local_path
 from fastdata.manifest import MANIFEST_NAME, FieldInfo, Manifest
 from fastdata.shards._fields import dtype_spelling
 from fastdata.shards._images import IMAGE_EXTENSIONS

@@ -41,9 +41,24 @@ from typing import Any
 
 import numpy as np
 
-from fastdata._util import local_path, parse_size
+from fastdata._util import parse_size
 from fastdata._util import usable_cores as default_workers
 from fastdata.errors import ConversionError, FastdataError, RemoteError
+from fastdata.io import (
+    RetryPolicy,
+    download,
+    folder_url,
+    is_url,
+    local_path,
+    read_bytes,
+    redact_url,
+    remote_size,
+    remove,
+    split_query,
+    upload,
+    url_identity,
+    url_join,
+)
 from fastdata.manifest import MANIFEST_NAME, FieldInfo, Manifest, sha256_file
 from fastdata.shards import _progress
 from fastdata.shards._fields import missing_fields, required_fields
@@ -63,20 +78,6 @@ from fastdata.shards._plan import (
     ShardResult,
 )
 from fastdata.shards._progress import PROGRESS_DIR
-from fastdata.shards._remote import (
-    RetryPolicy,
-    download,
-    folder_url,
-    is_url,
-    read_bytes,
-    redact_url,
-    remote_size,
-    remove,
-    split_query,
-    upload,
-    url_identity,
-    url_join,
-)
 from fastdata.shards._sources import (
     Listing,
     SampleUnreadable,

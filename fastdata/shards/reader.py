@@ -9,7 +9,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from fastdata.errors import FastdataError, ManifestError, RemoteError
 from fastdata.manifest import MANIFEST_NAME, FieldInfo, Manifest, ShardInfo, sha256_file
-from fastdata.shards._remote import RemoteStream, folder_url, is_url, read_bytes, redact_url, url_join
+from fastdata.io import RemoteStream, folder_url, is_url, read_bytes, redact_url, url_join
 
 __all__ = ["ShardReader", "load_manifest", "open_shard", "unheld_fields", "verify", "verify_remote_shard",
            "verify_shard"]

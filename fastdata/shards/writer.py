@@ -10,8 +10,9 @@ from typing import Any
 
 import numpy as np
 
-from fastdata._util import INT_SUFFIXES, is_url, local_path
+from fastdata._util import INT_SUFFIXES
 from fastdata.errors import FastdataError
+from fastdata.io import is_url, local_path
 from fastdata.manifest import FieldInfo, Manifest, ShardInfo
 from fastdata.shards import _tarfmt
 from fastdata.shards._fields import FieldTracker
