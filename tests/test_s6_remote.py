@@ -14,9 +14,9 @@ import pytest
 from tests.helpers.loopback_server import LoopbackServer, make_shard_set
 
 from fastdata.dataset import RemoteShards, ShardedDataset
-from fastdata.dataset import _nodecache
 from fastdata.errors import RemoteError
 from fastdata.manifest import Manifest
+from fastdata.nodecache import _cache as _nodecache
 from fastdata.shards.tar import TarShardReader
 
 pytestmark = pytest.mark.filterwarnings("ignore:Unclosed:ResourceWarning")

@@ -140,7 +140,7 @@ def test_no_prefetch_thread_runs_while_the_process_forks(served, tmp_path, monke
 
     from tests.helpers import fork_probe
 
-    from fastdata.dataset import _nodecache
+    from fastdata.nodecache import _cache as _nodecache
 
     monkeypatch.setattr(_nodecache, "_FORK_JOIN_S", 20.0)  # a loaded machine may answer late: wait for it
 
@@ -302,7 +302,7 @@ def test_space_accounting_lists_the_folder_not_every_manifest_shard(tmp_path, mo
     import json
     import pathlib
 
-    from fastdata.dataset._nodecache import ShardCache
+    from fastdata.nodecache import ShardCache
     from fastdata.manifest import Manifest
 
     names = [f"shard-{i:06d}.tar" for i in range(4998)] + ["./sub//one.tar", "sub/last.tar"]

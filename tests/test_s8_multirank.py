@@ -127,7 +127,8 @@ def test_a_node_cache_that_cannot_store_or_lock_is_an_error_not_a_skip(served, t
 
     from tests.helpers.loopback_server import LoopbackServer
 
-    from fastdata.dataset import RemoteShards, _nodecache
+    from fastdata.dataset import RemoteShards
+    from fastdata.nodecache import _cache as _nodecache
     from fastdata.errors import CacheError, RemoteError
 
     def full(self, i, shard, tmp, **kw):

@@ -5,7 +5,7 @@
   random access; each shard is indexed by its sidecar ``.idx`` or by a header scan.
 - A folder URL with a ``manifest.json`` (``https://host/ds/``, ``s3://bucket/ds``, or
   :class:`RemoteShards` for options) -> random access like a local folder: each shard is
-  downloaded once per host into the node-local cache (:mod:`fastdata.dataset._nodecache`),
+  downloaded once per host into the node-local cache (:mod:`fastdata.nodecache`),
   verified against the manifest's sha256, and read from local disk.
 - URLs of tar files (``s3://``, ``https://``, ... through fsspec) -> streaming only: shards are
   split between ranks and workers whole, samples are read in file order (no random access);
@@ -72,7 +72,7 @@ class RemoteShards:
         if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) or self.prefetch < 0:
             raise ValueError(f"RemoteShards.prefetch must be an int >= 0 (shards downloaded ahead), "
                              f"got {self.prefetch!r}")
-        from fastdata.dataset._nodecache import EVICTION_POLICIES
+        from fastdata.nodecache import EVICTION_POLICIES
 
         if self.eviction not in EVICTION_POLICIES:
             raise ValueError(f"RemoteShards.eviction must be one of {EVICTION_POLICIES}, got {self.eviction!r}")
@@ -387,7 +387,7 @@ class _NodeCacheOpener:
 
 def _load_remote_manifest(spec: RemoteShards) -> tuple[Manifest, Path]:
     """Fetch and validate ``manifest.json`` of ``spec``; keep a copy in the cache folder."""
-    from fastdata.dataset._nodecache import default_cache_dir
+    from fastdata.nodecache import default_cache_dir
 
     url = url_join(spec.base_url, MANIFEST_NAME)
     data = read_bytes(url, retry=RetryPolicy(attempts=spec.retries), what="fetching manifest")
@@ -413,7 +413,7 @@ def _load_remote_manifest(spec: RemoteShards) -> tuple[Manifest, Path]:
 
 
 def _from_remote_manifest(spec: RemoteShards) -> Source:
-    from fastdata.dataset._nodecache import ShardCache
+    from fastdata.nodecache import ShardCache
 
     manifest, root = _load_remote_manifest(spec)
     if manifest.num_samples == 0:  # as for a local folder: named, before a node-cache folder is made for it
