@@ -140,9 +140,9 @@ def test_no_prefetch_thread_runs_while_the_process_forks(served, tmp_path, monke
 
     from tests.helpers import fork_probe
 
-    from fastdata.nodecache import _cache as _nodecache
+    from fastdata.nodecache import _threads
 
-    monkeypatch.setattr(_nodecache, "_FORK_JOIN_S", 20.0)  # a loaded machine may answer late: wait for it
+    monkeypatch.setattr(_threads, "_FORK_JOIN_S", 20.0)  # a loaded machine may answer late: wait for it
 
     def slow(path: str, nth: int):
         if path.endswith(".tar") and not path.endswith("000000.tar"):
