@@ -13,3 +13,5 @@ retries, redaction) are the ``fastdata.io`` stage's, below this one.
 # Key/field rules and the required-field policy: used by the dataset and by conversion.
 from fastdata.shards._fields import missing_fields, required_fields
 from fastdata.shards._keys import split_member_name
+
+__all__ = ["missing_fields", "required_fields", "split_member_name"]
