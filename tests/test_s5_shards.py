@@ -191,7 +191,7 @@ def test_shard_size_counts_the_pax_headers_of_non_ascii_names(tmp_path):
                                   "a\udcff.jpg", "x/" * 300 + "é.png"], ids=lambda n: f"{len(n)}chars")
 def test_member_bytes_is_what_the_writer_writes(name):
     from fastdata.shards import _tarfmt
-    from fastdata.shards._sources import member_bytes
+    from fastdata.shards._tarfmt import member_bytes
 
     for size in (0, 1, 512, 513):
         assert member_bytes(name, size) == len(_tarfmt.member_header(name, size)) + size + _tarfmt.pad(size)

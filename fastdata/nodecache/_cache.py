@@ -33,6 +33,7 @@ from fastdata.nodecache._errors import Interrupted, NodeCacheError
 from fastdata.nodecache._locks import flock, release_all, unlock
 from fastdata.nodecache._space import SpaceAccounting
 from fastdata.nodecache._threads import BackgroundThreads
+from fastdata.shards import shard_format
 
 __all__ = ["EVICTION_POLICIES", "NodeCacheError", "ShardCache", "default_cache_dir"]
 
@@ -364,7 +365,7 @@ class ShardCache(BackgroundThreads, SpaceAccounting):
                     return  # prefetch without room: leave it to the demand fetch
                 try:
                     self._download(i, shard, tmp, interruptible=not demand)
-                    if self.manifest.format == "tar":
+                    if shard_format(self.manifest.format).build_index is not None:  # tar: its sidecar index
                         self._build_index(i, tmp)
                     path.parent.mkdir(parents=True, exist_ok=True)
                     os.replace(tmp, path)
@@ -411,9 +412,7 @@ class ShardCache(BackgroundThreads, SpaceAccounting):
         self._fetch(i, demand=True)
 
     def _build_index(self, i: int, tmp: Path) -> None:
-        from fastdata.shards.tar import TarIndex
-
-        index = TarIndex.build(tmp)
+        index = shard_format(self.manifest.format).build_index(tmp)  # type: ignore[misc]
         if len(index) != self.manifest.shards[i].num_samples:
             raise RemoteError(f"{redact_url(self.url(i))}: has {len(index)} samples, manifest says "
                               f"{self.manifest.shards[i].num_samples}")

@@ -4,13 +4,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from fastdata.manifest import FieldInfo, Manifest, ShardInfo
+from fastdata.shards._formats import shard_format
 from fastdata.shards._images import CHECK_LEVELS
 from fastdata.shards._sources import Listing
 
 __all__ = ["DEFAULT_SHARD_SIZE", "ENGINES", "ConvertOptions", "ConvertResult", "Plan", "ShardJob", "ShardResult"]
 
 DEFAULT_SHARD_SIZE = 256 << 20  # same default as fastdata.ShardWriter
-_SUFFIX = {"tar": ".tar", "hdf5": ".h5"}
 ENGINES = ("local", "ray")
 
 
@@ -33,8 +33,7 @@ class ConvertOptions:
     staging: str | None = None  # URL DEST: local folder for shards before upload and the progress records
 
     def __post_init__(self) -> None:
-        if self.format not in _SUFFIX:
-            raise ValueError(f"format must be 'tar' or 'hdf5', got {self.format!r}")
+        shard_format(self.format)  # ValueError naming the formats
         for name in ("shard_size", "samples_per_shard", "workers", "resize"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):

@@ -42,34 +42,17 @@ from fastdata.errors import SourceError
 from fastdata.io import local_path
 from fastdata.manifest import MANIFEST_NAME, FieldInfo, Manifest
 from fastdata.shards._fields import dtype_spelling
+from fastdata.shards._formats import HDF5, TAR, shard_format
 from fastdata.shards._images import IMAGE_EXTENSIONS
 from fastdata.shards._keys import check_field, check_key
+from fastdata.shards._tarfmt import member_bytes
 
-__all__ = ["Listing", "SourceError", "SourceReader", "list_source", "member_bytes"]
+__all__ = ["Listing", "SourceError", "SourceReader", "list_source"]
 
-_TAR_SUFFIXES = (".tar",)
-_H5_SUFFIXES = (".h5", ".hdf5")
+_TAR_SUFFIXES = TAR.source_suffixes
+_H5_SUFFIXES = HDF5.source_suffixes
 _COMPRESSED_TAR = (".tar.gz", ".tgz", ".tar.bz2", ".tar.xz", ".tar.zst")
 PROGRESS_DIR = ".fastdata-progress"  # a conversion's records in DEST until its manifest is written
-
-
-def member_bytes(name: str, data_len: int) -> int:
-    """Tar bytes of member ``name`` as fastdata writes it: header(s) + data + padding.
-
-    A name that is not ASCII or is over 100 characters gets a PAX extended header first (its own
-    header block plus the ``path`` record, padded to whole blocks), as ``tarfile`` writes it.
-    """
-    header = 512
-    if len(name) > 100 or not name.isascii():
-        raw = name.encode("utf-8", "surrogateescape")
-        record = len(raw) + len(" path=\n")
-        record += len(str(record + len(str(record))))  # the record's length, counting its own digits
-        try:
-            name.encode("utf-8")
-        except UnicodeEncodeError:  # undecodable bytes from the file system
-            record += len("21 hdrcharset=BINARY\n")
-        header += 512 + record + (-record % 512)
-    return header + data_len + (-data_len % 512)
 
 
 @dataclass
@@ -621,14 +604,7 @@ class SourceReader:
     def _reader(self, i: int) -> Any:
         reader = self._readers.get(i)
         if reader is None:
-            if self.kind == "tar":
-                from fastdata.shards.tar import TarShardReader
-
-                reader = TarShardReader(self.files[i], index=self.indexes[i])
-            else:
-                from fastdata.shards.hdf5 import HDF5ShardReader
-
-                reader = HDF5ShardReader(self.files[i])
+            reader = shard_format(self.kind).open(self.files[i], index=self.indexes[i])
             self._readers[i] = reader
         return reader
 

@@ -68,8 +68,8 @@ from fastdata.shards._images import (
     is_image_field,
     resize_center_crop,
 )
+from fastdata.shards._formats import SHARD_FORMATS, shard_format
 from fastdata.shards._plan import (
-    _SUFFIX,
     DEFAULT_SHARD_SIZE,
     ConvertOptions,
     ConvertResult,
@@ -83,7 +83,6 @@ from fastdata.shards._sources import (
     SampleUnreadable,
     SourceReader,
     list_source,
-    member_bytes,
 )
 
 __all__ = [
@@ -94,27 +93,26 @@ __all__ = [
 log = logging.getLogger("fastdata.convert")
 
 _PLAN_VERSION = 1
-_TAR_END = 2 * 512  # end-of-archive blocks (record padding comes on top, < 10 KiB)
 _TICK_S = 0.1  # how often workers report progress counts
 
 
 def plan_conversion(src: str | os.PathLike[str], options: ConvertOptions | None = None) -> Plan:
     """Enumerate SRC and cut it into shards; nothing is written."""
     opts = options or ConvertOptions()
+    fmt = shard_format(opts.format)
     listing = list_source(src)
     _check_duplicates(listing)
-    if opts.format == "hdf5":
-        _check_utf8_keys(listing)
+    if fmt.utf8_keys:
+        _check_utf8_keys(listing, fmt.name)
     fields = _output_fields(listing, opts)
     n = len(listing.keys)
     order = np.random.default_rng(opts.seed).permutation(n) if opts.shuffle else np.arange(n)
-    sizes = _estimated_sizes(listing, opts, fields)
+    sizes = fmt.estimate(listing, opts.resize, fields)
     jobs = []
-    suffix = _SUFFIX[opts.format]
-    fixed = _TAR_END if opts.format == "tar" else _H5_FILE_BYTES + _H5_DATASET_BYTES * (len(fields) + 1)
+    fixed = fmt.file_bytes(len(fields))
     for number, (a, b) in enumerate(_boundaries([sizes[i] for i in order.tolist()], opts, fixed)):
         items = tuple((listing.keys[i], listing.refs[i]) for i in order[a:b].tolist())
-        jobs.append(ShardJob(number, f"shard-{number:06d}{suffix}", items))
+        jobs.append(ShardJob(number, f"shard-{number:06d}{fmt.suffix}", items))
     extra: dict[str, Any] = {"source": {"kind": listing.kind, "path": listing.root, **listing.extra},
                              "shuffle": opts.shuffle, "resize": opts.resize, "check": _check_level(opts)}
     if opts.shuffle:
@@ -144,15 +142,16 @@ def _check_duplicates(listing: Listing) -> None:
                                   f"{listing.origin(listing.refs[i])} (keys must be unique across SRC)")
 
 
-def _check_utf8_keys(listing: Listing) -> None:
-    """HDF5 keys are UTF-8 strings: refuse, naming the input, a key from a file name in another encoding."""
+def _check_utf8_keys(listing: Listing, format: str) -> None:
+    """Keys stored as UTF-8 strings (HDF5): refuse, naming the input, a key from a file name in another encoding."""
     for key, ref in zip(listing.keys, listing.refs):
         if not key.isascii():
             try:
                 key.encode("utf-8")
             except UnicodeEncodeError:
-                raise ConversionError(f"{listing.origin(ref)}: key {key!r} is not valid UTF-8 (a file name in another "
-                                      "encoding?); --format hdf5 stores keys as UTF-8: rename it or use --format tar"
+                raise ConversionError(f"{listing.origin(ref)}: key {key!r} is not valid UTF-8 (a file name in "
+                                      f"another encoding?); --format {format} stores keys as UTF-8: rename it or "
+                                      "use --format tar"
                                       ) from None
 
 
@@ -167,41 +166,18 @@ def _output_fields(listing: Listing, opts: ConvertOptions) -> tuple[FieldInfo, .
             raise ConversionError(f"--resize: SRC {listing.root} already has a field 'img.npy'")
         size = opts.resize
         fields = [f for f in fields if f.name not in images] + [FieldInfo("img.npy", "array", "uint8", (3, size, size))]
-    elif opts.format == "hdf5" and len(images) > 1:
+    elif shard_format(opts.format).same_fields and len(images) > 1:
         # an image stored in one format or another (jpg|png) satisfies a sample; an HDF5 row needs every field
         n = len(listing.keys)
         for group in required_fields(images):
             mixed = sorted(group)
             if len(group) > 1 and (listing.kind == "images" or any(listing.field_counts.get(f, n) < n for f in group)):
-                raise ConversionError(f"--format hdf5 needs the same fields in every sample, but SRC {listing.root} "
-                                      f"mixes image types {mixed}; use --format tar or --resize")
+                raise ConversionError(f"--format {opts.format} needs the same fields in every sample, but SRC "
+                                      f"{listing.root} mixes image types {mixed}; use --format tar or --resize")
     return tuple(sorted(fields, key=lambda f: f.name))
 
 
-# HDF5 bytes besides the data (measured with h5py 3): per variable-length value (and key) of a row, its
-# descriptor (16 bytes) and heap object (16 bytes of header, data padded to 16); per file, the
-# superblock and a heap collection; per dataset, its header and chunk index
-_H5_VALUE_BYTES = 48
-_H5_FILE_BYTES = 4096
-_H5_DATASET_BYTES = 2048
-
-
-def _estimated_sizes(listing: Listing, opts: ConvertOptions, fields: tuple[FieldInfo, ...]) -> list[int]:
-    if opts.format == "hdf5":  # the data, with no tar headers or block padding
-        vlen = [f for f in fields if f.kind not in ("int", "float") and (f.dtype is None or f.shape is None)]
-        row = _H5_VALUE_BYTES * (len(vlen) + 1)  # the key too
-        if not opts.resize:
-            return [d + row for d in listing.data_sizes]
-        side = 3 * opts.resize * opts.resize
-        return [d - img + side + row for d, img in zip(listing.data_sizes, listing.image_data_sizes)]
-    if not opts.resize:
-        return listing.sizes
-    npy = 128 + 3 * opts.resize * opts.resize
-    return [s - img + member_bytes(f"{k}.img.npy", npy)
-            for s, img, k in zip(listing.sizes, listing.image_sizes, listing.keys)]
-
-
-def _boundaries(sizes: list[int], opts: ConvertOptions, fixed: int = _TAR_END) -> Iterator[tuple[int, int]]:
+def _boundaries(sizes: list[int], opts: ConvertOptions, fixed: int) -> Iterator[tuple[int, int]]:
     """``(start, stop)`` of each shard: a shard ends before the next sample would pass a limit
     (``fixed``: a shard file's bytes besides its samples)."""
     max_bytes, max_samples = opts.max_bytes, opts.samples_per_shard
@@ -405,6 +381,9 @@ def _staging(url: str, opts: ConvertOptions) -> Path:
     return Path(base) / "fastdata" / "convert" / hashlib.sha256(url.rstrip("/").encode()).hexdigest()[:24]
 
 
+_SHARD_SUFFIXES = tuple(s for fmt in SHARD_FORMATS.values() for s in fmt.source_suffixes)
+
+
 def _stage_source(url: str, opts: ConvertOptions) -> Path:
     """A local copy of SRC ``url``: one file (``.tar``/``.h5``/``.npz``), or a shard folder with its
     ``manifest.json`` (every file checked against it). Files already staged intact are kept, and
@@ -424,7 +403,7 @@ def _stage_source(url: str, opts: ConvertOptions) -> Path:
 
     name = last_segment(url)
     try:
-        if name.lower().endswith((".tar", ".h5", ".hdf5", ".npz")):
+        if name.lower().endswith((*_SHARD_SUFFIXES, ".npz")):
             local = root / name
             root.mkdir(parents=True, exist_ok=True)
             size = remote_size(url)
@@ -723,14 +702,7 @@ def _write_job(task: _Task, tick: Callable[[int], None]) -> ShardResult:
     samples = _prepared_samples(task, skipped, tick)
     try:
         with _writing(task.dest, f"writing {task.job.name}"):  # source read errors are no OSErrors here
-            if task.format == "tar":
-                from fastdata.shards.tar import write_tar_shard
-
-                info = write_tar_shard(path, samples)
-            else:
-                from fastdata.shards.hdf5 import write_hdf5_shard
-
-                info = write_hdf5_shard(path, samples, fields=task.fields)
+            info = shard_format(task.format).write(path, samples, fields=task.fields)
     finally:
         task.reader.close()
     if info.num_samples == 0:
