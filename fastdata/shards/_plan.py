@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from fastdata.manifest import FieldInfo, Manifest, ShardInfo
 from fastdata.shards._formats import shard_format
 from fastdata.shards._images import CHECK_LEVELS
-from fastdata.shards._sources import Listing
+from fastdata.shards._listing import Listing
 
 __all__ = ["DEFAULT_SHARD_SIZE", "ENGINES", "ConvertOptions", "ConvertResult", "Plan", "ShardJob", "ShardResult"]
 

@@ -19,7 +19,7 @@ from fastdata.errors import ConversionError, ShardError
 from fastdata.manifest import MANIFEST_NAME, Manifest, ShardInfo, sha256_file
 from fastdata.shards._formats import SHARD_FORMATS
 from fastdata.shards._plan import Plan, ShardResult
-from fastdata.shards._sources import NEWEST_KEPT, PROGRESS_DIR
+from fastdata.shards._listing import NEWEST_KEPT, PROGRESS_DIR
 
 
 log = logging.getLogger("fastdata.convert")
