@@ -18,15 +18,13 @@ from typing import Any
 from fastdata.errors import ConversionError, ShardError
 from fastdata.manifest import MANIFEST_NAME, Manifest, ShardInfo, sha256_file
 from fastdata.shards._formats import SHARD_FORMATS
-from fastdata.shards._plan import Plan, ShardResult
+from fastdata.shards._plan import FINGERPRINT_KEY, PLAN_KEY, Plan, ShardResult
 from fastdata.shards._listing import NEWEST_KEPT, PROGRESS_DIR
 
 
 log = logging.getLogger("fastdata.convert")
 
 _PLAN_FILE = "plan.json"
-FINGERPRINT_KEY = "plan_fingerprint"  # in manifest.extra: the plan a finished DEST was written by
-PLAN_KEY = "plan"  # in manifest.extra: the arguments and an inputs summary, to name what a refused rerun changed
 
 
 _FLAGS = {"format": "--format", "samples_per_shard": "--samples-per-shard", "shard_size": "--shard-size",

@@ -55,6 +55,7 @@ from fastdata.shards._images import (
 )
 from fastdata.shards._plan import (
     DEFAULT_SHARD_SIZE,
+    FINGERPRINT_KEY,
     ConvertOptions,
     ConvertResult,
     Plan,
@@ -176,7 +177,7 @@ def _convert_remote(plan: Plan, url: str, staging: Path, opts: ConvertOptions, t
 def _convert_remote_locked(plan: Plan, url: str, staging: Path, opts: ConvertOptions, t0: float) -> ConvertResult:
     existing = remote_manifest(url, staging)
     if existing is not None and not opts.overwrite:
-        if existing.extra.get(_progress.FINGERPRINT_KEY) == plan.fingerprint:
+        if existing.extra.get(FINGERPRINT_KEY) == plan.fingerprint:
             _check_some_read(plan, existing, redact_url(url))
             log.debug("%s already holds this conversion, finished (same arguments and inputs)", redact_url(url))
             return ConvertResult(existing, 0, len(existing.shards), time.perf_counter() - t0, 0, complete=True)
