@@ -27,6 +27,7 @@ from fastdata._util import byte_limit
 from fastdata.dataset._readers import _LOCK_FREE
 from fastdata.errors import ManifestError, RemoteError, ShardError, SourceError, SourceNotFoundError
 from fastdata.manifest import MANIFEST_NAME, Manifest
+from fastdata.shards import shard_format
 from fastdata.io import (RemoteStream, RetryPolicy, env_retry, folder_url, is_url, local_path, read_bytes,
                          redact_url, split_query, url_identity, url_join)
 
@@ -273,22 +274,16 @@ class _CachedShard:
                 # checked against the manifest as a local folder's shards are (open_shard): sample count,
                 # the fields it lists (HDF5: also kinds, shapes, dtypes)
                 shard, fields = self._cache.manifest.shards[self._i], self._cache.manifest.fields
-                if self._fmt == "tar":
-                    from fastdata.shards.tar import TarShardReader
-
-                    names = [f.name for f in fields]
-                    inner = TarShardReader(local, index=self._cache.index_path(self._i), expect=shard, fields=names)
+                fmt = shard_format(self._fmt)
+                index = self._cache.index_path(self._i) if fmt.index_suffix is not None else None
+                inner = fmt.open(local, index=index, expect=shard, fields=fields)
+                if index is not None:  # tar: the sidecar is a local file like any other, checked here
                     try:
-                        _ = inner.index  # the sidecar is a local file like any other: checked here
+                        _ = inner.index
                     except ShardError as e:  # empty after a host crash, edited: rebuilt (or the shard fetched again)
                         self._cache.repair_index(self._i, e)
-                        inner = TarShardReader(local, index=self._cache.index_path(self._i), expect=shard,
-                                               fields=names)
+                        inner = fmt.open(local, index=index, expect=shard, fields=fields)
                         _ = inner.index
-                else:
-                    from fastdata.shards.hdf5 import HDF5ShardReader
-
-                    inner = HDF5ShardReader(local, expect=shard, fields=fields)
             except BaseException:
                 self._cache.release(self._i)
                 raise
