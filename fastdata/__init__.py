@@ -53,8 +53,8 @@ __all__ = sorted([*_EXPORTS, "__version__"])
 
 # subpackages and modules the docs name as ``fastdata.<name>.<attribute>`` (``fastdata.train.accuracy``):
 # imported at first use, as the names above are, so ``import fastdata`` alone reaches them
-_SUBMODULES = frozenset({"cache", "cli", "dataset", "decode", "errors", "gpu", "loader", "manifest", "monitor",
-                         "prefetch", "shards", "train", "transforms"})
+_SUBMODULES = frozenset({"cache", "cli", "dataset", "decode", "errors", "gpu", "io", "loader", "manifest", "monitor",
+                         "nodecache", "prefetch", "shards", "train", "transforms"})
 
 
 def __getattr__(name: str) -> Any:

@@ -37,18 +37,6 @@ def _renew_npy_lock() -> None:
 os.register_at_fork(after_in_child=_renew_npy_lock)
 
 
-def is_url(path: str) -> bool:
-    """True for ``scheme://...`` other than ``file://`` (a local path, see :func:`local_path`)."""
-    return "://" in path and not path.startswith("file://")
-
-
-def local_path(text: str) -> str:
-    """The one rule for local path arguments: a leading ``file://`` stripped (``file:///data/ds`` is
-    ``/data/ds``) and a leading ``~`` expanded to the home folder, as a shell and ``Cache`` do
-    (``ShardWriter("~/out")``, ``ShardedDataset("~/shards")``, ``fastdata shard``, ``verify``)."""
-    return os.path.expanduser(text[len("file://"):] if text.startswith("file://") else text)
-
-
 def byte_limit(value: str | int | float, *, name: str) -> int:
     """A byte limit from an int, a whole float (``2e9``) or a size string (:func:`parse_size`); ValueError naming
     ``name`` otherwise (``1.5``, meant as 1.5 GB, would be a limit of 1 byte)."""

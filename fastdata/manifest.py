@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fastdata._util import is_url, local_path
 from fastdata.errors import ManifestError
+from fastdata.io import is_url, local_path
 
 __all__ = ["FORMATS", "FORMAT_VERSION", "KINDS", "MANIFEST_NAME", "FieldInfo", "Manifest", "ShardInfo", "sha256_file"]
 

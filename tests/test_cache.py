@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+import fastdata.cache._files as cache_files
 import fastdata.cache._store as cache_store
 from fastdata.cache import CACHE_FORMAT_VERSION, Cache, Store, store_key
 from fastdata.errors import CacheError
@@ -271,7 +272,7 @@ def test_disk_full_at_preallocation(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     def no_space(fd: int, nbytes: int) -> bool:
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(cache_store, "preallocate", no_space)
+    monkeypatch.setattr(cache_files, "preallocate", no_space)
     store = Cache(tmp_path).open_store(fingerprint="big", num_samples=100)
     with pytest.raises(CacheError, match="disk full: cannot reserve 1235300 bytes"):
         store.put(0, expected(0))

@@ -340,7 +340,7 @@ def test_8_disk_full_names_shard_and_dest(tmp_path, capsys, monkeypatch):
     import errno
 
     from fastdata.cli._shard_cmd import tool_main
-    from fastdata.shards import tar as tar_mod
+    from fastdata.shards import _tarwrite as tar_mod
 
     src = tar_with_a_missing_field(tmp_path / "src.tar", missing=-1)
     real = tar_mod._HashingFile.write

@@ -4,8 +4,8 @@ Every ``import`` in ``fastdata`` is found with :mod:`ast` (module level, inside 
 under ``if TYPE_CHECKING:`` alike), so a lazy import cannot hide an upward dependency. The
 stage order (low to high) is the README's pipeline::
 
-    _version, _util, errors < manifest < shards < decode, transforms < cache < dataset < loader
-    < prefetch < gpu < train < monitor < cli (and __main__)
+    _version, _util, errors < io < manifest < shards < nodecache < decode, transforms < cache < dataset
+    < loader < prefetch < gpu < train < monitor < cli (and __main__)
 
 ``fastdata/__init__.py`` (the lazy public names) sits above all of them, so no module may import
 ``fastdata`` itself. The rules, one test each, parametrized per module so that a failure names
@@ -40,8 +40,10 @@ PACKAGE = ROOT / "fastdata"
 # Low to high; a module may import from its own stage and the ones before it.
 STAGES: tuple[tuple[str, ...], ...] = (
     ("_version", "_util", "_pickling", "errors"),
+    ("io",),
     ("manifest",),
     ("shards",),
+    ("nodecache",),
     ("decode", "transforms"),
     ("cache",),
     ("dataset",),
@@ -60,7 +62,7 @@ DOCUMENTED_MODULES = (
     "fastdata.cache", "fastdata.dataset", "fastdata.loader", "fastdata.prefetch", "fastdata.decode",
     "fastdata.gpu", "fastdata.transforms", "fastdata.shards.tar", "fastdata.shards.hdf5",
     "fastdata.shards.reader", "fastdata.shards.writer", "fastdata.shards.convert", "fastdata.manifest",
-    "fastdata.errors", "fastdata.train", "fastdata.monitor", "fastdata.cli",
+    "fastdata.errors", "fastdata.train", "fastdata.monitor", "fastdata.cli", "fastdata.io", "fastdata.nodecache",
 )
 
 

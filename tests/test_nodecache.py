@@ -21,7 +21,7 @@ from fastdata.dataset import RemoteShards, ShardedDataset, ShuffleOptions  # noq
 from fastdata.errors import RemoteError  # noqa: E402
 from fastdata.loader import DataLoader  # noqa: E402
 from fastdata.manifest import Manifest  # noqa: E402
-from fastdata.shards import RetryPolicy  # noqa: E402
+from fastdata.io import RetryPolicy  # noqa: E402
 from fastdata.shards.writer import ShardWriter  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning",

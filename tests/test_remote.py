@@ -17,7 +17,7 @@ from tests.helpers.loopback_server import LoopbackServer, make_shard_set  # noqa
 from fastdata.dataset import RemoteShards, ShardedDataset  # noqa: E402
 from fastdata.errors import RemoteError  # noqa: E402
 from fastdata.loader import DataLoader  # noqa: E402
-from fastdata.shards import RemoteStream, RetryPolicy, read_bytes  # noqa: E402
+from fastdata.io import RemoteStream, RetryPolicy, read_bytes  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning",
                                         "ignore:Unclosed:ResourceWarning")

@@ -230,7 +230,7 @@ def test_dataset_load_state_dict_takes_a_loader_state(tmp_path: Path) -> None:
 def test_remote_shards_retries_error_names_the_argument() -> None:
     """RemoteShards(retries=RetryPolicy(...)) said 'RetryPolicy.attempts must be an int >= 1'."""
     from fastdata.dataset import RemoteShards
-    from fastdata.shards import RetryPolicy
+    from fastdata.io import RetryPolicy
 
     for bad in (RetryPolicy(attempts=3), 0, True):
         with pytest.raises(ValueError, match=r"RemoteShards\.retries must be an int >= 1"):

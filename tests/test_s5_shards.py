@@ -191,7 +191,7 @@ def test_shard_size_counts_the_pax_headers_of_non_ascii_names(tmp_path):
                                   "a\udcff.jpg", "x/" * 300 + "é.png"], ids=lambda n: f"{len(n)}chars")
 def test_member_bytes_is_what_the_writer_writes(name):
     from fastdata.shards import _tarfmt
-    from fastdata.shards._sources import member_bytes
+    from fastdata.shards._tarfmt import member_bytes
 
     for size in (0, 1, 512, 513):
         assert member_bytes(name, size) == len(_tarfmt.member_header(name, size)) + size + _tarfmt.pad(size)
@@ -436,7 +436,7 @@ def test_overwrite_of_a_url_dest_removes_its_old_manifest_first(tmp_path, monkey
     replaced by the new run, and the rerun without --overwrite refused to resume ("holds a
     finished conversion with different arguments")."""
     pytest.importorskip("fsspec")
-    from fastdata.shards._remote import remote_size
+    from fastdata.io import remote_size
 
     url = f"memory://fastdata-s5/{tmp_path.name}/ds"
     src = image_folder(tmp_path / "src")

@@ -14,9 +14,9 @@ import pytest
 from tests.helpers.loopback_server import LoopbackServer, make_shard_set
 
 from fastdata.dataset import RemoteShards, ShardedDataset
-from fastdata.dataset import _nodecache
 from fastdata.errors import RemoteError
 from fastdata.manifest import Manifest
+from fastdata.nodecache import _cache, _space
 from fastdata.shards.tar import TarShardReader
 
 pytestmark = pytest.mark.filterwarnings("ignore:Unclosed:ResourceWarning")
@@ -63,7 +63,7 @@ def test_idle_holder_gives_way_to_a_process_waiting_for_space(served, tmp_path, 
     # (parked); process B needs space for another shard; A waits for B (in the loader: the main
     # process waits for B's batch before A gets its next index). Before: B waited until the
     # no-progress limit (120 s; here 8 s) and raised a RemoteError.
-    monkeypatch.setattr(_nodecache, "_STALL_S", 8.0)
+    monkeypatch.setattr(_space, "_STALL_S", 8.0)
     manifest = Manifest.load(served / "ds")
     held = [0, 1, 2]
     limit = sum(manifest.shards[s].bytes for s in held)
@@ -243,7 +243,7 @@ def test_a_prefetch_failure_of_an_abandoned_walk_is_not_raised_by_a_later_one(se
 
 
 def test_an_old_prefetch_failure_is_retried_by_the_demand_fetch(served, tmp_path, monkeypatch):
-    monkeypatch.setattr(_nodecache, "_FAILED_FRESH_S", 0.0)  # every failure is old by the time it is needed
+    monkeypatch.setattr(_cache, "_FAILED_FRESH_S", 0.0)  # every failure is old by the time it is needed
     down = {"shard-000001.tar": True}
     fault = lambda path, nth: 503 if down.get(path.rsplit("/", 1)[-1]) else None  # noqa: E731
     with LoopbackServer(served, ranges=False, fault=fault, max_requests=200, lifetime=60) as srv:
@@ -357,7 +357,7 @@ def test_download_that_cannot_be_written_names_the_destination(served, tmp_path)
     # fastdata.shards.download (a URL SRC of `fastdata shard`) let a local write error out bare:
     # "OSError: [Errno 27] File too large", naming neither the file nor the URL (and not a RemoteError,
     # which the conversion turns into a ConversionError naming SRC).
-    from fastdata.shards import download
+    from fastdata.io import download
 
     dest = tmp_path / "copy.tar"
     with LoopbackServer(served, ranges=False, max_requests=50, lifetime=60) as srv:

@@ -276,7 +276,7 @@ def test_a_tls_error_while_a_body_is_read_is_retried() -> None:
     retried. A certificate that does not verify is still not retried (found by helper remote2)."""
     import ssl
 
-    from fastdata.shards import RetryPolicy, is_transient, with_retries
+    from fastdata.io import RetryPolicy, is_transient, with_retries
 
     calls = []
 

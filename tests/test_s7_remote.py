@@ -13,7 +13,7 @@ from tests.helpers.loopback_server import LoopbackServer, make_shard_set
 
 from fastdata.dataset import RemoteShards, ShardedDataset
 from fastdata.errors import FastdataError
-from fastdata.shards import RetryPolicy, read_bytes, redact_url
+from fastdata.io import RetryPolicy, read_bytes, redact_url
 
 pytestmark = pytest.mark.filterwarnings("ignore:Unclosed:ResourceWarning")
 
@@ -140,9 +140,9 @@ def test_no_prefetch_thread_runs_while_the_process_forks(served, tmp_path, monke
 
     from tests.helpers import fork_probe
 
-    from fastdata.dataset import _nodecache
+    from fastdata.nodecache import _threads
 
-    monkeypatch.setattr(_nodecache, "_FORK_JOIN_S", 20.0)  # a loaded machine may answer late: wait for it
+    monkeypatch.setattr(_threads, "_FORK_JOIN_S", 20.0)  # a loaded machine may answer late: wait for it
 
     def slow(path: str, nth: int):
         if path.endswith(".tar") and not path.endswith("000000.tar"):
@@ -302,7 +302,7 @@ def test_space_accounting_lists_the_folder_not_every_manifest_shard(tmp_path, mo
     import json
     import pathlib
 
-    from fastdata.dataset._nodecache import ShardCache
+    from fastdata.nodecache import ShardCache
     from fastdata.manifest import Manifest
 
     names = [f"shard-{i:06d}.tar" for i in range(4998)] + ["./sub//one.tar", "sub/last.tar"]

@@ -232,7 +232,7 @@ def test_subpackages_named_in_the_docs_are_reachable_after_import_fastdata():
     # fastdata.train.accuracy (README), fastdata.monitor.search_batch_size: "module 'fastdata' has no attribute"
     # unless something had imported the subpackage first. Light modules here: torch's import takes seconds.
     code = ("import fastdata, sys; m = fastdata.manifest.Manifest; e = fastdata.errors.FastdataError; "
-            "s = fastdata.shards.is_url; assert 'torch' not in sys.modules; "
+            "s = fastdata.io.is_url; assert 'torch' not in sys.modules; "
             "assert fastdata.manifest is sys.modules['fastdata.manifest']")
     subprocess.run([sys.executable, "-c", code], check=True)
     with pytest.raises(AttributeError, match="module 'fastdata' has no attribute 'nosuch'"):

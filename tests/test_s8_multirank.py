@@ -127,7 +127,8 @@ def test_a_node_cache_that_cannot_store_or_lock_is_an_error_not_a_skip(served, t
 
     from tests.helpers.loopback_server import LoopbackServer
 
-    from fastdata.dataset import RemoteShards, _nodecache
+    from fastdata.dataset import RemoteShards
+    from fastdata.nodecache import ShardCache
     from fastdata.errors import CacheError, RemoteError
 
     def full(self, i, shard, tmp, **kw):
@@ -137,7 +138,7 @@ def test_a_node_cache_that_cannot_store_or_lock_is_an_error_not_a_skip(served, t
         ds = ShardedDataset(RemoteShards(srv.url + "/ds", cache_dir=tmp_path / "a", prefetch=0), decode=False,
                             on_error="skip")
         with monkeypatch.context() as m:
-            m.setattr(_nodecache.ShardCache, "_download", full)
+            m.setattr(ShardCache, "_download", full)
             with pytest.raises(CacheError, match=r"node cache .*cannot store shard-00000\d.tar.*No space left") as e:
                 list(ds)
         assert isinstance(e.value, RemoteError) and not ds.skipped

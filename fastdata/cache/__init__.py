@@ -6,6 +6,7 @@ It imports nothing from the dataset or the loader: :class:`Cache` manages a dire
 ``fastdata.ShardedDataset.build_cache``).
 """
 from fastdata.cache._cache import CACHE_FORMAT_VERSION, Cache, StoreInfo, store_key
-from fastdata.cache._store import FieldLayout, Store
+from fastdata.cache._layout import FieldLayout
+from fastdata.cache._store import Store
 
 __all__ = ["CACHE_FORMAT_VERSION", "Cache", "FieldLayout", "Store", "StoreInfo", "store_key"]

@@ -2,7 +2,7 @@
 
 A :class:`Cache` is a directory of *stores*. A store holds, for one dataset and one deterministic
 transform, every sample's outputs as fixed-shape arrays in preallocated files, plus one valid byte
-per sample (see :mod:`fastdata.cache._store` for the layout and the crash-safety argument).
+per sample (the layout and the crash-safety argument: ``docs/design/cache-store.md``).
 
 The store key combines the fingerprint the dataset passes (manifest fingerprint, i.e. the shard
 checksums, plus the deterministic transform's fingerprint), the number of samples and
@@ -25,20 +25,21 @@ from pathlib import Path
 
 import numpy as np
 
-from fastdata._util import byte_limit, is_url, local_path
+from fastdata._util import byte_limit
 from fastdata.cache._io import disk_usage, try_lock
-from fastdata.cache._store import (
+from fastdata.cache._layout import (
     CACHE_FORMAT_VERSION,
     LAST_USED,
     OPEN_LOCK,
     REFUSED,
     VALID_NAME,
     FieldLayout,
-    Store,
     parse_fields,
     read_meta,
 )
+from fastdata.cache._store import Store
 from fastdata.errors import CacheError
+from fastdata.io import is_url, local_path
 
 __all__ = ["CACHE_FORMAT_VERSION", "Cache", "FieldLayout", "Store", "StoreInfo", "store_key"]
 

@@ -1,72 +1,57 @@
 """One cache store: fixed-shape per-sample arrays in preallocated, memory-mapped files.
 
-Layout of a store directory (``<cache dir>/<key>/``)::
-
-    meta.json       {"cache_format", "key", "fingerprint", "num_samples", "fields": null | [...]}
-                    written atomically (temporary file + os.replace); "fields" is null until the
-                    first put defines the layout: [{"name", "dtype", "shape", "file"}, ...]
-    field-000.bin   one file per field: num_samples x sample_nbytes, preallocated, row i = sample i
-    valid.bin       num_samples bytes; byte i is 1 once sample i is completely written
-    open.lock       flock: shared while any process has the store open; eviction needs exclusive
-    layout.lock     flock: exclusive while the first put creates the field files
-    last_used       empty file; its mtime is the store's last use (for LRU eviction)
-
-Crash safety. ``put`` writes a sample's rows with ``pwrite`` and only after every byte of every
-field has been handed to the kernel does it ``pwrite`` the sample's valid byte. Data written with
-``pwrite`` lives in the page cache, which survives the death of the writing process, so a fill
-killed at any point (``kill -9`` included) leaves each sample either complete and flagged or
-unflagged (recomputed on the next miss); readers serve only flagged samples. This argument holds
-for process crashes, not power loss: the kernel may write the valid page back to disk before the
-data pages. With ``fsync=True`` each put ``fdatasync``s the field files before setting the flag, so
-a flag that reached the disk implies its data did too (a lost flag only costs a recomputation);
-this costs a disk flush per sample (use it for fills that must survive power loss, not by default).
+Invariants: a sample is served only once its valid byte is set, and ``put`` sets it only after every
+byte of every field was handed to the kernel (with ``fsync=True``, after ``fdatasync``), so a fill
+killed at any point leaves each sample complete and flagged or unflagged (recomputed on the next
+miss). The first put defines the layout (``_layout``); later puts must match it. A store is
+picklable and reopens its files lazily in each process (after fork too). What the folder holds is
+``_layout``'s docstring; how it is created and reserved, ``_files``'. Design note (the crash-safety
+argument and its limits): ``docs/design/cache-store.md``.
 """
 from __future__ import annotations
 
 import errno
 import fcntl
-import json
 import mmap
 import operator
 import os
-import shutil
 import threading
-import time
-import uuid
 import warnings
 import weakref
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import torch
 
-from fastdata.cache._io import DISK_FULL, preallocate, pwrite_all, write_json_atomic
+from fastdata.cache._files import (
+    O_CLOEXEC,
+    acquire_open_lock,
+    allocate_files,
+    create_store_dir,
+    mark_refused,
+    release_files,
+)
+from fastdata.cache._io import DISK_FULL, pwrite_all, write_json_atomic
+from fastdata.cache._layout import (
+    CACHE_FORMAT_VERSION,
+    LAST_USED,
+    LAYOUT_LOCK,
+    META_NAME,
+    REFUSED,
+    VALID_NAME,
+    FieldLayout,
+    StoreOwner,
+    parse_fields,
+    read_meta,
+)
 from fastdata.errors import CacheError
 
+__all__ = ["Store"]
 
-
-class StoreOwner(Protocol):
-    """What a store needs from the :class:`~fastdata.cache.Cache` that opened it."""
-
-    directory: Path
-    fsync: bool
-
-    def make_room(self, nbytes: int, *, keep: str) -> None:
-        """Evict other stores so that ``nbytes`` more fit under the cache's byte limit."""
-
-CACHE_FORMAT_VERSION = 1
-META_NAME = "meta.json"
-VALID_NAME = "valid.bin"
-OPEN_LOCK = "open.lock"
-LAYOUT_LOCK = "layout.lock"
-LAST_USED = "last_used"
-REFUSED = "refused"  # meta.json key: why the first put could not allocate the store (it holds nothing)
-
-_O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _READ_ONLY_ERRNOS = frozenset({errno.EACCES, errno.EPERM, errno.EROFS})
+
 _readonly_warning_silenced = False
 _live_stores: weakref.WeakSet[Store] = weakref.WeakSet()
 
@@ -79,74 +64,6 @@ def _after_fork_in_child() -> None:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
-
-
-@dataclass(frozen=True)
-class FieldLayout:
-    """Shape and dtype of one cached field; every sample of a store has the same."""
-
-    name: str
-    dtype: str  # numpy dtype string, e.g. "|u1", "<f4"
-    shape: tuple[int, ...]
-    file: str
-
-    @property
-    def nbytes(self) -> int:
-        return int(np.dtype(self.dtype).itemsize * int(np.prod(self.shape, dtype=np.int64)))
-
-    def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape), "file": self.file}
-
-    @classmethod
-    def from_json(cls, d: Mapping[str, Any]) -> FieldLayout:
-        return cls(str(d["name"]), str(d["dtype"]), tuple(int(s) for s in d["shape"]), str(d["file"]))
-
-
-def read_meta(path: Path) -> dict[str, Any]:
-    """The ``meta.json`` of the store directory ``path``; CacheError naming the file if unreadable."""
-    file = path / META_NAME
-    try:
-        meta = json.loads(file.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        raise CacheError(f"cache store {path}: cannot read {META_NAME}: {e}") from e
-    if not isinstance(meta, dict):
-        raise CacheError(f"cache store {path}: {META_NAME} is not a JSON object")
-    return meta
-
-
-def parse_fields(path: Path, meta: Mapping[str, Any]) -> list[FieldLayout] | None:
-    raw = meta.get("fields")
-    if raw is None:
-        return None
-    try:
-        fields = [FieldLayout.from_json(d) for d in raw]
-    except (KeyError, TypeError, ValueError) as e:
-        raise CacheError(f"cache store {path}: {META_NAME} has a malformed 'fields' entry: {e}") from e
-    problem = _layout_problem(fields)
-    if problem is not None:
-        raise CacheError(f"cache store {path}: {META_NAME} has a malformed 'fields' entry: {problem} "
-                         "(a corrupt store; remove it with `fastdata cache rm`)")
-    return fields
-
-
-def _layout_problem(fields: list[FieldLayout]) -> str | None:
-    """What is wrong with a layout read from meta.json (None: it is one ``_create_layout`` writes)."""
-    if not fields:
-        return "no fields"
-    if len({f.name for f in fields}) != len(fields):
-        return f"a field is listed twice ({[f.name for f in fields]})"
-    for k, f in enumerate(fields):
-        if f.file != f"field-{k:03d}.bin":  # never a path outside the store
-            return f"field {f.name!r} has file {f.file!r}, expected 'field-{k:03d}.bin'"
-        try:
-            dtype = np.dtype(f.dtype)
-        except TypeError as e:
-            return f"field {f.name!r} has dtype {f.dtype!r}: {e}"
-        if dtype.kind not in "biufc":
-            return f"field {f.name!r} has dtype {f.dtype!r}, not a numeric or bool dtype"
-        if any(s < 0 for s in f.shape) or f.nbytes < 1:
-            return f"field {f.name!r} has shape {list(f.shape)} ({f.nbytes} bytes per sample)"
-    return None
 
 
 def _readonly_tensor(arr: np.ndarray) -> torch.Tensor:
@@ -254,60 +171,12 @@ class Store:
                 raise
 
     def _acquire_open_lock(self) -> int:
-        lock_path = self.path / OPEN_LOCK
-        for _ in range(1000):
-            try:
-                fd = os.open(lock_path, os.O_RDONLY | _O_CLOEXEC)
-            except FileNotFoundError:
-                self._create_dir()
-                if self.path.is_dir() and not lock_path.exists():
-                    raise CacheError(f"cache store {self.path}: no {OPEN_LOCK} (not made by fastdata, or damaged); "
-                                     "remove it with `fastdata cache rm`") from None
-                continue
-            except OSError as e:  # e.g. a store of another user
-                raise CacheError(f"cache store {self.path}: cannot open {OPEN_LOCK}: {e}") from e
-            # An evictor holds the exclusive lock only while it renames the store away.
-            try:
-                fcntl.flock(fd, fcntl.LOCK_SH)
-            except OSError as e:  # a file system without flock (some FUSE mounts)
-                os.close(fd)
-                raise CacheError(f"cache store {self.path}: cannot lock {OPEN_LOCK}: {e} (the cache needs a "
-                                 "local file system with flock)") from e
-            try:
-                st = os.stat(lock_path)
-                same = (st.st_ino, st.st_dev) == (os.fstat(fd).st_ino, os.fstat(fd).st_dev)
-            except FileNotFoundError:
-                same = False
-            if same:
-                return fd
-            os.close(fd)  # the store was evicted while we waited: create it anew
-        raise CacheError(f"cache store {self.path}: could not open it (it keeps being removed)")
+        return acquire_open_lock(self.path, self._create_dir)
 
     def _create_dir(self) -> None:
-        """Create the store directory complete (locks, meta.json) and rename it into place, so no
-        process ever sees a half-made store; when several race, the first rename wins."""
-        root = self.cache.directory
-        try:
-            root.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise CacheError(f"cache directory {root}: cannot create it: {e}") from e
-        tmp = root / f".tmp-{self.key}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        try:
-            tmp.mkdir()
-            for name in (OPEN_LOCK, LAYOUT_LOCK, LAST_USED):
-                (tmp / name).touch()
-            meta = {"cache_format": CACHE_FORMAT_VERSION, "key": self.key, "fingerprint": self.fingerprint,
-                    "num_samples": self.num_samples, "fields": None, "created": time.time()}
-            write_json_atomic(tmp / META_NAME, meta, fsync=self.cache.fsync)
-            try:
-                os.rename(tmp, self.path)
-            except OSError as e:
-                if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
-                    raise
-        except OSError as e:
-            raise CacheError(f"cache store {self.path}: cannot create it: {e}") from e
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+        meta = {"cache_format": CACHE_FORMAT_VERSION, "key": self.key, "fingerprint": self.fingerprint,
+                "num_samples": self.num_samples, "fields": None}
+        create_store_dir(self.path, meta, fsync=self.cache.fsync)
 
     def _touch(self) -> None:
         try:
@@ -352,12 +221,12 @@ class Store:
     def _open_rw(self, name: str) -> int:
         """Open a store file for pwrite, or read-only (then puts fail) on a read-only cache."""
         try:
-            return os.open(self.path / name, os.O_RDWR | _O_CLOEXEC)
+            return os.open(self.path / name, os.O_RDWR | O_CLOEXEC)
         except OSError as e:
             if e.errno not in _READ_ONLY_ERRNOS:
                 raise
             self._read_only = True
-            return os.open(self.path / name, os.O_RDONLY | _O_CLOEXEC)
+            return os.open(self.path / name, os.O_RDONLY | O_CLOEXEC)
 
     def _map(self, fields: list[FieldLayout]) -> None:
         n = self.num_samples
@@ -601,7 +470,7 @@ class Store:
                 raise CacheError(f"cache store {self.path}: field {f.name!r} of sample {index} has no bytes "
                                  f"(shape {f.shape})")
         try:
-            lock_fd = os.open(self.path / LAYOUT_LOCK, os.O_RDONLY | _O_CLOEXEC)
+            lock_fd = os.open(self.path / LAYOUT_LOCK, os.O_RDONLY | O_CLOEXEC)
         except OSError as e:
             raise CacheError(f"cache store {self.path}: cannot open {LAYOUT_LOCK} (damaged; remove it with "
                              f"`fastdata cache rm`): {e}") from e
@@ -615,10 +484,11 @@ class Store:
             if self._refresh_layout():  # another process won the race; its layout is the store's
                 return
             try:
-                self._allocate(fields)
+                allocate_files(self.path, fields, self.num_samples, fsync=self.cache.fsync,
+                               make_room=lambda need: self.cache.make_room(need, keep=self.key))
             except CacheError as e:
                 self._layout_error = e
-                self._mark_refused(e)
+                mark_refused(self.path, e)
                 raise
             meta = dict(read_meta(self.path))
             meta.pop(REFUSED, None)
@@ -627,7 +497,7 @@ class Store:
             try:
                 write_json_atomic(self.path / META_NAME, meta)
             except OSError as e:
-                self._release(fields)
+                release_files(self.path, fields)
                 full = e.errno in DISK_FULL
                 err = CacheError(f"cache store {self.path}: {'disk full: ' if full else ''}cannot write the layout "
                                  f"into {META_NAME}: {e}")
@@ -639,40 +509,3 @@ class Store:
                 raise CacheError(f"cache store {self.path}: layout vanished after it was written")
         finally:
             os.close(lock_fd)
-
-    def _mark_refused(self, error: CacheError) -> None:
-        """Record in meta.json why the layout could not be allocated: ``Cache.list`` removes such an empty
-        store once no process has it open (best effort: the disk may be full)."""
-        try:
-            meta = dict(read_meta(self.path))
-            meta[REFUSED] = str(error)
-            write_json_atomic(self.path / META_NAME, meta, fsync=False)
-        except (OSError, CacheError):
-            pass
-
-    def _allocate(self, fields: list[FieldLayout]) -> None:
-        n = self.num_samples
-        need = sum(n * f.nbytes for f in fields) + n
-        self.cache.make_room(need, keep=self.key)
-        files = [(f.file, n * f.nbytes) for f in fields] + [(VALID_NAME, n)]
-        for name, nbytes in files:
-            path = self.path / name
-            try:
-                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | _O_CLOEXEC, 0o644)
-                try:
-                    preallocate(fd, nbytes)
-                    if self.cache.fsync:
-                        os.fsync(fd)
-                finally:
-                    os.close(fd)
-            except OSError as e:
-                self._release(fields)  # give the space back
-                if e.errno in DISK_FULL:
-                    raise CacheError(f"cache store {self.path}: disk full: cannot reserve {need} bytes "
-                                     f"({n} samples x {need // n} bytes) for {name}: {e.strerror}") from e
-                raise CacheError(f"cache store {self.path}: cannot create {name}: {e}") from e
-
-    def _release(self, fields: list[FieldLayout]) -> None:
-        """Delete the files ``_allocate`` made for ``fields`` (a layout that was not written)."""
-        for name in [f.file for f in fields] + [VALID_NAME]:
-            (self.path / name).unlink(missing_ok=True)

@@ -9,7 +9,8 @@ from __future__ import annotations
 import argparse
 import os
 
-from fastdata._util import local_path, parse_size
+from fastdata._util import parse_size
+from fastdata.io import local_path
 
 
 def _int(text: str, low: int) -> int:

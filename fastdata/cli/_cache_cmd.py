@@ -37,7 +37,7 @@ def _age(seconds: float) -> str:
 
 
 def _cache(args: argparse.Namespace) -> Any:
-    from fastdata._util import local_path
+    from fastdata.io import local_path
     from fastdata.cache import Cache
 
     return Cache(local_path(args.cache), max_bytes=getattr(args, "max_bytes", None))  # ~ and file:// read
@@ -97,7 +97,7 @@ def cmd_build(args: argparse.Namespace) -> int:
     from fastdata.transforms import ResizeCenterCrop
 
     from fastdata.decode import is_image_field
-    from fastdata.shards import redact_url
+    from fastdata.io import redact_url
 
     preprocess = ResizeCenterCrop(args.size, resize=args.resize, interpolation=args.interpolation)
     dataset = ShardedDataset(args.source, preprocess=preprocess, cache=_cache(args), rank=0, world_size=1)

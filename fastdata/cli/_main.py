@@ -58,7 +58,7 @@ def _unfinished(dest: str) -> None:
     conversion into it did not finish."""
     from pathlib import Path
 
-    from fastdata._util import is_url, local_path
+    from fastdata.io import is_url, local_path
     from fastdata.manifest import MANIFEST_NAME
     from fastdata.shards.convert import PROGRESS_DIR
 

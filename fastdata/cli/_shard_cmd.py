@@ -24,9 +24,9 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from fastdata._util import local_path
 from fastdata.cli._args import byte_size, nonempty_path, nonneg_int, positive_int
 from fastdata.errors import FastdataError
+from fastdata.io import local_path
 
 __all__ = ["add_shard_subparsers", "tool_main", "verify_folder"]
 
@@ -287,7 +287,7 @@ def _convert(src: str, dest: str, args: argparse.Namespace) -> int:
     result = convert(src, dest, options)
     if args.quiet:
         return 0
-    from fastdata.shards import redact_url
+    from fastdata.io import redact_url
 
     dest = redact_url(dest)  # a URL's password and signed-URL tokens stay out of logs
     m = result.manifest
@@ -304,7 +304,7 @@ def _convert(src: str, dest: str, args: argparse.Namespace) -> int:
 
 
 def _verify(dest: str, workers: int | None, quiet: bool, prog: str) -> int:
-    from fastdata.shards import redact_url
+    from fastdata.io import redact_url
 
     shown = redact_url(dest)  # a URL's password and signed-URL tokens stay out of logs
     problems = verify_folder(dest, workers=workers, progress=False if quiet else None)
@@ -344,7 +344,7 @@ def verify_folder(dest: str | Path, *, workers: int | None = None, progress: boo
     from fastdata.errors import ConversionError, ManifestError
     from fastdata.manifest import MANIFEST_NAME, Manifest
     from fastdata.shards.convert import PROGRESS_DIR, default_workers
-    from fastdata.shards import is_url
+    from fastdata.io import is_url
     from fastdata.shards.reader import unheld_fields, verify_remote_shard, verify_shard
 
     check: Callable[..., list[str]]

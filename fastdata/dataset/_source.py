@@ -5,7 +5,7 @@
   random access; each shard is indexed by its sidecar ``.idx`` or by a header scan.
 - A folder URL with a ``manifest.json`` (``https://host/ds/``, ``s3://bucket/ds``, or
   :class:`RemoteShards` for options) -> random access like a local folder: each shard is
-  downloaded once per host into the node-local cache (:mod:`fastdata.dataset._nodecache`),
+  downloaded once per host into the node-local cache (:mod:`fastdata.nodecache`),
   verified against the manifest's sha256, and read from local disk.
 - URLs of tar files (``s3://``, ``https://``, ... through fsspec) -> streaming only: shards are
   split between ranks and workers whole, samples are read in file order (no random access);
@@ -23,12 +23,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fastdata._util import byte_limit, local_path
+from fastdata._util import byte_limit
 from fastdata.dataset._readers import _LOCK_FREE
 from fastdata.errors import ManifestError, RemoteError, ShardError, SourceError, SourceNotFoundError
 from fastdata.manifest import MANIFEST_NAME, Manifest
-from fastdata.shards import (RemoteStream, RetryPolicy, env_retry, folder_url, is_url, read_bytes, redact_url,
-                             split_query, url_identity, url_join)
+from fastdata.shards import shard_format
+from fastdata.io import (RemoteStream, RetryPolicy, env_retry, folder_url, is_url, local_path, read_bytes,
+                         redact_url, split_query, url_identity, url_join)
 
 __all__ = ["RemoteShards", "Source", "resolve_source"]
 
@@ -72,7 +73,7 @@ class RemoteShards:
         if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) or self.prefetch < 0:
             raise ValueError(f"RemoteShards.prefetch must be an int >= 0 (shards downloaded ahead), "
                              f"got {self.prefetch!r}")
-        from fastdata.dataset._nodecache import EVICTION_POLICIES
+        from fastdata.nodecache import EVICTION_POLICIES
 
         if self.eviction not in EVICTION_POLICIES:
             raise ValueError(f"RemoteShards.eviction must be one of {EVICTION_POLICIES}, got {self.eviction!r}")
@@ -273,22 +274,16 @@ class _CachedShard:
                 # checked against the manifest as a local folder's shards are (open_shard): sample count,
                 # the fields it lists (HDF5: also kinds, shapes, dtypes)
                 shard, fields = self._cache.manifest.shards[self._i], self._cache.manifest.fields
-                if self._fmt == "tar":
-                    from fastdata.shards.tar import TarShardReader
-
-                    names = [f.name for f in fields]
-                    inner = TarShardReader(local, index=self._cache.index_path(self._i), expect=shard, fields=names)
+                fmt = shard_format(self._fmt)
+                index = self._cache.index_path(self._i) if fmt.index_suffix is not None else None
+                inner = fmt.open(local, index=index, expect=shard, fields=fields)
+                if index is not None:  # tar: the sidecar is a local file like any other, checked here
                     try:
-                        _ = inner.index  # the sidecar is a local file like any other: checked here
+                        _ = inner.index
                     except ShardError as e:  # empty after a host crash, edited: rebuilt (or the shard fetched again)
                         self._cache.repair_index(self._i, e)
-                        inner = TarShardReader(local, index=self._cache.index_path(self._i), expect=shard,
-                                               fields=names)
+                        inner = fmt.open(local, index=index, expect=shard, fields=fields)
                         _ = inner.index
-                else:
-                    from fastdata.shards.hdf5 import HDF5ShardReader
-
-                    inner = HDF5ShardReader(local, expect=shard, fields=fields)
             except BaseException:
                 self._cache.release(self._i)
                 raise
@@ -387,7 +382,7 @@ class _NodeCacheOpener:
 
 def _load_remote_manifest(spec: RemoteShards) -> tuple[Manifest, Path]:
     """Fetch and validate ``manifest.json`` of ``spec``; keep a copy in the cache folder."""
-    from fastdata.dataset._nodecache import default_cache_dir
+    from fastdata.nodecache import default_cache_dir
 
     url = url_join(spec.base_url, MANIFEST_NAME)
     data = read_bytes(url, retry=RetryPolicy(attempts=spec.retries), what="fetching manifest")
@@ -413,7 +408,7 @@ def _load_remote_manifest(spec: RemoteShards) -> tuple[Manifest, Path]:
 
 
 def _from_remote_manifest(spec: RemoteShards) -> Source:
-    from fastdata.dataset._nodecache import ShardCache
+    from fastdata.nodecache import ShardCache
 
     manifest, root = _load_remote_manifest(spec)
     if manifest.num_samples == 0:  # as for a local folder: named, before a node-cache folder is made for it

@@ -20,10 +20,11 @@ from typing import Any
 
 import torch
 
-from fastdata._util import check_int, is_url, local_path, quantile
+from fastdata._util import check_int, quantile
 from fastdata._util import usable_cores as cores  # noqa: F401 - the name other modules use
 from fastdata.decode import ImageDecoder, is_image_field, suffix
 from fastdata.errors import DecodeError, FastdataError, MissingFieldError, SourceError
+from fastdata.io import is_url, local_path
 
 _LABEL_SUFFIXES = ("cls", "cls2", "index", "inx")
 
@@ -84,7 +85,7 @@ def shard_folder(source: str | os.PathLike[str]) -> str | os.PathLike[str]:
     ``Manifest.load`` and ``ShardedDataset`` accept), else ``source``; ``~`` and ``file://`` read as
     everywhere. A URL is a :class:`SourceError`: doctor, tune and bench measure a local copy."""
     from fastdata.manifest import MANIFEST_NAME
-    from fastdata.shards import redact_url
+    from fastdata.io import redact_url
 
     if isinstance(source, str):
         if is_url(source):

@@ -17,15 +17,14 @@ from typing import Any
 
 from fastdata.errors import ConversionError, ShardError
 from fastdata.manifest import MANIFEST_NAME, Manifest, ShardInfo, sha256_file
-from fastdata.shards._plan import Plan, ShardResult
-from fastdata.shards._sources import NEWEST_KEPT, PROGRESS_DIR
+from fastdata.shards._formats import SHARD_FORMATS
+from fastdata.shards._plan import FINGERPRINT_KEY, PLAN_KEY, Plan, ShardResult
+from fastdata.shards._listing import NEWEST_KEPT, PROGRESS_DIR
 
 
 log = logging.getLogger("fastdata.convert")
 
 _PLAN_FILE = "plan.json"
-FINGERPRINT_KEY = "plan_fingerprint"  # in manifest.extra: the plan a finished DEST was written by
-PLAN_KEY = "plan"  # in manifest.extra: the arguments and an inputs summary, to name what a refused rerun changed
 
 
 _FLAGS = {"format": "--format", "samples_per_shard": "--samples-per-shard", "shard_size": "--shard-size",
@@ -47,10 +46,13 @@ def remove_outputs(dest: Path) -> None:
             os.unlink(entry.path)
 
 
+_OUTPUT_SUFFIXES = (*(s for fmt in SHARD_FORMATS.values() for s in (fmt.suffix, fmt.index_suffix) if s), ".tmp")
+
+
 def is_output(name: str) -> bool:
     """Whether a file called ``name`` in DEST is one a conversion writes (and ``--overwrite`` removes)."""
     return name in (MANIFEST_NAME, MANIFEST_NAME + ".tmp") or (
-        name.startswith("shard-") and name.endswith((".tar", ".h5", ".idx", ".tmp")))
+        name.startswith("shard-") and name.endswith(_OUTPUT_SUFFIXES))
 
 
 def _write_json(path: Path, data: Any) -> None:

@@ -64,6 +64,25 @@ def end_of_archive(size: int) -> bytes:
     return bytes(2 * BLOCK + (-total % RECORD))
 
 
+def member_bytes(name: str, data_len: int) -> int:
+    """Tar bytes of member ``name`` as fastdata writes it: header(s) + data + padding.
+
+    A name that is not ASCII or is over 100 characters gets a PAX extended header first (its own
+    header block plus the ``path`` record, padded to whole blocks), as ``tarfile`` writes it.
+    """
+    header = 512
+    if len(name) > 100 or not name.isascii():
+        raw = name.encode("utf-8", "surrogateescape")
+        record = len(raw) + len(" path=\n")
+        record += len(str(record + len(str(record))))  # the record's length, counting its own digits
+        try:
+            name.encode("utf-8")
+        except UnicodeEncodeError:  # undecodable bytes from the file system
+            record += len("21 hdrcharset=BINARY\n")
+        header += 512 + record + (-record % 512)
+    return header + data_len + (-data_len % 512)
+
+
 def _nti(field: bytes) -> int:
     """Number from a header field: octal text or GNU base-256."""
     if field and field[0] in (0o200, 0o377):

@@ -1,28 +1,17 @@
 """The conversion engine behind ``fastdata shard`` (and ``tools/shard.py``): SRC (images, tar, HDF5, npz) -> shards.
 
-How a conversion runs:
-
-1. **Plan** (:func:`plan_conversion`), before anything is written: enumerate SRC in sorted
-   order (:mod:`fastdata.shards._sources`), optionally permute it with ``seed``, reject
-   duplicate keys, and cut the sample list into shards by ``samples_per_shard`` and/or an
-   estimated ``shard_size`` (input sizes plus tar header overhead, or the fixed resized size).
-2. **Write** every shard as an independent job, in-process or in a process pool. A shard's
-   bytes depend only on the plan, so the output is byte-identical whatever ``workers`` is.
-3. **Resume**: after a shard's atomic rename, ``DEST/.fastdata-progress/shard-NNNNNN.json``
-   records it. Rerunning with the same plan keeps recorded shards whose sha256 still matches
-   and redoes the rest. ``manifest.json`` is written last; then the progress folder is removed.
-
-Inputs that cannot be read (unreadable files, corrupt images, files that are not images) are
-skipped and listed in ``manifest.skipped`` with the reason, or abort the run with ``strict``.
-Image checks are described in :mod:`fastdata.shards._images`. A planned shard whose samples
-were all skipped is not written (shard numbers then have a gap; the manifest lists the rest).
+A run plans (:func:`plan_conversion`, in ``_plan``: nothing is written), then writes every planned
+shard as an independent job, in-process, in a process pool or on a Ray cluster (the same bytes
+whatever the number of workers), records each finished shard in ``DEST/.fastdata-progress/`` (a
+rerun resumes), and writes ``manifest.json`` last. Inputs that cannot be read are skipped and listed
+in ``manifest.skipped`` with the reason, or abort the run with ``strict``; a planned shard whose
+samples were all skipped is not written. This module runs the jobs (the pool, its workers' lifetime,
+progress); DEST's lock, staging and uploads are in ``_dest``. Design note: ``docs/design/conversion.md``.
 """
 from __future__ import annotations
 
 import contextlib
 import ctypes
-import hashlib
-import json
 import logging
 import multiprocessing as mp
 import os
@@ -39,14 +28,25 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
-from fastdata._util import local_path, parse_size
+from fastdata._util import parse_size
 from fastdata._util import usable_cores as default_workers
-from fastdata.errors import ConversionError, FastdataError, RemoteError
-from fastdata.manifest import MANIFEST_NAME, FieldInfo, Manifest, sha256_file
+from fastdata.errors import ConversionError, RemoteError
+from fastdata.io import is_url, local_path, redact_url, remote_size, remove, url_join
+from fastdata.manifest import MANIFEST_NAME, FieldInfo, Manifest
 from fastdata.shards import _progress
+from fastdata.shards._dest import (
+    check_dest_vs_src,
+    converting_pid,
+    dest_lock,
+    held_locks,
+    remote_manifest,
+    stage_source,
+    staging_folder,
+    upload_file,
+    writing_into,
+)
 from fastdata.shards._fields import missing_fields, required_fields
+from fastdata.shards._formats import shard_format
 from fastdata.shards._images import (
     BadImage,
     check_image,
@@ -54,36 +54,18 @@ from fastdata.shards._images import (
     resize_center_crop,
 )
 from fastdata.shards._plan import (
-    _SUFFIX,
     DEFAULT_SHARD_SIZE,
+    FINGERPRINT_KEY,
     ConvertOptions,
     ConvertResult,
     Plan,
     ShardJob,
     ShardResult,
+    check_level,
+    plan_conversion,
 )
 from fastdata.shards._progress import PROGRESS_DIR
-from fastdata.shards._remote import (
-    RetryPolicy,
-    download,
-    folder_url,
-    is_url,
-    read_bytes,
-    redact_url,
-    remote_size,
-    remove,
-    split_query,
-    upload,
-    url_identity,
-    url_join,
-)
-from fastdata.shards._sources import (
-    Listing,
-    SampleUnreadable,
-    SourceReader,
-    list_source,
-    member_bytes,
-)
+from fastdata.shards._sources import SampleUnreadable, SourceReader
 
 __all__ = [
     "DEFAULT_SHARD_SIZE", "PROGRESS_DIR", "ConversionError", "ConvertOptions", "ConvertResult", "Plan",
@@ -92,143 +74,7 @@ __all__ = [
 
 log = logging.getLogger("fastdata.convert")
 
-_PLAN_VERSION = 1
-_TAR_END = 2 * 512  # end-of-archive blocks (record padding comes on top, < 10 KiB)
 _TICK_S = 0.1  # how often workers report progress counts
-
-
-def plan_conversion(src: str | os.PathLike[str], options: ConvertOptions | None = None) -> Plan:
-    """Enumerate SRC and cut it into shards; nothing is written."""
-    opts = options or ConvertOptions()
-    listing = list_source(src)
-    _check_duplicates(listing)
-    if opts.format == "hdf5":
-        _check_utf8_keys(listing)
-    fields = _output_fields(listing, opts)
-    n = len(listing.keys)
-    order = np.random.default_rng(opts.seed).permutation(n) if opts.shuffle else np.arange(n)
-    sizes = _estimated_sizes(listing, opts, fields)
-    jobs = []
-    suffix = _SUFFIX[opts.format]
-    fixed = _TAR_END if opts.format == "tar" else _H5_FILE_BYTES + _H5_DATASET_BYTES * (len(fields) + 1)
-    for number, (a, b) in enumerate(_boundaries([sizes[i] for i in order.tolist()], opts, fixed)):
-        items = tuple((listing.keys[i], listing.refs[i]) for i in order[a:b].tolist())
-        jobs.append(ShardJob(number, f"shard-{number:06d}{suffix}", items))
-    extra: dict[str, Any] = {"source": {"kind": listing.kind, "path": listing.root, **listing.extra},
-                             "shuffle": opts.shuffle, "resize": opts.resize, "check": _check_level(opts)}
-    if opts.shuffle:
-        extra["seed"] = opts.seed
-    from fastdata._version import __version__
-
-    # what a refused rerun compares, to name the argument or inputs that differ (_progress.plan_changes)
-    extra[_progress.PLAN_KEY] = {"format": opts.format, "shard_size": opts.max_bytes,
-                                 "samples_per_shard": opts.samples_per_shard, "shuffle": opts.shuffle,
-                                 "seed": opts.seed if opts.shuffle else None, "resize": opts.resize,
-                                 "check": _check_level(opts), "fastdata": __version__, "inputs": listing.inputs}
-    fingerprint = _fingerprint(listing, opts, jobs, fields)
-    extra[_progress.FINGERPRINT_KEY] = fingerprint  # lets a rerun recognise the finished conversion
-    return Plan(listing, opts, tuple(jobs), fields, fingerprint, extra)
-
-
-def _check_level(opts: ConvertOptions) -> str:
-    return "full" if opts.resize else opts.check  # resizing decodes everything anyway
-
-
-def _check_duplicates(listing: Listing) -> None:
-    first: dict[str, int] = {}
-    for i, key in enumerate(listing.keys):
-        j = first.setdefault(key, i)
-        if j != i:
-            raise ConversionError(f"duplicate key {key!r}: {listing.origin(listing.refs[j])} and "
-                                  f"{listing.origin(listing.refs[i])} (keys must be unique across SRC)")
-
-
-def _check_utf8_keys(listing: Listing) -> None:
-    """HDF5 keys are UTF-8 strings: refuse, naming the input, a key from a file name in another encoding."""
-    for key, ref in zip(listing.keys, listing.refs):
-        if not key.isascii():
-            try:
-                key.encode("utf-8")
-            except UnicodeEncodeError:
-                raise ConversionError(f"{listing.origin(ref)}: key {key!r} is not valid UTF-8 (a file name in another "
-                                      "encoding?); --format hdf5 stores keys as UTF-8: rename it or use --format tar"
-                                      ) from None
-
-
-def _output_fields(listing: Listing, opts: ConvertOptions) -> tuple[FieldInfo, ...]:
-    fields = list(listing.fields)
-    images = [f.name for f in fields if is_image_field(f.name)]
-    if opts.resize:
-        if not images:
-            raise ConversionError(f"--resize: SRC {listing.root} has no image field "
-                                  f"(fields: {[f.name for f in fields]})")
-        if any(f.name == "img.npy" for f in fields):
-            raise ConversionError(f"--resize: SRC {listing.root} already has a field 'img.npy'")
-        size = opts.resize
-        fields = [f for f in fields if f.name not in images] + [FieldInfo("img.npy", "array", "uint8", (3, size, size))]
-    elif opts.format == "hdf5" and len(images) > 1:
-        # an image stored in one format or another (jpg|png) satisfies a sample; an HDF5 row needs every field
-        n = len(listing.keys)
-        for group in required_fields(images):
-            mixed = sorted(group)
-            if len(group) > 1 and (listing.kind == "images" or any(listing.field_counts.get(f, n) < n for f in group)):
-                raise ConversionError(f"--format hdf5 needs the same fields in every sample, but SRC {listing.root} "
-                                      f"mixes image types {mixed}; use --format tar or --resize")
-    return tuple(sorted(fields, key=lambda f: f.name))
-
-
-# HDF5 bytes besides the data (measured with h5py 3): per variable-length value (and key) of a row, its
-# descriptor (16 bytes) and heap object (16 bytes of header, data padded to 16); per file, the
-# superblock and a heap collection; per dataset, its header and chunk index
-_H5_VALUE_BYTES = 48
-_H5_FILE_BYTES = 4096
-_H5_DATASET_BYTES = 2048
-
-
-def _estimated_sizes(listing: Listing, opts: ConvertOptions, fields: tuple[FieldInfo, ...]) -> list[int]:
-    if opts.format == "hdf5":  # the data, with no tar headers or block padding
-        vlen = [f for f in fields if f.kind not in ("int", "float") and (f.dtype is None or f.shape is None)]
-        row = _H5_VALUE_BYTES * (len(vlen) + 1)  # the key too
-        if not opts.resize:
-            return [d + row for d in listing.data_sizes]
-        side = 3 * opts.resize * opts.resize
-        return [d - img + side + row for d, img in zip(listing.data_sizes, listing.image_data_sizes)]
-    if not opts.resize:
-        return listing.sizes
-    npy = 128 + 3 * opts.resize * opts.resize
-    return [s - img + member_bytes(f"{k}.img.npy", npy)
-            for s, img, k in zip(listing.sizes, listing.image_sizes, listing.keys)]
-
-
-def _boundaries(sizes: list[int], opts: ConvertOptions, fixed: int = _TAR_END) -> Iterator[tuple[int, int]]:
-    """``(start, stop)`` of each shard: a shard ends before the next sample would pass a limit
-    (``fixed``: a shard file's bytes besides its samples)."""
-    max_bytes, max_samples = opts.max_bytes, opts.samples_per_shard
-    start, total = 0, fixed
-    for i, size in enumerate(sizes):
-        count = i - start
-        if count and ((max_samples is not None and count >= max_samples)
-                      or (max_bytes is not None and total + size > max_bytes)):
-            yield start, i
-            start, total = i, fixed
-        total += size
-    yield start, len(sizes)
-
-
-def _fingerprint(listing: Listing, opts: ConvertOptions, jobs: list[ShardJob], fields: tuple[FieldInfo, ...]) -> str:
-    from fastdata._version import __version__
-
-    h = hashlib.sha256()
-    head = {"plan": _PLAN_VERSION, "fastdata": __version__, "kind": listing.kind, "stamp": listing.stamp,
-            "format": opts.format, "resize": opts.resize, "check": _check_level(opts),
-            "fields": [f.to_json() for f in fields]}
-    if "classes" in listing.extra:  # the labels: a class folder added without images shifts them
-        head["classes"] = listing.extra["classes"]
-    h.update(json.dumps(head, sort_keys=True).encode())
-    for job in jobs:
-        h.update(f"\n{job.name}:".encode())
-        h.update("\0".join(k for k, _ in job.items).encode("utf-8", "surrogateescape"))
-    return h.hexdigest()
 
 
 # ------------------------------------------------------------------------------------- running
@@ -246,20 +92,20 @@ def convert(src: str | os.PathLike[str], dest: str | os.PathLike[str], options: 
     t0 = time.perf_counter()
     opts = options or ConvertOptions()
     if isinstance(src, str) and is_url(src):  # fetched into a local staging folder first, removed after
-        staged = _stage_source(src, opts)
+        staged = stage_source(src, opts)
         result = convert(staged, dest, options)
         shutil.rmtree(staged if staged.is_dir() else staged.parent, ignore_errors=True)
         return result
     plan = plan_conversion(src, opts)
     remote = isinstance(dest, str) and is_url(dest)
-    dest_path = _staging(dest, opts) if remote else Path(local_path(os.fspath(dest)))  # file://, ~
+    dest_path = staging_folder(dest, opts) if remote else Path(local_path(os.fspath(dest)))  # file://, ~
     if remote:
         return _convert_remote(plan, str(dest), dest_path, opts, t0)
-    _check_dest_vs_src(plan.listing, dest_path)
+    check_dest_vs_src(plan.listing, dest_path)
     if opts.strict and plan.listing.skipped:
         first = plan.listing.skipped[0]
         raise ConversionError(f"{os.path.join(plan.listing.root, first['source'])}: {first['reason']} (--strict)")
-    with _dest_lock(dest_path, str(dest)):
+    with dest_lock(dest_path, str(dest)):
         finished = None if opts.overwrite else _progress.finished(dest_path, plan)
         if finished is not None:
             if opts.strict and finished.skipped:
@@ -277,88 +123,7 @@ def convert(src: str | os.PathLike[str], dest: str | os.PathLike[str], options: 
         return _run_plan(plan, state, dest_path, opts, t0)
 
 
-_held_locks: set[int] = set()  # descriptors of the DEST locks this process holds (closed in forked workers)
-
-
-@contextlib.contextmanager
-def _dest_lock(dest: Path, shown: str) -> Iterator[None]:
-    """An exclusive lock on the folder ``dest`` (created) for the conversion's life.
-
-    A second conversion into the same DEST fails at once, naming the holder's pid, instead of
-    "resuming" the running one and deleting its partial shards. The lock is a ``flock`` on the
-    folder itself, so no file is left behind and the kernel drops it when the holder dies, however
-    it dies (a rerun after a crash resumes). Pool workers close their inherited copy; they die with
-    the converting process anyway. Where folders cannot be locked (no ``fcntl``, some network file
-    systems) conversions run unlocked, as before.
-    """
-    if dest.exists() and not dest.is_dir():
-        raise ConversionError(f"DEST {dest} exists and is not a folder")
-    dest.mkdir(parents=True, exist_ok=True)
-    fd = _try_lock(dest, shown)
-    if fd is None:
-        yield
-        return
-    _held_locks.add(fd)
-    try:
-        yield
-    finally:
-        _held_locks.discard(fd)
-        os.close(fd)  # the lock goes with the last descriptor of it
-
-
-def _try_lock(dest: Path, shown: str) -> int | None:
-    """A descriptor of ``dest`` holding its exclusive ``flock``; None where folders cannot be locked."""
-    try:
-        import fcntl
-    except ImportError:  # Windows
-        return None
-    try:
-        fd = os.open(dest, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    except OSError:
-        return None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return fd
-    except BlockingIOError:
-        pid = _lock_holder(os.fstat(fd))
-        os.close(fd)
-        raise ConversionError(f"another conversion is writing DEST {shown}" + (f" (pid {pid})" if pid else "")
-                              + ": wait for it to finish, or stop it and rerun to resume") from None
-    except OSError as e:  # e.g. a network file system without locks
-        os.close(fd)
-        log.debug("DEST %s cannot be locked (%s): converting without a lock", dest, e)
-        return None
-
-
-def converting_pid(dest: str | os.PathLike[str]) -> int | None:
-    """The pid of the process converting into the local folder ``dest`` right now (it holds the DEST
-    lock), read from ``/proc/locks`` without taking the lock; None if none, or where that is unknown."""
-    try:
-        return _lock_holder(os.stat(dest))
-    except OSError:
-        return None
-
-
-def _lock_holder(st: os.stat_result) -> int | None:
-    """The pid holding a ``flock`` on the file of ``st``, from ``/proc/locks`` (Linux; else None)."""
-    try:
-        with open("/proc/locks", encoding="ascii", errors="replace") as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return None
-    for line in lines:
-        parts = line.split()
-        if "FLOCK" not in parts or "->" in parts:  # "->": a waiter, not the holder
-            continue
-        try:
-            i = parts.index("FLOCK")
-            pid, where = int(parts[i + 3]), parts[i + 4].split(":")
-            major, minor, inode = int(where[0], 16), int(where[1], 16), int(where[2])
-        except (IndexError, ValueError):
-            continue
-        if inode == st.st_ino and os.makedev(major, minor) == st.st_dev and pid > 0:  # (an inode number alone
-            return pid  # is another file on another disk; pid 0: a process in another pid namespace, unknown here)
-    return None
+_held_locks = held_locks  # _dest's set of the DEST locks this process holds (pool workers close them)
 
 
 def _run_plan(plan: Plan, state: Any, dest_path: Path, opts: ConvertOptions, t0: float,
@@ -369,16 +134,16 @@ def _run_plan(plan: Plan, state: Any, dest_path: Path, opts: ConvertOptions, t0:
     if kept:
         log.info("resuming: %d of %d shards already written to %s", kept, len(plan.jobs), upload_to or dest_path)
     tasks = [_Task(SourceReader.of(plan.listing), str(dest_path), job, opts.format, opts.resize,
-                   _check_level(opts), opts.strict, plan.fields, upload_to) for job in todo]
+                   check_level(opts), opts.strict, plan.fields, upload_to) for job in todo]
     initial = sum(len(plan.jobs[n].items) for n in state.done)
     with _progress_bar(plan.num_samples, initial, opts) as tick, closing(_execute(tasks, opts, tick)) as results:
         for result in results:  # closing(): an error or Ctrl-C here stops the workers at once
-            with _writing(dest_path, f"recording shard {plan.jobs[result.number].name} as done"):
+            with writing_into(dest_path, f"recording shard {plan.jobs[result.number].name} as done"):
                 state.record(result)
-    with _writing(dest_path, f"writing {MANIFEST_NAME}"):
+    with writing_into(dest_path, f"writing {MANIFEST_NAME}"):
         manifest = state.finish()
     if upload_to is not None:  # the manifest goes last: readers never see a half-uploaded set
-        _upload(dest_path / MANIFEST_NAME, upload_to, MANIFEST_NAME)
+        upload_file(dest_path / MANIFEST_NAME, upload_to, MANIFEST_NAME)
         shutil.rmtree(dest_path, ignore_errors=True)
     _check_some_read(plan, manifest, upload_to or dest_path)
     if manifest.skipped:
@@ -397,90 +162,6 @@ def _check_some_read(plan: Plan, manifest: Manifest, dest: Any) -> None:
                               f"(reasons in {dest}/{MANIFEST_NAME}, e.g. {first['source']}: {first['reason']})")
 
 
-def _staging(url: str, opts: ConvertOptions) -> Path:
-    if opts.staging is not None:
-        return Path(opts.staging)
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "fastdata" / "convert" / hashlib.sha256(url.rstrip("/").encode()).hexdigest()[:24]
-
-
-def _stage_source(url: str, opts: ConvertOptions) -> Path:
-    """A local copy of SRC ``url``: one file (``.tar``/``.h5``/``.npz``), or a shard folder with its
-    ``manifest.json`` (every file checked against it). Files already staged intact are kept, and
-    their mtimes are fixed, so a rerun plans the same conversion (resume works)."""
-    from fastdata.shards.reader import load_manifest
-
-    # a signed URL's token (query) stays out of the staged names (the manifest records them) and out
-    # of the staging key (a rotated token resumes the same staging)
-    if opts.staging is not None:
-        root = Path(opts.staging + "-src")
-    else:
-        root = _staging("src:" + url_identity(url).rstrip("/"), opts)
-    shown = redact_url(url)
-
-    def last_segment(u: str) -> str:  # without a signed URL's query
-        return split_query(u)[0].rstrip("/").rsplit("/", 1)[-1] or "src"
-
-    name = last_segment(url)
-    try:
-        if name.lower().endswith((".tar", ".h5", ".hdf5", ".npz")):
-            local = root / name
-            root.mkdir(parents=True, exist_ok=True)
-            size = remote_size(url)
-            if size is None:
-                raise ConversionError(f"SRC {shown}: not found")
-            if not (local.is_file() and local.stat().st_size == size):
-                download(url, local, size=size)
-            os.utime(local, ns=(0, 0))
-            return local
-        url = folder_url(url)  # the folder of a manifest.json URL
-        name = last_segment(url)
-        manifest = load_manifest(url)
-        folder = root / name
-        folder.mkdir(parents=True, exist_ok=True)
-        for shard in manifest.shards:
-            local = folder / shard.name
-            local.parent.mkdir(parents=True, exist_ok=True)
-            if not (local.is_file() and local.stat().st_size == shard.bytes and sha256_file(local) == shard.sha256):
-                download(url_join(url, shard.name), local, size=shard.bytes, sha256=shard.sha256)
-            os.utime(local, ns=(0, 0))
-            if shard.index:  # no checksum in the manifest: the tar reader checks it against the shard's size
-                download(url_join(url, shard.index), folder / shard.index)
-                os.utime(folder / shard.index, ns=(0, 0))
-        manifest.save(folder)
-        os.utime(folder / MANIFEST_NAME, ns=(0, 0))
-        return folder
-    except RemoteError as e:
-        raise ConversionError(f"SRC {shown}: {e}") from e
-
-
-def _upload(local: Path, base_url: str, name: str) -> None:
-    try:
-        upload(local, url_join(base_url, name))
-    except RemoteError as e:
-        raise ConversionError(f"uploading {name} to DEST {redact_url(base_url)}: {e}") from e
-
-
-def _remote_manifest(url: str, staging: Path) -> Manifest | None:
-    """The manifest at URL DEST, or None when there is none (a copy passes through ``staging``)."""
-    murl = url_join(url, MANIFEST_NAME)
-    try:
-        if remote_size(murl) is None:
-            return None
-        data = read_bytes(murl, retry=RetryPolicy(attempts=3))
-    except RemoteError as e:
-        raise ConversionError(f"DEST {redact_url(url)}: {e}") from e
-    local = staging / f".remote-{MANIFEST_NAME}"
-    local.write_bytes(data)
-    try:
-        return Manifest.load(local)
-    except ValueError as e:
-        raise ConversionError(f"DEST {redact_url(url)}: its {MANIFEST_NAME} is not a valid manifest: "
-                              f"{str(e).replace(str(local), redact_url(murl))}") from None
-    finally:
-        local.unlink(missing_ok=True)
-
-
 def _convert_remote(plan: Plan, url: str, staging: Path, opts: ConvertOptions, t0: float) -> ConvertResult:
     """:func:`convert` into a URL DEST through the local ``staging`` folder."""
     if url.split("://", 1)[0].lower() in ("http", "https"):
@@ -489,14 +170,14 @@ def _convert_remote(plan: Plan, url: str, staging: Path, opts: ConvertOptions, t
     if opts.strict and plan.listing.skipped:
         first = plan.listing.skipped[0]
         raise ConversionError(f"{os.path.join(plan.listing.root, first['source'])}: {first['reason']} (--strict)")
-    with _dest_lock(staging, redact_url(url)):  # two conversions into one URL share its staging folder
+    with dest_lock(staging, redact_url(url)):  # two conversions into one URL share its staging folder
         return _convert_remote_locked(plan, url, staging, opts, t0)
 
 
 def _convert_remote_locked(plan: Plan, url: str, staging: Path, opts: ConvertOptions, t0: float) -> ConvertResult:
-    existing = _remote_manifest(url, staging)
+    existing = remote_manifest(url, staging)
     if existing is not None and not opts.overwrite:
-        if existing.extra.get(_progress.FINGERPRINT_KEY) == plan.fingerprint:
+        if existing.extra.get(FINGERPRINT_KEY) == plan.fingerprint:
             _check_some_read(plan, existing, redact_url(url))
             log.debug("%s already holds this conversion, finished (same arguments and inputs)", redact_url(url))
             return ConvertResult(existing, 0, len(existing.shards), time.perf_counter() - t0, 0, complete=True)
@@ -521,33 +202,6 @@ def _convert_remote_locked(plan: Plan, url: str, staging: Path, opts: ConvertOpt
     staging.mkdir(parents=True, exist_ok=True)
     state = _progress.prepare(staging, plan, overwrite=opts.overwrite, present=present)
     return _run_plan(plan, state, staging, opts, t0, upload_to=url)
-
-
-@contextlib.contextmanager
-def _writing(dest: str | os.PathLike[str], what: str) -> Iterator[None]:
-    """An OSError while writing into DEST (disk full, quota, read-only) becomes a ConversionError
-    naming DEST and what was being written, e.g. ``writing shard-000003.tar into DEST /d: [Errno 28] ...``."""
-    try:
-        yield
-    except FastdataError:
-        raise
-    except OSError as e:
-        detail = f"[Errno {e.errno}] {e.strerror}" if e.errno is not None and e.strerror else str(e)
-        raise ConversionError(f"{what} into DEST {dest}: {detail}") from e
-
-
-def _check_dest_vs_src(listing: Listing, dest: Path) -> None:
-    """Refuse a DEST that is SRC, lies inside an image SRC or holds an input file named like an
-    output, also through symlinks: writing (or ``--overwrite`` removing) shards there would destroy
-    inputs not yet read."""
-    root, target = Path(os.path.realpath(listing.root)), Path(os.path.realpath(dest))
-    if target == root or (listing.kind == "images" and root in target.parents):
-        raise ConversionError(f"DEST {dest} is inside SRC {listing.root}; choose a folder outside SRC")
-    for file in listing.files + tuple(i for i in listing.indexes if i is not None):
-        real = Path(os.path.realpath(file))
-        if real.parent == target and _progress.is_output(real.name):
-            raise ConversionError(f"DEST {dest} holds SRC file {file}, which the conversion would replace; "
-                                  "choose a folder outside SRC")
 
 
 @dataclass(frozen=True)
@@ -721,15 +375,8 @@ def _write_job(task: _Task, tick: Callable[[int], None]) -> ShardResult:
     # image check and tar encoding both hold the GIL. Parallelism comes from --workers.
     samples = _prepared_samples(task, skipped, tick)
     try:
-        with _writing(task.dest, f"writing {task.job.name}"):  # source read errors are no OSErrors here
-            if task.format == "tar":
-                from fastdata.shards.tar import write_tar_shard
-
-                info = write_tar_shard(path, samples)
-            else:
-                from fastdata.shards.hdf5 import write_hdf5_shard
-
-                info = write_hdf5_shard(path, samples, fields=task.fields)
+        with writing_into(task.dest, f"writing {task.job.name}"):  # source read errors are no OSErrors here
+            info = shard_format(task.format).write(path, samples, fields=task.fields)
     finally:
         task.reader.close()
     if info.num_samples == 0:
@@ -740,7 +387,7 @@ def _write_job(task: _Task, tick: Callable[[int], None]) -> ShardResult:
     if task.upload is not None:  # URL DEST: the shard, then its index; the driver records it after
         for name in (info.name, info.index):
             if name:
-                _upload(Path(task.dest) / name, task.upload, name)
+                upload_file(Path(task.dest) / name, task.upload, name)
         for name in (info.name, info.index):
             if name:
                 (Path(task.dest) / name).unlink(missing_ok=True)
@@ -834,4 +481,3 @@ def verify_dest(dest: str | os.PathLike[str]) -> list[str]:
         raise ConversionError(f"DEST {dest}: " + ("not a folder (pass the folder holding manifest.json)"
                                                  if path.exists() else "no such folder"))
     return verify(path)
-

@@ -1,33 +1,12 @@
 """HDF5 shards (h5py), in a documented layout that plain h5py users can read.
 
-Layout of ``shard-000000.h5`` with ``n`` samples:
-
-- root attributes: ``fastdata_format = "hdf5"``, ``fastdata_version = 1``, ``num_samples = n``,
-  ``fastdata_shard`` = the shard's file name when written (checked against the manifest on open;
-  absent in shards written before it was added);
-- dataset ``__key__``: shape ``(n,)``, variable-length UTF-8 strings, the sample keys;
-- one dataset per field, named exactly like the field (``"jpg"``, ``"cls"``, ``"img.npy"``), with
-  attribute ``kind`` (the manifest's FieldInfo.kind) and row ``i`` belonging to sample ``i``:
-
-  ========  ====================================================================================
-  kind      storage
-  ========  ====================================================================================
-  array     fixed shape and dtype: ``(n, *shape)`` of that dtype, chunked along axis 0 (~1 MiB
-            chunks). Varying shape/dtype: ``(n,)`` vlen uint8 holding ``.npy`` bytes, attribute
-            ``encoding = "npy"``.
-  int       ``(n,)`` int64
-  float     ``(n,)`` float64
-  bytes     ``(n,)`` vlen uint8 (e.g. encoded JPEG bytes)
-  text      ``(n,)`` vlen uint8, UTF-8
-  json      ``(n,)`` vlen uint8, UTF-8 JSON
-  ========  ====================================================================================
-
-No compression (decoding speed first). Reading with plain h5py::
-
-    with h5py.File("shard-000000.h5") as f:
-        keys = f["__key__"].asstr()[:]
-        jpeg_bytes = f["jpg"][0].tobytes()
-        images = f["img.npy"][0:64]            # (64, 3, 224, 224) uint8
+``shard-000000.h5`` with ``n`` samples: root attributes ``fastdata_format = "hdf5"``,
+``fastdata_version``, ``num_samples``, ``fastdata_shard`` (its file name, checked against the
+manifest on open); a dataset ``__key__`` of ``n`` UTF-8 keys; one dataset per field, named like the
+field, with attribute ``kind`` and row ``i`` belonging to sample ``i`` (fixed-shape arrays as
+``(n, *shape)`` chunked along axis 0; other arrays, bytes, text and JSON as vlen uint8 rows; ints as
+int64, floats as float64). No compression. The full layout, with a plain-h5py reading example:
+``docs/design/shard-formats.md``.
 
 :class:`HDF5ShardReader` returns arrays for ``array`` fields, ``int``/``float`` for scalars and
 ``bytes`` for bytes/text/json fields (the same bytes a tar shard would hold).

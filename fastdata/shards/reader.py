@@ -9,7 +9,8 @@ from typing import Any, Protocol, runtime_checkable
 
 from fastdata.errors import FastdataError, ManifestError, RemoteError
 from fastdata.manifest import MANIFEST_NAME, FieldInfo, Manifest, ShardInfo, sha256_file
-from fastdata.shards._remote import RemoteStream, folder_url, is_url, read_bytes, redact_url, url_join
+from fastdata.io import RemoteStream, folder_url, is_url, read_bytes, redact_url, url_join
+from fastdata.shards._formats import shard_format
 
 __all__ = ["ShardReader", "load_manifest", "open_shard", "unheld_fields", "verify", "verify_remote_shard",
            "verify_shard"]
@@ -47,18 +48,9 @@ def open_shard(folder: str | os.PathLike[str], shard: ShardInfo, *, format: str,
     sample count, identity) and ``fields`` (the manifest's: names; HDF5 also kinds, shapes,
     dtypes), a mismatch being a ShardError naming the shard (see the readers' ``expect``).
     """
-    path = Path(folder) / shard.name
-    if format == "tar":
-        from fastdata.shards.tar import TarShardReader
-
-        index = None if shard.index is None else Path(folder) / shard.index
-        names = None if fields is None else [f.name for f in fields]
-        return TarShardReader(path, index=index, expect=shard, fields=names, **options)
-    if format == "hdf5":
-        from fastdata.shards.hdf5 import HDF5ShardReader
-
-        return HDF5ShardReader(path, expect=shard, fields=fields, **options)
-    raise ValueError(f"format must be 'tar' or 'hdf5', got {format!r}")
+    fmt = shard_format(format)
+    index = None if shard.index is None else Path(folder) / shard.index
+    return fmt.open(Path(folder) / shard.name, index=index, expect=shard, fields=fields, **options)
 
 
 def verify(folder: str | os.PathLike[str]) -> list[str]:
@@ -92,7 +84,7 @@ def unheld_fields(manifest: Manifest, seen: Collection[str]) -> list[str]:
     shard holds (``jpg|png``) is fine. HDF5 shards are checked field by field when opened."""
     from fastdata.shards._fields import missing_fields, required_fields
 
-    if manifest.format != "tar" or not manifest.shards:
+    if shard_format(manifest.format).same_fields or not manifest.shards:
         return []
     missing = missing_fields(set(seen), required_fields(f.name for f in manifest.fields))
     if not missing:
@@ -164,17 +156,11 @@ def verify_shard(folder: str | os.PathLike[str], manifest: Manifest, shard: Shar
         digest = sha256_file(path)
         if digest != shard.sha256:
             problems.append(f"{shard.name}: sha256 mismatch (file {digest}, manifest {shard.sha256})")
-    if problems and manifest.format == "hdf5":  # the HDF5 library can hang or crash on a damaged file
+    fmt = shard_format(manifest.format)
+    if problems and not fmt.opens_damaged:  # the HDF5 library can hang or crash on a damaged file
         return problems
     try:
-        if manifest.format == "tar":
-            fields = _verify_tar(folder, shard, problems)
-        else:
-            reader: Any = open_shard(folder, shard, format="hdf5", fields=manifest.fields)  # as datasets read it
-            with reader:
-                count, fields = len(reader), set(reader.fields)
-            if count != shard.num_samples:
-                problems.append(f"{shard.name}: has {count} samples, manifest says {shard.num_samples}")
+        fields = fmt.verify(folder, manifest, shard, problems)
     except (FastdataError, OSError) as e:
         return [*problems, f"{shard.name}: {e}"]
     if seen is not None:
@@ -183,18 +169,3 @@ def verify_shard(folder: str | os.PathLike[str], manifest: Manifest, shard: Shar
     if unknown:
         problems.append(f"{shard.name}: fields {unknown} are not listed in the manifest")
     return problems
-
-
-def _verify_tar(folder: Path, shard: ShardInfo, problems: list[str]) -> set[str]:
-    from fastdata.shards.tar import TarIndex
-
-    scanned = TarIndex.build(folder / shard.name)
-    if len(scanned) != shard.num_samples:
-        problems.append(f"{shard.name}: has {len(scanned)} samples, manifest says {shard.num_samples}")
-    if shard.index is not None:
-        index_path = folder / shard.index
-        if not index_path.is_file():
-            problems.append(f"{shard.name}: index file {shard.index} is missing")
-        elif TarIndex.load(index_path) != scanned:
-            problems.append(f"{shard.name}: index file {shard.index} does not match the shard's headers")
-    return {f for m in scanned.members for f, _, _ in m}

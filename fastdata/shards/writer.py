@@ -10,22 +10,21 @@ from typing import Any
 
 import numpy as np
 
-from fastdata._util import INT_SUFFIXES, is_url, local_path
+from fastdata._util import INT_SUFFIXES
 from fastdata.errors import FastdataError
+from fastdata.io import is_url, local_path
 from fastdata.manifest import FieldInfo, Manifest, ShardInfo
 from fastdata.shards import _tarfmt
 from fastdata.shards._fields import FieldTracker
+from fastdata.shards._formats import shard_format
 from fastdata.shards._keys import check_key, is_meta
 from fastdata.shards._progress import remove_outputs
 
 __all__ = ["ShardWriter", "shard_name"]
 
-_SUFFIX = {"tar": ".tar", "hdf5": ".h5"}
-
-
 def shard_name(number: int, format: str) -> str:
     """``shard-000000.tar`` / ``shard-000000.h5``."""
-    return f"shard-{number:06d}{_SUFFIX[format]}"
+    return f"shard-{number:06d}{shard_format(format).suffix}"
 
 
 def _check_readable(name: str, value: Any, key: str) -> None:
@@ -74,8 +73,7 @@ class ShardWriter:
 
     def __init__(self, dest: str | os.PathLike[str], *, format: str = "tar", max_bytes: int = 256 << 20,
                  max_samples: int | None = None, overwrite: bool = False, extra: dict | None = None):
-        if not isinstance(format, str) or format not in _SUFFIX:  # a list is unhashable: a TypeError naming nothing
-            raise ValueError(f"format must be 'tar' or 'hdf5', got {format!r}")
+        self._spec = shard_format(format)  # ValueError naming the formats (also for a list, which is unhashable)
         if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1:
             raise ValueError(f"max_bytes must be an int >= 1, got {max_bytes!r}")
         if max_samples is not None and (isinstance(max_samples, bool) or not isinstance(max_samples, int)
@@ -134,7 +132,7 @@ class ShardWriter:
             raise ValueError(f"duplicate key {key!r}: already written to {self.dest}")
         for name, value in sample.items():
             _check_readable(name, value, key)
-        if self.format == "tar":
+        if not self._spec.buffered:
             self._write_tar(sample)
         else:
             names = frozenset(k for k in sample if not is_meta(k))
@@ -182,10 +180,8 @@ class ShardWriter:
             self._shards.append(self._tar.close())
             self._tar = None
         if self._h5:
-            from fastdata.shards.hdf5 import write_hdf5_shard
-
-            path = self.dest / shard_name(len(self._shards), "hdf5")
-            self._shards.append(write_hdf5_shard(path, self._h5, fields=self._h5_fields()))
+            path = self.dest / shard_name(len(self._shards), self.format)
+            self._shards.append(self._spec.write(path, self._h5, fields=self._h5_fields()))
             self._h5, self._h5_bytes = [], 0
 
     def _h5_fields(self) -> tuple[FieldInfo, ...]:
