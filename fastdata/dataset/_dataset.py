@@ -35,7 +35,6 @@ from fastdata.dataset._split import (
     Stage,
     _check_consumed,
     iteration_stages,
-    num_batches,
     permutation,
     rest_counts,
     random_floats,
@@ -49,6 +48,7 @@ from fastdata.dataset._split import (
 )
 from fastdata.dataset._packed import EncodedImage, key_index
 from fastdata.dataset._preload import NextEpoch
+from fastdata.dataset._schedule import BatchSchedule
 from fastdata.dataset._readers import ReaderCache, fork_count
 from fastdata.decode import (DECODED_SUFFIXES, Decoder, SampleDecoder, check_max_pixels, image_to_tensor,
                              is_image_field, suffix)
@@ -392,7 +392,7 @@ class ShardedDataset(IterableDataset):
         self._token = uuid.uuid4().hex
         # tar members that give no data (found while indexing), then every skipped sample
         self.skipped: list[dict[str, Any]] = [{**r, "epoch": None} for r in self.source.skipped]
-        self._inline_skips: tuple[int, bool] | None = None  # see report_skips_inline
+        self._inline_skips: BatchSchedule | None = None  # see report_skips_inline
         self._preload_samples = 0  # see preload_next_epoch
         self._reset_process_state()
         if not self.source.streaming:
@@ -555,7 +555,7 @@ class ShardedDataset(IterableDataset):
 
     def batches_per_epoch(self, batch_size: int | None, *, num_workers: int = 0, drop_last: bool = False) -> int:
         """Batches a DataLoader yields per full epoch (every worker yields its own last partial batch)."""
-        return num_batches(self.worker_counts(num_workers), batch_size, drop_last)
+        return BatchSchedule(num_workers, batch_size, drop_last).total(self.worker_counts(num_workers))
 
     # ----- state ----------------------------------------------------------------------------
     # ----- the cursor seam (package-internal: fastdata.loader and friends) ------------------
@@ -749,6 +749,7 @@ class ShardedDataset(IterableDataset):
         plan = self._plan()
         plan = getattr(plan, "base", plan)  # the plain split (an elastic state loaded before is replaced)
         batches = set()
+        schedule = BatchSchedule(num_workers, batch_size, drop_last)
         try:
             for r, st in enumerate(states):
                 stages = [(int(n), tuple(int(c) for c in cons)) for n, cons in st["stages"]]
@@ -756,7 +757,7 @@ class ShardedDataset(IterableDataset):
                     first = [int(x) for x in split[r]]
                 else:
                     first = plan.worker_counts(stages[0][0] if stages else num_workers)
-                batches.add(num_batches(rest_counts(first, stages, num_workers), batch_size, drop_last))
+                batches.add(schedule.total(rest_counts(first, stages, num_workers)))
         except (KeyError, TypeError, ValueError, IndexError):
             return True  # malformed: load_state_dict says what is wrong
         return len(batches) <= 1
@@ -1143,14 +1144,13 @@ class ShardedDataset(IterableDataset):
                                   f"max_skips={self.max_skips!r} allows ({limit} {what}); skipped: {shown}{more} "
                                   "(all in SkipBudgetError.skipped)", records)
 
-    def report_skips_inline(self, batch_size: int | None, drop_last: bool) -> None:
+    def report_skips_inline(self, schedule: BatchSchedule) -> None:
         """Set by ``fastdata.DataLoader`` while it starts its workers (then :meth:`stop_skip_reports`):
         their copies of the dataset end a walk that skipped samples since its last yield with
-        :class:`SkipReport` markers, which the loader's collate turns into a report-only result, so
-        skips after a worker's last batch (or of a worker that yields nothing) reach the main
-        process through the ordinary result queue. One marker, or ``batch_size`` of them with
-        ``drop_last`` so that one fills a batch torch does not drop."""
-        self._inline_skips = (batch_size or 1, bool(drop_last))
+        :class:`SkipReport` markers (as many as ``schedule.end_markers()``), which the loader's
+        collate turns into a report-only result, so skips after a worker's last batch (or of a
+        worker that yields nothing) reach the main process through the ordinary result queue."""
+        self._inline_skips = schedule
 
     def preload_next_epoch(self, samples: int) -> None:
         """Set by ``fastdata.DataLoader`` while it starts persistent workers (0 after): their copies
@@ -1164,9 +1164,8 @@ class ShardedDataset(IterableDataset):
 
     def _end_of_walk(self, cursor: Cursor) -> Iterator[SkipReport]:
         if self._inline_skips is not None and cursor.skips and _in_worker():
-            batch_size, drop_last = self._inline_skips
             cursor.mark_current()
-            for _ in range(batch_size if drop_last else 1):
+            for _ in range(self._inline_skips.end_markers()):
                 yield SkipReport()
 
     # ----- streaming sources (URLs) -----------------------------------------------------------

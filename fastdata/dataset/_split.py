@@ -295,15 +295,6 @@ def split_sizes(total: int, parts: int) -> list[int]:
     return [base + (1 if i < extra else 0) for i in range(parts)]
 
 
-def num_batches(counts: Sequence[int], batch_size: int | None, drop_last: bool) -> int:
-    """Batches a DataLoader yields when each worker has ``counts[w]`` samples."""
-    if batch_size is None:
-        return sum(counts)
-    if drop_last:
-        return sum(c // batch_size for c in counts)
-    return sum(math.ceil(c / batch_size) for c in counts)
-
-
 # ---------------------------------------------------------------------------------------------
 # The plan of a rank
 

@@ -38,7 +38,7 @@ import torch
 from torch.utils.data import default_collate
 from torch.utils.data._utils.pin_memory import pin_memory as _pin_memory
 
-from fastdata.dataset import Cursor, EpochStart, ShardedDataset
+from fastdata.dataset import BatchSchedule, Cursor, EpochStart, ShardedDataset, Turn
 from fastdata.errors import CacheError
 from fastdata.loader._gather import FastGather
 
@@ -339,25 +339,20 @@ def cached_batches(
     # one live cursor per virtual worker: the dataset keeps every one's open shards open;
     # with one worker ds.state_dict() follows, as with num_workers=0 on the worker path
     workers = [_VirtualWorker(ds.cursor(start, w, seq=seq, live=n == 1)) for w, seq in enumerate(seqs)]
-    first = start.first
     fast_collate = collate_fn is default_collate
     if gather.metas is None:  # one per loader, kept across epochs (see MetaMemo)
         gather.metas = MetaMemo()
     cached_fields = frozenset(f.name for f in store.fields or ())
-    active = [True] * n
-    w = first
-    while any(active):  # round-robin over the workers that are not exhausted, like torch
-        if active[w]:
-            before = workers[w].cursor.pos
-            metas, rows, pos = workers[w].take(batch_size, missing, cached_fields, gather.metas, fast_collate)
-            full = len(rows) == batch_size
-            if full or (len(rows) and not drop_last):
-                yield FastBatch(_assemble(store, metas, rows, collate_fn, fast_collate, pin, gather,
-                                          pinned or pin is not None), w, pos)
-            elif positions is not None and pos - before > len(rows):  # ended in skipped samples
-                positions[w] = pos
-            active[w] = full
-        w = (w + 1) % n
+    deal = BatchSchedule(n, batch_size, drop_last).deal(start.first)
+    while (w := deal.next()) is not None:
+        before = workers[w].cursor.pos
+        metas, rows, pos = workers[w].take(batch_size, missing, cached_fields, gather.metas, fast_collate)
+        turn = deal.settle(w, len(rows), pos - before > len(rows))
+        if turn is Turn.BATCH:
+            yield FastBatch(_assemble(store, metas, rows, collate_fn, fast_collate, pin, gather,
+                                      pinned or pin is not None), w, pos)
+        elif turn is Turn.END and positions is not None:  # ended in skipped samples
+            positions[w] = pos
 
 
 def _assemble(store: Any, metas: list[dict[str, Any]] | _Columns, rows: Any, collate_fn: Callable[[Any], Any],

@@ -40,7 +40,7 @@ import torch.utils.data
 from torch.utils.data._utils.pin_memory import pin_memory as _pin_memory
 
 from fastdata._util import check_index, release_frames
-from fastdata.dataset import EpochStart, ShardedDataset, SkipReport, take_cursor
+from fastdata.dataset import BatchSchedule, EpochStart, ShardedDataset, SkipReport, take_cursor
 from fastdata.dataset import collate as collate_encoded
 from fastdata.errors import CacheError, FastdataError, SkipBudgetError
 from fastdata.loader import _cached as _cache_loader
@@ -76,20 +76,17 @@ class _NoBatch:
 
 
 class _TaggingCollate:
-    def __init__(self, collate_fn: Callable[[Any], Any], token: str, batch_size: int | None = None,
-                 drop_last: bool = False):
+    def __init__(self, collate_fn: Callable[[Any], Any], token: str, schedule: BatchSchedule):
         self.collate_fn = collate_fn
         self.token = token
-        self.batch_size = batch_size
-        self.drop_last = drop_last
+        self.schedule = schedule
 
     def __call__(self, data: Any) -> _Tagged:
         if isinstance(data, SkipReport) or (isinstance(data, list) and data and isinstance(data[-1], SkipReport)):
             # the walk ended with skips after its last yield: send them (and the final position);
             # real samples in this batch are the ones torch would have batched without the markers
             real = [] if isinstance(data, SkipReport) else [x for x in data if not isinstance(x, SkipReport)]
-            dropped = self.drop_last and self.batch_size is not None and len(real) < self.batch_size
-            batch = _thread_loader.collate(self.collate_fn, real) if real and not dropped else _NoBatch()
+            batch = _thread_loader.collate(self.collate_fn, real) if self.schedule.yields(len(real)) else _NoBatch()
         else:
             batch = _thread_loader.collate(self.collate_fn, data)  # StopIteration: RuntimeError
         cursor = take_cursor()
@@ -408,7 +405,7 @@ class DataLoader(torch.utils.data.DataLoader):
             if reason is not None:
                 raise ValueError(f"cached_fast_path=True: {reason}")
         if isinstance(dataset, ShardedDataset):
-            self.collate_fn = _TaggingCollate(self.collate_fn, dataset.token, self.batch_size, self.drop_last)
+            self.collate_fn = _TaggingCollate(self.collate_fn, dataset.token, self._schedule())
 
     def _check_torch_arguments(self) -> None:
         """torch checks only ``num_workers < 0`` and ``timeout < 0`` here: 1.5 workers or a NaN timeout
@@ -494,7 +491,7 @@ class DataLoader(torch.utils.data.DataLoader):
             pool._shutdown_workers()
             self._iterator = None
         if self.num_workers > 0:  # workers report skips after their last batch (see ShardedDataset.report_skips_inline)
-            ds.report_skips_inline(self.batch_size, self.drop_last)
+            ds.report_skips_inline(self._schedule())
             if self.persistent_workers and self.preload_next_epoch:
                 ds.preload_next_epoch((self.batch_size or 1) * (self.prefetch_factor or 2))
         try:
@@ -589,21 +586,17 @@ class DataLoader(torch.utils.data.DataLoader):
             self._fast_seed_drawn = True
         torch.empty((), dtype=torch.int64).random_(generator=self.generator)
 
+    def _schedule(self, num_workers: int | None = None) -> BatchSchedule:
+        """How this loader deals batches over ``num_workers`` walks (default: its own ``num_workers``)."""
+        return BatchSchedule(self.num_workers if num_workers is None else num_workers, self.batch_size,
+                             self.drop_last)
+
     def _next_worker(self, run: _Run) -> int:
-        """Logical worker of the next batch: torch deals batches round-robin, skipping exhausted workers."""
-        if run.last is None:
-            return run.start.first
-        n = run.start.num_workers
-        if self.num_workers == 0 or self._sharded().streaming:
-            return 0 if n == 1 else (run.last + 1) % n
-        counts = self._sharded().counts_at(run.start)
-        b = self.batch_size or 1
-        for d in range(1, n + 1):
-            w = (run.last + d) % n
-            left = counts[w] - run.pos[w]
-            if (left // b if self.drop_last else -(-left // b)) > 0:
-                return w
-        return (run.last + 1) % n
+        """Logical worker of the next batch (the schedule's prediction from the samples each has left)."""
+        left = None
+        if run.last is not None and self.num_workers > 0 and not self._sharded().streaming:
+            left = [c - p for c, p in zip(self._sharded().counts_at(run.start), run.pos)]
+        return self._schedule(run.start.num_workers).next_worker(run.last, run.start.first, left)
 
     def state_dict(self) -> dict[str, Any]:
         """Exact position after the batches yielded so far (JSON-serialisable)."""

@@ -73,7 +73,7 @@ from torch.utils.data import default_collate
 from torch.utils.data._utils.pin_memory import pin_memory as _pin_memory
 
 from fastdata._util import add_note
-from fastdata.dataset import EpochStart, ShardedDataset
+from fastdata.dataset import BatchSchedule, EpochStart, ShardedDataset, Turn
 from fastdata.errors import MissingFieldError
 from fastdata.loader._cached import FastBatch
 
@@ -560,10 +560,8 @@ class ThreadBatches:
             c.defer_skips = True
         self._record_skips = record_skips
         self._n = len(cursors)
-        self._w = first
-        self._active = [True] * self._n
         self._b = batch_size
-        self._drop_last = drop_last
+        self._deal = BatchSchedule(self._n, batch_size, drop_last).deal(first)
         self._collate = collate_fn
         self._inplace = collate_fn is default_collate
         self._pin = pin
@@ -594,20 +592,15 @@ class ThreadBatches:
         if self._pool is None:
             raise StopIteration
         try:
-            while any(self._active):
-                w = self._w
-                self._w = (w + 1) % self._n
-                if not self._active[w]:
-                    continue
+            while (w := self._deal.next()) is not None:
                 self._dispatch(w)
                 rows, pos, skipped = self._take(self._walks[w])
-                full = len(rows) == self._b
-                self._active[w] = full
-                if full or (rows and not self._drop_last):
+                turn = self._deal.settle(w, len(rows), skipped)
+                if turn is Turn.BATCH:
                     batch = self._assemble(self._walks[w], rows)
                     self._batches += 1
                     return FastBatch(batch, w, pos)
-                if skipped and self.positions is not None:  # as a worker process reports its end
+                if turn is Turn.END and self.positions is not None:  # as a worker process reports its end
                     self.positions[w] = pos
                 self._discard(self._walks[w])
         except BaseException:
@@ -646,7 +639,7 @@ class ThreadBatches:
         """Keep about LOOKAHEAD + 1 predicted batches in flight, from batch of worker ``w`` on."""
         budget = (LOOKAHEAD + 1) * self._b - sum(walk.in_flight for walk in self._walks)
         have = [walk.in_flight for walk in self._walks]
-        active = list(self._active)
+        active = list(self._deal.active)
         for _ in range((LOOKAHEAD + 1) * self._n):
             if budget <= 0 or not any(active):
                 return
