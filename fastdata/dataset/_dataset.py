@@ -23,11 +23,10 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from fastdata._util import check_index
 from fastdata.dataset._cursor import Cursor, EpochStart
+from fastdata.dataset._options import ON_ERROR, ON_MISSING, DatasetOptions
 from fastdata.dataset._source import Source, resolve_source
 from fastdata.dataset._split import (
-    EVEN_POLICIES,
     ElasticPlan,
     Era,
     ShuffleOptions,
@@ -50,7 +49,7 @@ from fastdata.dataset._packed import EncodedImage, key_index
 from fastdata.dataset._preload import NextEpoch
 from fastdata.dataset._schedule import BatchSchedule
 from fastdata.dataset._readers import ReaderCache, fork_count
-from fastdata.decode import (DECODED_SUFFIXES, Decoder, SampleDecoder, check_max_pixels, image_to_tensor,
+from fastdata.decode import (Decoder, SampleDecoder, image_to_tensor,
                              is_image_field, suffix)
 from fastdata.errors import CacheError, FastdataError, MissingFieldError, ShardError, SkipBudgetError, SourceError
 from fastdata.shards import missing_fields, required_fields
@@ -59,9 +58,6 @@ from fastdata.cache import Store, StoreInfo  # at run time too: typing.get_type_
 
 __all__ = ["ON_ERROR", "ON_MISSING", "ShardedDataset", "ShuffleOptions", "SkipReport", "SkippedSampleWarning"]
 
-ON_ERROR = ("raise", "skip", "warn")
-ON_MISSING = ("raise", "skip", "allow")
-IMAGE_DECODE = ("cpu", "device")
 STATE_VERSION = 1
 _LOCATE_CHUNK = 1024  # samples whose shards are located at once (bounded memory for long epochs)
 
@@ -268,81 +264,18 @@ class ShardedDataset(IterableDataset):
         max_skips: int | float | None = None,
         max_pixels: int | None = None,
     ):
-        if not isinstance(seed, int) or isinstance(seed, bool):  # True would pass as seed 1
-            raise TypeError(f"seed must be an int, got {seed!r}")
-        if on_error not in ON_ERROR:
-            raise ValueError(f"on_error must be one of {ON_ERROR}, got {on_error!r}")
-        if on_missing not in ON_MISSING:
-            raise ValueError(f"on_missing must be one of {ON_MISSING}, got {on_missing!r}")
-        if max_skips is not None and (
-            isinstance(max_skips, bool) or not isinstance(max_skips, (int, float))
-            or (isinstance(max_skips, int) and max_skips < 0)
-            or (isinstance(max_skips, float) and not 0.0 < max_skips < 1.0)
-        ):
-            raise ValueError(f"max_skips must be None, an int >= 0 or a float in (0, 1), got {max_skips!r}")
-        check_max_pixels(max_pixels)
-        if isinstance(fields, (str, bytes)):
-            raise TypeError(f"fields must be a list of field names, got the string {fields!r}")
-        if fields is not None:
-            try:
-                fields = list(fields)
-            except TypeError:
-                raise TypeError(f"fields must be a list of field names, got {fields!r}") from None
-            bad = [f for f in fields if not isinstance(f, str)]
-            if bad:
-                raise TypeError(f"fields must be a list of field names (str), got {bad[0]!r} in {fields!r}")
-        if even not in EVEN_POLICIES:
-            raise ValueError(f"even must be one of {EVEN_POLICIES}, got {even!r}")
-        if samples_per_epoch is not None and (
-            isinstance(samples_per_epoch, bool) or not isinstance(samples_per_epoch, int) or samples_per_epoch < 1
-        ):  # SplitPlan checks it too, but a streaming source has no plan
-            raise ValueError(f"samples_per_epoch must be an int >= 1 or None, got {samples_per_epoch!r}")
-        if (rank is None) != (world_size is None):
-            raise ValueError(f"pass both rank and world_size or neither, got rank={rank!r}, world_size={world_size!r}")
-        if world_size is not None:  # int(1.5) or int("1") would pass a wrong or misspelt value on silently
-            world_size = check_index("world_size", world_size, 1)
-            rank = check_index("rank", rank, 0)
-            if rank >= world_size:
-                raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
-        for name, fn in (("preprocess", preprocess), ("transform", transform), ("sample_transform", sample_transform)):
-            if fn is not None and not callable(fn):
-                raise TypeError(f"{name} must be callable, got {fn!r}")
-        if cache is not None and not isinstance(getattr(preprocess, "fingerprint", None), str):
-            raise ValueError("cache= needs preprocess= with a fingerprint (ResizeCenterCrop(...) or "
-                             f"Deterministic(fn, version=...)), got preprocess={preprocess!r}")
+        o = DatasetOptions(
+            shuffle=shuffle, seed=seed, decode=decode, preprocess=preprocess, transform=transform,
+            sample_transform=sample_transform, fields=fields, cache=cache, rank=rank, world_size=world_size, even=even,
+            samples_per_epoch=samples_per_epoch, on_error=on_error, allow_pickle=allow_pickle,
+            image_decode=image_decode, on_missing=on_missing, max_skips=max_skips, max_pixels=max_pixels)
         self.source: Source = resolve_source(source)
-        if cache is not None and self.source.streaming:
-            raise ValueError("cache= needs random access to samples; a streaming (URL) source has none")
-        if isinstance(max_skips, float) and self.source.streaming and samples_per_epoch is None:
-            raise ValueError("max_skips as a fraction needs the epoch's size: a streaming source needs "
-                             "samples_per_epoch= (or pass a count)")
-        if fields is not None and self.source.fields is not None:
-            unknown = sorted(f for f in set(fields) - set(self.source.fields) if not f.startswith("__"))
-            if unknown:
-                raise ValueError(f"fields={list(fields)!r}: {unknown} not in this dataset; available fields: "
-                                 f"{list(self.source.fields)}")
-        if shuffle is not None and not isinstance(shuffle, (bool, ShuffleOptions)):  # '' or [] passed as off
-            raise TypeError(f"shuffle must be a bool or ShuffleOptions, got {shuffle!r}")
-        self.shuffle = ShuffleOptions() if shuffle is True else (shuffle or None)
-        if self.shuffle is not None and not isinstance(self.shuffle, ShuffleOptions):
-            raise TypeError(f"shuffle must be a bool or ShuffleOptions, got {shuffle!r}")
-        self.seed = seed
-        self.even = even
-        self.samples_per_epoch = samples_per_epoch
-        self.on_error = on_error
-        if image_decode not in IMAGE_DECODE:
-            raise ValueError(f"image_decode must be one of {IMAGE_DECODE}, got {image_decode!r}")
-        if image_decode == "device" and (preprocess is not None or transform is not None or cache is not None):
-            raise ValueError("image_decode='device' keeps images encoded for the device decode stage: it excludes "
-                             "preprocess=, transform= and cache= (use fastdata.gpu transforms after DecodeImages)")
-        if image_decode == "device" and max_pixels is not None:  # the workers never decode: it would do nothing
-            raise ValueError("image_decode='device' keeps images encoded, so max_pixels= would limit nothing here: "
-                             "pass it to the stage that decodes them, fastdata.gpu.DecodeImages(max_pixels=...)")
-        self.image_decode = image_decode
-        self.preprocess, self.transform, self.sample_transform = preprocess, transform, sample_transform
-        self.fields = None if fields is None else frozenset(fields)
-        self.on_missing = on_missing
-        self.max_skips = max_skips
+        o.check_source(self.source)
+        self.shuffle: ShuffleOptions | None = o.shuffle  # type: ignore[assignment]
+        self.seed, self.even, self.samples_per_epoch, self.on_error = o.seed, o.even, o.samples_per_epoch, o.on_error
+        self.image_decode, self.on_missing, self.max_skips = o.image_decode, o.on_missing, o.max_skips
+        self.preprocess, self.transform, self.sample_transform = o.preprocess, o.transform, o.sample_transform
+        self.fields = None if o.fields is None else frozenset(o.fields)
         known = self.fields if self.fields is not None else self.source.fields
         # groups of field names a sample needs one of each (image formats are alternatives)
         self._required = required_fields(known) if known is not None and on_missing != "allow" else ()
@@ -356,21 +289,8 @@ class ShardedDataset(IterableDataset):
             decode, allow_pickle=allow_pickle, draft_size=getattr(first, "target_size", None),
             images_as_pil=bool(getattr(first, "accepts_pil", False)), max_pixels=max_pixels,
         )
-        if isinstance(decode, Mapping) and self.source.fields:  # ".png" or "PNG" would match nothing, silently
-            names = set(self.source.fields) | {suffix(f) for f in self.source.fields}
-            # a suffix fastdata decodes may be absent ({"jpg": f, "png": f} shared by several datasets)
-            unknown = [k for k in decode if k not in names and k not in DECODED_SUFFIXES]
-            if unknown:
-                raise ValueError(f"decode={{...}}: {unknown} match no field of this dataset (a key is a field name or "
-                                 f"its last suffix, lower case, without the dot: 'png'); available fields: "
-                                 f"{list(self.source.fields)}")
-        elif isinstance(decode, Mapping):  # fields unknown (tar URLs): a leading dot still matches nothing but a
-            dotted = [k for k in decode if isinstance(k, str) and k.startswith(".")]  # field '.png' ('png' does too)
-            if dotted:
-                raise ValueError(f"decode={{...}}: {dotted}: a key is a field name or its last suffix, lower case, "
-                                 f"without the dot: {dotted[0][1:].lower()!r}")
         self._cache_arg = cache
-        self._explicit_dist = None if rank is None else (int(rank), int(world_size))  # type: ignore[arg-type]
+        self._explicit_dist = None if o.rank is None else (o.rank, o.world_size)
         self.rank, self.world_size = 0, 1
         self._warned_uneven = False  # see resolve_dist
         self._warned_unsplit = False  # see _warn_unsplit
