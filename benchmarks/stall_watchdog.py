@@ -26,7 +26,7 @@ from fastdata.shards.writer import ShardWriter
 
 def per_batch_ns(loader: DataLoader, batches: int) -> float:
     ds = loader.dataset
-    start = ds.epoch_start(1)
+    start = ds.loader_seam.epoch_start(1)
     run = _loader._Run(start, list(start.consumed))
     ready = [_cached.FastBatch(i, 0, i) for i in range(batches)]
     it = _loader._loader_iter(loader, (b for b in ready), run, batches, _loader._gather_helpers)  # as the cached path

@@ -88,7 +88,7 @@ def test_threads_equal_worker_path_ranks_padding_and_samples_per_epoch(shards, r
 
 def test_samples_are_written_in_place_and_buffers_are_reused(shards):
     ds = _make(shards, shuffle=False)
-    start = ds.epoch_start(2)
+    start = ds.loader_seam.epoch_start(2)
     it = _threads.thread_batches(ds, start, threads=2, batch_size=4, drop_last=False,
                                  collate_fn=torch.utils.data.default_collate, pin=None)
     ref = list(DataLoader(_make(shards, shuffle=False), batch_size=4, num_workers=2))
@@ -330,7 +330,7 @@ def test_tuple_and_list_samples_in_place(shards, kind):
         assert type(x) is type(y) is list and len(x) == 3
         assert torch.equal(x[0], y[0]) and torch.equal(x[1], y[1]) and x[2] == y[2]
     ds = make()
-    it = _threads.thread_batches(ds, ds.epoch_start(2), threads=2, batch_size=4, drop_last=False,
+    it = _threads.thread_batches(ds, ds.loader_seam.epoch_start(2), threads=2, batch_size=4, drop_last=False,
                                  collate_fn=torch.utils.data.default_collate, pin=None)
     assert sum(len(fb.batch[0]) for fb in it) == N and it.stats["in_place"] > N // 2
 
@@ -405,7 +405,7 @@ def test_next_epoch_starts_in_place_with_the_same_buffers(shards):
     ds = _make(shards)
 
     def epoch() -> dict[str, int]:
-        it = _threads.thread_batches(ds, ds.epoch_start(2), threads=2, batch_size=4, drop_last=False,
+        it = _threads.thread_batches(ds, ds.loader_seam.epoch_start(2), threads=2, batch_size=4, drop_last=False,
                                      collate_fn=torch.utils.data.default_collate, pin=None)
         for fb in it:
             del fb
@@ -426,7 +426,7 @@ def test_a_stale_layout_is_replaced(shards):
     got = epoch_on_path(DataLoader(ds, **kw), "threads")
     ref = epoch_on_path(DataLoader(_make(shards, transform=lambda img: img[:, :12]), batch_size=4, num_workers=2), "workers")
     assert_same(got, ref)
-    it = _threads.thread_batches(ds, ds.epoch_start(2), threads=2, batch_size=4, drop_last=False,
+    it = _threads.thread_batches(ds, ds.loader_seam.epoch_start(2), threads=2, batch_size=4, drop_last=False,
                                  collate_fn=torch.utils.data.default_collate, pin=None)
     assert sum(len(fb.batch["cls"]) for fb in it) == N and it.stats["copied"] == 0
 

@@ -74,21 +74,23 @@ class NextEpoch:
         self.discarded = 0  # preloads thrown away: another epoch start came
 
     # ----- the worker's thread ------------------------------------------------------------------
-    def walk(self, ds: Any, start: EpochStart, worker: int, physical: int) -> Iterator[Any]:
+    def walk(self, seam: Any, start: EpochStart, worker: int, physical: int) -> Iterator[Any]:
         """The samples of ``worker``'s walk of ``start`` (preloaded ones first), then a preload of
-        the predicted next epoch (``physical``: this process's torch worker id)."""
+        the predicted next epoch (``seam``: the dataset's LoaderSeam; ``physical``: this process's
+        torch worker id)."""
+        ds = seam.dataset
         loaded = self.take(start, worker, (ds.rank, ds.world_size))
         if self._last_epoch is not None and start.epoch != self._last_epoch:
             self._step = start.epoch - self._last_epoch
         self._last_epoch = start.epoch
         if loaded is None:
-            cursor = ds.cursor(start, worker)
+            cursor = seam.cursor(start, worker)
             yield from iter(cursor)
         else:
             cursor = loaded.cursor
             yield from _replay(loaded)
             yield from iter(cursor)  # from the position reached, to the end of the walk
-        self._begin(ds, start, physical)
+        self._begin(seam, start, physical)
 
     def take(self, start: EpochStart, worker: int, dist: tuple[int, int] = (0, 1)) -> _Loaded | None:
         """Stop the thread; its samples if they are those of ``(start, worker)`` at ``dist`` (rank,
@@ -111,18 +113,19 @@ class NextEpoch:
             thread.join()
             self._thread = None
 
-    def _begin(self, ds: Any, done: EpochStart, physical: int) -> None:
+    def _begin(self, seam: Any, done: EpochStart, physical: int) -> None:
         global _HOOKED
-        if self.samples <= 0 or ds.source.streaming:
+        ds = seam.dataset
+        if self.samples <= 0 or ds.streaming:
             return
         shared = ds.epoch  # set_epoch of the main process reaches workers through shared memory
         epoch = shared if shared != done.epoch else done.epoch + self._step
         if epoch < 0:
             return
         nw = done.num_workers
-        start = ds.epoch_start(nw, epoch)
+        start = seam.epoch_start(nw, epoch)
         worker = (physical + start.first) % nw  # the mapping of ShardedDataset.__iter__
-        cursor = ds.cursor(start, worker)
+        cursor = seam.cursor(start, worker)
         self._loaded = _Loaded(start, worker, cursor, (ds.rank, ds.world_size))
         self._halt = threading.Event()
         if not _HOOKED:

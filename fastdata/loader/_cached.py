@@ -71,7 +71,7 @@ def static_reason(ds: Any, *, batch_size: int | None, collate_fn: Callable[[Any]
     """Why the fast path cannot serve this loader whatever the store holds (None: it can)."""
     if not isinstance(ds, ShardedDataset):
         return f"the dataset is a {type(ds).__name__}, not a fastdata.ShardedDataset"
-    if not ds.has_cache:
+    if not ds.loader_seam.has_cache:
         return "the dataset has no cache= store"
     if ds.transform is not None:
         return "transform= runs per sample (in the workers)"
@@ -91,7 +91,8 @@ def plan_fast_epoch(ds: ShardedDataset, store: Any, start: EpochStart) -> tuple[
     """(per-virtual-worker index sequences, samples to compute in this process), or why the
     store cannot serve the rest of the epoch."""
     epoch = start.epoch
-    counts = ds.counts_at(start)
+    seam = ds.loader_seam
+    counts = seam.counts_at(start)
     need = sum(c - k for c, k in zip(counts, start.consumed))
     allowed = int(need * MISSING_FRACTION)
     have = store.num_valid()
@@ -99,7 +100,7 @@ def plan_fast_epoch(ds: ShardedDataset, store: Any, start: EpochStart) -> tuple[
     if have < store.num_samples and ds.samples_per_epoch is None and have < need - ds.world_size + 1 - allowed:
         return (f"cache store {store.path} has {have} of {store.num_samples} samples filled; rank {ds.rank} reads "
                 f"{need} in epoch {epoch} (at most {allowed} may be missing)")
-    seqs = ds.sequences_at(start)
+    seqs = seam.sequences_at(start)
     missing: frozenset[int] = frozenset()
     if have < store.num_samples:
         missing = frozenset(store.missing(np.concatenate([s[c:] for s, c in zip(seqs, start.consumed)])).tolist())
@@ -338,7 +339,8 @@ def cached_batches(
     n = len(seqs)
     # one live cursor per virtual worker: the dataset keeps every one's open shards open;
     # with one worker ds.state_dict() follows, as with num_workers=0 on the worker path
-    workers = [_VirtualWorker(ds.cursor(start, w, seq=seq, live=n == 1)) for w, seq in enumerate(seqs)]
+    seam = ds.loader_seam
+    workers = [_VirtualWorker(seam.cursor(start, w, seq=seq, live=n == 1)) for w, seq in enumerate(seqs)]
     fast_collate = collate_fn is default_collate
     if gather.metas is None:  # one per loader, kept across epochs (see MetaMemo)
         gather.metas = MetaMemo()

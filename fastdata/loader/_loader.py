@@ -188,7 +188,7 @@ class _LoaderIter:
                     worker, _, pos, skips = item.tag
                     if skips and self._loader.num_workers > 0:  # in-process skips are already recorded
                         try:
-                            self._loader.dataset.record_skips(skips)  # SkipBudgetError past max_skips
+                            self._loader.dataset.loader_seam.record_skips(skips)  # SkipBudgetError past max_skips
                         except SkipBudgetError:
                             self._end_pass()
                             raise  # before the position moves: this batch is not yielded, a resume reads it
@@ -405,7 +405,7 @@ class DataLoader(torch.utils.data.DataLoader):
             if reason is not None:
                 raise ValueError(f"cached_fast_path=True: {reason}")
         if isinstance(dataset, ShardedDataset):
-            self.collate_fn = _TaggingCollate(self.collate_fn, dataset.token, self._schedule())
+            self.collate_fn = _TaggingCollate(self.collate_fn, dataset.loader_seam.token, self._schedule())
 
     def _check_torch_arguments(self) -> None:
         """torch checks only ``num_workers < 0`` and ``timeout < 0`` here: 1.5 workers or a NaN timeout
@@ -439,7 +439,8 @@ class DataLoader(torch.utils.data.DataLoader):
         if not isinstance(self.dataset, ShardedDataset):
             return super().__len__()
         self._IterableDataset_len_called = len(self.dataset)
-        return self.dataset.batches_per_epoch(self.batch_size, num_workers=self.num_workers, drop_last=self.drop_last)
+        return self.dataset.loader_seam.batches_per_epoch(self.batch_size, num_workers=self.num_workers,
+                                                          drop_last=self.drop_last)
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         ds = self.dataset
@@ -456,13 +457,14 @@ class DataLoader(torch.utils.data.DataLoader):
                         "its workers serve one iteration at a time. Iterate the prefetcher, not the loader, "
                         "or give this loop its own DataLoader")
                 previous._ended = True  # it would take this iteration's batches (and count them as its own)
-        ds.resolve_dist()
-        ds.begin_skip_budget()
-        start = ds.epoch_start(self.num_workers)
+        seam = ds.loader_seam
+        seam.resolve_dist()
+        seam.begin_skip_budget()
+        start = seam.epoch_start(self.num_workers)
         fast = self._fast_iter(ds, start)
         if fast is not None:
             self.last_path, self.fallback_reason = "cached", None
-            ds.consume_resume()
+            seam.consume_resume()
             self._draw_base_seed()
             return _loader_iter(self, fast, self._run, len(self), _gather_helpers)
         if self.decode_threads:
@@ -474,7 +476,7 @@ class DataLoader(torch.utils.data.DataLoader):
                 ds, start, threads=self.decode_threads, batch_size=self.batch_size,  # type: ignore[arg-type]
                 drop_last=self.drop_last, collate_fn=self._user_collate, pin=pin, pin_rows=pin_rows,
                 timeout=self.timeout)
-            ds.consume_resume()
+            seam.consume_resume()
             self._draw_base_seed()
             self._run = _Run(start, list(start.consumed))
             if self.num_workers > 0:  # a walk ending in skips reports its end, as a worker process does
@@ -490,16 +492,16 @@ class DataLoader(torch.utils.data.DataLoader):
             # "DataLoader worker (pid(s) N) exited unexpectedly" naming the dead one; start a new pool
             pool._shutdown_workers()
             self._iterator = None
-        if self.num_workers > 0:  # workers report skips after their last batch (see ShardedDataset.report_skips_inline)
-            ds.report_skips_inline(self._schedule())
+        if self.num_workers > 0:  # workers report skips after their last batch (see LoaderSeam.report_skips_inline)
+            seam.report_skips_inline(self._schedule())
             if self.persistent_workers and self.preload_next_epoch:
-                ds.preload_next_epoch((self.batch_size or 1) * (self.prefetch_factor or 2))
+                seam.preload_next_epoch((self.batch_size or 1) * (self.prefetch_factor or 2))
         try:
             inner = super().__iter__()  # workers now hold a copy of the dataset with the resume state
         finally:
-            ds.stop_skip_reports()
-            ds.preload_next_epoch(0)
-        ds.consume_resume()
+            seam.stop_skip_reports()
+            seam.preload_next_epoch(0)
+        seam.consume_resume()
         self._run = _Run(start, list(start.consumed))
         if previous is not None and previous._inner is inner:  # persistent workers: torch reset that iterator
             if previous._watch is not None:
@@ -547,9 +549,9 @@ class DataLoader(torch.utils.data.DataLoader):
         reason = "cached_fast_path=False" if mode is False else self._static_reason(forced=mode is True)
         plan: Any = None
         store = None
-        if ds.has_cache:
+        if ds.loader_seam.has_cache:
             try:
-                store = ds.cache_store()  # opened (and held) in this process too: no eviction between epochs
+                store = ds.loader_seam.cache_store()  # opened (and held) in this process too: no eviction between epochs
             except FastdataError as e:
                 if mode is True:
                     raise
@@ -595,7 +597,7 @@ class DataLoader(torch.utils.data.DataLoader):
         """Logical worker of the next batch (the schedule's prediction from the samples each has left)."""
         left = None
         if run.last is not None and self.num_workers > 0 and not self._sharded().streaming:
-            left = [c - p for c, p in zip(self._sharded().counts_at(run.start), run.pos)]
+            left = [c - p for c, p in zip(self._sharded().loader_seam.counts_at(run.start), run.pos)]
         return self._schedule(run.start.num_workers).next_worker(run.last, run.start.first, left)
 
     def state_dict(self) -> dict[str, Any]:
@@ -603,7 +605,7 @@ class DataLoader(torch.utils.data.DataLoader):
         ds = self._sharded()
         run = self._run
         if run is not None and run.epoch == ds.epoch:
-            state = ds.state_at(run.epoch, run.stages_now(), self._next_worker(run))
+            state = ds.loader_seam.state_at(run.epoch, run.stages_now(), self._next_worker(run))
             batches = run.batches
         else:
             state, batches = ds.state_dict(), 0

@@ -183,17 +183,18 @@ def thread_batches(ds: ShardedDataset, start: EpochStart, *, threads: int, batch
 
     ``pin``: pin every tensor of a batch (``pin_memory=True``); ``pin_rows``: allocate the batch
     rows samples are written into page-locked (default: as ``pin``)."""
-    if ds.has_cache:
-        ds.cache_store()  # opened here once, not raced by the pool's first loads
-    seqs = ds.sequences_at(start)
+    seam = ds.loader_seam
+    if seam.has_cache:
+        seam.cache_store()  # opened here once, not raced by the pool's first loads
+    seqs = seam.sequences_at(start)
     n = len(seqs)
     # one live cursor per virtual worker: the dataset's reader cache keeps the shards each walk
     # reads open (thread-safe: a reader is never closed under a reading thread);
     # with one worker ds.state_dict() follows, as with num_workers=0 on the worker path
-    cursors = [ds.cursor(start, w, seq=seq, live=n == 1) for w, seq in enumerate(seqs)]
+    cursors = [seam.cursor(start, w, seq=seq, live=n == 1) for w, seq in enumerate(seqs)]
     batches = ThreadBatches(cursors, first=start.first, threads=threads, batch_size=batch_size, drop_last=drop_last,
                             collate_fn=collate_fn, pin=pin, pin_rows=pin_rows, carry=_CARRY.setdefault(ds, {}),
-                            timeout=timeout, record_skips=ds.record_deferred_skips)
+                            timeout=timeout, record_skips=seam.record_deferred_skips)
     return batches
 
 
