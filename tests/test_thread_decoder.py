@@ -18,7 +18,7 @@ import torch
 from fastdata.cli._synth import jpeg_bytes, synth_image
 from fastdata.dataset import ShardedDataset, ShuffleOptions
 from fastdata.errors import DecodeError
-from fastdata.loader import DataLoader, _threads
+from fastdata.loader import DataLoader, _pool, _rows, _threads
 from fastdata.shards.writer import ShardWriter
 from fastdata.transforms import ResizeCenterCrop
 from tests.helpers.batches import assert_same, batch_keys, epoch_on_path
@@ -98,7 +98,7 @@ def test_samples_are_written_in_place_and_buffers_are_reused(shards):
         got.append(fb.batch["__key__"])
         del fb
     assert it.stats["in_place"] > N // 2  # after the first sample fixed the layout, rows land in place
-    assert it.stats["allocated"] <= _threads.LOOKAHEAD + 1 + _threads.RING_SPARE  # bounded memory
+    assert it.stats["allocated"] <= _threads.LOOKAHEAD + 1 + _rows.RING_SPARE  # bounded memory
 
 
 def test_batches_held_by_the_consumer_are_never_overwritten(shards):
@@ -118,18 +118,18 @@ def test_batches_held_by_the_consumer_are_never_overwritten(shards):
 def test_storage_use_count_sees_views_and_numpy():
     """Guards the torch behaviour the buffer ring relies on (torch._C._storage_Use_Count)."""
     t = torch.zeros(4, 8)
-    base = _threads._storage_users(t)
+    base = _rows.storage_users(t)
     v = t[:2]
-    assert _threads._storage_users(t) > base
+    assert _rows.storage_users(t) > base
     a = v.numpy()
     del v
-    assert _threads._storage_users(t) > base  # the array keeps the view alive
+    assert _rows.storage_users(t) > base  # the array keeps the view alive
     del a
-    assert _threads._storage_users(t) == base
+    assert _rows.storage_users(t) == base
     s = t[1:3].reshape(-1)
-    assert _threads._storage_users(t) > base
+    assert _rows.storage_users(t) > base
     del s
-    assert _threads._storage_users(t) == base
+    assert _rows.storage_users(t) == base
 
 
 @pytest.mark.parametrize(("before", "after"), [("workers", "threads"), ("threads", "workers"), ("threads", "threads")])
@@ -278,11 +278,11 @@ def test_threads_paused_around_fork_and_batches_unharmed(shards):
     it = iter(dl)
     got = [next(it) for _ in range(2)]
     assert _decode_threads_alive()
-    _threads._pause_before_fork()  # what os.fork runs first
+    _pool._pause_before_fork()  # what os.fork runs first
     assert _decode_threads_alive() == []
     it._inner._pool.ensure_running()  # another thread asking during the fork window: no restart
     assert _decode_threads_alive() == []
-    _threads._resume_after_fork()  # what os.fork runs in the parent afterwards
+    _pool._resume_after_fork()  # what os.fork runs in the parent afterwards
     got.append(next(it))  # restarted on demand
     # a DataLoader with forked worker processes elsewhere, mid-epoch
     other = DataLoader(_make(shards, shuffle=False), batch_size=8, num_workers=2,
