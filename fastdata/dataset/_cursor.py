@@ -11,7 +11,7 @@
 DataLoader collates in the thread that pulled the batch from the dataset (a worker's, or the
 loading thread with ``num_workers=0``) right after pulling it, so a collate function reads the exact
 position from it. Per thread: two in-process loaders read in two threads at once (a prefetcher's
-thread and a validation loop) each see their own.
+thread and a validation loop) each see their own. See docs/design/loader-paths.md.
 """
 from __future__ import annotations
 

@@ -6,6 +6,7 @@ loading, the state dict, streaming sources and skip records live in their own mo
 stage reaches them through one seam object, :class:`~fastdata.dataset._seam.LoaderSeam`
 (``dataset.loader_seam``). A copy of a dataset (pickled to a worker, or ``copy.copy``) shares its
 configuration and skip records and keeps its own readers, cache store and resume point.
+See docs/design/loader-paths.md (the seam), split.md (the order) and resume.md (state dicts).
 """
 from __future__ import annotations
 

@@ -14,7 +14,13 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from fastdata.dataset._split import SplitPlan, Stage, check_consumed, iteration_stages, split_sizes
+from fastdata.dataset._split import (
+    SplitPlan,
+    Stage,
+    check_consumed,
+    iteration_stages,
+    split_sizes,
+)
 
 __all__ = ["ElasticPlan", "Era", "elastic_parts", "elastic_remaining", "elastic_split", "rest_counts"]
 

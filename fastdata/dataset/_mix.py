@@ -13,7 +13,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fastdata.dataset._rng import GOLDEN, keys_u64, mix_u64, permutation, random_floats, rng_key
+from fastdata.dataset._rng import (
+    GOLDEN,
+    keys_u64,
+    mix_u64,
+    permutation,
+    random_floats,
+    rng_key,
+)
 
 __all__ = ["Segment", "ShuffleOptions", "mix_segments"]
 
@@ -61,8 +68,7 @@ def _interleave(pieces: list[np.ndarray], open_count: int, key: int) -> np.ndarr
     reference loop in tests/test_split_vector.py checks it sample for sample): while ``k`` pieces
     are open the slot of every step is known up front, so only the piece hand-outs (one per piece)
     are simulated, in the order the slots run dry; the tail after the first slot closes (at most
-    ``open_count`` pieces) runs as the loop. ~5x faster than the loop; at epoch start it held the
-    GIL ~0.5 us per sample.
+    ``open_count`` pieces) runs as the loop (docs/design/split.md).
     """
     total = sum(len(p) for p in pieces)
     if len(pieces) <= 1 or open_count <= 1:

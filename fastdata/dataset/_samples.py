@@ -25,7 +25,13 @@ from fastdata.dataset._packed import EncodedImage, key_index
 from fastdata.dataset._readers import ReaderCache, fork_count
 from fastdata.dataset._source import Source
 from fastdata.decode import SampleDecoder, image_to_tensor, is_image_field, suffix
-from fastdata.errors import CacheError, FastdataError, MissingFieldError, ShardError, SkipBudgetError
+from fastdata.errors import (
+    CacheError,
+    FastdataError,
+    MissingFieldError,
+    ShardError,
+    SkipBudgetError,
+)
 from fastdata.shards import missing_fields, required_fields
 
 __all__ = ["SampleLoader"]

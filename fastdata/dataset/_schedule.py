@@ -92,7 +92,7 @@ class Dealing:
     """The round-robin turns of one iteration: :meth:`next` names the worker whose turn it is,
     :meth:`settle` says what its turn gives and retires it when its walk ended."""
 
-    __slots__ = ("active", "schedule", "_w")
+    __slots__ = ("_w", "active", "schedule")
 
     def __init__(self, schedule: BatchSchedule, first: int):
         self.schedule = schedule

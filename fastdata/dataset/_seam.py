@@ -7,6 +7,7 @@ positions a loader's ``state_dict()`` records, the cache store, and the skip rec
 travel with batches. ``fastdata.DataLoader`` (worker, thread and cached paths), the cache filler and the
 next-epoch preload of persistent workers use nothing else. The seam is a view: it holds only the
 dataset, and every call acts on the dataset's state (copies in worker processes included).
+See docs/design/loader-paths.md.
 """
 from __future__ import annotations
 
@@ -21,8 +22,15 @@ from fastdata.dataset._cursor import Cursor, EpochStart
 from fastdata.dataset._dist import in_worker
 from fastdata.dataset._resume import check_resume_dist, state_of
 from fastdata.dataset._schedule import BatchSchedule
-from fastdata.dataset._split import (Stage, check_consumed, iteration_stages, split_sizes, stage_counts,
-                                     stage_sequences, worker_sequence)
+from fastdata.dataset._split import (
+    Stage,
+    check_consumed,
+    iteration_stages,
+    split_sizes,
+    stage_counts,
+    stage_sequences,
+    worker_sequence,
+)
 from fastdata.dataset._stream import check_stream_stages, iter_stream
 
 __all__ = ["LoaderSeam"]

@@ -7,6 +7,7 @@ worker's ride to the main process with its batches (a walk ending in skips sends
 markers so that they arrive too), and a walk loaded ahead of its consumer (``Cursor.defer_skips``) hands
 them over when the consumer reaches their batch. The budget counts the samples skipped in one pass over
 an epoch in that process; one more than ``max_skips`` raises ``SkipBudgetError``.
+See docs/design/loader-paths.md.
 """
 from __future__ import annotations
 

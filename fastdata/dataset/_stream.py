@@ -6,6 +6,7 @@ slots, each slot streams its shards through an optional seeded shuffle buffer, a
 ``samples_per_epoch`` a slot takes its quota from an endless sequence of passes. A stream position
 counts samples and shard failures alike, so a resume skips the consumed prefix without decoding it.
 A shard that fails mid-way loses the rest of it (one skip record stands for all of them).
+See docs/design/split.md.
 """
 from __future__ import annotations
 

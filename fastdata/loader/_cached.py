@@ -1,31 +1,14 @@
 """The cached fast path of :class:`fastdata.DataLoader`: batches gathered from a complete cache store.
 
-Once a cache store holds every sample an epoch reads and nothing per sample needs a worker
-process (no ``transform=``, no ``sample_transform=``), workers only add cost: each collates its
-batch into fresh shared memory (9.6 MB for 64 x 3 x 224 x 224 uint8) and hands it to the main
-process, which caps a cached epoch at a few thousand samples/s. The fast path produces the same
-batches in the calling process instead: one :meth:`Store.get_batch` gather per batch for the
-cached (image) fields, a cheap per-sample read for the others (``__key__``, ``cls``, ...),
-collated by the loader's ``collate_fn``. Up to :data:`MISSING_FRACTION` of the epoch's samples
-may be missing from the store; they are loaded (decoded, preprocessed, filled) in this process.
-
-Same batches, same order. The per-worker index sequences are those the worker processes would
-read (``num_workers`` virtual workers, resume stages included); batches are dealt round-robin
-over the virtual workers starting with the one that yields first, skipping exhausted ones, as
-torch's DataLoader does; each virtual worker yields its own partial last batch unless
-``drop_last``; samples skipped by ``on_error`` shift batch boundaries exactly as in a worker.
-Each batch carries (virtual worker, position after it), so ``state_dict()`` is exact and a
-state saved on either path resumes on the other. The global torch RNG is advanced as torch's
-iterator would (see ``DataLoader._draw_base_seed``).
-
-It runs in the calling thread, without read-ahead: a read-ahead thread was slower unless the
-consumer releases the GIL for long stretches (measured on 2 cores, 2048 cached 224 px samples,
-batches of 64: 37k vs 7k samples/s with an idle consumer, 11.8k vs 6.9k with 3 ms of sleep per
-batch, 4.8k vs 5.4k with 10 ms); ``CUDAPrefetcher`` already iterates the loader in its own thread.
-The cached fields are gathered by ``_gather.FastGather``: ``gather_threads`` threads of numpy row
-copies (never torch's intra-op pool), into reused buffers that go back into use only when no tensor
-of an earlier batch views them any more; page-locked when the loader pins (``pin_memory=True``) or a
-``CUDAPrefetcher`` consumes it (``fast_path_pinned``).
+When a cache store holds every sample an epoch reads (all but :data:`MISSING_FRACTION`, loaded here)
+and nothing per sample needs a worker process (no ``transform=``, no ``sample_transform=``), the
+batches are made in the calling process: one gather per batch for the cached (image) fields
+(``_gather.FastGather``: numpy row copies into reused, optionally page-locked buffers), a per-sample
+read of the others, memoized across epochs (:class:`MetaMemo`), collated by the loader's
+``collate_fn``. The virtual workers' sequences are those worker processes would read, and batches are
+dealt by :class:`~fastdata.dataset.BatchSchedule`, so content, order, partial batches, skips and
+resume state are the worker path's. It runs in the calling thread, without read-ahead.
+See docs/design/loader-paths.md.
 """
 from __future__ import annotations
 
@@ -121,9 +104,10 @@ def pin_device() -> str | None:
 
 
 # Samples whose uncached fields (``__key__``, labels, ...) the fast path keeps in memory after their
-# first read, per loader: reading them from the shards costs tens of microseconds of Python per
-# sample, which capped the cached epoch far below what the row gather delivers. Only small,
-# immutable values are kept (about 300 bytes per sample: at most ~300 MB at the limit).
+# first read, per loader: reading them from the shards is Python work per sample, which capped the
+# cached epoch far below what the row gather delivers (GIL-held Python per batch of 128: 3440 vs 259
+# microseconds, ``cached_first`` vs ``cached_steady`` in benchmarks/results/producer_overhead_cpu2.json).
+# Only small, immutable values are kept (about 300 bytes per sample: at most ~300 MB at the limit).
 META_MEMO_MAX = 1_000_000
 _SCALARS = (int, float, bool, type(None))
 # Column kinds: exact value type -> (numpy dtype of the column, how default_collate turns a list of them
@@ -149,10 +133,10 @@ class MetaMemo:
     (``int`` within int64, ``float``, ``bool``, ``str`` or ``bytes``), the memo is *regular*:
     :meth:`collate` then builds a batch's fields with one NumPy take per field, exactly what
     ``default_collate`` makes of the samples' dicts (int64/float64/bool tensors, lists of str/bytes),
-    with no Python loop over the samples. This per-sample loop held the GIL ~4 us per sample,
-    i.e. half a millisecond per batch of 128 that the training thread lost (measured on 2 cores with
-    ``benchmarks/producer_overhead.py``). Any other sample makes it irregular for good (``get``
-    still serves every memoized sample; batches then go through the per-sample path).
+    with no Python loop over the samples (GIL-held Python per batch of 128: 259 vs 828 microseconds
+    with the per-sample loop, ``cached_steady`` vs ``cached_per_sample`` in
+    benchmarks/results/producer_overhead_cpu2.json). Any other sample makes it irregular for good
+    (``get`` still serves every memoized sample; batches then go through the per-sample path).
     """
 
     def __init__(self, limit: int = META_MEMO_MAX) -> None:
