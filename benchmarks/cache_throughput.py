@@ -71,7 +71,7 @@ class Pipelines:
         ds = ShardedDataset(self.shards, preprocess=self.preprocess, cache=self.cache if cached else None,
                             rank=0, world_size=1)
         if cached and self._store is None:
-            self._store = ds.cache_store()
+            self._store = ds.loader_seam.cache_store()
         return DataLoader(ds, **kw)
 
     def store(self) -> Any:

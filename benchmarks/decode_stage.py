@@ -405,7 +405,7 @@ def gil_share(shards: Path, count: int = 256) -> dict[str, float]:
     saved = Image.Image.resize, Image.Image.transpose, np.copyto
     ds = ShardedDataset(shards, shuffle=True, decode={"jpg": DecodeRandomResizedCropFlip()},
                         sample_transform=_to_tuple)
-    cursor = ds.cursor(ds.epoch_start(1), 0)
+    cursor = ds.loader_seam.cursor(ds.loader_seam.epoch_start(1), 0)
     count = min(count, len(cursor.seq))
     sh, loc = cursor.locate(0, count)
     items = list(zip(cursor.seq[:count].tolist(), sh.tolist(), loc.tolist()))

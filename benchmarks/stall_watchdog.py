@@ -1,7 +1,7 @@
 """Per-batch cost of the DataLoader's stall watchdog (``stall_warning=``), from one run.
 
 ``fastdata.DataLoader``'s iterator takes one ``time.monotonic()`` and stores it twice per batch while
-the watchdog is on (``_WatchedIter``; with ``stall_warning=None`` the iterator is the plain one, whose
+the watchdog is on (``_iteration.WatchedIter``; with ``stall_warning=None`` the iterator is the plain one, whose
 ``next()`` is unchanged by this feature). This measures that cost where nothing else hides it: the
 loader's iterator over an inner generator that hands out ready batches (the cached fast path's
 ``FastBatch``: no store, no workers), off and on (the default, 60 s), interleaved, ``--repeats``
@@ -20,16 +20,16 @@ import time
 from pathlib import Path
 
 from fastdata.dataset import ShardedDataset
-from fastdata.loader import DataLoader, _cached, _loader
+from fastdata.loader import DataLoader, _cached, _iteration
 from fastdata.shards.writer import ShardWriter
 
 
 def per_batch_ns(loader: DataLoader, batches: int) -> float:
     ds = loader.dataset
-    start = ds.epoch_start(1)
-    run = _loader._Run(start, list(start.consumed))
+    start = ds.loader_seam.epoch_start(1)
+    run = _iteration.Run(start, list(start.consumed))
     ready = [_cached.FastBatch(i, 0, i) for i in range(batches)]
-    it = _loader._loader_iter(loader, (b for b in ready), run, batches, _loader._gather_helpers)  # as the cached path
+    it = _iteration.loader_iter(loader, (b for b in ready), run, batches, _iteration.gather_helpers)  # as the cached path
     t0 = time.perf_counter_ns()
     for _ in it:
         pass

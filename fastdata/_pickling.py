@@ -25,7 +25,7 @@ __all__ = ["WorkerPickleError", "explain", "find_unpicklable", "main_without_fil
 
 _DEPTH = 8  # attribute/item levels searched below each argument
 # internal attribute paths of a ShardedDataset, as the user passed them
-_USER_NAMES = (("dataset._decoder.decode", "dataset.decode"), ("dataset._cache_arg", "dataset.cache"))
+_USER_NAMES = (("dataset._samples.decoder.decode", "dataset.decode"), ("dataset._samples.cache", "dataset.cache"))
 _NEWOBJ = (getattr(copyreg, "__newobj__", None), getattr(copyreg, "__newobj_ex__", None))  # the plain object protocol
 
 

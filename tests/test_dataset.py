@@ -175,7 +175,7 @@ def test_transforms_and_draft(tmp_path):
         tmp_path / "img", preprocess=ResizeCenterCrop(64), transform=lambda x: flips.append(1) or x.flip(-1),
         sample_transform=lambda s: (s["jpg"], s["cls"]),
     )
-    assert ds._decoder.image.draft_size == 73 and ds._decoder.images_as_pil
+    assert ds._samples.decoder.image.draft_size == 73 and ds._samples.decoder.images_as_pil
     x, y = next(iter(ds))
     assert x.shape == (3, 64, 64) and x.dtype == torch.uint8 and y == 0 and flips
     xb, yb = next(iter(DataLoader(ds, batch_size=3, num_workers=0)))

@@ -11,7 +11,7 @@ from collections import Counter
 import pytest
 
 from fastdata.dataset import ShardedDataset, ShuffleOptions
-from fastdata.dataset._split import elastic_split
+from fastdata.dataset._elastic import elastic_split
 from fastdata.loader import DataLoader
 from fastdata.shards.tar import write_tar_shard
 

@@ -79,10 +79,10 @@ def test_threads_load_samples_through_a_small_reader_cache(tmp_path, monkeypatch
         key, cls, byte = _sample_id(s)
         expect[key] = (int(cls), byte)
     threads, errors, results = 6, [], {}
-    start = ds.epoch_start(0)
-    cursors = [ds.cursor(start, 0) for _ in range(threads)]
+    start = ds.loader_seam.epoch_start(0)
+    cursors = [ds.loader_seam.cursor(start, 0) for _ in range(threads)]
     seq = cursors[0].seq
-    shards, local = ds.locate(seq)
+    shards, local = ds.loader_seam.locate(seq)
     work = list(zip(shards.tolist(), local.tolist(), seq.tolist()))
     old_interval = sys.getswitchinterval()
     sys.setswitchinterval(1e-5)  # switch threads often: inside reads, between lease and close
@@ -158,19 +158,19 @@ def test_a_reader_in_use_is_closed_by_its_last_user_and_taken_back_before(tmp_pa
         return made[-1]
 
     object.__setattr__(ds.source, "_opener", opener)
-    cache = ds._reader_cache()
-    a = cache.acquire(0, None, ds)
-    a2 = cache.acquire(0, None, ds)
+    cache = ds._samples.reader_cache()
+    a = cache.acquire(0, None, ds._samples)
+    a2 = cache.acquire(0, None, ds._samples)
     assert a is a2 and len(made) == 1
-    b = cache.acquire(1, None, ds)  # budget 1: shard 0 leaves the cache, still in use
+    b = cache.acquire(1, None, ds._samples)  # budget 1: shard 0 leaves the cache, still in use
     assert made[0].closed == 0
     cache.release(b)
-    again = cache.acquire(0, None, ds)  # taken back, not reopened; shard 1 (idle) is closed now
+    again = cache.acquire(0, None, ds._samples)  # taken back, not reopened; shard 1 (idle) is closed now
     assert again is a and len(made) == 2 and made[1].closed == 1
     for lease in (a, a2, again):
         cache.release(lease)
     assert made[0].closed == 0  # in the cache again
-    cache.release(cache.acquire(2, None, ds))
+    cache.release(cache.acquire(2, None, ds._samples))
     assert made[0].closed == 1 and len(made) == 3
 
 
@@ -183,10 +183,10 @@ def test_a_failing_open_is_not_cached_and_wakes_waiters(tmp_path):
         raise OSError(f"cannot open shard {i}")
 
     object.__setattr__(ds.source, "_opener", opener)
-    cache = ds._reader_cache()
+    cache = ds._samples.reader_cache()
     for _ in range(2):
         with pytest.raises(OSError, match="cannot open shard 3"):
-            cache.acquire(3, None, ds)
+            cache.acquire(3, None, ds._samples)
     assert calls == [3, 3] and not cache._opening and not cache._entries
 
 
@@ -248,7 +248,7 @@ def test_forked_children_start_with_their_own_readers(tmp_path):
     first = [s["__key__"] for s in ds]  # readers open in this process
     got = batch_keys(DataLoader(ds, batch_size=4, num_workers=2, multiprocessing_context="fork"))
     assert sorted(got) == sorted(first)
-    assert ds._reader_cache().forks == _readers._FORKS and ds._reader_cache()._entries
+    assert ds._samples.reader_cache().forks == _readers._FORKS and ds._samples.reader_cache()._entries
 
 
 def test_a_resumed_epoch_opens_each_remaining_shard_once(tmp_path):

@@ -65,7 +65,7 @@ def test_streaming_source_over_several_ranks_without_samples_per_epoch_warns(tmp
         urls.append(f"memory://fastdata-uneven/{p.name}")
     with pytest.warns(UserWarning, match="samples_per_epoch") as record:
         ds = ShardedDataset(urls, rank=0, world_size=2)
-        ds.resolve_dist()
+        ds.loader_seam.resolve_dist()
     assert sum("samples_per_epoch" in str(r.message) for r in record) == 1
     with warnings.catch_warnings():
         warnings.simplefilter("error")

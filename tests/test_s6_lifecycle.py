@@ -168,9 +168,9 @@ def test_closing_a_thread_decoder_with_stuck_threads_waits_once_not_once_per_thr
     """close() (and so a break, Ctrl-C or the pause before a fork) joined each pool thread stuck in a
     transform for _JOIN_S (10 s) in turn: 4 threads stuck on a slow remote read held the consumer
     40 s. One deadline now covers them all, and one warning names them."""
-    from fastdata.loader import _threads
+    from fastdata.loader import _pool
 
-    monkeypatch.setattr(_threads, "_JOIN_S", 0.5)
+    monkeypatch.setattr(_pool, "_JOIN_S", 0.5)
     block = _Blocking("k004")
     loader = DataLoader(ShardedDataset(_keyed(tmp_path / "ds"), sample_transform=block), batch_size=4,
                         num_workers=1, decode_threads=4)

@@ -285,10 +285,12 @@ def test_every_public_method_of_the_dataset_has_resolvable_hints() -> None:
     import typing
 
     from fastdata import ShardedDataset
+    from fastdata.dataset import LoaderSeam
 
-    for name, member in inspect.getmembers(ShardedDataset, inspect.isfunction):
-        if not name.startswith("_") or name == "__init__":
-            typing.get_type_hints(member)
+    for cls in (ShardedDataset, LoaderSeam):
+        for name, member in inspect.getmembers(cls, inspect.isfunction):
+            if not name.startswith("_") or name == "__init__":
+                typing.get_type_hints(member)
 
 
 def test_every_local_path_argument_reads_file_urls_and_the_home_folder(tmp_path, monkeypatch) -> None:

@@ -28,14 +28,14 @@ def test_skip_budget_copies_no_records_until_it_runs_out(tmp_path):
         for i in range(4):
             w.write({"__key__": f"k{i}", "npy": np.zeros(2, np.uint8)})
     ds = ShardedDataset(str(tmp_path / "ds"), on_error="skip", max_skips=3)
-    ds.begin_skip_budget()
+    ds.loader_seam.begin_skip_budget()
     _CountingList.slices = 0
     ds.skipped = _CountingList([{"shard": "s", "key": "m", "member": "m.lnk", "reason": "symlink"}])
     for i in range(3):  # within the budget: counted, not copied
         ds.skipped.append({"shard": "s", "key": f"k{i}", "index": i, "epoch": 0, "reason": "bad"})
-        ds._count_skips(1)
+        ds._skips.count(ds, 1)
     assert _CountingList.slices == 0
     ds.skipped.append({"shard": "s", "key": "k3", "index": 3, "epoch": 0, "reason": "bad"})
     with pytest.raises(SkipBudgetError, match="4 samples skipped") as info:
-        ds._count_skips(1)
+        ds._skips.count(ds, 1)
     assert [r["key"] for r in info.value.skipped] == ["k0", "k1", "k2", "k3"]  # samples only, no tar member

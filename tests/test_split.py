@@ -7,11 +7,11 @@ from collections import Counter
 import numpy as np
 import pytest
 
+from fastdata.dataset._schedule import num_batches
 from fastdata.dataset._split import (
     ShuffleOptions,
     SplitPlan,
     iteration_stages,
-    num_batches,
     permutation,
     rng_key,
     stage_counts,

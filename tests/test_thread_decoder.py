@@ -18,7 +18,7 @@ import torch
 from fastdata.cli._synth import jpeg_bytes, synth_image
 from fastdata.dataset import ShardedDataset, ShuffleOptions
 from fastdata.errors import DecodeError
-from fastdata.loader import DataLoader, _threads
+from fastdata.loader import DataLoader, _pool, _rows, _threads
 from fastdata.shards.writer import ShardWriter
 from fastdata.transforms import ResizeCenterCrop
 from tests.helpers.batches import assert_same, batch_keys, epoch_on_path
@@ -88,7 +88,7 @@ def test_threads_equal_worker_path_ranks_padding_and_samples_per_epoch(shards, r
 
 def test_samples_are_written_in_place_and_buffers_are_reused(shards):
     ds = _make(shards, shuffle=False)
-    start = ds.epoch_start(2)
+    start = ds.loader_seam.epoch_start(2)
     it = _threads.thread_batches(ds, start, threads=2, batch_size=4, drop_last=False,
                                  collate_fn=torch.utils.data.default_collate, pin=None)
     ref = list(DataLoader(_make(shards, shuffle=False), batch_size=4, num_workers=2))
@@ -98,7 +98,7 @@ def test_samples_are_written_in_place_and_buffers_are_reused(shards):
         got.append(fb.batch["__key__"])
         del fb
     assert it.stats["in_place"] > N // 2  # after the first sample fixed the layout, rows land in place
-    assert it.stats["allocated"] <= _threads.LOOKAHEAD + 1 + _threads.RING_SPARE  # bounded memory
+    assert it.stats["allocated"] <= _threads.LOOKAHEAD + 1 + _rows.RING_SPARE  # bounded memory
 
 
 def test_batches_held_by_the_consumer_are_never_overwritten(shards):
@@ -118,18 +118,18 @@ def test_batches_held_by_the_consumer_are_never_overwritten(shards):
 def test_storage_use_count_sees_views_and_numpy():
     """Guards the torch behaviour the buffer ring relies on (torch._C._storage_Use_Count)."""
     t = torch.zeros(4, 8)
-    base = _threads._storage_users(t)
+    base = _rows.storage_users(t)
     v = t[:2]
-    assert _threads._storage_users(t) > base
+    assert _rows.storage_users(t) > base
     a = v.numpy()
     del v
-    assert _threads._storage_users(t) > base  # the array keeps the view alive
+    assert _rows.storage_users(t) > base  # the array keeps the view alive
     del a
-    assert _threads._storage_users(t) == base
+    assert _rows.storage_users(t) == base
     s = t[1:3].reshape(-1)
-    assert _threads._storage_users(t) > base
+    assert _rows.storage_users(t) > base
     del s
-    assert _threads._storage_users(t) == base
+    assert _rows.storage_users(t) == base
 
 
 @pytest.mark.parametrize(("before", "after"), [("workers", "threads"), ("threads", "workers"), ("threads", "threads")])
@@ -278,11 +278,11 @@ def test_threads_paused_around_fork_and_batches_unharmed(shards):
     it = iter(dl)
     got = [next(it) for _ in range(2)]
     assert _decode_threads_alive()
-    _threads._pause_before_fork()  # what os.fork runs first
+    _pool._pause_before_fork()  # what os.fork runs first
     assert _decode_threads_alive() == []
     it._inner._pool.ensure_running()  # another thread asking during the fork window: no restart
     assert _decode_threads_alive() == []
-    _threads._resume_after_fork()  # what os.fork runs in the parent afterwards
+    _pool._resume_after_fork()  # what os.fork runs in the parent afterwards
     got.append(next(it))  # restarted on demand
     # a DataLoader with forked worker processes elsewhere, mid-epoch
     other = DataLoader(_make(shards, shuffle=False), batch_size=8, num_workers=2,
@@ -330,7 +330,7 @@ def test_tuple_and_list_samples_in_place(shards, kind):
         assert type(x) is type(y) is list and len(x) == 3
         assert torch.equal(x[0], y[0]) and torch.equal(x[1], y[1]) and x[2] == y[2]
     ds = make()
-    it = _threads.thread_batches(ds, ds.epoch_start(2), threads=2, batch_size=4, drop_last=False,
+    it = _threads.thread_batches(ds, ds.loader_seam.epoch_start(2), threads=2, batch_size=4, drop_last=False,
                                  collate_fn=torch.utils.data.default_collate, pin=None)
     assert sum(len(fb.batch[0]) for fb in it) == N and it.stats["in_place"] > N // 2
 
@@ -405,7 +405,7 @@ def test_next_epoch_starts_in_place_with_the_same_buffers(shards):
     ds = _make(shards)
 
     def epoch() -> dict[str, int]:
-        it = _threads.thread_batches(ds, ds.epoch_start(2), threads=2, batch_size=4, drop_last=False,
+        it = _threads.thread_batches(ds, ds.loader_seam.epoch_start(2), threads=2, batch_size=4, drop_last=False,
                                      collate_fn=torch.utils.data.default_collate, pin=None)
         for fb in it:
             del fb
@@ -426,7 +426,7 @@ def test_a_stale_layout_is_replaced(shards):
     got = epoch_on_path(DataLoader(ds, **kw), "threads")
     ref = epoch_on_path(DataLoader(_make(shards, transform=lambda img: img[:, :12]), batch_size=4, num_workers=2), "workers")
     assert_same(got, ref)
-    it = _threads.thread_batches(ds, ds.epoch_start(2), threads=2, batch_size=4, drop_last=False,
+    it = _threads.thread_batches(ds, ds.loader_seam.epoch_start(2), threads=2, batch_size=4, drop_last=False,
                                  collate_fn=torch.utils.data.default_collate, pin=None)
     assert sum(len(fb.batch["cls"]) for fb in it) == N and it.stats["copied"] == 0
 

@@ -1,21 +1,31 @@
 """ShardedDataset: shard order, exact splitting by rank and worker, shuffling, resume, cache filling.
 
 Stage 2 of the pipeline (shards -> **dataset** -> cache -> loader -> prefetch -> GPU -> train).
-Behind it: ``_source`` (where shards are), ``_split`` (the index math of an epoch),
-``_dataset`` (ShardedDataset), ``_cursor`` (the seam: one worker's walk of an epoch), ``_fill`` (filling a cache store).
+The user's API is ``ShardedDataset`` (``_dataset``, its options in ``_options``); the loader stage
+reaches the rest through ``ShardedDataset.loader_seam`` (``_seam``: walks in ``_cursor``, batch
+dealing in ``_schedule``). Behind them: ``_source`` (where shards are), ``_split``/``_mix``/``_rng``/
+``_elastic`` (the index math of an epoch), ``_samples`` (one sample's load), ``_resume`` (state
+dicts), ``_stream`` (URL sources), ``_skips`` (skip records), ``_preload``, ``_fill``. See docs/design/.
 """
 from fastdata.dataset._cursor import Cursor, EpochStart, take_cursor
 from fastdata.dataset._dataset import ON_ERROR, ON_MISSING, ShardedDataset, SkippedSampleWarning, SkipReport
-from fastdata.dataset._source import RemoteShards
+from fastdata.dataset._options import DatasetOptions
 from fastdata.dataset._packed import FORMATS, EncodedImage, ImageInfo, PackedImages, collate, key_index
-from fastdata.dataset._split import ShuffleOptions, num_batches, rng_key
+from fastdata.dataset._rng import rng_key
+from fastdata.dataset._schedule import BatchSchedule, Turn, num_batches
+from fastdata.dataset._seam import LoaderSeam
+from fastdata.dataset._source import RemoteShards
+from fastdata.dataset._split import ShuffleOptions
 
-# Public: ShardedDataset, RemoteShards, ShuffleOptions, SkippedSampleWarning, ON_ERROR. Package-internal seam
-# for the loader stage: Cursor, EpochStart, take_cursor, num_batches.
-__all__ = ["ON_ERROR", "Cursor", "RemoteShards", "EpochStart", "ShardedDataset", "ShuffleOptions", "SkippedSampleWarning",
-           "take_cursor", "num_batches"]
-# Issue 13: on_missing policies; the end-of-walk marker the loader's collate turns into a skip report.
-__all__ += ["ON_MISSING", "SkipReport"]
+# Public: ShardedDataset, RemoteShards, ShuffleOptions, SkippedSampleWarning, ON_ERROR, ON_MISSING.
+__all__ = ["ON_ERROR", "ON_MISSING", "RemoteShards", "ShardedDataset", "ShuffleOptions", "SkippedSampleWarning"]
+# The options ShardedDataset validates its keywords into.
+__all__ += ["DatasetOptions"]
+# Package-internal seam for the loader stage: LoaderSeam (ShardedDataset.loader_seam) and the walks it
+# gives (Cursor, EpochStart, take_cursor), the end-of-walk marker of skip reports (SkipReport), and the
+# one schedule every loader path deals batches by (BatchSchedule, Turn, num_batches).
+__all__ += ["BatchSchedule", "Cursor", "EpochStart", "LoaderSeam", "SkipReport", "Turn", "num_batches",
+            "take_cursor"]
 # Encoded images kept for the device decode stage (image_decode="device"); rng_key, the counter-based
 # hash of the split, also seeds the GPU stage's per-sample augmentation.
 __all__ += ["FORMATS", "EncodedImage", "ImageInfo", "PackedImages", "collate", "key_index", "rng_key"]

@@ -1,13 +1,9 @@
-"""The seam between a :class:`~fastdata.ShardedDataset` and whatever iterates it.
-
-Everything that walks a dataset's epoch — a DataLoader worker process, the loader's cached fast
-path, an in-process thread decoder — does it through two small objects defined here, and never
-through the dataset's private members:
+"""The two objects a loader walks a dataset's epoch with (from :class:`~fastdata.dataset._seam.LoaderSeam`).
 
 * :class:`EpochStart`: where the next iteration of an epoch begins (the resume stages and the
-  worker that yields first), from ``ShardedDataset.epoch_start(num_workers)``;
+  worker that yields first), from ``dataset.loader_seam.epoch_start(num_workers)``;
 * :class:`Cursor`: one (possibly virtual) worker's walk through its index sequence of that epoch,
-  from ``ShardedDataset.cursor(start, worker)``: its global sample indices (``seq``), the
+  from ``dataset.loader_seam.cursor(start, worker)``: its global sample indices (``seq``), the
   position reached (``pos``), reading one sample under the error policy (``load``), the samples
   skipped since the last look (``drain_skips``) and iteration (``iter(cursor)``).
 
@@ -15,7 +11,7 @@ through the dataset's private members:
 DataLoader collates in the thread that pulled the batch from the dataset (a worker's, or the
 loading thread with ``num_workers=0``) right after pulling it, so a collate function reads the exact
 position from it. Per thread: two in-process loaders read in two threads at once (a prefetcher's
-thread and a validation loop) each see their own.
+thread and a validation loop) each see their own. See docs/design/loader-paths.md.
 """
 from __future__ import annotations
 
@@ -69,12 +65,13 @@ class Cursor:
     the dataset's ``skipped`` list and collected here until :meth:`drain_skips`.
     """
 
-    def __init__(self, dataset: Any, start: EpochStart, worker: int, seq: np.ndarray | None = None):
+    def __init__(self, seam: Any, start: EpochStart, worker: int, seq: np.ndarray | None = None):
         n = start.num_workers
         if not 0 <= worker < n:
             raise ValueError(f"worker must be in [0, {n}), got {worker!r}")
-        self.dataset = dataset
-        self.token: str = dataset.token
+        self.seam = seam  # the dataset's LoaderSeam
+        self.dataset = seam.dataset
+        self.token: str = seam.token
         self.epoch = start.epoch
         self.stages: list[Stage] = list(start.stages)
         self.worker = worker
@@ -89,20 +86,20 @@ class Cursor:
     def seq(self) -> np.ndarray:
         """Global sample indices of this worker in the epoch (indexed sources only)."""
         if self._seq is None:
-            self._seq = self.dataset.worker_sequence(self)
+            self._seq = self.seam.worker_sequence(self)
         return self._seq
 
     def locate(self, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
         """(shards, positions in their shards) of ``seq[lo:hi]``."""
-        return self.dataset.locate(self.seq[lo:hi])
+        return self.seam.locate(self.seq[lo:hi])
 
     def load(self, shard: int, i: int, g: int) -> dict[str, Any] | None:
         """Sample ``i`` of ``shard`` (global index ``g``) decoded and transformed; None if skipped."""
-        return self.dataset.load_sample(shard, i, g, self)
+        return self.seam.load_sample(shard, i, g, self)
 
     def load_uncached(self, shard: int, i: int, g: int) -> dict[str, Any] | None:
         """The fields of a sample that the cache store does not hold; None if skipped."""
-        return self.dataset.load_uncached(shard, i, g, self)
+        return self.seam.load_uncached(shard, i, g, self)
 
     def drain_skips(self) -> list[dict[str, Any]]:
         """Skip records since the last call (each also in ``dataset.skipped`` of this process)."""
@@ -130,4 +127,4 @@ class Cursor:
         _CURRENT.cursor = self
 
     def __iter__(self) -> Iterator[Any]:
-        return self.dataset.iterate(self)
+        return self.seam.iterate(self)

@@ -24,8 +24,8 @@ def _count(batch: list[Any]) -> int:
 
 def dataset_store(dataset: Any) -> Store:
     """The cache store a ShardedDataset created with ``cache=`` reads and fills."""
-    get = getattr(dataset, "cache_store", None)
-    store = get() if callable(get) else None
+    seam = getattr(dataset, "loader_seam", None)
+    store = seam.cache_store() if seam is not None else None
     if store is None:
         raise CacheError(f"{type(dataset).__name__} has no cache: create it with cache=DIR and a preprocess= "
                          "transform with a fingerprint (e.g. ResizeCenterCrop(224))")

@@ -1,30 +1,12 @@
 """Next-epoch preload in persistent DataLoader workers: no cold start at every epoch.
 
-With ``persistent_workers=True`` torch keeps the worker processes between epochs, but each one
-starts its part of the next epoch only when the main process calls ``iter()`` again; the first
-batch then takes one worker a whole batch time (hundreds of milliseconds for a batch of JPEGs),
-far more than a prefetcher's few batches hide, and every worker starts at once, so they also
-finish their batches together. The workers sit idle meanwhile: each one is done with its part of
-the epoch while the main process still consumes the batches the others had queued.
-
-:class:`NextEpoch` uses that idle time. When a worker's walk of an epoch ends, a daemon thread of
-that worker loads (reads, decodes, preprocesses) the first ``samples`` positions of the worker's
-walk of the *predicted* next epoch: the epoch ``set_epoch`` already selected, else the current
-one plus the last step seen between this worker's epochs (1 at first). When torch resumes the
-worker, ``ShardedDataset.__iter__`` asks :meth:`NextEpoch.take` for them: the thread is stopped
-(after the sample it is loading), and if the epoch start it predicted is exactly the real one
-(epoch, resume stages, first worker), the walk yields the preloaded samples first and goes on
-from there; otherwise they are discarded (cache fills they made stay valid). Either way the
-samples, their order, the positions the loader's collate records for exact resume, and the skip
-records each batch reports are those of a walk without preload: every loaded position keeps its
-sample (or skip) and the number of skip records made up to it, and the walk replays them in order.
-An error raised while preloading is raised by the walk at the position where it happened.
-
-Only indexed (not streaming) sources are preloaded. The thread touches the dataset only while the
-worker's own thread waits for torch's next message, and it is always stopped and joined before the
-worker's thread uses the dataset again. It never outlives its process: a daemon thread, stopped
-by an ``atexit`` hook where the interpreter shuts down normally (spawn workers; fork and forkserver
-workers leave with ``os._exit``, which ends the thread with the process).
+When a worker's walk of an epoch ends, :class:`NextEpoch` loads the first ``samples`` positions of its
+walk of the predicted next epoch in a daemon thread, while the worker waits for torch's next message.
+If the next ``iter()`` starts exactly that walk (epoch, resume stages, first worker, rank and world
+size), the walk replays them first; otherwise they are discarded. Samples, order, recorded positions,
+skip records and errors are those of a walk without preload. Only indexed sources are preloaded; the
+thread is stopped and joined before the worker's own thread uses the dataset again, and never
+outlives its process. See docs/design/next-epoch-preload.md.
 """
 from __future__ import annotations
 
@@ -74,21 +56,23 @@ class NextEpoch:
         self.discarded = 0  # preloads thrown away: another epoch start came
 
     # ----- the worker's thread ------------------------------------------------------------------
-    def walk(self, ds: Any, start: EpochStart, worker: int, physical: int) -> Iterator[Any]:
+    def walk(self, seam: Any, start: EpochStart, worker: int, physical: int) -> Iterator[Any]:
         """The samples of ``worker``'s walk of ``start`` (preloaded ones first), then a preload of
-        the predicted next epoch (``physical``: this process's torch worker id)."""
+        the predicted next epoch (``seam``: the dataset's LoaderSeam; ``physical``: this process's
+        torch worker id)."""
+        ds = seam.dataset
         loaded = self.take(start, worker, (ds.rank, ds.world_size))
         if self._last_epoch is not None and start.epoch != self._last_epoch:
             self._step = start.epoch - self._last_epoch
         self._last_epoch = start.epoch
         if loaded is None:
-            cursor = ds.cursor(start, worker)
+            cursor = seam.cursor(start, worker)
             yield from iter(cursor)
         else:
             cursor = loaded.cursor
             yield from _replay(loaded)
             yield from iter(cursor)  # from the position reached, to the end of the walk
-        self._begin(ds, start, physical)
+        self._begin(seam, start, physical)
 
     def take(self, start: EpochStart, worker: int, dist: tuple[int, int] = (0, 1)) -> _Loaded | None:
         """Stop the thread; its samples if they are those of ``(start, worker)`` at ``dist`` (rank,
@@ -111,18 +95,19 @@ class NextEpoch:
             thread.join()
             self._thread = None
 
-    def _begin(self, ds: Any, done: EpochStart, physical: int) -> None:
+    def _begin(self, seam: Any, done: EpochStart, physical: int) -> None:
         global _HOOKED
-        if self.samples <= 0 or ds.source.streaming:
+        ds = seam.dataset
+        if self.samples <= 0 or ds.streaming:
             return
         shared = ds.epoch  # set_epoch of the main process reaches workers through shared memory
         epoch = shared if shared != done.epoch else done.epoch + self._step
         if epoch < 0:
             return
         nw = done.num_workers
-        start = ds.epoch_start(nw, epoch)
+        start = seam.epoch_start(nw, epoch)
         worker = (physical + start.first) % nw  # the mapping of ShardedDataset.__iter__
-        cursor = ds.cursor(start, worker)
+        cursor = seam.cursor(start, worker)
         self._loaded = _Loaded(start, worker, cursor, (ds.rank, ds.world_size))
         self._halt = threading.Event()
         if not _HOOKED:

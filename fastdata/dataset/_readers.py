@@ -6,7 +6,7 @@ holder closes it (one taken again before that is taken back). One thread opens a
 time. The cache is sized from the live walks' measured shard interleaving (a shuffled walk mixes
 far more shards than ``open_shards``: the shuffle buffer keeps closed pieces' tails coming), under
 an open-file budget, and evicts the readers no walk reads again first, then those needed furthest
-ahead. Moved out of ``_dataset.py``; the dataset is its only user.
+ahead. The dataset's sample loader is its only user.
 """
 from __future__ import annotations
 
@@ -157,7 +157,7 @@ class ReaderCache:
     ``evicted`` and backs off to the locked path. Everything else (opening, evicting, closing,
     taking back) runs under the lock.
 
-    Size: at least :meth:`ShardedDataset._reader_floor`; when the walks live in this process are
+    Size: at least the loader's ``reader_floor()``; when the walks live in this process are
     known, the sum of their widths (:class:`_Walk`) plus 2, so that a walk reopens a shard only
     when :func:`_open_budget` forbids more open readers (or, for a remote manifest whose node
     cache has ``max_bytes``, the floor: each open reader pins its shard there). Eviction takes the reader needed last:
@@ -178,12 +178,13 @@ class ReaderCache:
         self._budget = _open_budget()
         self.opened = 0  # readers opened (for tests and benchmarks)
 
-    def acquire(self, shard: int, cursor: Cursor | None, ds: Any) -> _Lease:
-        """A lease on the reader of ``shard``, opened if needed (``cursor``: the walk this read is part of)."""
+    def acquire(self, shard: int, cursor: Cursor | None, host: Any) -> _Lease:
+        """A lease on the reader of ``shard``, opened if needed (``cursor``: the walk this read is part of;
+        ``host``: the dataset's sample loader, with its ``source`` and ``reader_floor()``)."""
         if cursor is not None:  # log the load in its walk
             entry = self._walks.get(id(cursor))
             if entry is None or entry[0]() is not cursor:
-                self._register(shard, cursor, ds)
+                self._register(shard, cursor, host)
             else:
                 log = entry[1].log
                 if log is not None:
@@ -199,17 +200,17 @@ class ReaderCache:
                 return lease
         with self._lock:
             if lease is not None and self._evicted.get(shard) is lease:  # evicted meanwhile, still open
-                victims = self._take_back(lease, ds)
+                victims = self._take_back(lease, host)
             else:
                 if lease is not None:  # evicted and closed meanwhile: never read
                     lease.holders.pop()
-                lease, victims = self._lookup(shard, ds)
+                lease, victims = self._lookup(shard, host)
         for old in victims:
             old.reader.close()
         if lease is not None:
             return lease
         try:
-            reader = ds.source.reader(shard)
+            reader = host.source.reader(shard)
             _ = reader.keys  # index / file opened here, by one thread (readers open lazily, unsynchronised)
         except BaseException:
             with self._lock:
@@ -223,7 +224,7 @@ class ReaderCache:
             self._opening.discard(shard)
             self._entries[shard] = lease
             self.opened += 1
-            victims = self._evict(ds, keep=shard)  # other threads may have opened readers meanwhile
+            victims = self._evict(host, keep=shard)  # other threads may have opened readers meanwhile
             self._cv.notify_all()
         for old in victims:
             old.reader.close()
@@ -243,7 +244,7 @@ class ReaderCache:
             if close:
                 lease.reader.close()
 
-    def _register(self, shard: int, cursor: Cursor, ds: Any) -> None:
+    def _register(self, shard: int, cursor: Cursor, host: Any) -> None:
         """A walk's first load: registered (and measured, outside the lock, when the dataset has
         more shards than the floor keeps open)."""
         with self._lock:
@@ -257,7 +258,7 @@ class ReaderCache:
                     del self._walks[key]
             walk = _Walk()
             start = cursor.pos  # nothing of the walk was loaded before its first load
-            if len(ds.source.names) <= ds._reader_floor():
+            if len(host.source.names) <= host.reader_floor():
                 walk.log, walk.measured = None, True  # every shard fits the floor: nothing to count
             else:
                 walk.log.append(shard)  # type: ignore[union-attr]
@@ -265,21 +266,21 @@ class ReaderCache:
         if walk.log is None:
             return
         try:
-            shards = ds.locate(cursor.seq[start:])[0]
+            shards = cursor.locate(start, len(cursor.seq))[0]
         except Exception:  # noqa: BLE001 - eviction falls back to LRU for this walk; the read reports errors
             shards = np.zeros(0, dtype=np.int64)
         with self._lock:
-            walk.measure(shards, start, len(ds.source.names))
+            walk.measure(shards, start, len(host.source.names))
 
-    def _take_back(self, lease: _Lease, ds: Any) -> list[_Lease]:
+    def _take_back(self, lease: _Lease, host: Any) -> list[_Lease]:
         """``lease`` (evicted, held, by this thread too) back into the cache (under the lock);
         returns the readers to close to make room."""
         del self._evicted[lease.shard]
         lease.evicted = False
         self._entries[lease.shard] = lease
-        return self._evict(ds, keep=lease.shard)
+        return self._evict(host, keep=lease.shard)
 
-    def _lookup(self, shard: int, ds: Any) -> tuple[_Lease | None, list[_Lease]]:
+    def _lookup(self, shard: int, host: Any) -> tuple[_Lease | None, list[_Lease]]:
         """(The cached reader of ``shard`` leased, readers to close) under the lock; (None, ...):
         this thread opens it (room was made)."""
         while True:
@@ -289,20 +290,20 @@ class ReaderCache:
                 if lease is not None:  # evicted but still held: take it back
                     lease.holders.append(None)
                     lease.last = next(self._clock)
-                    return lease, self._take_back(lease, ds)
+                    return lease, self._take_back(lease, host)
             else:
                 lease.holders.append(None)
                 lease.last = next(self._clock)
                 return lease, []
             if shard not in self._opening:
                 self._opening.add(shard)
-                return None, self._evict(ds)  # room for the reader about to open
+                return None, self._evict(host)  # room for the reader about to open
             self._cv.wait()  # another thread opens it
 
-    def _evict(self, ds: Any, keep: int | None = None) -> list[_Lease]:
+    def _evict(self, host: Any, keep: int | None = None) -> list[_Lease]:
         """Take readers out of the cache (under the lock) until it and the readers being opened fit
         its size, never ``keep``; returns those to close now (the others are held)."""
-        floor = ds._reader_floor()
+        floor = host.reader_floor()
         if len(self._entries) + len(self._opening) <= min(self._budget, floor):
             return []  # fits whatever the walks need
         walks = []
@@ -313,7 +314,7 @@ class ReaderCache:
                 if w.remaining > 0:
                     walks.append((c.pos, w))
         cap = min(self._budget, max(floor, sum(w.width for _, w in walks) + 2))
-        if getattr(ds.source.node_cache, "max_bytes", None) is not None:
+        if getattr(host.source.node_cache, "max_bytes", None) is not None:
             # an open reader of a remote manifest's shard pins it in the node cache, whose max_bytes
             # is sized for the floor (see RemoteShards): keep to that
             cap = min(cap, floor)

@@ -1,31 +1,14 @@
 """The cached fast path of :class:`fastdata.DataLoader`: batches gathered from a complete cache store.
 
-Once a cache store holds every sample an epoch reads and nothing per sample needs a worker
-process (no ``transform=``, no ``sample_transform=``), workers only add cost: each collates its
-batch into fresh shared memory (9.6 MB for 64 x 3 x 224 x 224 uint8) and hands it to the main
-process, which caps a cached epoch at a few thousand samples/s. The fast path produces the same
-batches in the calling process instead: one :meth:`Store.get_batch` gather per batch for the
-cached (image) fields, a cheap per-sample read for the others (``__key__``, ``cls``, ...),
-collated by the loader's ``collate_fn``. Up to :data:`MISSING_FRACTION` of the epoch's samples
-may be missing from the store; they are loaded (decoded, preprocessed, filled) in this process.
-
-Same batches, same order. The per-worker index sequences are those the worker processes would
-read (``num_workers`` virtual workers, resume stages included); batches are dealt round-robin
-over the virtual workers starting with the one that yields first, skipping exhausted ones, as
-torch's DataLoader does; each virtual worker yields its own partial last batch unless
-``drop_last``; samples skipped by ``on_error`` shift batch boundaries exactly as in a worker.
-Each batch carries (virtual worker, position after it), so ``state_dict()`` is exact and a
-state saved on either path resumes on the other. The global torch RNG is advanced as torch's
-iterator would (see ``DataLoader._draw_base_seed``).
-
-It runs in the calling thread, without read-ahead: a read-ahead thread was slower unless the
-consumer releases the GIL for long stretches (measured on 2 cores, 2048 cached 224 px samples,
-batches of 64: 37k vs 7k samples/s with an idle consumer, 11.8k vs 6.9k with 3 ms of sleep per
-batch, 4.8k vs 5.4k with 10 ms); ``CUDAPrefetcher`` already iterates the loader in its own thread.
-The cached fields are gathered by ``_gather.FastGather``: ``gather_threads`` threads of numpy row
-copies (never torch's intra-op pool), into reused buffers that go back into use only when no tensor
-of an earlier batch views them any more; page-locked when the loader pins (``pin_memory=True``) or a
-``CUDAPrefetcher`` consumes it (``fast_path_pinned``).
+When a cache store holds every sample an epoch reads (all but :data:`MISSING_FRACTION`, loaded here)
+and nothing per sample needs a worker process (no ``transform=``, no ``sample_transform=``), the
+batches are made in the calling process: one gather per batch for the cached (image) fields
+(``_gather.FastGather``: numpy row copies into reused, optionally page-locked buffers), a per-sample
+read of the others, memoized across epochs (:class:`MetaMemo`), collated by the loader's
+``collate_fn``. The virtual workers' sequences are those worker processes would read, and batches are
+dealt by :class:`~fastdata.dataset.BatchSchedule`, so content, order, partial batches, skips and
+resume state are the worker path's. It runs in the calling thread, without read-ahead.
+See docs/design/loader-paths.md.
 """
 from __future__ import annotations
 
@@ -38,7 +21,7 @@ import torch
 from torch.utils.data import default_collate
 from torch.utils.data._utils.pin_memory import pin_memory as _pin_memory
 
-from fastdata.dataset import Cursor, EpochStart, ShardedDataset
+from fastdata.dataset import BatchSchedule, Cursor, EpochStart, ShardedDataset, Turn
 from fastdata.errors import CacheError
 from fastdata.loader._gather import FastGather
 
@@ -71,7 +54,7 @@ def static_reason(ds: Any, *, batch_size: int | None, collate_fn: Callable[[Any]
     """Why the fast path cannot serve this loader whatever the store holds (None: it can)."""
     if not isinstance(ds, ShardedDataset):
         return f"the dataset is a {type(ds).__name__}, not a fastdata.ShardedDataset"
-    if not ds.has_cache:
+    if not ds.loader_seam.has_cache:
         return "the dataset has no cache= store"
     if ds.transform is not None:
         return "transform= runs per sample (in the workers)"
@@ -91,7 +74,8 @@ def plan_fast_epoch(ds: ShardedDataset, store: Any, start: EpochStart) -> tuple[
     """(per-virtual-worker index sequences, samples to compute in this process), or why the
     store cannot serve the rest of the epoch."""
     epoch = start.epoch
-    counts = ds.counts_at(start)
+    seam = ds.loader_seam
+    counts = seam.counts_at(start)
     need = sum(c - k for c, k in zip(counts, start.consumed))
     allowed = int(need * MISSING_FRACTION)
     have = store.num_valid()
@@ -99,7 +83,7 @@ def plan_fast_epoch(ds: ShardedDataset, store: Any, start: EpochStart) -> tuple[
     if have < store.num_samples and ds.samples_per_epoch is None and have < need - ds.world_size + 1 - allowed:
         return (f"cache store {store.path} has {have} of {store.num_samples} samples filled; rank {ds.rank} reads "
                 f"{need} in epoch {epoch} (at most {allowed} may be missing)")
-    seqs = ds.sequences_at(start)
+    seqs = seam.sequences_at(start)
     missing: frozenset[int] = frozenset()
     if have < store.num_samples:
         missing = frozenset(store.missing(np.concatenate([s[c:] for s, c in zip(seqs, start.consumed)])).tolist())
@@ -120,9 +104,10 @@ def pin_device() -> str | None:
 
 
 # Samples whose uncached fields (``__key__``, labels, ...) the fast path keeps in memory after their
-# first read, per loader: reading them from the shards costs tens of microseconds of Python per
-# sample, which capped the cached epoch far below what the row gather delivers. Only small,
-# immutable values are kept (about 300 bytes per sample: at most ~300 MB at the limit).
+# first read, per loader: reading them from the shards is Python work per sample, which capped the
+# cached epoch far below what the row gather delivers (GIL-held Python per batch of 128: 3440 vs 259
+# microseconds, ``cached_first`` vs ``cached_steady`` in benchmarks/results/producer_overhead_cpu2.json).
+# Only small, immutable values are kept (about 300 bytes per sample: at most ~300 MB at the limit).
 META_MEMO_MAX = 1_000_000
 _SCALARS = (int, float, bool, type(None))
 # Column kinds: exact value type -> (numpy dtype of the column, how default_collate turns a list of them
@@ -148,10 +133,10 @@ class MetaMemo:
     (``int`` within int64, ``float``, ``bool``, ``str`` or ``bytes``), the memo is *regular*:
     :meth:`collate` then builds a batch's fields with one NumPy take per field, exactly what
     ``default_collate`` makes of the samples' dicts (int64/float64/bool tensors, lists of str/bytes),
-    with no Python loop over the samples. This per-sample loop held the GIL ~4 us per sample,
-    i.e. half a millisecond per batch of 128 that the training thread lost (measured on 2 cores with
-    ``benchmarks/producer_overhead.py``). Any other sample makes it irregular for good (``get``
-    still serves every memoized sample; batches then go through the per-sample path).
+    with no Python loop over the samples (GIL-held Python per batch of 128: 259 vs 828 microseconds
+    with the per-sample loop, ``cached_steady`` vs ``cached_per_sample`` in
+    benchmarks/results/producer_overhead_cpu2.json). Any other sample makes it irregular for good
+    (``get`` still serves every memoized sample; batches then go through the per-sample path).
     """
 
     def __init__(self, limit: int = META_MEMO_MAX) -> None:
@@ -338,26 +323,22 @@ def cached_batches(
     n = len(seqs)
     # one live cursor per virtual worker: the dataset keeps every one's open shards open;
     # with one worker ds.state_dict() follows, as with num_workers=0 on the worker path
-    workers = [_VirtualWorker(ds.cursor(start, w, seq=seq, live=n == 1)) for w, seq in enumerate(seqs)]
-    first = start.first
+    seam = ds.loader_seam
+    workers = [_VirtualWorker(seam.cursor(start, w, seq=seq, live=n == 1)) for w, seq in enumerate(seqs)]
     fast_collate = collate_fn is default_collate
     if gather.metas is None:  # one per loader, kept across epochs (see MetaMemo)
         gather.metas = MetaMemo()
     cached_fields = frozenset(f.name for f in store.fields or ())
-    active = [True] * n
-    w = first
-    while any(active):  # round-robin over the workers that are not exhausted, like torch
-        if active[w]:
-            before = workers[w].cursor.pos
-            metas, rows, pos = workers[w].take(batch_size, missing, cached_fields, gather.metas, fast_collate)
-            full = len(rows) == batch_size
-            if full or (len(rows) and not drop_last):
-                yield FastBatch(_assemble(store, metas, rows, collate_fn, fast_collate, pin, gather,
-                                          pinned or pin is not None), w, pos)
-            elif positions is not None and pos - before > len(rows):  # ended in skipped samples
-                positions[w] = pos
-            active[w] = full
-        w = (w + 1) % n
+    deal = BatchSchedule(n, batch_size, drop_last).deal(start.first)
+    while (w := deal.next()) is not None:
+        before = workers[w].cursor.pos
+        metas, rows, pos = workers[w].take(batch_size, missing, cached_fields, gather.metas, fast_collate)
+        turn = deal.settle(w, len(rows), pos - before > len(rows))
+        if turn is Turn.BATCH:
+            yield FastBatch(_assemble(store, metas, rows, collate_fn, fast_collate, pin, gather,
+                                      pinned or pin is not None), w, pos)
+        elif turn is Turn.END and positions is not None:  # ended in skipped samples
+            positions[w] = pos
 
 
 def _assemble(store: Any, metas: list[dict[str, Any]] | _Columns, rows: Any, collate_fn: Callable[[Any], Any],

@@ -1,13 +1,13 @@
 """Row gathers of the cached fast path: store rows -> batch buffers, on a few threads of this process.
 
 Why not ``torch.index_select``: it runs on torch's intra-op pool, which the training loop (and, on
-the GPU path, the prefetch thread) share; on a busy machine one cached epoch then varied from 0.03 s
-to 0.96 s (PERF_NOTES). ``GatherPool`` splits a batch's rows over ``threads`` threads (the calling
+the GPU path, the prefetch thread) share, and whose threads then contend for the same cores (see
+docs/design/loader-paths.md). ``GatherPool`` splits a batch's rows over ``threads`` threads (the calling
 thread included), each one ``numpy.take`` per field: a C loop of row memcpys with the GIL released,
 never touching torch's thread pool.
 
 Buffers: ``BufferRing`` hands out batch tensors over reused buffers (a fresh buffer's first touch
-costs page faults: a fresh 64 MB copy runs at ~2 GB/s, a reused one far faster). A buffer is leased
+costs page faults, a reused one none). A buffer is leased
 as a new numpy view wrapped by ``torch.from_numpy``; every tensor or view made from the batch keeps
 that view alive, and only when the last of them is gone does the buffer return to the ring. So a
 buffer is never rewritten while anyone (the training loop, a prefetcher's pending copy) can still
@@ -30,7 +30,7 @@ from fastdata._util import usable_cores as _usable_cores
 
 __all__ = ["BufferRing", "GatherPool", "check_gather_threads", "default_gather_threads"]
 
-# Batches smaller than this are gathered by the calling thread alone (a hand-off costs ~20-50 us).
+# Batches smaller than this are gathered by the calling thread alone (a hand-off to a thread costs more).
 PARALLEL_GATHER_BYTES = 2 << 20
 # Free buffers kept per shape (more are dropped: a consumer that kept many batches gave them back).
 KEEP_FREE = 8

@@ -1,24 +1,13 @@
 """``fastdata.DataLoader``: torch's DataLoader plus exact ``state_dict()``/``load_state_dict()``.
 
-The progress of a :class:`~fastdata.ShardedDataset` lives in the DataLoader workers; the main
-process must capture it. Torch hands out an IterableDataset's batches round-robin over the
-workers, skipping exhausted ones, so batch counts would give per-worker progress, but not when
-samples are skipped on errors or with ``in_order=False``. Instead, the collate function (which
-runs in the worker right after the batch was pulled from the dataset) attaches the worker's exact
-position in its index sequence to the batch; the main process strips it before the batch is
-yielded and records it. ``state_dict()`` therefore reflects exactly the batches the caller has
-received, whatever the worker count, prefetching or skipped samples.
-
-Cached fast path (``cached_fast_path=``, :mod:`fastdata.loader._cached`): when the dataset's cache
-store holds every sample of the epoch and no per-sample work needs a worker, the batches are
-gathered from the store in the calling process instead, identical in content and order.
-
-Thread decoder (``decode_threads=N``, :mod:`fastdata.loader._threads`): no worker processes; the
-``num_workers`` virtual workers' samples are decoded by N threads of this process straight into
-batch buffers, again identical in content and order to the worker path.
-
-Everything else is ``torch.utils.data.DataLoader`` unchanged; with any other dataset this class
-behaves exactly like torch's (``state_dict()`` then raises TypeError).
+Over a :class:`~fastdata.ShardedDataset` an epoch takes one of three paths, chosen at each
+``iter()``: the cached fast path (:mod:`._cached`: every sample in the cache store, gathered in this
+process), the thread decoder (:mod:`._threads`: ``decode_threads=N``, no worker processes) or torch's
+worker processes. All three yield the same batches, dealt by one
+:class:`~fastdata.dataset.BatchSchedule`, and record positions the same way (:mod:`._iteration`), so
+a state saved on one path resumes on another. The loader reaches the dataset only through
+``dataset.loader_seam``. With any other dataset this class is torch's DataLoader unchanged
+(``state_dict()`` then raises TypeError). See docs/design/loader-paths.md.
 """
 from __future__ import annotations
 
@@ -26,26 +15,23 @@ import logging
 import math
 import multiprocessing
 import pickle
-import signal
 import threading
-import time
-import types
 import warnings
 import weakref
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch.utils.data
-from torch.utils.data._utils.pin_memory import pin_memory as _pin_memory
 
-from fastdata._util import check_index, release_frames
-from fastdata.dataset import EpochStart, ShardedDataset, SkipReport, take_cursor
+from fastdata._util import check_index
+from fastdata.dataset import BatchSchedule, EpochStart, ShardedDataset
 from fastdata.dataset import collate as collate_encoded
-from fastdata.errors import CacheError, FastdataError, SkipBudgetError
+from fastdata.errors import CacheError, FastdataError
 from fastdata.loader import _cached as _cache_loader
 from fastdata.loader import _threads as _thread_loader
 from fastdata.loader import _watchdog
+from fastdata.loader._iteration import (RESET_LOCK, LoaderIter, Run, TaggingCollate, gather_helpers, loader_iter,
+                                       pool_helpers, worker_helpers)
 from fastdata.loader._gather import FastGather, check_gather_threads, default_gather_threads
 from fastdata._pickling import explain, main_without_file
 
@@ -53,257 +39,7 @@ __all__ = ["DataLoader"]
 
 LOADER_STATE_VERSION = 1
 _log = logging.getLogger(__name__)
-_monotonic = time.monotonic  # the stall watchdog's one call per batch
 
-
-class _Tagged:
-    """A batch plus the producing worker's position; survives pin_memory and the result queue."""
-
-    __slots__ = ("batch", "tag")
-
-    def __init__(self, batch: Any, tag: tuple[int, int, int, list[dict[str, Any]]] | None):
-        self.batch = batch
-        self.tag = tag
-
-    def pin_memory(self) -> _Tagged:
-        return _Tagged(_pin_memory(self.batch), self.tag)
-
-
-class _NoBatch:
-    """Stands for the batch of a report-only result (a worker's skips after its last batch)."""
-
-    __slots__ = ()
-
-
-class _TaggingCollate:
-    def __init__(self, collate_fn: Callable[[Any], Any], token: str, batch_size: int | None = None,
-                 drop_last: bool = False):
-        self.collate_fn = collate_fn
-        self.token = token
-        self.batch_size = batch_size
-        self.drop_last = drop_last
-
-    def __call__(self, data: Any) -> _Tagged:
-        if isinstance(data, SkipReport) or (isinstance(data, list) and data and isinstance(data[-1], SkipReport)):
-            # the walk ended with skips after its last yield: send them (and the final position);
-            # real samples in this batch are the ones torch would have batched without the markers
-            real = [] if isinstance(data, SkipReport) else [x for x in data if not isinstance(x, SkipReport)]
-            dropped = self.drop_last and self.batch_size is not None and len(real) < self.batch_size
-            batch = _thread_loader.collate(self.collate_fn, real) if real and not dropped else _NoBatch()
-        else:
-            batch = _thread_loader.collate(self.collate_fn, data)  # StopIteration: RuntimeError
-        cursor = take_cursor()
-        if cursor is None or cursor.token != self.token:
-            return _Tagged(batch, None)
-        return _Tagged(batch, (cursor.worker, cursor.epoch, cursor.pos, cursor.drain_skips()))
-
-
-@dataclass
-class _Run:
-    start: EpochStart
-    pos: list[int]
-    batches: int = 0
-    last: int | None = None  # logical worker of the last batch yielded
-
-    @property
-    def epoch(self) -> int:
-        return self.start.epoch
-
-    def stages_now(self) -> list[Any]:
-        stages = self.start.stages
-        return [*stages[:-1], (stages[-1][0], tuple(self.pos))]
-
-
-# orders a persistent-worker loader's iter() (torch resets the one iterator it shares) against next()
-# of the iterator it ends; held for flag updates only, never while waiting for a batch
-_RESET_LOCK = threading.Lock()
-
-
-class _LoaderIter:
-    def __init__(self, loader: DataLoader, inner: Any, run: _Run, length: int | None = None):
-        self._loader, self._inner, self._run, self._length = loader, inner, run, length
-        self._ended = False
-        self._busy: threading.Thread | None = None  # the thread inside next() now
-        self._watch: _watchdog.Watch | None = None
-
-    def __iter__(self) -> _LoaderIter:
-        return self
-
-    def __len__(self) -> int:
-        # the worker path's torch iterator has no length over an IterableDataset (an infinite sampler): the
-        # loader's, as on the other paths (the whole epoch's batches, after a resume too)
-        return len(self._loader) if self._length is None else self._length
-
-    def close(self) -> None:
-        """End this iteration now (later ``next()``: StopIteration): stop the stall watchdog's thread,
-        the thread decoder's threads and worker processes that are not persistent (persistent
-        workers stay with the loader). Safe to call twice."""
-        self._ended = True
-        if self._watch is not None:
-            self._watch.stop()
-        inner = self._inner
-        if isinstance(inner, (_thread_loader.ThreadBatches, types.GeneratorType)):  # threads; the cached path
-            inner.close()
-        elif not getattr(inner, "_persistent_workers", True) and callable(getattr(inner, "_shutdown_workers", None)):
-            inner._shutdown_workers()  # torch's worker processes stop now, not at a later garbage collection
-
-    def _end_pass(self) -> None:
-        """The pass is over (``SkipBudgetError``): stop its worker processes now, while torch's queues
-        still work (left to a garbage collection, each worker is joined after a 5 s timeout; see
-        ``_util.release_frames``); persistent workers stay with the loader. Later ``next()``: StopIteration."""
-        self._ended = True
-        if self._watch is not None:
-            self._watch.stop(join=False)  # called from within next(): the consumer's wait ends right after
-        inner = self._inner
-        if not getattr(inner, "_persistent_workers", True) and callable(getattr(inner, "_shutdown_workers", None)):
-            inner._shutdown_workers()
-
-    def __next__(self) -> Any:
-        with _RESET_LOCK:
-            if self._ended:
-                raise StopIteration
-            self._busy = threading.current_thread()
-        try:
-            return self._next()
-        finally:
-            self._busy = None
-
-    def _next(self) -> Any:
-        while True:
-            try:
-                item = next(self._inner)
-            except StopIteration:
-                raise
-            except BaseException as e:
-                release_frames(e)  # no reference cycle keeps torch's workers alive (see there)
-                dead = _dead_worker(self._inner, e) if isinstance(e, (ConnectionError, EOFError)) else None
-                if dead is not None:
-                    raise RuntimeError(dead) from e
-                raise
-            if isinstance(item, _cache_loader.FastBatch):  # skips are recorded in this process already
-                self._run.pos[item.worker] = item.pos
-                self._run.last = item.worker
-                self._run.batches += 1
-                return item.batch
-            if isinstance(item, _Tagged):
-                report_only = isinstance(item.batch, _NoBatch)
-                if item.tag is not None:
-                    worker, _, pos, skips = item.tag
-                    if skips and self._loader.num_workers > 0:  # in-process skips are already recorded
-                        try:
-                            self._loader.dataset.record_skips(skips)  # SkipBudgetError past max_skips
-                        except SkipBudgetError:
-                            self._end_pass()
-                            raise  # before the position moves: this batch is not yielded, a resume reads it
-                    self._run.pos[worker] = pos
-                    if not report_only:
-                        self._run.last = worker
-                if report_only:
-                    continue  # a worker's skips after its last batch: recorded, nothing to yield
-                item = item.batch
-            self._run.batches += 1
-            return item
-
-
-class _WatchedIter(_LoaderIter):
-    """The loader's iterator with the stall watchdog (see ``_watchdog``): its thread starts at the
-    first ``next()``; it ends with this iterator (exhaustion, ``close()``, garbage collection)."""
-
-    def __init__(self, loader: DataLoader, inner: Any, run: _Run, length: int | None, limit: float,
-                 helpers: Callable[[Any], list[threading.Thread | None]]):
-        super().__init__(loader, inner, run, length)
-        self._watch = _watchdog.Watch(limit, inner, _describe_due(weakref.ref(loader), run), helpers)
-        weakref.finalize(self, self._watch.stop, False)
-
-    def __next__(self) -> Any:
-        watch: _watchdog.Watch = self._watch  # type: ignore[assignment]
-        # the watchdog's only per-batch cost: when the wait began
-        if watch.thread is None:
-            watch.start()  # notes this thread as the consumer's
-        watch.since = since = _monotonic()
-        try:
-            item = _LoaderIter.__next__(self)
-        except StopIteration:
-            watch.since = 0.0
-            if watch.warned:
-                watch.ended(since, "the epoch ended (no more batches)")
-            watch.stop()
-            raise
-        except BaseException as e:
-            watch.since = 0.0
-            if watch.warned:
-                watch.ended(since, f"next() raised {type(e).__name__}")
-            raise
-        watch.since = 0.0
-        if watch.warned:
-            watch.ended(since)
-        return item
-
-
-def _loader_iter(loader: DataLoader, inner: Any, run: _Run, length: int | None,
-                 helpers: Callable[[Any], list[threading.Thread | None]]) -> _LoaderIter:
-    limit = _watchdog.threshold(loader.stall_warning, loader.timeout)
-    if limit is None:
-        return _LoaderIter(loader, inner, run, length)
-    return _WatchedIter(loader, inner, run, length, limit, helpers)
-
-
-def _describe_due(loader_ref: weakref.ref[DataLoader], run: _Run) -> Callable[[], str]:
-    """For the stall watchdog: which batch the consumer waits for (holds the loader weakly)."""
-
-    def describe() -> str:
-        what = f"batch #{run.batches + 1} of epoch {run.epoch}"
-        loader = loader_ref()
-        if loader is not None:
-            try:
-                what += f" from logical worker {loader._next_worker(run)}"
-            except Exception as e:  # noqa: BLE001 - best effort: the warning goes out without it
-                _log.debug("fastdata.DataLoader: no logical worker for the stall warning: %r", e)
-        return what
-
-    return describe
-
-
-def _worker_helpers(inner: Any) -> list[threading.Thread | None]:
-    return [getattr(inner, "_pin_memory_thread", None)]  # torch's, with pin_memory=True
-
-
-def _pool_helpers(inner: Any) -> list[threading.Thread | None]:
-    return list(inner.pool_threads())  # the thread decoder's pool
-
-
-def _gather_helpers(inner: Any) -> list[threading.Thread | None]:
-    return [t for t in threading.enumerate() if t.name.startswith("fastdata-gather")]  # the cached path's gathers
-
-
-def _dead_worker(inner: Any, error: BaseException) -> str | None:
-    """Why receiving a batch failed with ``error`` (a ConnectionError or EOFError), when a worker process died.
-
-    A batch's tensors come with the file descriptor of their shared memory, fetched through a
-    connection to the worker that sent it: a worker killed (``kill -9``, the out-of-memory killer) with
-    batches in the queue made the next ``next()`` raise a bare ``ConnectionResetError: Connection reset
-    by peer`` (also from torch's own DataLoader), unless its process had already ended when torch looked.
-    None when no worker has died within a second (then ``error`` is about something else)."""
-    workers = getattr(inner, "_workers", None)
-    if not workers or "in DataLoader worker process" in str(error):  # raised by your code in a worker, passed on
-        return None
-    deadline = time.monotonic() + _DEAD_WAIT_S
-    while True:
-        for w in workers:
-            code = w.exitcode  # a worker done with its part of an iterable dataset exits with 0
-            if code:
-                how = (f"was killed by signal {signal.Signals(-code).name}" if code < 0 and -code in _SIGNALS
-                       else f"exited with code {code}")
-                return (f"DataLoader worker (pid {w.pid}) {how} while passing a batch to this process "
-                        f"({type(error).__name__}: {error}); its batches are lost (a SIGKILL is often the "
-                        "out-of-memory killer: see dmesg)")
-        if time.monotonic() > deadline:
-            return None
-        time.sleep(0.02)
-
-
-_DEAD_WAIT_S = 1.0
-_SIGNALS = {int(s) for s in signal.Signals}
 
 
 def _start_method(ctx: Any) -> str:
@@ -394,8 +130,8 @@ class DataLoader(torch.utils.data.DataLoader):
             why = _thread_loader.static_reason(dataset, batch_size=self.batch_size, worker_init_fn=self.worker_init_fn)
             if why is not None:
                 raise ValueError(f"decode_threads={decode_threads}: {why}")
-        self._run: _Run | None = None
-        self._live: weakref.ref[_LoaderIter] | None = None  # the latest worker-path iterator
+        self._run: Run | None = None
+        self._live: weakref.ref[LoaderIter] | None = None  # the latest worker-path iterator
         self.cached_fast_path = mode
         self.last_path: str | None = None  # "cached", "threads" or "workers": the path the latest iteration took
         self.fallback_reason: str | None = None  # why the latest iteration did not take the fast path
@@ -408,7 +144,7 @@ class DataLoader(torch.utils.data.DataLoader):
             if reason is not None:
                 raise ValueError(f"cached_fast_path=True: {reason}")
         if isinstance(dataset, ShardedDataset):
-            self.collate_fn = _TaggingCollate(self.collate_fn, dataset.token, self.batch_size, self.drop_last)
+            self.collate_fn = TaggingCollate(self.collate_fn, dataset.loader_seam.token, self._schedule())
 
     def _check_torch_arguments(self) -> None:
         """torch checks only ``num_workers < 0`` and ``timeout < 0`` here: 1.5 workers or a NaN timeout
@@ -453,7 +189,8 @@ class DataLoader(torch.utils.data.DataLoader):
         if not isinstance(self.dataset, ShardedDataset):
             return super().__len__()
         self._IterableDataset_len_called = len(self.dataset)
-        return self.dataset.batches_per_epoch(self.batch_size, num_workers=self.num_workers, drop_last=self.drop_last)
+        return self.dataset.loader_seam.batches_per_epoch(self.batch_size, num_workers=self.num_workers,
+                                                          drop_last=self.drop_last)
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         ds = self.dataset
@@ -461,7 +198,7 @@ class DataLoader(torch.utils.data.DataLoader):
             return super().__iter__()
         previous = self._live() if self._live is not None else None
         if previous is not None and previous._inner is getattr(self, "_iterator", None):
-            with _RESET_LOCK:  # persistent workers: torch resets the iterator `previous` reads from
+            with RESET_LOCK:  # persistent workers: torch resets the iterator `previous` reads from
                 busy = previous._busy
                 if busy is not None and busy is not threading.current_thread():
                     raise RuntimeError(
@@ -470,15 +207,16 @@ class DataLoader(torch.utils.data.DataLoader):
                         "its workers serve one iteration at a time. Iterate the prefetcher, not the loader, "
                         "or give this loop its own DataLoader")
                 previous._ended = True  # it would take this iteration's batches (and count them as its own)
-        ds.resolve_dist()
-        ds.begin_skip_budget()
-        start = ds.epoch_start(self.num_workers)
+        seam = ds.loader_seam
+        seam.resolve_dist()
+        seam.begin_skip_budget()
+        start = seam.epoch_start(self.num_workers)
         fast = self._fast_iter(ds, start)
         if fast is not None:
             self.last_path, self.fallback_reason = "cached", None
-            ds.consume_resume()
+            seam.consume_resume()
             self._draw_base_seed()
-            return _loader_iter(self, fast, self._run, len(self), _gather_helpers)
+            return loader_iter(self, fast, self._run, len(self), gather_helpers)
         if self.decode_threads:
             self.last_path = "threads"
             pin = _cache_loader.pin_device() if self.pin_memory else None
@@ -488,12 +226,12 @@ class DataLoader(torch.utils.data.DataLoader):
                 ds, start, threads=self.decode_threads, batch_size=self.batch_size,  # type: ignore[arg-type]
                 drop_last=self.drop_last, collate_fn=self._user_collate, pin=pin, pin_rows=pin_rows,
                 timeout=self.timeout)
-            ds.consume_resume()
+            seam.consume_resume()
             self._draw_base_seed()
-            self._run = _Run(start, list(start.consumed))
+            self._run = Run(start, list(start.consumed))
             if self.num_workers > 0:  # a walk ending in skips reports its end, as a worker process does
                 batches.positions = self._run.pos
-            return _loader_iter(self, batches, self._run, len(self), _pool_helpers)
+            return loader_iter(self, batches, self._run, len(self), pool_helpers)
         self.last_path = "workers"
         # torch's iterator compares its batch count with the sample count of the latest len() call, which
         # may be another epoch's (an elastic resume's rest): it would warn at every batch; len() is exact here
@@ -504,21 +242,21 @@ class DataLoader(torch.utils.data.DataLoader):
             # "DataLoader worker (pid(s) N) exited unexpectedly" naming the dead one; start a new pool
             pool._shutdown_workers()
             self._iterator = None
-        if self.num_workers > 0:  # workers report skips after their last batch (see ShardedDataset.report_skips_inline)
-            ds.report_skips_inline(self.batch_size, self.drop_last)
+        if self.num_workers > 0:  # workers report skips after their last batch (see LoaderSeam.report_skips_inline)
+            seam.report_skips_inline(self._schedule())
             if self.persistent_workers and self.preload_next_epoch:
-                ds.preload_next_epoch((self.batch_size or 1) * (self.prefetch_factor or 2))
+                seam.preload_next_epoch((self.batch_size or 1) * (self.prefetch_factor or 2))
         try:
             inner = super().__iter__()  # workers now hold a copy of the dataset with the resume state
         finally:
-            ds.stop_skip_reports()
-            ds.preload_next_epoch(0)
-        ds.consume_resume()
-        self._run = _Run(start, list(start.consumed))
+            seam.stop_skip_reports()
+            seam.preload_next_epoch(0)
+        seam.consume_resume()
+        self._run = Run(start, list(start.consumed))
         if previous is not None and previous._inner is inner:  # persistent workers: torch reset that iterator
             if previous._watch is not None:
                 previous._watch.stop(join=False)
-        it = _loader_iter(self, inner, self._run, None, _worker_helpers)
+        it = loader_iter(self, inner, self._run, None, worker_helpers)
         self._live = weakref.ref(it)
         return it
 
@@ -561,9 +299,10 @@ class DataLoader(torch.utils.data.DataLoader):
         reason = "cached_fast_path=False" if mode is False else self._static_reason(forced=mode is True)
         plan: Any = None
         store = None
-        if ds.has_cache:
+        seam = ds.loader_seam
+        if seam.has_cache:
             try:
-                store = ds.cache_store()  # opened (and held) in this process too: no eviction between epochs
+                store = seam.cache_store()  # opened (and held) in this process too: no eviction between epochs
             except FastdataError as e:
                 if mode is True:
                     raise
@@ -579,7 +318,7 @@ class DataLoader(torch.utils.data.DataLoader):
             self.fallback_reason = reason
             _log.debug("fastdata.DataLoader: epoch %d through workers: %s", start.epoch, reason)
             return None
-        self._run = _Run(start, list(start.consumed))
+        self._run = Run(start, list(start.consumed))
         pin = _cache_loader.pin_device() if self.pin_memory else None
         seqs, missing = plan
         batch_size: int = self.batch_size  # type: ignore[assignment]  # not None: static_reason checks it
@@ -600,28 +339,24 @@ class DataLoader(torch.utils.data.DataLoader):
             self._fast_seed_drawn = True
         torch.empty((), dtype=torch.int64).random_(generator=self.generator)
 
-    def _next_worker(self, run: _Run) -> int:
-        """Logical worker of the next batch: torch deals batches round-robin, skipping exhausted workers."""
-        if run.last is None:
-            return run.start.first
-        n = run.start.num_workers
-        if self.num_workers == 0 or self._sharded().streaming:
-            return 0 if n == 1 else (run.last + 1) % n
-        counts = self._sharded().counts_at(run.start)
-        b = self.batch_size or 1
-        for d in range(1, n + 1):
-            w = (run.last + d) % n
-            left = counts[w] - run.pos[w]
-            if (left // b if self.drop_last else -(-left // b)) > 0:
-                return w
-        return (run.last + 1) % n
+    def _schedule(self, num_workers: int | None = None) -> BatchSchedule:
+        """How this loader deals batches over ``num_workers`` walks (default: its own ``num_workers``)."""
+        return BatchSchedule(self.num_workers if num_workers is None else num_workers, self.batch_size,
+                             self.drop_last)
+
+    def _next_worker(self, run: Run) -> int:
+        """Logical worker of the next batch (the schedule's prediction from the samples each has left)."""
+        left = None
+        if run.last is not None and self.num_workers > 0 and not self._sharded().streaming:
+            left = [c - p for c, p in zip(self._sharded().loader_seam.counts_at(run.start), run.pos)]
+        return self._schedule(run.start.num_workers).next_worker(run.last, run.start.first, left)
 
     def state_dict(self) -> dict[str, Any]:
         """Exact position after the batches yielded so far (JSON-serialisable)."""
         ds = self._sharded()
         run = self._run
         if run is not None and run.epoch == ds.epoch:
-            state = ds.state_at(run.epoch, run.stages_now(), self._next_worker(run))
+            state = ds.loader_seam.state_at(run.epoch, run.stages_now(), self._next_worker(run))
             batches = run.batches
         else:
             state, batches = ds.state_dict(), 0

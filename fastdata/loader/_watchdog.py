@@ -1,37 +1,14 @@
 """Stall watchdog of :class:`fastdata.DataLoader`: a consumer waiting too long for a batch is told why.
 
-torch's DataLoader (default ``timeout=0``) waits forever on a worker process that is alive but
-silent (a deadlock, e.g. a fork from a multi-threaded process inheriting a held lock), and says
-nothing. A hard default timeout would kill legitimately slow jobs (remote shards, huge images),
-so fastdata warns instead: when the consumer has waited ``stall_warning`` seconds for the next
-batch, one WARNING on the ``fastdata.loader`` logger says how long, which batch (epoch, logical
-worker, worker process), each worker process's pid and state, and the Python stack of every
-thread of every worker process, plus the in-process threads that produce batches (the waiting
-thread, torch's pin-memory thread, the thread decoder's pool, the cached path's gather threads).
-While the stall lasts the warning repeats at doubling intervals (T, 2T, 4T, ... after the wait
-began); when the batch finally arrives, one more WARNING says after how long.
-
-Worker stacks. Each worker process registers :func:`faulthandler.register` on
-:data:`STACK_SIGNAL` (SIGUSR2: torch uses SIGCHLD in the main process and SIGBUS/SIGSEGV/SIGFPE/
-SIGTERM in workers; SLURM and Lightning conventionally use SIGUSR1), ``all_threads=True``, writing
-to a file of a per-iterator temporary folder; the watchdog truncates the file, signals the worker
-and reads what it wrote. faulthandler's dump is async-signal-safe C code that reads the thread
-states without the GIL, so it works in a worker deadlocked on a lock. It is installed by
-:class:`WorkerInit`, which the loader puts in place of ``worker_init_fn`` only while torch starts
-the workers (the user's function runs right after it; ``loader.worker_init_fn`` never changes), so
-fork, spawn and forkserver workers alike get it before they touch the dataset. The file appears
-under its final name only once the handler is registered: the default action of SIGUSR2 ends a
-process, so a worker still starting up is never signalled. A Python-level handler the worker
-already had for the signal is chained to; a handler installed outside Python (C) cannot be told
-apart from faulthandler's own and is replaced while the worker runs. Where
-``faulthandler.register`` does not exist (Windows) the warning says the stacks are unavailable.
-
-Cost. The consumer stores a timestamp twice per batch (``Watch.since``); the watchdog is one daemon
-thread per iterator, started at the first ``next()``, that sleeps on an event: it wakes when the
-current wait reaches its next report time, and at least every threshold/4 (so a wait is reported
-between T and 1.25 T after it began): with the default 60 s, once every 15 s.
-It holds no reference to the loader's iterator nor to torch's (weak references only), and stops
-when the iterator is exhausted, closed or collected.
+When the consumer has waited ``stall_warning`` seconds for the next batch, one WARNING on the
+``fastdata.loader`` logger says how long, which batch (epoch, logical worker, worker process), each
+worker process's pid and state, and the Python stack of every thread of every worker process and of
+the in-process threads that make batches; repeated at doubling intervals while the stall lasts, and
+once more when it ends. Nothing is raised or stopped. Worker stacks come from
+:func:`faulthandler.register` on :data:`STACK_SIGNAL`, installed by :class:`WorkerInit` while torch
+starts the workers (fork, spawn and forkserver alike), so a deadlocked worker can dump them too. The
+watchdog is one daemon thread per iterator, started at the first ``next()``, holding only weak
+references; the consumer's cost is one timestamp per batch. See docs/design/stall-watchdog.md.
 """
 from __future__ import annotations
 

@@ -1,0 +1,58 @@
+"""Counter-based random numbers of the split: a splitmix64 hash of (key, counter).
+
+Orders are a function of integers only, identical on every machine and numpy version: :func:`rng_key`
+folds words (seed, epoch, rank, ...) into a stream key, and the arrays are the hash of a counter.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["GOLDEN", "keys_u64", "mix_u64", "permutation", "random_floats", "random_u64", "rng_key"]
+
+_MASK = (1 << 64) - 1
+GOLDEN = 0x9E3779B97F4A7C15
+
+
+def _mix64(x: int) -> int:
+    x &= _MASK
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK
+    return x ^ (x >> 31)
+
+
+def rng_key(*words: int) -> int:
+    """Fold integers (seed, epoch, ...) into one 64-bit stream key."""
+    key = 0x6A09E667F3BCC908
+    for w in words:
+        key = _mix64(key ^ _mix64((int(w) + GOLDEN) & _MASK))
+    return key
+
+
+def mix_u64(x: np.ndarray) -> np.ndarray:
+    """:func:`_mix64` of every element of a uint64 array (wrapping arithmetic)."""
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def random_u64(key: int, n: int) -> np.ndarray:
+    """``n`` pseudo-random uint64 values of the stream ``key`` (splitmix64 of a counter)."""
+    return mix_u64(np.arange(1, n + 1, dtype=np.uint64) * np.uint64(GOLDEN) + np.uint64(key))
+
+
+def random_floats(key: int, n: int) -> np.ndarray:
+    """``n`` floats uniform in [0, 1)."""
+    return (random_u64(key, n) >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
+
+
+def permutation(key: int, n: int) -> np.ndarray:
+    """A seeded permutation of ``range(n)`` (int64)."""
+    return np.argsort(random_u64(key, n), kind="stable").astype(np.int64)
+
+
+
+def keys_u64(key: int, prefix: int, idx: np.ndarray) -> np.ndarray:
+    """``rng_key(key, prefix, j)`` for every ``j`` of ``idx`` (uint64), vectorised."""
+    head = rng_key(key, prefix)  # the fold over the common words; the last word varies
+    words = idx.astype(np.uint64) + np.uint64(GOLDEN)  # (j + golden) mod 2^64
+    return mix_u64(np.uint64(head) ^ mix_u64(words))
