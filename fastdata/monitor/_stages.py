@@ -538,7 +538,7 @@ def time_transform(transform: Callable[[Any], Any], batch: Any, device: torch.de
 
 def probe_gpu_decode(encoded: Sequence[bytes], device: torch.device) -> tuple[float | None, str]:
     """Images/s of the device decode stage a pipeline built with defaults runs (``fastdata.gpu.DecodeImages``,
-    whose ``device_decoder="auto"`` is the environment variable ``FASTDATA_DEVICE_DECODER``, else torchvision)
+    whose ``device_decoder="auto"`` is the environment variable ``FASTDATA_DEVICE_DECODER``, else TorchCodec)
     on ``encoded``, or None and why not; the note names the decoder."""
     from fastdata.dataset import EncodedImage, PackedImages
     from fastdata.gpu import DecodeImages

@@ -1,0 +1,20 @@
+"""The image decoder libraries that load in this environment, for tests parametrised over them.
+
+Tests name the decoder they use instead of depending on what ``"auto"`` picks on the machine;
+a library that does not load here is left out of the lists (the dev extra installs them all).
+"""
+from __future__ import annotations
+
+from fastdata.gpu import _codec
+
+
+def _loads(name: str) -> bool:
+    status = {"torchcodec": _codec.torchcodec_status, "torchvision": _codec.torchvision_status,
+              "nvimgcodec": _codec.nvimgcodec_status}[name]
+    return status()[0] is not None
+
+
+# host decoders: Pillow always; the libraries where they load
+HOST_DECODERS = ["pillow"] + [n for n in ("torchcodec", "torchvision") if _loads(n)]
+# device decoders of the CUDA tests (nvImageCodec's CPU backend also runs on the CPU)
+DEVICE_DECODERS = [n for n in ("torchcodec", "torchvision", "nvimgcodec") if _loads(n)]
