@@ -366,6 +366,9 @@ def test_tune_from_a_decoder_that_cannot_load_fails_before_measuring(tmp_path, m
             w.write({"__key__": f"k{i}", "jpg": buf.getvalue(), "cls": i % 2})
     monkeypatch.setitem(sys.modules, "torchvision", None)  # import torchvision -> ImportError
     monkeypatch.setitem(sys.modules, "torchvision.io", None)
+    from fastdata.gpu import _codec
+
+    monkeypatch.setattr(_codec, "torchvision_status", _codec.torchvision_status.__wrapped__)  # not the cached answer
 
     def measured(*a, **k):
         raise AssertionError("tune measured before checking its start decoder")

@@ -103,13 +103,9 @@ def python_snippet(source: str, o: DoctorOptions, fields: st.Fields, device: tor
             f"batches = fastdata.CUDAPrefetcher(loader, depth={o.depth}, transform=decode)"])
     lines = ["import fastdata", "from fastdata.gpu import Normalize"]
     decode = ""
-    if o.decode == "torchvision" and fields.encoded:
-        lines += ["import torch", "from torchvision.io import ImageReadMode, decode_image", "", "",
-                  "class DecodeRGB:  # torchvision's decoder measured faster than Pillow here; a class pickles for workers",
-                  "    def __call__(self, data):",
-                  "        return decode_image(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB)",
-                  ""]
-        decode = f", decode={{{fields.image!r}: DecodeRGB()}}"
+    if o.decode in ("torchcodec", "torchvision") and fields.encoded:  # measured faster than Pillow here
+        lines += ["from fastdata.gpu import HostImageDecoder"]
+        decode = f", decode={{{fields.image!r}: HostImageDecoder({o.decode!r})}}"
     # preprocess= applies to encoded image fields only: stored arrays (img.npy) go to the batch as stored
     dataset = ([f"ds = fastdata.ShardedDataset({source!r}, shuffle=True, fields={keep!r},",
                 f"                             preprocess=fastdata.ResizeCenterCrop({o.size}){decode})"]
@@ -143,7 +139,7 @@ def tune(source: str | os.PathLike[str], start: DoctorOptions, *, batch_limit: i
 
     ``start.device_decode`` (None: on CUDA only) adds decoding on the device as a decode candidate.
     """
-    from fastdata.gpu import Normalize
+    from fastdata.gpu import HostImageDecoder, Normalize
     from fastdata.manifest import Manifest
     from fastdata.prefetch import resolve_device
     from fastdata.transforms import ResizeCenterCrop
@@ -210,7 +206,9 @@ def tune(source: str | os.PathLike[str], start: DoctorOptions, *, batch_limit: i
         if fields.encoded:
             raws = st.raw_samples(subset, fields, 48)
             costs, failed = {}, []
-            for backend in ("pil", "torchvision"):
+            library = HostImageDecoder().backend  # "auto": TorchCodec where it loads (a deprecated torchvision: none)
+            tried = ["pil", start.decode, library]
+            for backend in dict.fromkeys(b for b in tried if b not in ("device", "pillow")):
                 try:
                     c = st.cpu_costs(raws, fields, pre, backend, best.batch_size)
                 except Exception as e:  # noqa: BLE001  a backend that cannot decode these images is no candidate
