@@ -120,3 +120,21 @@ def stall_clock(monkeypatch: pytest.MonkeyPatch) -> VirtualClock:
     clock = VirtualClock()
     monkeypatch.setattr(_stall, "time", clock)
     return clock
+
+
+@pytest.fixture
+def decode_thread_joins(monkeypatch: pytest.MonkeyPatch) -> list:
+    """The timeout of every ``Thread.join`` on a fastdata decode thread from here on in the test
+    (None: no timeout): how long a close or an error waits for stuck decode threads, without a clock."""
+    import threading
+
+    waits: list = []
+    join = threading.Thread.join
+
+    def recorded(self: threading.Thread, timeout: float | None = None) -> None:
+        if self.name.startswith("fastdata-decode"):
+            waits.append(timeout)
+        return join(self, timeout)
+
+    monkeypatch.setattr(threading.Thread, "join", recorded)
+    return waits
