@@ -327,7 +327,7 @@ def _fastdata_row(label: str, recipe: str, dataset: Any, transform: Any, *, devi
 def _run_pipelines(root: Path, shards: Path, *, device: torch.device, model_name: str, batch_size: int,
                    workers: int, epochs: int, gpu_decode: bool = False) -> list[Row]:
     """The table's rows: tuned torch DataLoader, fastdata uncached, fastdata cached (and with
-    ``gpu_decode`` fastdata decoding the JPEGs on the device, nvJPEG through torchvision)."""
+    ``gpu_decode`` fastdata decoding the JPEGs on the device, nvJPEG through TorchCodec)."""
     import torch
 
     from fastdata.dataset import ShardedDataset

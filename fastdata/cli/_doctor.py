@@ -35,8 +35,8 @@ def _version(module: str) -> str | None:
     return str(getattr(mod, "__version__", "installed"))
 
 
-# fastdata's own dependencies are required; the rest serve optional features (GPU decode,
-# remote shards, NVML utilisation)
+# fastdata's own dependencies are required; the rest serve optional features (models, remote shards, NVML
+# utilisation). torchcodec is a dependency too, but where it does not load fastdata decodes with Pillow: a warning
 _PACKAGES = (("torch", True), ("numpy", True), ("PIL", True), ("h5py", True), ("braceexpand", True), ("tqdm", True),
              ("torchcodec", False), ("torchvision", False), ("fsspec", False), ("pynvml", False))
 _REQUIRED = {f"package {mod}" for mod, need in _PACKAGES if need}
