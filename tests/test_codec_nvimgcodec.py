@@ -8,7 +8,6 @@ CPU backend, which tests the glue without a GPU. CUDA ones are marked. "auto"'s 
 tests/gpu/test_codec_backends.py."""
 from __future__ import annotations
 
-import sys
 
 import numpy as np
 import pytest
@@ -19,6 +18,7 @@ from fastdata import gpu
 from fastdata.errors import DecodeError, FastdataError
 from fastdata.gpu import _codec, _decode
 
+from tests.helpers.decoders import unimportable
 from tests.helpers.images import jpeg, many_jpegs, packed, pillow_rgb, run_without_host_sync
 
 ENV = _codec.DEVICE_DECODER_ENV
@@ -60,7 +60,7 @@ def test_device_backend_resolves_and_validates(monkeypatch):
 
 
 def test_missing_nvimgcodec_says_how_to_install(monkeypatch, fresh_status):
-    monkeypatch.setitem(sys.modules, "nvidia.nvimgcodec", None)  # the import fails as if not installed
+    unimportable(monkeypatch, "nvidia.nvimgcodec")  # the import fails as if not installed
     nv, reason = _codec.nvimgcodec_status()
     assert nv is None and ("ImportError" in reason or "ModuleNotFoundError" in reason)
     install = "pip install nvidia-nvimgcodec-cu13 nvidia-nvjpeg"

@@ -1,11 +1,10 @@
 """Session 9, helper left-a: DecodeImages' skip budget, doctor/tune measuring what they recommend, CLI messages."""
 from __future__ import annotations
 
-import sys
-
 import pytest
 import torch
 
+from tests.helpers.decoders import unimportable
 from tests.helpers.images import jpeg
 from fastdata import gpu
 from fastdata.gpu import _codec
@@ -77,7 +76,7 @@ def test_doctor_probe_measures_the_configured_device_decoder(monkeypatch):
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
     rate, note = st.probe_gpu_decode(jpegs, torch.device("cuda"))
     assert rate is not None and rate > 0 and note == f"DecodeImages with device decoder {auto} on the GPU"
-    monkeypatch.setitem(sys.modules, "nvidia.nvimgcodec", None)  # as if not installed
+    unimportable(monkeypatch, "nvidia.nvimgcodec")  # as if not installed
     monkeypatch.setattr(_codec, "nvimgcodec_status", _codec.nvimgcodec_status.__wrapped__)
     monkeypatch.setenv("FASTDATA_DEVICE_DECODER", "nvimgcodec")  # not installed: said, not another decoder's figure
     rate, note = st.probe_gpu_decode(jpegs, torch.device("cuda"))

@@ -17,7 +17,7 @@ from PIL import Image
 from fastdata import gpu
 from fastdata.gpu import _codec
 
-from tests.helpers.decoders import HOST_DECODERS
+from tests.helpers.decoders import HOST_DECODERS, unimportable
 from tests.helpers.images import jpeg, packed, pillow_rgb
 
 CPU = torch.device("cpu")
@@ -71,8 +71,8 @@ def test_torchcodec_older_than_0_16_is_not_used(monkeypatch, fresh_status):
 def test_pillow_only_fallback_when_no_library_loads(monkeypatch, fresh_status):
     """Neither TorchCodec, torchvision nor nvImageCodec imports (as on an install without them): "auto"
     decodes with Pillow on both sides, and a library named explicitly says how to install it."""
-    for mod in ("torchcodec", "torchcodec.decoders", "torchvision", "torchvision.io", "nvidia.nvimgcodec"):
-        monkeypatch.setitem(sys.modules, mod, None)  # the import fails as if not installed
+    unimportable(monkeypatch, "torchcodec", "torchcodec.decoders", "torchvision", "torchvision.io",
+                 "nvidia.nvimgcodec")
     monkeypatch.delenv(_codec.DEVICE_DECODER_ENV, raising=False)
     assert _codec.host_backend("auto") == _codec.device_backend("auto") == "pillow"
     datas = [jpeg(0), jpeg(1, mode="L"), jpeg(2, format="PNG"), jpeg(3, progressive=True)]

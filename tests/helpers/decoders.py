@@ -18,3 +18,15 @@ def _loads(name: str) -> bool:
 HOST_DECODERS = ["pillow"] + [n for n in ("torchcodec", "torchvision") if _loads(n)]
 # device decoders of the CUDA tests (nvImageCodec's CPU backend also runs on the CPU)
 DEVICE_DECODERS = [n for n in ("torchcodec", "torchvision", "nvimgcodec") if _loads(n)]
+
+
+def unimportable(monkeypatch, *modules: str) -> None:
+    """Make ``import`` of each module fail as if it were not installed, for the rest of the test, also where it
+    was imported before (``from nvidia import nvimgcodec`` reads the attribute of an imported parent first)."""
+    import sys
+
+    for name in modules:
+        monkeypatch.setitem(sys.modules, name, None)
+        parent, _, child = name.rpartition(".")
+        if parent and hasattr(sys.modules.get(parent), child):
+            monkeypatch.delattr(sys.modules[parent], child)
