@@ -80,6 +80,7 @@ def torchcodec_status() -> tuple[Any, str]:
     return tcd, f"torchcodec {version}"
 
 
+@functools.cache
 def _torchvision_version() -> tuple[int, int] | None:
     """torchvision's installed release, read from its metadata without importing it (None: not installed)."""
     try:
