@@ -65,7 +65,7 @@ def _threads() -> list[str]:
     return [t.name for t in threading.enumerate() if t.name.startswith("fastdata-prefetch")]
 
 
-def _wait_no_threads(timeout: float = 2.0) -> list[str]:
+def _wait_no_threads(timeout: float = 20.0) -> list[str]:  # a hang guard: threads end within ms when they end
     deadline = time.monotonic() + timeout
     while _threads() and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -769,7 +769,7 @@ def test_parallel_pack_on_fake_cuda(fake_cuda: dict) -> None:
         assert any(t.name.startswith("fastdata-pack-") for t in threading.enumerate())
         s = pf.stats()
         assert s["packed_bytes"] >= 4 * 2 * big.numel() and s["pack_gbps"] > 0
-    deadline = time.monotonic() + 2
+    deadline = time.monotonic() + 20  # a hang guard
     while any(t.name.startswith("fastdata-pack-") for t in threading.enumerate()) and time.monotonic() < deadline:
         time.sleep(0.01)
     assert not any(t.name.startswith("fastdata-pack-") for t in threading.enumerate())  # closed with the prefetcher
