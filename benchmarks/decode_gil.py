@@ -20,7 +20,9 @@ GIL held) next to ``to_tensor`` (``fastdata.decode.image_to_tensor``); ``tobytes
 (``Image.open``, the header parse); ``pillow_load`` (open + Pillow's own ``load``) next to
 ``decode`` (``ImageDecoder().pil``); ``decode_to_tensor`` (``ImageDecoder()``) next to
 ``decode_to_tensor_asarray`` (Pillow load + the old conversion); ``sample``
-(``decode_stage.DecodeRandomResizedCropFlip``: decode, random crop to 224, flip, to tensor).
+(``decode_stage.DecodeRandomResizedCropFlip``: decode, random crop to 224, flip, to tensor). The
+``gil_share`` of the JSON divides each ``to_tensor`` row's GIL wait by its ``to_tensor_asarray`` row's
+(the 2000x1500 image is tests/test_decode_gil.py's; docs/design/decode_gil.md records the figure).
 
     flock /tmp/bench.lock python benchmarks/decode_gil.py --json /tmp/decode_gil.json
 """
@@ -166,6 +168,7 @@ def steps(jpegs: list[bytes]) -> dict[str, Callable[[], Any]]:
     rgb = [Image.fromarray(rng.integers(0, 256, (224, 224, 3), dtype=np.uint8)) for _ in range(4)]
     grey = [im.convert("L") for im in rgb]
     full = [ImageDecoder().pil(d) for d in jpegs[:16]]
+    big = [Image.fromarray(np.random.default_rng(0).integers(0, 256, (1500, 2000, 3), dtype=np.uint8))]
     blob = rng.integers(0, 256, 1 << 20, dtype=np.uint8).tobytes()
     random.seed(0)
     dec = ImageDecoder()
@@ -186,6 +189,8 @@ def steps(jpegs: list[bytes]) -> dict[str, Callable[[], Any]]:
         "to_tensor L 224": cycling(grey, image_to_tensor),
         "to_tensor_asarray RGB full": cycling(full, to_tensor_asarray),
         "to_tensor RGB full": cycling(full, image_to_tensor),
+        "to_tensor_asarray RGB 2000x1500": cycling(big, to_tensor_asarray),
+        "to_tensor RGB 2000x1500": cycling(big, image_to_tensor),
         "open": cycling(jpegs, lambda d: Image.open(io.BytesIO(d))),
         "pillow_load": cycling(jpegs, pillow_load),
         "decode": cycling(jpegs, dec.pil),
@@ -234,6 +239,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
               f"{r['speedup_2threads']:5.2f} {r['gil_wait_us']:9.1f}")
     out = {"benchmark": "decode_gil", "load_avg_start": load0, "load_avg_end": os.getloadavg(),
            "python": sys.version.split()[0], "repeat": args.repeat, "results": results, "runs": runs}
+    # the GIL share: another thread's GIL wait behind image_to_tensor as a share of its wait behind np.asarray
+    images = [k.removeprefix("to_tensor ") for k in results if k.startswith("to_tensor ")]
+    out["gil_share"] = {im: round(results[f"to_tensor {im}"]["gil_wait_us"] / results[f"to_tensor_asarray {im}"]["gil_wait_us"], 3)
+                        for im in images if results.get(f"to_tensor_asarray {im}", {}).get("gil_wait_us")}
+    for k, v in out["gil_share"].items():
+        print(f"GIL share, to_tensor vs np.asarray, {k}: {v:.3f}")
     print(f"load average {load0[0]:.2f} at the start, {out['load_avg_end'][0]:.2f} at the end")
     if args.json:
         args.json.write_text(json.dumps(out, indent=1))

@@ -19,8 +19,9 @@ horizontal flip with probability 1/2, normalise with the ImageNet mean/std), shu
   (``fastdata.gpu.Compose(DecodeImages, RandomResizedCrop, RandomHorizontalFlip, Normalize)``);
   skipped without CUDA or when that API is not in this checkout; ``gpu-threads``: the same, with
   the bytes read by min(N, 4) threads (``decode_threads``) instead of worker processes; the device
-  JPEG decoder is ``--device-decoder`` (``auto``: torchvision unless ``FASTDATA_DEVICE_DECODER``
-  names another; ``nvimgcodec``: nvImageCodec, when installed), recorded in the rows' ``decoder``;
+  JPEG decoder is ``--device-decoder`` (``auto``: TorchCodec, else torchvision before 0.29, unless
+  ``FASTDATA_DEVICE_DECODER`` names another; ``nvimgcodec``: nvImageCodec, when installed), recorded
+  in the rows' ``decoder``;
 - ``torchvision``: the usual recipe, ``torchvision.datasets.ImageFolder`` with
   ``RandomResizedCrop(224)``, ``RandomHorizontalFlip()``, ``ToTensor()``, ``Normalize(...)`` in
   ``torch.utils.data.DataLoader(num_workers=N, shuffle=True)`` (normalised in the workers). Where

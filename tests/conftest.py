@@ -95,3 +95,46 @@ def pytest_configure(config: pytest.Config) -> None:
 
     if "forkserver" in mp.get_all_start_methods():
         mp.set_forkserver_preload(["torch", "fastdata", "fastdata.loader", "fastdata.dataset"])
+
+
+class VirtualClock:
+    """The clock of a :class:`fastdata.StallMeter` under test: time passes only by :meth:`sleep`, so the
+    waits, wall time and shares a meter reports come out exactly, however busy the machine is."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@pytest.fixture
+def stall_clock(monkeypatch: pytest.MonkeyPatch) -> VirtualClock:
+    """StallMeter reads this clock (``fastdata.monitor._stall.time``) in the test: loaders and steps call
+    ``stall_clock.sleep(s)`` where they would sleep."""
+    from fastdata.monitor import _stall
+
+    clock = VirtualClock()
+    monkeypatch.setattr(_stall, "time", clock)
+    return clock
+
+
+@pytest.fixture
+def decode_thread_joins(monkeypatch: pytest.MonkeyPatch) -> list:
+    """The timeout of every ``Thread.join`` on a fastdata decode thread from here on in the test
+    (None: no timeout): how long a close or an error waits for stuck decode threads, without a clock."""
+    import threading
+
+    waits: list = []
+    join = threading.Thread.join
+
+    def recorded(self: threading.Thread, timeout: float | None = None) -> None:
+        if self.name.startswith("fastdata-decode"):
+            waits.append(timeout)
+        return join(self, timeout)
+
+    monkeypatch.setattr(threading.Thread, "join", recorded)
+    return waits

@@ -1,13 +1,13 @@
-"""The device-decoder choice behind fastdata.gpu._codec (torchvision or nvImageCodec) and the decode
+"""The device-decoder choice behind fastdata.gpu._codec (TorchCodec, torchvision or nvImageCodec) and the decode
 stage's handling of images a device decoder returns undecoded (None).
 
 The resolver, argument checks and the stage's None handling (with a stubbed device decoder) run
 everywhere; the tests that decode with nvImageCodec need ``nvidia.nvimgcodec`` (not a dependency:
 ``pip install nvidia-nvimgcodec-cu13 nvidia-nvjpeg``) and skip without it; on the CPU they use its
-CPU backend, which tests the glue without a GPU. CUDA ones are marked."""
+CPU backend, which tests the glue without a GPU. CUDA ones are marked. "auto"'s own choice:
+tests/gpu/test_codec_backends.py."""
 from __future__ import annotations
 
-import sys
 
 import numpy as np
 import pytest
@@ -18,6 +18,7 @@ from fastdata import gpu
 from fastdata.errors import DecodeError, FastdataError
 from fastdata.gpu import _codec, _decode
 
+from tests.helpers.decoders import unimportable
 from tests.helpers.images import jpeg, many_jpegs, packed, pillow_rgb, run_without_host_sync
 
 ENV = _codec.DEVICE_DECODER_ENV
@@ -39,14 +40,14 @@ def fresh_status(monkeypatch):
 
 def test_device_backend_resolves_and_validates(monkeypatch):
     monkeypatch.delenv(ENV, raising=False)
-    assert _codec.device_backend() == _codec.device_backend("auto") == "torchvision"
+    assert _codec.device_backend() == _codec.device_backend("auto") == _codec.host_backend("auto")
     assert _codec.device_backend("torchvision") == "torchvision"
     with pytest.raises(ValueError, match=r"device_decoder must be one of .*'nvimgcodec'.*got 'nvjpeg'"):
         _codec.device_backend("nvjpeg")
     with pytest.raises(ValueError, match="DecodeImages: device_decoder must be one of"):
         gpu.DecodeImages(device_decoder="dali")
     monkeypatch.setenv(ENV, "torchvision")
-    assert _codec.device_backend("auto") == "torchvision"
+    assert _codec.device_backend("auto") == "torchvision"  # the variable names the decoder of "auto"
     monkeypatch.setenv(ENV, "magic")
     with pytest.raises(ValueError, match=f"{ENV}='magic'"):
         _codec.device_backend("auto")
@@ -59,7 +60,7 @@ def test_device_backend_resolves_and_validates(monkeypatch):
 
 
 def test_missing_nvimgcodec_says_how_to_install(monkeypatch, fresh_status):
-    monkeypatch.setitem(sys.modules, "nvidia.nvimgcodec", None)  # the import fails as if not installed
+    unimportable(monkeypatch, "nvidia.nvimgcodec")  # the import fails as if not installed
     nv, reason = _codec.nvimgcodec_status()
     assert nv is None and ("ImportError" in reason or "ModuleNotFoundError" in reason)
     install = "pip install nvidia-nvimgcodec-cu13 nvidia-nvjpeg"
@@ -145,7 +146,7 @@ def test_default_cpu_stage_never_calls_the_device_decoder(monkeypatch):
 def test_nvimgcodec_cpu_decode_matches_pillow():
     pytest.importorskip("nvidia.nvimgcodec")
     exif = Image.Exif()
-    exif[0x0112] = 6  # "rotate 90": not applied, as torchvision and the host path do not
+    exif[0x0112] = 6  # "rotate 90": not applied, as every decoder of fastdata does not
     datas = [jpeg(0), jpeg(1, 80, 50, progressive=True), jpeg(2, 61, 47, mode="L"),
              jpeg(3, 50, 70, mode="L", progressive=True), jpeg(4, 64, 48, exif=exif.tobytes()),
              jpeg(5, 33, 17, subsampling=0), jpeg(6, 40, 30, subsampling=1)]

@@ -24,11 +24,10 @@ from fastdata.loader import DataLoader
 from fastdata.prefetch import CUDAPrefetcher
 from fastdata.shards.writer import ShardWriter
 
+from tests.helpers.decoders import DEVICE_DECODERS, HOST_DECODERS
 from tests.helpers.images import jpeg, many_jpegs, packed, pillow_rgb, run_without_host_sync
 
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
-
-HOST_DECODERS = ["pillow"] + (["torchvision"] if _codec.torchvision_status()[0] is not None else [])
 
 
 def write(tmp_path, datas: list[bytes], per_shard: int = 8):
@@ -146,10 +145,11 @@ def test_cpu_device_path_equals_pillow(host_decoder):
         assert (img.int() - ref.int()).abs().max() <= 1
 
 
-def test_png_cmyk_and_gray_among_jpegs_decode_on_the_host_path():
+@pytest.mark.parametrize("host_decoder", HOST_DECODERS)
+def test_png_cmyk_and_gray_among_jpegs_decode_on_the_host_path(host_decoder):
     datas = [jpeg(0), jpeg(1, format="PNG"), jpeg(2), jpeg(3, mode="CMYK"), jpeg(4, mode="L"),
              jpeg(5, mode="RGBA", format="PNG")]
-    ib = gpu.DecodeImages(device="cpu")({"jpg": packed(datas)})["jpg"]
+    ib = gpu.DecodeImages(device="cpu", host_decoder=host_decoder)({"jpg": packed(datas)})["jpg"]
     assert len(ib) == 6 and all(im.shape[0] == 3 for im in ib.images)
     for d, img in zip(datas, ib.images):
         assert (img.int() - pillow_rgb(d).int()).abs().max() <= 1
@@ -161,14 +161,15 @@ def corrupt_batch():
     return good[:2] + [bad] + good[2:], 2
 
 
-def test_corrupt_jpeg_raises_naming_shard_key_and_field():
+@pytest.mark.parametrize("host_decoder", HOST_DECODERS)
+def test_corrupt_jpeg_raises_naming_shard_key_and_field(host_decoder):
     datas, _ = corrupt_batch()
     batch = {"__key__": [f"k{i}" for i in range(6)], "jpg": packed(datas), "cls": torch.arange(6)}
     with pytest.raises(DecodeError, match=r"shard-0\.tar: sample 'k2' field 'jpg': cannot decode image \(jpeg\)"):
-        gpu.DecodeImages(device="cpu")(batch)
-    truncated = [jpeg(0), jpeg(1)[:-200]]  # entropy data cut short: Pillow refuses a truncated file
+        gpu.DecodeImages(device="cpu", host_decoder=host_decoder)(batch)
+    truncated = [jpeg(0), jpeg(1)[:-200]]  # entropy data cut short: every decoder refuses a truncated file
     with pytest.raises(DecodeError, match="sample 'k1'"):
-        gpu.DecodeImages(device="cpu", host_decoder="pillow")({"jpg": packed(truncated)})
+        gpu.DecodeImages(device="cpu", host_decoder=host_decoder)({"jpg": packed(truncated)})
 
 
 @pytest.mark.parametrize("on_error", ["skip", "warn"])
@@ -275,10 +276,11 @@ def test_decode_images_validation_and_passthrough():
 
 
 @pytest.mark.cuda
-def test_cuda_decode_matches_host_decode():
+@pytest.mark.parametrize("device_decoder", DEVICE_DECODERS)
+def test_cuda_decode_matches_host_decode(device_decoder):
     datas = many_jpegs(200)
     p = packed(datas).pin_memory()
-    ib = gpu.DecodeImages(device="cuda")({"jpg": p})["jpg"]
+    ib = gpu.DecodeImages(device="cuda", device_decoder=device_decoder)({"jpg": p})["jpg"]
     assert ib.images[0].is_cuda
     diffs = []
     for d, img in zip(datas, ib.images):
@@ -310,10 +312,12 @@ def test_cuda_decode_stream_takes_the_callers_priority():
 
 
 @pytest.mark.cuda
-def test_cuda_stage_does_not_sync_the_host():
+@pytest.mark.parametrize("device_decoder", DEVICE_DECODERS)
+def test_cuda_stage_does_not_sync_the_host(device_decoder):
     datas = many_jpegs(40) + [jpeg(99, format="PNG")]
     p = packed(datas).pin_memory()
-    pipe = gpu.Compose(gpu.DecodeImages(device="cuda", chunk_size=16), gpu.RandomResizedCrop(64),
+    pipe = gpu.Compose(gpu.DecodeImages(device="cuda", chunk_size=16, device_decoder=device_decoder),
+                       gpu.RandomResizedCrop(64),
                        gpu.RandomHorizontalFlip(), gpu.Normalize(dtype=torch.bfloat16, channels_last=True))
     labels = torch.arange(len(datas), device="cuda")
     out = run_without_host_sync(pipe, {"jpg": p, "cls": labels})
@@ -338,13 +342,14 @@ def test_cuda_memory_is_flat_over_30_epochs():
 
 
 @pytest.mark.cuda
-def test_cuda_resampling_matches_cpu_and_skips_corrupt_images():
+@pytest.mark.parametrize("device_decoder", DEVICE_DECODERS)
+def test_cuda_resampling_matches_cpu_and_skips_corrupt_images(device_decoder):
     datas, bad = corrupt_batch()
     datas = datas + many_jpegs(20)
     p = packed(datas).pin_memory()
     with pytest.raises(DecodeError, match="sample 'k2'"):
-        gpu.DecodeImages(device="cuda")({"jpg": p})
-    geo = lambda dev: gpu.Compose(gpu.DecodeImages(device=dev, on_error="skip"),
+        gpu.DecodeImages(device="cuda", device_decoder=device_decoder)({"jpg": p})
+    geo = lambda dev: gpu.Compose(gpu.DecodeImages(device=dev, on_error="skip", device_decoder=device_decoder),
                                   gpu.RandomResizedCrop(48), gpu.RandomHorizontalFlip())
     on_gpu = geo("cuda")({"jpg": p, "cls": torch.arange(len(datas))})
     on_cpu = geo("cpu")({"jpg": packed(datas), "cls": torch.arange(len(datas))})

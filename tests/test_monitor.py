@@ -8,51 +8,57 @@ from fastdata.monitor import StallMeter
 
 
 class _SlowLoader:
-    """A loader whose batches take `delay` seconds each; looks like a DataLoader with 1 worker."""
+    """A loader whose batches take `delay` seconds each (``sleep``: real or a test's virtual clock); looks like a
+    DataLoader with 1 worker."""
 
     num_workers = 1
     persistent_workers = False
 
-    def __init__(self, n: int, delay: float) -> None:
-        self.n, self.delay = n, delay
+    def __init__(self, n: int, delay: float, sleep=time.sleep) -> None:
+        self.n, self.delay, self.sleep = n, delay, sleep
 
     def __iter__(self):
         for i in range(self.n):
             if self.delay:
-                time.sleep(self.delay)
+                self.sleep(self.delay)
             yield torch.full((2,), i)
 
 
-def test_loader_bound_loop_is_reported_with_advice():
+def test_loader_bound_loop_is_reported_with_advice(stall_clock):
     meter = StallMeter()
-    seen = [int(b[0]) for b in meter.wrap(_SlowLoader(8, 0.02))]
+    seen = []
+    for b in meter.wrap(_SlowLoader(8, 0.02, stall_clock.sleep)):
+        seen.append(int(b[0]))
+        stall_clock.sleep(0.001)  # a step 20 times shorter than a batch's wait
     assert seen == list(range(8))
     rep = meter.report()
     assert rep.steps == 8
-    assert rep.loader_bound and rep.wait_share > 0.8
-    assert rep.speedup_if_fed > 4
+    share = 7 * 0.02 / (8 * 0.021 - 0.02)  # the first wait (start-up) is reported apart
+    assert rep.loader_bound and rep.wait_share == pytest.approx(share)
+    assert rep.speedup_if_fed == pytest.approx(1 / (1 - share))
     text = rep.summary()
     assert "LOADER-BOUND" in text
     assert "persistent_workers" in text and "CUDAPrefetcher" in text
 
 
-def test_compute_bound_loop_is_not_loader_bound():
+def test_compute_bound_loop_is_not_loader_bound(stall_clock):
     meter = StallMeter()
-    for _ in meter.wrap(_SlowLoader(8, 0.0)):
-        time.sleep(0.05)  # long steps: scheduler noise under load stays far below the 10% threshold
+    for _ in meter.wrap(_SlowLoader(8, 0.001, stall_clock.sleep)):
+        stall_clock.sleep(0.05)  # steps 50 times longer than a batch's wait: 2% waiting
     rep = meter.report()
     assert not rep.loader_bound
     assert rep.advice == ()
     assert "not loader-bound" in rep.summary()
 
 
-def test_early_break_still_counts_wall_time():
+def test_early_break_still_counts_wall_time(stall_clock):
     meter = StallMeter()
-    for i, _ in enumerate(meter.wrap(_SlowLoader(100, 0.001))):
+    for i, _ in enumerate(meter.wrap(_SlowLoader(100, 0.001, stall_clock.sleep))):
+        stall_clock.sleep(0.01)
         if i == 3:
             break
     rep = meter.report()
-    assert rep.steps == 4 and rep.wall_s > 0
+    assert rep.steps == 4 and rep.wall_s == pytest.approx(4 * 0.011) and rep.wait_s == pytest.approx(0.004)
 
 
 def test_bad_interval_names_argument():
@@ -132,23 +138,23 @@ class _BurstLoader:
     num_workers = 3
     persistent_workers = True
 
-    def __init__(self, n, k, stall):
-        self.n, self.k, self.stall = n, k, stall
+    def __init__(self, n, k, stall, sleep):
+        self.n, self.k, self.stall, self.sleep = n, k, stall, sleep
 
     def __iter__(self):
         for i in range(self.n):
             if i % self.k == self.k - 1:
-                time.sleep(self.stall)
+                self.sleep(self.stall)
             yield torch.full((2,), i)
 
 
-def test_stall_meter_reports_the_saw_tooth_of_a_real_loop():
+def test_stall_meter_reports_the_saw_tooth_of_a_real_loop(stall_clock):
     meter = StallMeter()
-    for _ in meter.wrap(_BurstLoader(45, 3, 0.08)):  # 80 ms teeth: scheduler hiccups on a busy box stay below 20 ms
-        time.sleep(0.002)
+    for _ in meter.wrap(_BurstLoader(45, 3, 0.08, stall_clock.sleep)):  # 80 ms teeth
+        stall_clock.sleep(0.002)
     rep = meter.report()
     assert rep.periodic is not None and rep.periodic.period == 3, rep.summary()
-    assert rep.periodic.mean_s > 0.07
+    assert rep.periodic.mean_s == pytest.approx(0.08)
     text = rep.summary()
     assert "every 3rd step stalls" in text
     assert any("saw-tooth: every 3 steps" in a and "= num_workers" in a and "slower on average" in a

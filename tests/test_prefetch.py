@@ -65,7 +65,7 @@ def _threads() -> list[str]:
     return [t.name for t in threading.enumerate() if t.name.startswith("fastdata-prefetch")]
 
 
-def _wait_no_threads(timeout: float = 2.0) -> list[str]:
+def _wait_no_threads(timeout: float = 20.0) -> list[str]:  # a hang guard: threads end within ms when they end
     deadline = time.monotonic() + timeout
     while _threads() and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -242,7 +242,7 @@ def test_keyboard_interrupt_while_waiting() -> None:
     with pytest.raises(KeyboardInterrupt):
         for _ in pf:
             pass
-    assert time.monotonic() - t0 < 2.0
+    assert time.monotonic() - t0 < 10  # a hang guard: the source alone runs 20 s
     timer.join()
     assert not _wait_no_threads()
     pf.close()
@@ -271,21 +271,24 @@ def test_backpressure_bounds_read_ahead() -> None:
 
 
 def test_overlaps_loader_and_consumer() -> None:
+    """The next batch is being loaded while the consumer still holds the current one. (The time this
+    saves: benchmarks/prefetch_overlap.py, recorded in docs/design/prefetch_overlap.md.)"""
+    started = [threading.Event() for _ in range(6)]
+
     def loader():
-        for i in range(12):
-            time.sleep(0.02)
+        for i in range(6):
+            started[i].set()
             yield i
 
-    def run(wrap: bool) -> float:
-        source = _Regen(loader)
-        it = CUDAPrefetcher(source, device="cpu") if wrap else source
-        t0 = time.perf_counter()
-        for _ in it:
-            time.sleep(0.02)
-        return time.perf_counter() - t0
-
-    plain, prefetched = run(False), run(True)
-    assert prefetched < 0.8 * plain, (plain, prefetched)
+    overlapped = []
+    for i in CUDAPrefetcher(_Regen(loader), device="cpu"):
+        overlapped.append(i == 5 or started[i + 1].wait(30))  # 30 s: a hang guard, not a speed
+    assert overlapped == [True] * 6
+    for e in started:
+        e.clear()
+    plain = iter(_Regen(loader))  # without the prefetcher the next item is loaded only when asked for
+    next(plain)
+    assert not started[1].is_set()
 
 
 def test_stats_fields() -> None:
@@ -766,7 +769,7 @@ def test_parallel_pack_on_fake_cuda(fake_cuda: dict) -> None:
         assert any(t.name.startswith("fastdata-pack-") for t in threading.enumerate())
         s = pf.stats()
         assert s["packed_bytes"] >= 4 * 2 * big.numel() and s["pack_gbps"] > 0
-    deadline = time.monotonic() + 2
+    deadline = time.monotonic() + 20  # a hang guard
     while any(t.name.startswith("fastdata-pack-") for t in threading.enumerate()) and time.monotonic() < deadline:
         time.sleep(0.01)
     assert not any(t.name.startswith("fastdata-pack-") for t in threading.enumerate())  # closed with the prefetcher
@@ -859,9 +862,9 @@ class _SlowStartLoader:
 
 
 @pytest.mark.parametrize("seamless", [True, False])
-def test_seamless_epochs_keep_wait_p99_small(seamless: bool) -> None:
+def test_seamless_epochs_start_the_next_epoch_ahead(seamless: bool) -> None:
     """The loader outpaces compute, but every epoch starts 40 ms late: with seamless epochs the next
-    epoch is started while the consumer still works on the last batches, so no wait remains."""
+    epoch is started while the consumer still works on the last batches, so its start-up is hidden."""
     _check_seamless_wait(seamless)
 
 
@@ -882,34 +885,29 @@ def test_epochs_of_a_global_rng_loader_start_where_a_plain_loop_starts_them(monk
 
 
 def _check_seamless_wait(seamless: bool) -> None:
-    # p99 of 24 waits is their maximum: one scheduling hiccup of a loaded machine (60 ms once, in a suite
-    # run beside other jobs) fails a seamless run, so the timing gets up to 3 tries. A run that is not
-    # seamless waits the 40 ms start-up at every epoch, every time, and fails all three.
-    for attempt in range(3):
-        loader = _SlowStartLoader(8, startup_s=0.04)
-        pf = CUDAPrefetcher(loader, device="cpu", depth=2, seamless=seamless)
-        for epoch in range(4):
-            got = []
-            for b in pf:
-                got.append(int(b[0]))
-                time.sleep(0.04)  # compute: 2 batches ahead = 80 ms of slack > 40 ms start-up
-            assert got == list(range(8))
-            if epoch == 0:
-                pf.reset_stats()  # the first epoch's start-up cannot be hidden
-        s = pf.stats()
-        pf.close()
-        assert s["batches"] == 24
-        # seamless: the fifth epoch is started ahead, unless close() came first
-        assert loader.iters in ((4, 5) if seamless else (4,))
-        if seamless:
-            assert s["lookahead_epochs"] >= 3 and s["lookahead_discarded"] == 0
-            if s["wait_p99_s"] < 0.015 or attempt == 2:  # ~0.1 ms unloaded; generous for a busy machine
-                assert s["wait_p99_s"] < 0.015, s
-                return
-        else:
-            assert s["wait_p99_s"] > 0.03, s  # each epoch start waits for the start-up
-            assert s["lookahead_epochs"] == 0
-            return
+    # seamless: each next epoch's iterator is started ahead (its 40 ms start-up hidden behind the 2 batches
+    # queued); a run that is not seamless waits the start-up at every epoch (a sleep: only ever longer). What
+    # seamless saves: benchmarks/prefetch_overlap.py --part seamless (docs/design/prefetch_overlap.md).
+    loader = _SlowStartLoader(8, startup_s=0.04)
+    pf = CUDAPrefetcher(loader, device="cpu", depth=2, seamless=seamless)
+    for epoch in range(4):
+        got = []
+        for b in pf:
+            got.append(int(b[0]))
+            time.sleep(0.04)  # compute: 2 batches ahead = 80 ms of slack > 40 ms start-up
+        assert got == list(range(8))
+        if epoch == 0:
+            pf.reset_stats()  # the first epoch's start-up cannot be hidden
+    s = pf.stats()
+    pf.close()
+    assert s["batches"] == 24
+    # seamless: the fifth epoch is started ahead, unless close() came first
+    assert loader.iters in ((4, 5) if seamless else (4,))
+    if seamless:
+        assert s["lookahead_epochs"] >= 3 and s["lookahead_discarded"] == 0
+    else:
+        assert s["wait_p99_s"] > 0.03, s  # each epoch start waits for the start-up
+        assert s["lookahead_epochs"] == 0
 
 
 class _Steps(torch.utils.data.Dataset):

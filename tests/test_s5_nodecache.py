@@ -96,7 +96,7 @@ def test_processes_waiting_for_each_others_space_fail_fast(served, tmp_path, met
         assert str(cache.root) in msg and f"max_bytes={limit}" in msg and shard in msg, msg
         assert "2 processes" in msg and "2 shards open" in msg and "all waiting for space" in msg, msg
         assert "raise max_bytes" in msg and "open_shards" in msg and "num_workers" in msg, msg
-    assert took < 30, took  # the 120 s no-progress limit was the only way out before
+    assert took < 30, took  # a hang guard: the 120 s no-progress limit was the only way out before
 
 
 def test_slow_holder_is_not_mistaken_for_a_deadlock(served, tmp_path):
@@ -127,5 +127,5 @@ def test_killed_downloaders_reservation_does_not_block_the_limit(served, tmp_pat
         stale.write_bytes(b"partial")
         t0 = time.monotonic()
         assert cache.acquire(1).is_file()
-        assert time.monotonic() - t0 < 30 and not stale.exists()
+        assert time.monotonic() - t0 < 30 and not stale.exists()  # a hang guard (the no-progress limit: 120 s)
         cache.close()

@@ -376,6 +376,9 @@ def test_doctor_decode_torchvision_without_a_working_torchvision_says_so(tmp_pat
             w.write({"__key__": f"k{i}", "jpg": buf.getvalue(), "cls": i})
     monkeypatch.setitem(sys.modules, "torchvision", None)  # import torchvision -> ImportError
     monkeypatch.setitem(sys.modules, "torchvision.io", None)
+    from fastdata.gpu import _codec
+
+    monkeypatch.setattr(_codec, "torchvision_status", _codec.torchvision_status.__wrapped__)  # not the cached answer
     with pytest.raises(fastdata.FastdataError, match="decode 'torchvision' needs torchvision") as e:
         diagnose(tmp_path / "s", DoctorOptions(step_ms=1, samples=4, num_workers=0, decode="torchvision"))
     assert "sample" not in str(e.value)

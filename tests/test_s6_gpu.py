@@ -333,14 +333,14 @@ def test_a_device_decoder_that_fails_on_good_images_is_reported(monkeypatch):
     assert not [w for w in seen if "device decoder" in str(w.message)]
 
 
-@pytest.mark.skipif(__import__("fastdata.gpu._codec", fromlist=["x"]).torchvision_status()[0] is not None,
-                    reason="torchvision works here")
-def test_host_decoder_torchvision_without_torchvision_fails_when_built():
+def test_host_decoder_torchvision_without_torchvision_fails_when_built(monkeypatch):
     """DecodeImages(host_decoder="torchvision") without a working torchvision failed at the first batch, in the
     prefetcher's thread, with a plain RuntimeError; device_decoder="nvimgcodec" already failed when built."""
+    from fastdata.gpu import _codec
     from fastdata.gpu._codec import DecoderUnavailableError
 
-    with pytest.raises(DecoderUnavailableError, match="host decoder 'torchvision' requested but torchvision"):
+    monkeypatch.setattr(_codec, "torchvision_status", lambda: (None, "torchvision image ops unavailable: (as here)"))
+    with pytest.raises(DecoderUnavailableError, match="decoder 'torchvision' requested but torchvision"):
         gpu.DecodeImages(device="cpu", host_decoder="torchvision")
 
 

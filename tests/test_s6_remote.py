@@ -81,9 +81,7 @@ def test_idle_holder_gives_way_to_a_process_waiting_for_space(served, tmp_path, 
             cache = ds.source.node_cache
             assert cache.used_bytes() == limit
             reader = ds.source.reader(want)
-            t0 = time.monotonic()
-            sample = reader.read(0)  # waits for space: A's idle readers must give way
-            took = time.monotonic() - t0
+            sample = reader.read(0)  # waits for space: A's idle readers must give way (else: RemoteError at 8 s)
             assert _same(sample, _expected(served, want, 0))
             assert cache.used_bytes() <= limit
             reader.close()
@@ -94,7 +92,6 @@ def test_idle_holder_gives_way_to_a_process_waiting_for_space(served, tmp_path, 
                 proc.kill()
                 proc.join(5)
         assert out.read_text() == "ok"  # A read its shards again (downloaded again where evicted), right data
-        assert took < 6.0, took
         assert srv.counts.get(f"/ds/shard-{want:06d}.tar") == 1
         assert cache.used_bytes() <= limit
 

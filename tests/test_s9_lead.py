@@ -1,6 +1,8 @@
 """Session 9, lead: small fixes."""
 from __future__ import annotations
 
+import pytest
+
 from tests.helpers.images import jpeg
 from fastdata._util import add_note
 
@@ -133,6 +135,7 @@ def test_trainstep_counts_the_steps_a_grad_scaler_skipped():
     assert again.skipped_steps == 0
 
 
+@pytest.mark.filterwarnings("ignore:Got pickle error:UserWarning")  # torch's own hint (recent torch) before fastdata's error
 def test_build_cache_with_spawn_workers_names_an_unpicklable_part(tmp_path, monkeypatch):
     import multiprocessing
 

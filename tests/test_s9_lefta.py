@@ -4,8 +4,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.helpers.decoders import unimportable
 from tests.helpers.images import jpeg
 from fastdata import gpu
+from fastdata.gpu import _codec
 from fastdata.dataset import EncodedImage, collate
 from fastdata.errors import FastdataError, SkipBudgetError
 
@@ -63,7 +65,8 @@ def test_doctor_probe_measures_the_configured_device_decoder(monkeypatch):
 
     jpegs = [jpeg(i, 16 + i, 12) for i in range(6)]
     monkeypatch.delenv("FASTDATA_DEVICE_DECODER", raising=False)
-    assert st.probe_gpu_decode(jpegs, torch.device("cpu")) == (None, "no CUDA device (device decoder: torchvision)")
+    auto = gpu.DecodeImages(device="cpu").resolved_device_decoder  # TorchCodec where it loads
+    assert st.probe_gpu_decode(jpegs, torch.device("cpu")) == (None, f"no CUDA device (device decoder: {auto})")
 
     class OnTheCpu(gpu.DecodeImages):  # the stage a pipeline builds, run on the CPU where there is no GPU
         def __init__(self, *args, device=None, **kwargs):
@@ -72,8 +75,10 @@ def test_doctor_probe_measures_the_configured_device_decoder(monkeypatch):
     monkeypatch.setattr(gpu, "DecodeImages", OnTheCpu)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
     rate, note = st.probe_gpu_decode(jpegs, torch.device("cuda"))
-    assert rate is not None and rate > 0 and note == "DecodeImages with device decoder torchvision on the GPU"
-    monkeypatch.setenv("FASTDATA_DEVICE_DECODER", "nvimgcodec")  # not installed here: said, not torchvision's figure
+    assert rate is not None and rate > 0 and note == f"DecodeImages with device decoder {auto} on the GPU"
+    unimportable(monkeypatch, "nvidia.nvimgcodec")  # as if not installed
+    monkeypatch.setattr(_codec, "nvimgcodec_status", _codec.nvimgcodec_status.__wrapped__)
+    monkeypatch.setenv("FASTDATA_DEVICE_DECODER", "nvimgcodec")  # not installed: said, not another decoder's figure
     rate, note = st.probe_gpu_decode(jpegs, torch.device("cuda"))
     assert rate is None and "nvimgcodec" in note and "pip install" in note
     monkeypatch.setenv("FASTDATA_DEVICE_DECODER", "nvjpeg")

@@ -75,13 +75,13 @@ def test_shard_script_takes_options_between_src_and_dest(tmp_path, capsys):
     assert "expected SRC and DEST, got 1 path(s)" in capsys.readouterr().err
 
 
-def test_readme_cpu_install_pairs_torch_with_torchvision():
-    # fastdata requires torchvision: after `pip install torch --index-url .../whl/cpu` alone, installing
-    # fastdata pulled the newest torchvision, whose `torch>=` pin replaced the CPU torch with a CUDA build
-    # (pip's resolver, seen with --dry-run: torchvision 0.29.1 and torch 2.14.1 over torch 2.13.0+cpu)
+def test_readme_cpu_install_pairs_torch_with_its_decoders():
+    # after `pip install torch --index-url .../whl/cpu` alone, installing fastdata pulled the newest
+    # torchvision, whose `torch==` pin replaced the CPU torch with a CUDA build (pip's resolver, seen with
+    # --dry-run: torchvision 0.29.1 and torch 2.14.1 over torch 2.13.0+cpu); TorchCodec's wheels name no torch
     readme = (ROOT / "README.md").read_text()
     (line,) = [ln for ln in readme.splitlines() if "download.pytorch.org/whl/cpu" in ln]
-    assert re.search(r"pip install torch torchvision --index-url", line)
+    assert re.search(r"pip install torch torchcodec torchvision --index-url", line)
 
 
 def test_readme_h5py_block_runs_on_a_jpeg_folder(tmp_path, monkeypatch):

@@ -153,7 +153,8 @@ def _torchvision_model(name: str) -> torch.nn.Module | str:
     try:
         import torchvision.models
     except ImportError:
-        return "torchvision is not installed (pip install torchvision)"
+        return ("torchvision is not installed (its models only: pip install \"fastdata[models]\", which takes the "
+                "torchvision release paired with your torch)")
     except Exception as e:  # noqa: BLE001  installed but built for another torch: the import raises RuntimeError
         return f"torchvision does not import here ({type(e).__name__}: {e})"
     return getattr(torchvision.models, name)(num_classes=NUM_CLASSES)
@@ -314,7 +315,7 @@ def _fastdata_row(label: str, recipe: str, dataset: Any, transform: Any, *, devi
 def _run_pipelines(root: Path, shards: Path, *, device: torch.device, model_name: str, batch_size: int,
                    workers: int, epochs: int, gpu_decode: bool = False) -> list[Row]:
     """The table's rows: tuned torch DataLoader, fastdata uncached, fastdata cached (and with
-    ``gpu_decode`` fastdata decoding the JPEGs on the device, nvJPEG through torchvision)."""
+    ``gpu_decode`` fastdata decoding the JPEGs on the device, nvJPEG through TorchCodec)."""
     import torch
 
     from fastdata.dataset import ShardedDataset
@@ -432,6 +433,8 @@ def run_demo(*, workdir: str | None, num_images: int, num_workers: int | None, e
         raise ValueError(f"--images ({num_images}) must be at least --batch-size ({batch_size})")
     t_all = time.perf_counter()
     model_name, m = build_model(model, device)  # before any work: a model that cannot be built fails now
+    if model == "auto" and model_name != "resnet18" and device.type == "cuda":
+        print(f"resnet18 needs torchvision: {_torchvision_model('resnet18')}; training a small CNN instead", flush=True)
     with _workdir(workdir) as root:
         shards, _ = _make_shards(root, num_images, workers, show_paths=workdir is not None)
         precision = "bf16 autocast" if device.type == "cuda" and torch.cuda.is_bf16_supported() else (

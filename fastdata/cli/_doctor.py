@@ -35,10 +35,10 @@ def _version(module: str) -> str | None:
     return str(getattr(mod, "__version__", "installed"))
 
 
-# fastdata's own dependencies are required; the rest serve optional features (GPU decode,
-# remote shards, NVML utilisation)
+# fastdata's own dependencies are required; the rest serve optional features (models, remote shards, NVML
+# utilisation). torchcodec is a dependency too, but where it does not load fastdata decodes with Pillow: a warning
 _PACKAGES = (("torch", True), ("numpy", True), ("PIL", True), ("h5py", True), ("braceexpand", True), ("tqdm", True),
-             ("torchvision", False), ("fsspec", False), ("pynvml", False))
+             ("torchcodec", False), ("torchvision", False), ("fsspec", False), ("pynvml", False))
 _REQUIRED = {f"package {mod}" for mod, need in _PACKAGES if need}
 
 
@@ -231,7 +231,7 @@ def add_pipeline_arguments(p: Any, *, samples: int = 512) -> None:
     p.add_argument("--steps", type=two_or_more, default=20, metavar="N",
                    help="training steps of the whole-job measurement, at least 2: the first is left out of the "
                         "rate (default: 20)")
-    p.add_argument("--decode", choices=("pil", "torchvision"), default="pil",
+    p.add_argument("--decode", choices=("pil", "torchcodec", "torchvision"), default="pil",
                    help="CPU image decoder (default: pil, with reduced-scale JPEG decoding)")
     p.add_argument("--field", default=None, metavar="NAME",
                    help="image field (default: the manifest's first image field)")

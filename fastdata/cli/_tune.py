@@ -60,7 +60,7 @@ def add_tune_subparser(subparsers: Any) -> Any:
         "tune", help="search workers, prefetch depth, decode backend and batch size; print the best as Python",
         description="Measure the loader (or, with --model/--step-ms, the whole job) over SHARDS while varying "
                     "num_workers (never above the cores), the thread decoder on as many cores (decode_threads, no "
-                    "worker processes), the decoder (Pillow or torchvision on the CPU; on the device "
+                    "worker processes), the decoder (Pillow or TorchCodec on the CPU; on the device "
                     "where CUDA is available), the prefetch depth and, with a "
                     "model on a GPU, the batch size (the largest that fits, less 10% headroom). The options give "
                     "the starting configuration; the best is printed as ready-to-paste Python with its measured "

@@ -13,6 +13,7 @@ from fastdata.gpu._augment import (
     RandomResizedCrop,
     Resize,
 )
+from fastdata.gpu._codec import DecoderUnavailableError, HostImageDecoder
 from fastdata.gpu._decode import DecodeImages
 from fastdata.gpu._transforms import (
     IMAGENET_MEAN,
@@ -24,6 +25,6 @@ from fastdata.gpu._transforms import (
 )
 
 __all__ = [
-    "IMAGENET_MEAN", "IMAGENET_STD", "CenterCrop", "ChannelsLast", "Compose", "DecodeImages", "ImageBatch",
-    "Normalize", "RandomHorizontalFlip", "RandomResizedCrop", "Resize", "ToDtype",
+    "IMAGENET_MEAN", "IMAGENET_STD", "CenterCrop", "ChannelsLast", "Compose", "DecodeImages", "DecoderUnavailableError",
+    "HostImageDecoder", "ImageBatch", "Normalize", "RandomHorizontalFlip", "RandomResizedCrop", "Resize", "ToDtype",
 ]

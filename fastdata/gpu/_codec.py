@@ -1,55 +1,33 @@
-"""The one module that calls image codec libraries for packed batches (torchvision, nvImageCodec, Pillow).
+"""The one module that calls image codec libraries (TorchCodec, torchvision, nvImageCodec, Pillow).
 
-Switching the device decoder means changing this file only: :func:`device_decodable` says which
-images the device decoder takes, :func:`device_backend` resolves the choice (``DEVICE_BACKENDS``),
-:func:`decode_device` decodes a list of them, :func:`decode_host` decodes one image on the CPU.
+Backends resolve by name or by "auto" (:func:`host_backend`, :func:`device_backend`): TorchCodec >= 0.16,
+else torchvision < 0.29 (its decoders are deprecated from 0.29 on), else Pillow. On the device Pillow
+means "decode on the host"; nvImageCodec is chosen by name or ``FASTDATA_DEVICE_DECODER`` only.
 
-It sits in the ``gpu`` stage, not lower: only the device decode stage (:mod:`fastdata.gpu._decode`)
-decodes packed batches, so DataLoader workers never import torchvision (they start faster and a
-broken torchvision install cannot break CPU-only loading); the per-sample Pillow decoders of the
-workers stay in :mod:`fastdata.decode`.
+Invariants:
+- :func:`decode_device` waits on the host for the decode's current CUDA stream before every decoder
+  call (the stream-order guard: nvJPEG's hardware engine does not honour the stream it is given).
+- Every backend gives RGB uint8 ``(3, H, W)`` without EXIF rotation; 16-bit images keep their value
+  up to 255, else their high byte (as :mod:`fastdata.decode`). TorchCodec applies EXIF orientation
+  itself, so EXIF-rotated JPEGs go to Pillow on the host and come back as ``None`` from the device.
+- A batched device call returns when its images are decoded; it raises for the whole list
+  (TorchCodec, torchvision) or gives ``None`` where it could not decode (the stage decodes those on
+  the host, whose errors name shard and key).
+- Only the device decode stage imports this module, so DataLoader workers load no codec library
+  (the per-sample Pillow decoders of the workers are :mod:`fastdata.decode`'s).
 
-Device decoding: ``torchvision.io.decode_jpeg(list_of_cpu_tensors, device="cuda")``. Its input must
-be host tensors (torchvision checks it), so the packed bytes stay on the host; views into the
-(pinned) packed buffer are passed without a copy. What torchvision does with them (from its
-``decode_jpegs_cuda.cpp``): it creates the nvJPEG handle with ``NVJPEG_BACKEND_HARDWARE`` when the
-GPU has JPEG engines (A100, H100; falling back to the default hybrid backend elsewhere), decodes the
-baseline JPEGs that ``nvjpegDecodeBatchedSupported`` accepts in one batched call on those engines
-and the rest (progressive) one by one in the hybrid CPU+CUDA path, on a private stream; it waits
-for that stream on the host (``cudaStreamSynchronize``, not a device-wide sync) and makes the
-caller's current stream wait for it with an event. An error fails the whole call.
-
-Device decoding with nvImageCodec (``device_decoder="nvimgcodec"``; optional, ``pip install
-nvidia-nvimgcodec-cu13 nvidia-nvjpeg``; imported here only, lazily, never in DataLoader workers):
-one ``nvimgcodec.Decoder`` per device and process with the backends ``HW_GPU_ONLY`` (the JPEG
-engines of A100/H100), ``GPU_ONLY``, ``HYBRID_CPU_GPU`` in that order of preference (per image),
-decoding on the caller's current stream (``cuda_stream=``), so the stage chooses the stream. The
-input is the same zero-copy views of the packed buffer (as NumPy arrays, which nvImageCodec's code
-streams reference without a copy). Output is planar RGB (``sample_format=P_RGB``: already
-``(3, H, W)``; 1-component JPEGs come out as RGB too), no EXIF rotation (as torchvision and the
-host path). nvImageCodec owns its output buffers and frees them when the ``Image`` dies, which no
-torch stream bookkeeping (``record_stream``) covers, so each image is copied into a torch tensor on
-the same stream, and the call waits on the host (an event, not a device sync) until decode and
-copies are done, like torchvision's call: then the input bytes are consumed and releasing the
-``Image`` is safe whatever stream its buffer is freed on. Images it cannot decode come back as
-``None`` at their positions (the stage decodes those on the host), not as an error for the call.
-On the CPU (``device="cpu"``, for testing this glue without a GPU) it uses nvImageCodec's CPU
-backend (libjpeg-turbo) and returns zero-copy tensors over the decoded host buffers (each tensor
-keeps its ``Image`` alive). ``device_decoder="auto"`` is torchvision unless the environment
-variable ``FASTDATA_DEVICE_DECODER`` names another: it stays torchvision until a GPU measurement
-shows nvImageCodec pays. Unmeasured on a GPU so far: its speed against torchvision's, alone and
-beside training, the cost of the copy and the host wait, and its allocator's behaviour.
-
-Host decoding: ``torchvision.io.decode_jpeg`` / ``decode_image`` (libjpeg-turbo) when torchvision
-works, else Pillow (also libjpeg-turbo for JPEG). Formats torchvision cannot read go to Pillow.
+Design notes and measurements: docs/design/codec.md.
 """
 from __future__ import annotations
 
 import functools
+import importlib.metadata
 import io
 import os
+import re
+import struct
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -61,19 +39,54 @@ from fastdata.decode import ImageDecoder
 from fastdata.errors import FastdataError
 
 __all__ = [
-    "DEVICE_BACKENDS", "DEVICE_DECODER_ENV", "HOST_BACKENDS", "DecoderUnavailableError", "decode_device", "decode_host",
-    "default_max_pixels", "device_backend", "device_decodable", "device_decodable_codes", "host_backend",
-    "nvimgcodec_status", "torchvision_status",
+    "DEVICE_BACKENDS", "DEVICE_DECODER_ENV", "HOST_BACKENDS", "DecoderUnavailableError", "HostImageDecoder",
+    "decode_device", "decode_host", "default_max_pixels", "device_backend", "device_decodable",
+    "device_decodable_codes", "host_backend", "nvimgcodec_status", "torchcodec_status", "torchvision_status",
 ]
 
-HOST_BACKENDS = ("auto", "torchvision", "pillow")
-DEVICE_BACKENDS = ("auto", "torchvision", "nvimgcodec")
-DEVICE_DECODER_ENV = "FASTDATA_DEVICE_DECODER"  # what device_decoder="auto" resolves to (default: torchvision)
+HOST_BACKENDS = ("auto", "torchcodec", "torchvision", "pillow")
+DEVICE_BACKENDS = ("auto", "torchcodec", "torchvision", "nvimgcodec", "pillow")
+DEVICE_DECODER_ENV = "FASTDATA_DEVICE_DECODER"  # what device_decoder="auto" resolves to when set
 NVIMGCODEC_INSTALL = "pip install nvidia-nvimgcodec-cu13 nvidia-nvjpeg"
+TORCHCODEC_MIN = (0, 16)  # the first release whose image decoders replace torchvision's
+TORCHVISION_DEPRECATED = (0, 29)  # torchvision's image decoders warn (DeprecationWarning) from this release on
+_INSTALL = {"torchcodec": "install the TorchCodec release paired with your torch (see the README's Install section)",
+            "torchvision": "install the torchvision release paired with your torch"}
 
 
 class DecoderUnavailableError(FastdataError, RuntimeError):
     """A decoder was asked for by name but cannot be loaded here; says how to install it."""
+
+
+def _release(version: str) -> tuple[int, int]:
+    """``(major, minor)`` of a version string ("0.29.1+cu130" -> (0, 29))."""
+    m = re.match(r"(\d+)\.(\d+)", version)
+    return (int(m.group(1)), int(m.group(2))) if m else (0, 0)
+
+
+@functools.cache
+def torchcodec_status() -> tuple[Any, str]:
+    """``(torchcodec.decoders module or None, reason)``: whether TorchCodec >= 0.16 decodes here."""
+    try:
+        import torchcodec
+        import torchcodec.decoders as tcd
+
+        version = str(getattr(torchcodec, "__version__", "0"))
+        if _release(version) < TORCHCODEC_MIN:
+            return None, f"torchcodec {version} is older than {'.'.join(map(str, TORCHCODEC_MIN))}"
+        tcd.decode_jpeg(_TINY_JPEG)  # its libraries really load (one built for another torch does not)
+    except Exception as e:  # noqa: BLE001 - any import/load failure means "not usable here"
+        return None, f"TorchCodec unavailable: {type(e).__name__}: {str(e)[:200]}"
+    return tcd, f"torchcodec {version}"
+
+
+@functools.cache
+def _torchvision_version() -> tuple[int, int] | None:
+    """torchvision's installed release, read from its metadata without importing it (None: not installed)."""
+    try:
+        return _release(importlib.metadata.version("torchvision"))
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 @functools.cache
@@ -90,20 +103,6 @@ def torchvision_status() -> tuple[Any, str]:
     return tvio, f"torchvision {torchvision.__version__}"
 
 
-def host_backend(name: str = "auto") -> str:
-    """The host decoder that ``name`` ("auto", "torchvision", "pillow") resolves to here."""
-    if name not in HOST_BACKENDS:
-        raise ValueError(f"host decoder must be one of {HOST_BACKENDS}, got {name!r}")
-    if name == "pillow":
-        return "pillow"
-    tv, reason = torchvision_status()
-    if tv is None:
-        if name == "torchvision":
-            raise DecoderUnavailableError(f"host decoder 'torchvision' requested but {reason}")
-        return "pillow"
-    return "torchvision"
-
-
 @functools.cache
 def nvimgcodec_status() -> tuple[Any, str]:
     """``(nvidia.nvimgcodec module or None, reason)``: whether nvImageCodec imports here.
@@ -111,8 +110,6 @@ def nvimgcodec_status() -> tuple[Any, str]:
     Sets ``PYNVIMGCODEC_VERBOSITY=0`` before the import unless it is set: the images nvImageCodec
     cannot decode are decoded on the host, whose errors name shard and key, so its own log lines
     (one per bad image) are noise; set the variable to 1 (errors) or 2 (warnings) to see them.
-    Four lines about missing nvJPEG2000/nvTIFF libraries are printed at import whatever the
-    setting (``pip install nvidia-nvjpeg2k-cu13 nvidia-nvtiff-cu13`` removes them; JPEG needs neither).
     """
     os.environ.setdefault("PYNVIMGCODEC_VERBOSITY", "0")
     try:
@@ -122,37 +119,68 @@ def nvimgcodec_status() -> tuple[Any, str]:
     return nvimgcodec, f"nvImageCodec {getattr(nvimgcodec, '__version__', '?')}"
 
 
-def device_backend(name: str = "auto") -> str:
-    """The device decoder that ``name`` ("auto", "torchvision", "nvimgcodec") resolves to.
+def _auto() -> str:
+    """What "auto" resolves to on both sides: TorchCodec, else torchvision before 0.29, else Pillow."""
+    if torchcodec_status()[0] is not None:
+        return "torchcodec"
+    tv = _torchvision_version()
+    if tv is not None and tv < TORCHVISION_DEPRECATED and torchvision_status()[0] is not None:
+        return "torchvision"
+    return "pillow"
 
-    "auto" is torchvision unless the environment variable ``FASTDATA_DEVICE_DECODER`` names
-    another. "nvimgcodec" raises :class:`DecoderUnavailableError` (saying how to install it) when
-    nvImageCodec does not import here; "torchvision" is checked when it decodes.
+
+def _require(name: str) -> Any:
+    """The loaded library of a backend asked for by name, else :class:`DecoderUnavailableError`."""
+    lib, reason = {"torchcodec": torchcodec_status, "torchvision": torchvision_status,
+                   "nvimgcodec": nvimgcodec_status}[name]()
+    if lib is None:
+        how = (f"install it with `{NVIMGCODEC_INSTALL}` (CUDA 13 builds; -cu12 for CUDA 12)" if name == "nvimgcodec"
+               else _INSTALL[name])
+        raise DecoderUnavailableError(f"decoder {name!r} requested but {reason}; {how}")
+    return lib
+
+
+def host_backend(name: str = "auto") -> str:
+    """The host decoder that ``name`` (one of :data:`HOST_BACKENDS`) resolves to here; a library
+    named explicitly that does not work here raises :class:`DecoderUnavailableError`."""
+    if name not in HOST_BACKENDS:
+        raise ValueError(f"host decoder must be one of {HOST_BACKENDS}, got {name!r}")
+    if name == "auto":
+        return _auto()
+    if name != "pillow":
+        _require(name)
+    return name
+
+
+def device_backend(name: str = "auto") -> str:
+    """The device decoder that ``name`` (one of :data:`DEVICE_BACKENDS`) resolves to.
+
+    "auto" is the environment variable ``FASTDATA_DEVICE_DECODER`` where set, else TorchCodec, else
+    torchvision before 0.29, else "pillow" (every image decoded on the host). "torchcodec" and
+    "nvimgcodec" raise :class:`DecoderUnavailableError` (saying how to install them) when they do not
+    load here; "torchvision" is checked when it decodes.
     """
     if name not in DEVICE_BACKENDS:
         raise ValueError(f"device_decoder must be one of {DEVICE_BACKENDS}, got {name!r}")
     if name == "auto":
         env = os.environ.get(DEVICE_DECODER_ENV, "").strip()
         if env in ("", "auto"):
-            return "torchvision"
+            return _auto()
         if env not in DEVICE_BACKENDS:
             raise ValueError(f"environment variable {DEVICE_DECODER_ENV}={env!r}: must be one of {DEVICE_BACKENDS}")
         name = env
-    if name == "nvimgcodec":
-        nv, reason = nvimgcodec_status()
-        if nv is None:
-            raise DecoderUnavailableError(f"device decoder 'nvimgcodec' requested but {reason}; install it with "
-                                          f"`{NVIMGCODEC_INSTALL}` (CUDA 13 builds; -cu12 for CUDA 12)")
+    if name in ("torchcodec", "nvimgcodec"):
+        _require(name)
     return name
 
 
 def device_decodable(info: ImageInfo) -> bool:
     """True when the device decoder handles this image (else it is decoded on the host).
 
-    nvJPEG through torchvision: 8-bit Huffman JPEGs (baseline, extended, progressive) with 1 or 3
-    components, except 3-component files whose Adobe marker says RGB (no YCbCr transform), which
-    nvJPEG would colour-convert wrongly. CMYK/YCCK, 12-bit, lossless and arithmetic-coded JPEGs and
-    every other format go to the host.
+    nvJPEG: 8-bit Huffman JPEGs (baseline, extended, progressive) with 1 or 3 components, except
+    3-component files whose Adobe marker says RGB (no YCbCr transform), which nvJPEG would
+    colour-convert wrongly. CMYK/YCCK, 12-bit, lossless and arithmetic-coded JPEGs and every other
+    format go to the host.
     """
     return (info.format == "jpeg" and info.sof in (0, 1, 2) and info.precision == 8
             and info.components in (1, 3) and not (info.components == 3 and info.adobe_transform == 0))
@@ -172,20 +200,96 @@ def device_decodable_codes(codes: np.ndarray) -> np.ndarray:
             & ~((comps == 3) & (adobe == 0)))
 
 
+def exif_rotated(data: bytes | memoryview | np.ndarray) -> bool:
+    """True when a JPEG carries an EXIF orientation other than "as stored" (values 2-8): TorchCodec
+    would rotate or mirror it. Reads the marker segments before the first scan only."""
+    buf = memoryview(data).cast("B") if not isinstance(data, np.ndarray) else memoryview(data.reshape(-1))
+    n, pos = len(buf), 2
+    if n < 4 or buf[0] != 0xFF or buf[1] != 0xD8:
+        return False
+    while pos + 4 <= n and buf[pos] == 0xFF:
+        marker = buf[pos + 1]
+        if marker == 0xFF:  # a fill byte before the marker
+            pos += 1
+            continue
+        if marker in (0xDA, 0xD9):  # start of scan / end of image: no metadata after it
+            return False
+        length = (buf[pos + 2] << 8) | buf[pos + 3]
+        if length < 2:
+            return False
+        if marker == 0xE1 and bytes(buf[pos + 4:pos + 10]) == b"Exif\0\0":
+            return _tiff_orientation(bytes(buf[pos + 10:min(n, pos + 2 + length)])) in range(2, 9)
+        pos += 2 + length
+    return False
+
+
+def _tiff_orientation(tiff: bytes) -> int:
+    """The orientation tag (0x0112) of an EXIF block's first IFD; 1 where absent or unreadable."""
+    if len(tiff) < 8 or tiff[:2] not in (b"II", b"MM"):
+        return 1
+    end = "<" if tiff[:2] == b"II" else ">"
+    ifd = struct.unpack_from(end + "I", tiff, 4)[0]
+    if ifd + 2 > len(tiff):
+        return 1
+    for k in range(struct.unpack_from(end + "H", tiff, ifd)[0]):
+        at = ifd + 2 + 12 * k
+        if at + 12 > len(tiff):
+            break
+        tag, kind = struct.unpack_from(end + "HH", tiff, at)
+        if tag == 0x0112:
+            return struct.unpack_from(end + "H", tiff, at + 8)[0] if kind == 3 else 1
+    return 1
+
+
+def _stream_order_guard(device: torch.device) -> None:
+    """Wait on the host until the work queued so far on ``device``'s current stream has run.
+
+    nvJPEG's hardware engine writes its outputs without waiting for earlier work on the stream it is
+    given, and those outputs come from the caching allocator, which hands out blocks that work queued
+    on that stream may still read (meta-pytorch/torchcodec#1634, pytorch/vision#9606). Every decoder
+    here waits on the host for its own work before it returns, so this moves a wait rather than
+    adding one (docs/design/codec.md). An event, not ``Stream.synchronize``: the same wait, which
+    ``torch.cuda.set_sync_debug_mode`` does not count (it runs in the stage's decode thread).
+    """
+    queued = torch.cuda.Event()
+    queued.record(torch.cuda.current_stream(device))
+    queued.synchronize()
+
+
 def decode_device(views: Sequence[torch.Tensor], device: torch.device,
                   backend: str = "auto") -> list[torch.Tensor | None]:
     """Decode host uint8 tensors (JPEG bytes) into RGB uint8 ``(3, H, W)`` tensors on ``device``.
 
     ``backend``: a :data:`DEVICE_BACKENDS` name (see :func:`device_backend`). Runs on the current
-    CUDA stream's timeline. torchvision raises ``RuntimeError`` for the whole list if any image
-    fails; nvImageCodec returns ``None`` at the positions of the images it cannot decode. Both
-    return when the images are decoded (each waits on the host for its own work only).
+    CUDA stream's timeline, after the stream-order guard. TorchCodec and torchvision raise
+    ``RuntimeError`` for the whole list if any image fails; ``None`` marks an image left to the host
+    (nvImageCodec: could not decode it; TorchCodec: EXIF-rotated). Returns when the images are decoded.
     """
-    if device_backend(backend) == "nvimgcodec":
-        return _decode_nvimgcodec(views, device)
-    tv, reason = torchvision_status()
-    if tv is None:
-        raise RuntimeError(f"device JPEG decoding needs torchvision: {reason}")
+    name = device_backend(backend)
+    call = _DEVICE_DECODERS.get(name)
+    if call is None:
+        raise DecoderUnavailableError(f"no device JPEG decoder here (device decoder {backend!r} resolves to "
+                                      f"{name!r}); {_INSTALL['torchcodec']}")
+    if device.type == "cuda":
+        _stream_order_guard(device)
+    return call(views, device)
+
+
+def _decode_torchcodec(views: Sequence[torch.Tensor], device: torch.device) -> list[torch.Tensor | None]:
+    """One batched ``torchcodec.decoders.decode_jpeg`` call (nvJPEG on CUDA: the JPEG engines where the GPU
+    has them, one image at a time in the hybrid path for the rest); EXIF-rotated JPEGs are left out."""
+    tcd = _require("torchcodec")
+    keep = [i for i, v in enumerate(views) if not exif_rotated(v.numpy())]
+    out: list[torch.Tensor | None] = [None] * len(views)
+    if keep:
+        for i, img in zip(keep, tcd.decode_jpeg([views[i] for i in keep], mode="RGB", device=device)):
+            out[i] = img
+    return out
+
+
+def _decode_torchvision(views: Sequence[torch.Tensor], device: torch.device) -> list[torch.Tensor | None]:
+    """One batched ``torchvision.io.decode_jpeg`` call (deprecated from torchvision 0.29 on)."""
+    tv = _require("torchvision")
     return tv.decode_jpeg(list(views), mode=tv.ImageReadMode.RGB, device=device)
 
 
@@ -221,6 +325,8 @@ def _nv_decoder(device: torch.device) -> _NvDecoder:
 
 
 def _decode_nvimgcodec(views: Sequence[torch.Tensor], device: torch.device) -> list[torch.Tensor | None]:
+    """nvImageCodec on the current stream; its buffers are copied into torch memory on that stream and the
+    call waits for an event after the copies, so releasing its images is safe (docs/design/codec.md)."""
     dec = _nv_decoder(device)
     srcs = [v.numpy() for v in views]  # views of the (pinned) packed buffer; code streams reference them
     if device.type == "cpu":
@@ -231,44 +337,96 @@ def _decode_nvimgcodec(views: Sequence[torch.Tensor], device: torch.device) -> l
     stream = torch.cuda.current_stream(device)
     with dec.lock:
         images = dec.decoder.decode(srcs, params=dec.params, cuda_stream=stream.cuda_stream)
-    # nvImageCodec's buffers: copy on the decode stream into torch memory (see the module docstring)
     out = [None if im is None else torch.as_tensor(im, device=device).clone(memory_format=torch.contiguous_format)
            for im in images]
     done = torch.cuda.Event()
     done.record(stream)
-    done.synchronize()  # this thread waits for its decode and copies, as torchvision's call does
+    done.synchronize()  # this thread waits for its decode and copies, as the other decoders' calls do
     del images  # released after the copies ran
     return out
+
+
+_DEVICE_DECODERS: dict[str, Callable[[Sequence[torch.Tensor], torch.device], list[torch.Tensor | None]]] = {
+    "torchcodec": _decode_torchcodec, "torchvision": _decode_torchvision, "nvimgcodec": _decode_nvimgcodec}
 
 
 def decode_host(data: torch.Tensor, info: ImageInfo, backend: str, max_pixels: int | None = None) -> torch.Tensor:
     """Decode one image (host uint8 tensor of its bytes) into an RGB uint8 ``(3, H, W)`` CPU tensor
     (16-bit images as :mod:`fastdata.decode` converts them: exact up to 255, else their high byte).
 
-    ``max_pixels``: an image whose header claims more pixels is refused (ValueError) before it is decoded,
-    whatever its format (the stage checks the sizes sniffed in the worker, which only some formats give).
-    Raises whatever the library raises for a corrupt image; :mod:`fastdata.gpu._decode` names shard and key.
+    ``backend``: a resolved :func:`host_backend` name. Formats the library does not read, and JPEGs
+    TorchCodec would rotate (EXIF), go to Pillow. ``max_pixels``: an image whose header claims more
+    pixels is refused (ValueError) before it is decoded. Raises whatever the library raises for a
+    corrupt image; :mod:`fastdata.gpu._decode` names shard and key.
     """
-    if backend == "torchvision" and info.format in ("jpeg", "png", "webp", "gif"):
-        tv, _ = torchvision_status()
-        if max_pixels is not None and info.format == "webp":  # no size sniffed from its header: Pillow reads it
-            try:
-                with Image.open(io.BytesIO(data.numpy().data), formats=("WEBP",)) as img:
-                    w, h = img.size
-            except Image.UnidentifiedImageError:  # a Pillow without WebP, or a corrupt one: torchvision decides
-                w = h = 0
-            if w * h > max_pixels:  # as ImageDecoder(max_pixels=) says it
-                raise ValueError(f"image of {w}x{h} = {w * h} pixels exceeds max_pixels={max_pixels} (a decompression "
+    decode = _HOST_DECODERS.get(backend)
+    if decode is None or info.format not in ("jpeg", "png", "webp", "gif") or (
+            backend == "torchcodec" and info.format == "jpeg" and exif_rotated(data.numpy())):
+        return _pillow_rgb(data, max_pixels)
+    if max_pixels is not None and info.format == "webp":  # no size sniffed from its header: Pillow reads it
+        try:
+            with Image.open(io.BytesIO(data.numpy().data), formats=("WEBP",)) as img:
+                w, h = img.size
+        except Image.UnidentifiedImageError:  # a Pillow without WebP, or a corrupt one: the library decides
+            w = h = 0
+        if w * h > max_pixels:  # as ImageDecoder(max_pixels=) says it
+            raise ValueError(f"image of {w}x{h} = {w * h} pixels exceeds max_pixels={max_pixels} (a decompression "
+                             "bomb or an unexpectedly large image)")
+    out = decode(data, info)
+    if out.dtype != torch.uint8:  # a 16-bit PNG comes as uint16: as fastdata.decode converts it
+        wide = out.to(torch.int32)
+        out = (wide.bitwise_right_shift_(8) if wide.numel() and int(wide.max()) > 255 else wide).to(torch.uint8)
+    return out if out.dim() == 3 else out[0]  # gif, animated webp: the first frame
+
+
+def _host_torchcodec(data: torch.Tensor, info: ImageInfo) -> torch.Tensor:
+    tcd = _require("torchcodec")
+    if info.format == "jpeg":
+        return tcd.decode_jpeg(data, mode="RGB")
+    return tcd.decode_image(data, mode="RGB", output_dtype="auto")  # 16-bit PNGs as uint16, converted above
+
+
+def _host_torchvision(data: torch.Tensor, info: ImageInfo) -> torch.Tensor:
+    tv = _require("torchvision")
+    if info.format == "jpeg" and info.components in (1, 3):
+        return tv.decode_jpeg(data, mode=tv.ImageReadMode.RGB)
+    return tv.decode_image(data, mode=tv.ImageReadMode.RGB)
+
+
+_HOST_DECODERS: dict[str, Callable[[torch.Tensor, ImageInfo], torch.Tensor]] = {
+    "torchcodec": _host_torchcodec, "torchvision": _host_torchvision}
+
+
+class HostImageDecoder:
+    """A whole-image decoder for DataLoader workers (``ShardedDataset(decode={"jpg": HostImageDecoder()})``):
+    bytes to an RGB uint8 ``(3, H, W)`` tensor with a :data:`HOST_BACKENDS` library, the same pixels and
+    conventions as :class:`~fastdata.gpu.DecodeImages`' host path. ``max_pixels`` (default: Pillow's
+    ``Image.MAX_IMAGE_PIXELS``) refuses larger images before decoding them. Pickles (spawn, forkserver)."""
+
+    def __init__(self, backend: str = "auto", max_pixels: int | None = None) -> None:
+        self.backend = host_backend(backend)
+        self.max_pixels = max_pixels
+
+    def __call__(self, data: bytes | memoryview) -> torch.Tensor:
+        t = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        head = bytes(data[:12])
+        fmt = next((f for f, magic in _MAGIC if magic(head)), "unknown")
+        limit = self.max_pixels if self.max_pixels is not None else default_max_pixels()
+        if self.backend != "pillow" and limit is not None and fmt != "unknown":
+            with Image.open(io.BytesIO(data)) as img:  # the header only: refuse a bomb before a library decodes it
+                w, h = img.size
+            if w * h > limit:
+                raise ValueError(f"image of {w}x{h} = {w * h} pixels exceeds max_pixels={limit} (a decompression "
                                  "bomb or an unexpectedly large image)")
-        if info.format == "jpeg" and info.components in (1, 3):
-            out = tv.decode_jpeg(data, mode=tv.ImageReadMode.RGB)
-        else:
-            out = tv.decode_image(data, mode=tv.ImageReadMode.RGB)
-        if out.dtype != torch.uint8:  # a 16-bit PNG: uint16 (torchvision >= 0.21): as fastdata.decode does
-            wide = out.to(torch.int32)
-            out = (wide.bitwise_right_shift_(8) if wide.numel() and int(wide.max()) > 255 else wide).to(torch.uint8)
-        return out if out.dim() == 3 else out[0]  # gif: first frame
-    return _pillow_rgb(data, max_pixels)
+        return decode_host(t, ImageInfo(FORMATS.index(fmt) | 3 << 16), self.backend, self.max_pixels)
+
+    def __repr__(self) -> str:
+        return f"HostImageDecoder({self.backend!r})"
+
+
+_MAGIC: tuple[tuple[str, Callable[[bytes], bool]], ...] = (
+    ("jpeg", lambda b: b[:3] == b"\xff\xd8\xff"), ("png", lambda b: b[:8] == b"\x89PNG\r\n\x1a\n"),
+    ("gif", lambda b: b[:4] == b"GIF8"), ("webp", lambda b: b[:4] == b"RIFF" and b[8:12] == b"WEBP"))
 
 
 @functools.lru_cache(maxsize=8)

@@ -61,16 +61,14 @@ class DecodeImages:
         device: where images are decoded to: ``None`` (the current CUDA device when CUDA is
             available, else the CPU), ``"cpu"``, ``"cuda"``, ``"cuda:N"``. Use the prefetcher's device.
         on_error: ``"raise"`` (default), ``"skip"`` or ``"warn"`` for images that cannot be decoded.
-        host_decoder: ``"auto"`` (torchvision when it works here, else Pillow), ``"torchvision"``
-            (a ``RuntimeError`` here, when built, if it does not work) or
+        host_decoder: ``"auto"`` (TorchCodec, else torchvision before 0.29, else Pillow), ``"torchcodec"``,
+            ``"torchvision"`` (a ``RuntimeError`` here, when built, if the one named does not work) or
             ``"pillow"``: the decoder for host-side images. 16-bit images become 8-bit as
             :mod:`fastdata.decode` says.
-        device_decoder: ``"auto"`` (torchvision, unless the environment variable
-            ``FASTDATA_DEVICE_DECODER`` names another), ``"torchvision"`` or ``"nvimgcodec"``
-            (nvImageCodec, optional: ``pip install nvidia-nvimgcodec-cu13 nvidia-nvjpeg``; its
-            hardware JPEG engines first, on this stage's decode stream): the decoder of
-            device-decodable JPEGs. Unmeasured on a GPU so far; "auto" stays torchvision until
-            nvImageCodec is measured to pay.
+        device_decoder: ``"auto"`` (the environment variable ``FASTDATA_DEVICE_DECODER`` where set,
+            else as ``host_decoder``), ``"torchcodec"``, ``"torchvision"``, ``"nvimgcodec"`` (nvImageCodec,
+            optional: ``pip install nvidia-nvimgcodec-cu13 nvidia-nvjpeg``) or ``"pillow"`` (every image
+            on the host): the decoder of device-decodable JPEGs (:mod:`fastdata.gpu._codec`).
         chunk_size: images per batched device decode call; chunks are decoded in a background
             thread while this one resamples the previous chunk (see :meth:`fuse`). None (default):
             the whole batch when it was submitted ahead (:meth:`ahead`: decoding already overlaps
@@ -100,7 +98,7 @@ class DecodeImages:
         if device_decoder not in DEVICE_BACKENDS:
             raise ValueError(f"DecodeImages: device_decoder must be one of {DEVICE_BACKENDS}, got {device_decoder!r}")
         device_backend(device_decoder)  # a missing nvImageCodec (or a bad FASTDATA_DEVICE_DECODER) fails here
-        if host_decoder == "torchvision":  # so does a torchvision asked for by name that does not work here
+        if host_decoder != "auto":  # so does a library asked for by name that does not work here
             host_backend(host_decoder)
         if device is not None:
             try:
@@ -260,7 +258,8 @@ class DecodeImages:
         ok = device_decodable_codes(packed.codes()) & ~self._oversized(packed)
         decoder = device_backend(self.device_decoder)
         # on the CPU only nvImageCodec (its CPU backend) takes device-routed images
-        on_device = np.flatnonzero(ok).tolist() if device.type == "cuda" or decoder == "nvimgcodec" else []
+        on_device = (np.flatnonzero(ok).tolist() if (device.type == "cuda" and decoder != "pillow")
+                     or decoder == "nvimgcodec" else [])
         size = self.chunk_size or (len(on_device) if ahead else -(-len(on_device) // 2))
         chunks = [on_device[k : k + size] for k in range(0, len(on_device), max(size, 1))]
         if not chunks:
@@ -391,8 +390,7 @@ class DecodeImages:
 
     @property
     def resolved_device_decoder(self) -> str:
-        """The device decoder ``device_decoder`` resolves to here: "torchvision" or "nvimgcodec" ("auto":
-        the environment variable ``FASTDATA_DEVICE_DECODER``, else torchvision)."""
+        """The device decoder ``device_decoder`` resolves to here (see :func:`fastdata.gpu._codec.device_backend`)."""
         return device_backend(self.device_decoder)
 
     @property

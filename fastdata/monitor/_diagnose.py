@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 from fastdata.monitor._stall import StallMeter, StallReport
 
 TOGETHER = "loader: the stages together"  # the row measuring the worker-side stages as one
-DECODE_BACKENDS = ("pil", "torchvision", "device")
+DECODE_BACKENDS = ("pil", "torchcodec", "torchvision", "device")
 MAX_DEPTH = 8  # the deepest prefetch queue doctor recommends (each batch ahead holds pinned and device memory)
 
 
@@ -55,7 +55,7 @@ class DoctorOptions:
     model: str | None = None  # torchvision model name (random weights)
     step_ms: float | None = None  # or a synthetic step of this duration
     device: str | None = None  # default: CUDA when available
-    decode: str = "pil"  # "pil", "torchvision" (CPU decoders) or "device" (decoded by the prefetcher's transform)
+    decode: str = "pil"  # "pil", "torchcodec", "torchvision" (CPU decoders) or "device" (the prefetcher's transform)
     job_steps: int = 20  # training steps of the whole-job measurement
     device_decode: bool | None = None  # measure the device-decode input path (None: on CUDA only)
 
@@ -236,7 +236,7 @@ def diagnose(source: str | os.PathLike[str], opts: DoctorOptions) -> Diagnosis:
     if not isinstance(opts, DoctorOptions):
         raise TypeError(f"opts must be a fastdata.monitor.DoctorOptions, got {type(opts).__name__}")
     if opts.decode == "device":
-        raise ValueError("doctor measures a CPU decode pipeline (decode 'pil' or 'torchvision'); decoding on the "
+        raise ValueError("doctor measures a CPU decode pipeline (decode 'pil', 'torchcodec' or 'torchvision'); decoding on the "
                          "device is measured beside it where CUDA is available")
     device = resolve_device(opts.device)
     source = st.shard_folder(source)  # the shards are read from the folder, also when given its manifest.json
@@ -327,7 +327,8 @@ def diagnose(source: str | os.PathLike[str], opts: DoctorOptions) -> Diagnosis:
                  f"{read.nbytes / max(read.wall_s, 1e-9) / 1e6:.0f} MB/s, {read.nbytes / read.samples / 1e3:.0f} kB/image "
                  f"(first {read.samples} samples; repeated reads may come from the page cache)"),
         StageRow("decode", par / costs.decode_s if costs.decode_s else None, use(costs.decode_s, ncores), cpu,
-                 {"pil": "Pillow, reduced-scale JPEG decoding", "torchvision": "torchvision.io.decode_image"}[opts.decode]
+                 {"pil": "Pillow, reduced-scale JPEG decoding", "torchcodec": "torchcodec.decoders, CPU",
+                  "torchvision": "torchvision.io.decode_image"}[opts.decode]
                  if costs.decode_s else "stored decoded"),
         StageRow("preprocess", par / costs.preprocess_s if costs.preprocess_s else None,
                  use(costs.preprocess_s, ncores), cpu,

@@ -192,32 +192,19 @@ def raw_samples(subset: Path, fields: Fields, n: int) -> list[dict[str, Any]]:
 
 def decoder(backend: str, draft_size: int | None) -> Callable[[bytes], Any]:
     """The image decoder of a backend: "pil" (fastdata's default: Pillow, reduced-scale JPEG
-    decoding where the output is small) or "torchvision" (``torchvision.io.decode_image``, CPU)."""
+    decoding where the output is small), "torchcodec" or "torchvision" (that library on the CPU,
+    :class:`fastdata.gpu.HostImageDecoder`: a class, so workers receive it under spawn too)."""
     if backend == "pil":
         dec = ImageDecoder(draft_size=draft_size)
         return lambda data: dec.pil(data)
-    if backend == "torchvision":
-        try:
-            import torchvision.io  # noqa: F401  checked here: a decode failure must not be a broken install
-        except Exception as e:  # a broken install raises RuntimeError/OSError, not only ImportError
-            raise FastdataError(f"decode 'torchvision' needs torchvision, which cannot be imported here: {e}") from e
-        return TorchvisionDecoder()
-    raise ValueError(f"decode backend must be 'pil' or 'torchvision', got {backend!r}")
+    if backend in ("torchcodec", "torchvision"):
+        from fastdata.gpu import DecoderUnavailableError, HostImageDecoder
 
-
-class TorchvisionDecoder:
-    """``torchvision.io.decode_image`` (libjpeg-turbo/libpng on the CPU) to a uint8 RGB (C, H, W) tensor.
-
-    A class, not a lambda, so DataLoader workers can receive it under spawn and forkserver too.
-    """
-
-    def __call__(self, data: bytes | memoryview) -> torch.Tensor:
-        from torchvision.io import ImageReadMode, decode_image
-
-        return decode_image(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB)
-
-    def __repr__(self) -> str:
-        return "TorchvisionDecoder()"
+        try:  # checked here: a decode failure must not look like a broken install
+            return HostImageDecoder(backend)
+        except DecoderUnavailableError as e:
+            raise FastdataError(f"decode {backend!r} needs {backend}, which cannot be used here: {e}") from e
+    raise ValueError(f"decode backend must be 'pil', 'torchcodec' or 'torchvision', got {backend!r}")
 
 
 @dataclass(frozen=True)
@@ -539,7 +526,7 @@ def time_transform(transform: Callable[[Any], Any], batch: Any, device: torch.de
 
 def probe_gpu_decode(encoded: Sequence[bytes], device: torch.device) -> tuple[float | None, str]:
     """Images/s of the device decode stage a pipeline built with defaults runs (``fastdata.gpu.DecodeImages``,
-    whose ``device_decoder="auto"`` is the environment variable ``FASTDATA_DEVICE_DECODER``, else torchvision)
+    whose ``device_decoder="auto"`` is the environment variable ``FASTDATA_DEVICE_DECODER``, else TorchCodec)
     on ``encoded``, or None and why not; the note names the decoder."""
     from fastdata.dataset import EncodedImage, PackedImages
     from fastdata.gpu import DecodeImages

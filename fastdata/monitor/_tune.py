@@ -101,13 +101,9 @@ def python_snippet(source: str, o: DoctorOptions, fields: st.Fields, device: tor
             f"batches = fastdata.CUDAPrefetcher(loader, depth={o.depth}, transform=decode)"])
     lines = ["import fastdata", "from fastdata.gpu import Normalize"]
     decode = ""
-    if o.decode == "torchvision" and fields.encoded:
-        lines += ["import torch", "from torchvision.io import ImageReadMode, decode_image", "", "",
-                  "class DecodeRGB:  # torchvision's decoder measured faster than Pillow here; a class pickles for workers",
-                  "    def __call__(self, data):",
-                  "        return decode_image(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB)",
-                  ""]
-        decode = f", decode={{{fields.image!r}: DecodeRGB()}}"
+    if o.decode in ("torchcodec", "torchvision") and fields.encoded:  # measured faster than Pillow here
+        lines += ["from fastdata.gpu import HostImageDecoder"]
+        decode = f", decode={{{fields.image!r}: HostImageDecoder({o.decode!r})}}"
     # preprocess= applies to encoded image fields only: stored arrays (img.npy) go to the batch as stored
     dataset = ([f"ds = fastdata.ShardedDataset({source!r}, shuffle=True, fields={keep!r},",
                 f"                             preprocess=fastdata.ResizeCenterCrop({o.size}){decode})"]
@@ -166,11 +162,7 @@ def batch_size_dimension(s: Search, fits: Callable[[int], object], *, start: int
 
 
 # The CPU decoders compared (DoctorOptions.decode names).
-CPU_DECODERS = ("pil", "torchvision")
-
-
-def decoder_dimension(s: Search, cost: Callable[[str], float], start: str,
-                      backends: tuple[str, ...] = CPU_DECODERS) -> str:
+def decoder_dimension(s: Search, cost: Callable[[str], float], start: str, backends: tuple[str, ...]) -> str:
     """The backend with the least ``cost(backend)`` (CPU seconds per image of decode + preprocess, in
     one thread); ``start`` unless another costs more than ``MIN_GAIN`` less. A backend whose cost
     raises is no candidate (noted); :class:`FastdataError` when none is left."""
@@ -299,7 +291,7 @@ def tune(source: str | os.PathLike[str], start: DoctorOptions, *, batch_limit: i
 
     ``start.device_decode`` (None: on CUDA only) adds decoding on the device as a decode candidate.
     """
-    from fastdata.gpu import Normalize
+    from fastdata.gpu import HostImageDecoder, Normalize
     from fastdata.manifest import Manifest
     from fastdata.prefetch import resolve_device
     from fastdata.transforms import ResizeCenterCrop
@@ -345,8 +337,10 @@ def tune(source: str | os.PathLike[str], start: DoctorOptions, *, batch_limit: i
         # each measuring lambda below runs inside its dimension's call, before ``best`` changes
         if fields.encoded:
             raws = st.raw_samples(subset, fields, 48)
+            library = HostImageDecoder().backend  # "auto": TorchCodec where it loads (a deprecated torchvision: none)
+            backends = tuple(dict.fromkeys(b for b in ("pil", start.decode, library) if b not in ("device", "pillow")))
             best = dataclasses.replace(best, decode=decoder_dimension(
-                s, lambda backend: _cpu_cost(raws, fields, pre, backend, best.batch_size), start.decode))
+                s, lambda backend: _cpu_cost(raws, fields, pre, backend, best.batch_size), start.decode, backends))
 
         need = None
         if step is not None:

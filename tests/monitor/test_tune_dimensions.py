@@ -74,7 +74,7 @@ def test_batch_size_never_exceeds_the_samples_measured() -> None:
 ])
 def test_the_decoder_with_the_least_cpu_time_unless_within_noise_of_the_start(costs, start, pick) -> None:
     s, cost = Search(), Rates(costs)
-    assert decoder_dimension(s, cost, start) == pick
+    assert decoder_dimension(s, cost, start, ("pil", "torchvision")) == pick
     assert cost.calls == ["pil", "torchvision"]
     assert [(t["value"], t["images/s per core"]) for t in s.trials] == [(k, 1 / v) for k, v in costs.items()]
 
@@ -86,7 +86,7 @@ def test_a_decoder_that_fails_is_no_candidate_and_none_left_is_an_error() -> Non
         return 0.01
 
     s = Search()
-    assert decoder_dimension(s, cost, "torchvision") == "pil"
+    assert decoder_dimension(s, cost, "torchvision", ("pil", "torchvision")) == "pil"
     assert s.notes == ["decode backend torchvision: failed (OSError: broken)"]
     with pytest.raises(FastdataError, match=r"no CPU decoder could .*: a: OSError: broken; b: OSError: broken"):
         decoder_dimension(Search(), lambda b: cost("torchvision"), "a", backends=("a", "b"))
