@@ -12,6 +12,8 @@ import threading
 import traceback
 from typing import Any
 
+from fastdata._runtime import at_fork
+
 __all__ = ["IMAGE_SUFFIXES", "INT_SUFFIXES", "check_int", "parse_size", "quantile", "usable_cores"]
 
 # Lower-case field suffixes / file extensions treated as images, everywhere in fastdata.
@@ -34,7 +36,7 @@ def _renew_npy_lock() -> None:
     _npy_lock = threading.Lock()
 
 
-os.register_at_fork(after_in_child=_renew_npy_lock)
+at_fork(__name__, "a fresh .npy parse lock in the child (a parent thread may hold it)", after_in_child=_renew_npy_lock)
 
 
 def byte_limit(value: str | int | float, *, name: str) -> int:

@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from fastdata._runtime import at_fork
 from fastdata.cache._files import (
     O_CLOEXEC,
     acquire_open_lock,
@@ -62,8 +63,7 @@ def _after_fork_in_child() -> None:
         store._mutex = threading.RLock()
 
 
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
+at_fork(__name__, "fresh store locks in the child (a parent thread may hold one)", after_in_child=_after_fork_in_child)
 
 
 def _readonly_tensor(arr: np.ndarray) -> torch.Tensor:

@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from fastdata._runtime import thread
 from fastdata.cli._args import byte_size, nonempty_path, nonneg_int, positive_int
 from fastdata.errors import FastdataError
 from fastdata.io import local_path
@@ -392,7 +393,7 @@ def verify_folder(dest: str | Path, *, workers: int | None = None, progress: boo
     # Daemon threads: on Ctrl-C (or an error) the command ends at once instead of waiting at exit
     # for the shards being hashed, which takes minutes for large ones; they only read.
     for k in range(threads):
-        threading.Thread(target=work, name=f"fastdata-verify-{k}", daemon=True).start()
+        thread(work, name=f"fastdata-verify-{k}").start()
     with _bytes_bar(sum(s.bytes for s in shards), progress) as advance:
         try:
             for _ in shards:

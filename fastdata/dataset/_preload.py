@@ -16,6 +16,7 @@ import weakref
 from collections.abc import Iterator
 from typing import Any
 
+from fastdata._runtime import thread
 from fastdata.dataset._cursor import Cursor, EpochStart
 
 __all__ = ["NextEpoch"]
@@ -114,8 +115,7 @@ class NextEpoch:
             atexit.register(_stop_all)
             _HOOKED = True
         _LIVE.add(self)
-        self._thread = threading.Thread(target=_preload, args=(self._loaded, self.samples, self._halt),
-                                        name="fastdata-next-epoch", daemon=True)
+        self._thread = thread(_preload, args=(self._loaded, self.samples, self._halt), name="fastdata-next-epoch")
         self._thread.start()
 
 

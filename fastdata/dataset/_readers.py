@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import os
 import sys
 import threading
 import weakref
@@ -20,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from fastdata._runtime import at_fork
 from fastdata.dataset._cursor import Cursor
 
 __all__ = ["MAX_OPEN_READERS", "ReaderCache", "fork_count"]
@@ -138,8 +138,7 @@ def _after_fork_in_child() -> None:
     _FORKS += 1
 
 
-if hasattr(os, "register_at_fork"):  # pragma: no branch
-    os.register_at_fork(after_in_child=_after_fork_in_child)
+at_fork(__name__, "count forks: a child opens its own shard readers", after_in_child=_after_fork_in_child)
 
 
 class ReaderCache:

@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from fastdata._runtime import executor
 from fastdata.dataset import ON_ERROR, PackedImages, SkippedSampleWarning
 from fastdata.decode import check_max_pixels
 from fastdata.errors import DecodeError, SkipBudgetError
@@ -346,7 +347,7 @@ class DecodeImages:
 
     def _pool(self) -> ThreadPoolExecutor:
         if self._executor is None or self._executor_pid != os.getpid():  # not inherited across fork
-            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fastdata-nvjpeg")
+            self._executor = executor(1, name="fastdata-nvjpeg")
             self._executor_pid = os.getpid()
         return self._executor
 

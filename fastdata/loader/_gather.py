@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from fastdata._runtime import at_fork, executor
 from fastdata._util import usable_cores as _usable_cores
 
 __all__ = ["BufferRing", "GatherPool", "check_gather_threads", "default_gather_threads"]
@@ -60,8 +61,8 @@ def _after_fork_in_child() -> None:
         ring._lock = threading.Lock()
 
 
-if hasattr(os, "register_at_fork"):  # pragma: no branch
-    os.register_at_fork(after_in_child=_after_fork_in_child)
+at_fork(__name__, "fresh buffer-ring locks in the child (a parent thread may hold one)",
+        after_in_child=_after_fork_in_child)
 
 
 class BufferRing:
@@ -115,7 +116,7 @@ class GatherPool:
 
     def _pool(self) -> ThreadPoolExecutor:
         if self._executor is None or self._pid != os.getpid():  # none yet, or a forked child's dead copy
-            self._executor = ThreadPoolExecutor(self.threads - 1, thread_name_prefix="fastdata-gather")
+            self._executor = executor(self.threads - 1, name="fastdata-gather")
             self._pid = os.getpid()
         return self._executor
 

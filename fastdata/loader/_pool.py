@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from fastdata._runtime import at_fork, thread
+
 __all__ = ["Pool"]
 
 _JOIN_S = 10.0  # how long close() waits for a thread stuck in a user transform before leaving it (daemon)
@@ -37,8 +39,8 @@ def _resume_after_fork() -> None:
         pool.resume()
 
 
-if hasattr(os, "register_at_fork"):  # pragma: no branch
-    os.register_at_fork(before=_pause_before_fork, after_in_parent=_resume_after_fork)
+at_fork(__name__, "pause the decode-thread pools across a fork", before=_pause_before_fork,
+        after_in_parent=_resume_after_fork)
 
 
 class Pool:
@@ -77,8 +79,7 @@ class Pool:
             self._stopping = False
             self._threads = [t for t in self._threads if t.is_alive()]
             while len(self._threads) < self.size:
-                t = threading.Thread(target=_run, args=(self._tasks, self._cv, self._should_stop),
-                                     name=f"{self.name}-{len(self._threads)}", daemon=True)
+                t = thread(_run, args=(self._tasks, self._cv, self._should_stop), name=f"{self.name}-{len(self._threads)}")
                 t.start()
                 self._threads.append(t)
 

@@ -29,6 +29,7 @@ import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, BinaryIO
 
+from fastdata._runtime import at_fork, thread
 from fastdata.loader import _exit
 
 __all__ = [
@@ -145,7 +146,7 @@ def _arm_parent_watch(pid: int, start: str | None, ppid: int) -> None:
         return
     if _process_gone(pid, start):  # gone before the worker got here
         os._exit(1)
-    threading.Thread(target=_watch_parent, args=(pid, start, ppid), name=PARENT_WATCH_THREAD, daemon=True).start()
+    thread(_watch_parent, args=(pid, start, ppid), name=PARENT_WATCH_THREAD).start()
 
 
 # ----- worker processes: the parent's objects are not theirs to collect -----------------------------
@@ -164,8 +165,8 @@ def _freeze_inherited() -> None:
         gc.freeze()
 
 
-if hasattr(os, "register_at_fork"):  # pragma: no branch
-    os.register_at_fork(after_in_child=_freeze_inherited)
+at_fork(__name__, "in a loader worker: freeze the objects inherited from the parent (gc.freeze)",
+        after_in_child=_freeze_inherited)
 
 
 @contextlib.contextmanager
@@ -336,7 +337,7 @@ class Watch:
         """Start the thread; the calling thread is the consumer's (the one whose waits are watched)."""
         self.ident = threading.get_ident()
         if self.thread is None and not self.stopped.is_set():
-            self.thread = threading.Thread(target=_loop, args=(self,), name=THREAD_NAME, daemon=True)
+            self.thread = thread(_loop, args=(self,), name=THREAD_NAME)
             self.thread.start()
 
     def stop(self, join: bool = True) -> None:

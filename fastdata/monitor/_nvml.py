@@ -22,6 +22,8 @@ import threading
 import time
 from typing import Any
 
+from fastdata._runtime import thread
+
 log = logging.getLogger(__name__)
 
 GPU_UTILIZATION_SAMPLES = 1  # nvmlSamplingType_t NVML_GPU_UTILIZATION_SAMPLES
@@ -81,7 +83,7 @@ class GPUSampler:
         self._stop = threading.Event()
         self._shut = False
         self.error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="fastdata-gpu-sampler", daemon=True)
+        self._thread = thread(self._run, name="fastdata-gpu-sampler")
         self._thread.start()
 
     def _poll(self) -> None:

@@ -13,6 +13,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from fastdata._runtime import thread
 from fastdata.errors import RemoteError
 from fastdata.io import RemoteStream, RetryPolicy, redact_url
 from fastdata.manifest import ShardInfo
@@ -44,7 +45,7 @@ def download_verified(url: str, shard: ShardInfo, tmp: Path, *, retry: RetryPoli
 
     size = 0
     with open(tmp, "wb") as out:
-        writer = threading.Thread(target=sink, args=(out,), name="fastdata-nodecache-sink", daemon=True)
+        writer = thread(sink, args=(out,), name="fastdata-nodecache-sink")
         writer.start()
         try:
             with RemoteStream(url, size=shard.bytes, retry=retry, what="downloading") as src:

@@ -20,6 +20,8 @@ import weakref
 from pathlib import Path
 from typing import Any
 
+from fastdata._runtime import at_fork
+from fastdata._runtime import thread as new_thread
 from fastdata.io import redact_url
 from fastdata.nodecache._errors import Interrupted
 
@@ -82,8 +84,7 @@ class BackgroundThreads:
                 self._queue = queue.Queue()
                 self._prefetchers = [(t, q) for t, q in self._prefetchers if t.is_alive()]
                 for k in range(min(4, self.prefetch)):
-                    thread = threading.Thread(target=self._prefetch_loop, args=(self._queue,), daemon=True,
-                                              name=f"fastdata-nodecache-{k}")
+                    thread = new_thread(self._prefetch_loop, args=(self._queue,), name=f"fastdata-nodecache-{k}")
                     self._prefetchers.append((thread, self._queue))
                     thread.start()
                 _PREFETCHING.add(self)
@@ -159,7 +160,7 @@ class BackgroundThreads:
         """Start the releaser thread (``self._lock`` held)."""
         self._releaser_wake.clear()
         self._releaser_paused = False
-        self._releaser = threading.Thread(target=self._release_loop, daemon=True, name="fastdata-nodecache-release")
+        self._releaser = new_thread(self._release_loop, name="fastdata-nodecache-release")
         _RELEASING.add(self)
         self._releaser.start()
 
@@ -234,5 +235,5 @@ def _resume_threads_after_fork() -> None:
         cache._resume_prefetch()
 
 
-if hasattr(os, "register_at_fork"):  # pragma: no branch
-    os.register_at_fork(before=_pause_threads_before_fork, after_in_parent=_resume_threads_after_fork)
+at_fork(__name__, "pause the node cache's prefetch and release threads across a fork",
+        before=_pause_threads_before_fork, after_in_parent=_resume_threads_after_fork)

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from fastdata._runtime import thread
 from fastdata._util import add_note, release_frames
 from fastdata.prefetch._epochs import EpochRunner, NextStart
 from fastdata.prefetch._queue import END, POLL_S, EpochStart, Failure, Pipe, Stats, Stopped, perf_counter
@@ -71,11 +72,10 @@ class Run:
     def start(self, source: Iterator[Any], epochs: EpochRunner, stager: CpuStager | CudaStager, stats: Stats,
               device: torch.device, seamless: bool, number: int = 0) -> None:
         """Start the producer thread on ``source``, epoch ``number`` of this run (see ``produce``)."""
-        self.thread = threading.Thread(
-            target=produce,
+        self.thread = thread(
+            produce,
             args=(self, source, epochs, stager, stats, device, seamless, number),
             name=f"fastdata-prefetch-{next(_thread_ids)}",
-            daemon=True,
         )
         self.thread.start()
 

@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from fastdata._runtime import thread
 from fastdata._util import usable_cores
 from fastdata.prefetch._queue import Stats, perf_counter
 from fastdata.prefetch.tree import Path, held_tensors, map_tensors, tensor_leaves
@@ -174,8 +175,7 @@ class PackPool:
             self._tasks = queue.SimpleQueue()
             self._pid = os.getpid()
             for i in range(self.threads - 1):
-                threading.Thread(target=_pack_worker, args=(self._tasks,), name=f"fastdata-pack-{i}",
-                                 daemon=True).start()
+                thread(_pack_worker, args=(self._tasks,), name=f"fastdata-pack-{i}").start()
             self._finalizer = weakref.finalize(self, _stop_workers, self._tasks, self.threads - 1)
         return self._tasks
 

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from fastdata._runtime import thread
 from fastdata._util import parse_size
 from fastdata._util import usable_cores as default_workers
 from fastdata.errors import ConversionError, RemoteError
@@ -345,7 +346,7 @@ def _die_with_parent(parent: int) -> None:
                 os._exit(1)
             time.sleep(1.0)
 
-    threading.Thread(target=watch, name="fastdata-convert-parent-watch", daemon=True).start()
+    thread(watch, name="fastdata-convert-parent-watch").start()
 
 
 def _pool_job(task: _Task) -> ShardResult:
