@@ -3,7 +3,7 @@
 Stage 2 of the pipeline (shards -> **dataset** -> cache -> loader -> prefetch -> GPU -> train).
 The user's API is ``ShardedDataset`` (``_dataset``, its options in ``_options``); the loader stage
 reaches the rest through ``ShardedDataset.loader_seam`` (``_seam``: walks in ``_cursor``, batch
-dealing in ``_schedule``). Behind them: ``_source`` (where shards are), ``_split``/``_mix``/``_rng``/
+dealing in ``_schedule``). Behind them: ``_source`` (where shards are), ``_split``/``_mix``/
 ``_elastic`` (the index math of an epoch), ``_samples`` (one sample's load), ``_resume`` (state
 dicts), ``_stream`` (URL sources), ``_skips`` (skip records), ``_preload``, ``_fill``. See docs/design/.
 """
@@ -11,7 +11,7 @@ from fastdata.dataset._cursor import Cursor, EpochStart, take_cursor
 from fastdata.dataset._dataset import ON_ERROR, ON_MISSING, ShardedDataset, SkippedSampleWarning, SkipReport
 from fastdata.dataset._options import DatasetOptions
 from fastdata.dataset._packed import FORMATS, EncodedImage, ImageInfo, PackedImages, collate, key_index
-from fastdata.dataset._rng import rng_key
+from fastdata._rng import rng_key
 from fastdata.dataset._schedule import BatchSchedule, Turn, num_batches
 from fastdata.dataset._seam import LoaderSeam
 from fastdata.dataset._source import RemoteShards

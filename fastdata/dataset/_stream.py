@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from fastdata.dataset._cursor import Cursor
-from fastdata.dataset._rng import permutation, random_floats, rng_key
+from fastdata._rng import permutation, random_floats, rng_key
 from fastdata.dataset._split import Stage, split_sizes
 from fastdata.errors import FastdataError, ShardError, SourceError
 
@@ -79,10 +79,10 @@ def iter_stream(ds: Any, cursor: Cursor) -> Iterator[Any]:
             samples.handle_error(ds, e, e, shard, -1, -1, cursor, key=str(item.get("__key__", "?")))
             cursor.pos = pos
             continue
-        sample = samples.apply(ds.transform, sample)
+        sample = samples.randomize(ds, sample, shard, -1, cursor.epoch)
         cursor.pos = pos
         cursor.mark_current()
-        yield samples.finish(ds, sample, shard) if ds.sample_transform is not None else sample
+        yield sample
     yield from ds._skips.end_of_walk(cursor)
 
 
