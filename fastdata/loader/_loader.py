@@ -42,6 +42,19 @@ _T_co = TypeVar("_T_co", covariant=True)
 
 
 
+class EpochSampler(torch.utils.data.dataloader._InfiniteConstantSampler):
+    """The sampler torch gives an IterableDataset (endless ``None``s) with ``set_epoch`` passed on to the
+    ShardedDataset: a trainer that sets the epoch through ``loader.sampler`` (Lightning does, before each
+    epoch's ``iter()``) reaches the dataset, whose order then changes every epoch."""
+
+    def __init__(self, dataset: ShardedDataset) -> None:
+        super().__init__()
+        self.dataset = dataset
+
+    def set_epoch(self, epoch: int) -> None:
+        self.dataset.set_epoch(epoch)
+
+
 def _start_method(ctx: Any) -> str:
     """The start method of a DataLoader's ``multiprocessing_context`` (None: multiprocessing's default)."""
     if ctx is not None:
@@ -152,6 +165,8 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
             if reason is not None:
                 raise ValueError(f"cached_fast_path=True: {reason}")
         sharded = isinstance(dataset, ShardedDataset)
+        if sharded:  # torch refuses sampler= for an IterableDataset, and setting it later: replaced as torch set it
+            object.__setattr__(self, "sampler", EpochSampler(dataset))
         # Accelerate's prepare() rebuilds a DataLoader from this one's arguments, unless it was prepared
         # already: this one splits the data per rank itself (a rebuilt one would split it again, or
         # dispatch one rank's part to every rank) and, as a stateful loader, has its position saved by

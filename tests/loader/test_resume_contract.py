@@ -467,8 +467,9 @@ def test_a_cpu_random_transform(data, path):
 
 @ALL_PATHS
 def test_lightning_resumes_a_fit_mid_epoch(data, path, tmp_path):
-    """Lightning's Trainer saves the loader's state in its checkpoints; ``fit(ckpt_path=...)`` from a
-    mid-epoch checkpoint sees exactly the uninterrupted fit's remaining batches."""
+    """Lightning's Trainer sets each epoch (through ``loader.sampler``) and saves the loader's state in its
+    checkpoints: a fit sees a plain loop's batches, and ``fit(ckpt_path=...)`` from a mid-epoch checkpoint
+    exactly the uninterrupted fit's remaining ones."""
     lightning = pytest.importorskip("lightning")
     from lightning.pytorch.callbacks import ModelCheckpoint
 
@@ -497,6 +498,8 @@ def test_lightning_resumes_a_fit_mid_epoch(data, path, tmp_path):
         lightning.Trainer(enable_checkpointing=False, **options).fit(
             resumed, loader, ckpt_path=str(tmp_path / "epoch=1-step=8.ckpt"))
     assert loader.last_path == LAST_PATH[path]
+    ref = reference(data, path)
+    same(full.seen, ref[0] + ref[1])
     same(resumed.seen, full.seen[8:])
 
 
