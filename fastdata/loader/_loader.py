@@ -35,7 +35,7 @@ from fastdata.loader._iteration import (RESET_LOCK, LoaderIter, Run, TaggingColl
                                        pool_helpers, worker_helpers)
 from fastdata.loader._state import LOADER_STATE_VERSION, parse_loader_state
 
-__all__ = ["DataLoader"]
+__all__ = ["DataLoader", "EpochSampler"]
 
 _log = logging.getLogger(__name__)
 _T_co = TypeVar("_T_co", covariant=True)
