@@ -18,7 +18,7 @@ import numpy as np
 from fastdata.dataset._cursor import Cursor
 from fastdata._rng import permutation, random_floats, rng_key
 from fastdata.dataset._split import Stage, split_sizes
-from fastdata.errors import FastdataError, ShardError, SourceError
+from fastdata.errors import FastdataError, ShardError, SourceError, StateError
 
 __all__ = ["check_stream_stages", "iter_stream"]
 
@@ -33,7 +33,7 @@ class _ShardCut(NamedTuple):
 def check_stream_stages(ds: Any, stages: Sequence[Stage]) -> None:
     """A streaming source resumes only with the worker count it was saved with, and needs a shard per slot."""
     if len(stages) > 1:
-        raise ValueError("a streaming (URL) source resumes only with the num_workers it was saved with")
+        raise StateError("a streaming (URL) source resumes only with the num_workers it was saved with")
     slots = ds.world_size * stages[-1][0]
     if len(ds.source.names) < slots:
         raise ValueError(f"a streaming source needs at least world_size x num_workers = {slots} shards, "

@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 import torch.utils.data
 
 from fastdata._pickling import explain, main_without_file
-from fastdata.dataset import BatchSchedule, EpochStart, ShardedDataset
+from fastdata.dataset import BatchSchedule, EpochStart, ShardedDataset, parse_state
 from fastdata.dataset import collate as collate_encoded
 from fastdata.errors import CacheError, FastdataError, StateError
 from fastdata.loader import _cached as _cache_loader
@@ -33,7 +33,7 @@ from fastdata.loader._args import torch_arguments
 from fastdata.loader._gather import FastGather, check_gather_threads, default_gather_threads
 from fastdata.loader._iteration import (RESET_LOCK, LoaderIter, Run, TaggingCollate, gather_helpers, loader_iter,
                                        pool_helpers, worker_helpers)
-from fastdata.loader._state import LOADER_STATE_VERSION, parse_loader_state
+from fastdata.loader._state import LOADER_STATE_VERSION, LoaderState, parse_loader_state
 
 __all__ = ["DataLoader", "EpochSampler"]
 
@@ -409,8 +409,23 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
     def check_state_dict(self, state: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> None:
         """Raise ``StateError`` (naming the field, its value and the logical worker where one is meant)
         if :meth:`load_state_dict` would refuse ``state``; changes nothing."""
+        ds = self._sharded()
+        parsed = self._parse_state(ds, state)
+        ds.loader_seam.check_state(parsed.dataset, self.batch_size, self.num_workers, self.drop_last)
+
+    def _parse_state(self, ds: ShardedDataset, state: Any) -> LoaderState:
+        """``parse_loader_state(state)``, and for a streaming source, whose walks cannot be split again, the
+        worker count of its positions against this loader's (else refused only when the epoch starts)."""
         parsed = parse_loader_state(state)
-        self._sharded().loader_seam.check_state(parsed.dataset, self.batch_size, self.num_workers, self.drop_last)
+        if ds.streaming:
+            parts = parsed.dataset if isinstance(parsed.dataset, list) else [parsed.dataset]
+            for part in parts:
+                stages = parse_state(part).stages
+                if stages and stages[-1][0] != max(1, self.num_workers):
+                    raise StateError(f"state_dict: its positions are of num_workers={stages[-1][0]}; a streaming "
+                                     f"(URL) source resumes only with the num_workers it was saved with, this "
+                                     f"loader has num_workers={self.num_workers}")
+        return parsed
 
     def load_state_dict(self, state: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> None:
         """Resume from :meth:`state_dict` (or a ``ShardedDataset.state_dict()``) at the next ``iter()``.
@@ -424,7 +439,7 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         same number of batches (see ``ShardedDataset.load_state_dict``).
         """
         ds = self._sharded()
-        parsed = parse_loader_state(state)
+        parsed = self._parse_state(ds, state)
         with RESET_LOCK:
             busy = next((it._busy for it in list(self._iters) if it._busy is not None
                          and it._busy is not threading.current_thread()), None)
