@@ -12,3 +12,16 @@ def label_shards(dest: Path, samples: int, per_shard: int) -> Path:
         for i in range(samples):
             w.write({"__key__": f"k{i:02d}", "cls": i})
     return dest
+
+
+def memory_urls(src: Path, name: str) -> list[str]:
+    """The tar shards of ``src`` copied into fsspec's memory file system: ``memory://{name}/...`` URLs, a
+    streaming source (needs fsspec)."""
+    import fsspec
+
+    fs = fsspec.filesystem("memory")
+    urls = []
+    for p in sorted(src.glob("*.tar")):
+        fs.pipe(f"/{name}/{p.name}", p.read_bytes())
+        urls.append(f"memory://{name}/{p.name}")
+    return urls

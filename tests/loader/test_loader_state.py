@@ -7,17 +7,12 @@ import threading
 import pytest
 
 from fastdata import DataLoader, ShardedDataset, StateError
-from tests.helpers.shards import label_shards
+from tests.helpers.shards import label_shards, memory_urls
 
 
 def test_a_streaming_state_of_another_worker_count_is_refused_at_load(tmp_path):
-    fsspec = pytest.importorskip("fsspec")
-    label_shards(tmp_path / "s", 8, 2)
-    fs = fsspec.filesystem("memory")
-    urls = []
-    for p in sorted((tmp_path / "s").glob("*.tar")):
-        fs.pipe(f"/contract-stream/{p.name}", p.read_bytes())
-        urls.append(f"memory://contract-stream/{p.name}")
+    pytest.importorskip("fsspec")
+    urls = memory_urls(label_shards(tmp_path / "s", 8, 2), "loader-state-stream")
     src = DataLoader(ShardedDataset(urls), batch_size=2, num_workers=2)
     it = iter(src)
     next(it)
