@@ -227,7 +227,6 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         fast = self._fast_iter(ds, start)
         if fast is not None:
             self.last_path, self.fallback_reason = "cached", None
-            self._loaded = None
             seam.consume_resume()
             self._draw_base_seed()
             return self._track(loader_iter(self, fast, self._run, len(self), gather_helpers))
