@@ -46,6 +46,7 @@ _EXPORTS: dict[str, str] = {
     "SkipBudgetError": "fastdata.errors",
     "SourceError": "fastdata.errors",
     "SourceNotFoundError": "fastdata.errors",
+    "StateError": "fastdata.errors",
     "ShardWriter": "fastdata.shards.writer",
 }
 
@@ -87,6 +88,7 @@ if TYPE_CHECKING:  # pragma: no cover
         SkipBudgetError,
         SourceError,
         SourceNotFoundError,
+        StateError,
     )
     from fastdata.loader import DataLoader
     from fastdata.manifest import FieldInfo, Manifest, ShardInfo

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 __all__ = [
     "CacheError", "ConversionError", "DecodeError", "FastdataError", "ManifestError", "MissingFieldError",
-    "RemoteError", "ShardError", "SkipBudgetError", "SourceError", "SourceNotFoundError",
+    "RemoteError", "ShardError", "SkipBudgetError", "SourceError", "SourceNotFoundError", "StateError",
 ]
 
 
@@ -66,3 +66,13 @@ class ConversionError(FastdataError, ValueError):
 
 class RemoteError(FastdataError, OSError):
     """A remote shard or manifest cannot be fetched; names the URL and keeps the reason (status, message)."""
+
+
+class StateError(FastdataError, ValueError):
+    """A resume state cannot be loaded, found by ``load_state_dict`` before anything changes.
+
+    The state is malformed, of another version, or does not fit what it is loaded into (other data,
+    seed or world size; a position past its worker's part of the epoch); the message names the field,
+    its value and, where one is meant, the logical worker. Also raised by ``next()`` of an iterator
+    made before a ``load_state_dict`` (the state applies to the next ``iter()``).
+    """

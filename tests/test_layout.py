@@ -39,7 +39,7 @@ PACKAGE = ROOT / "fastdata"
 
 # Low to high; a module may import from its own stage and the ones before it.
 STAGES: tuple[tuple[str, ...], ...] = (
-    ("_version", "_runtime", "_util", "_pickling", "errors"),
+    ("_version", "_runtime", "_util", "_pickling", "_rng", "errors"),
     ("io",),
     ("manifest",),
     ("shards",),

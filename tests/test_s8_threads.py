@@ -135,7 +135,7 @@ def test_a_walk_ending_in_skipped_samples_moves_the_state_as_a_worker_does(tmp_p
         states[threads].append(dl.state_dict()["dataset"])
     assert states[2] == states[0]
     resumed = fastdata.DataLoader(make(), decode_threads=2, **kw)
-    resumed.load_state_dict({"dataset": states[2][-1]})
+    resumed.load_state_dict(states[2][-1])  # the dataset part alone (a loader state has all its keys)
     assert list(resumed) == [] and resumed.dataset.skipped == []
 
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from fastdata.dataset._mix import _buffer_shuffle, _interleave
-from fastdata.dataset._rng import permutation, random_floats
+from fastdata._rng import permutation, random_floats
 
 
 def ref_interleave(pieces: list[np.ndarray], open_count: int, key: int) -> np.ndarray:
@@ -122,7 +122,7 @@ def test_mix_segments_equals_the_per_piece_loop(seed):
 
 
 def test_vectorised_keys_equal_rng_key():
-    from fastdata.dataset._rng import keys_u64, rng_key
+    from fastdata._rng import keys_u64, rng_key
 
     for key in (0, 1, 2**63 - 1, 2**64 - 1, 123456789):
         js = np.array([0, 1, 2, 7, 10**6, 2**40], dtype=np.int64)

@@ -3,19 +3,20 @@
 Stage 2 of the pipeline (shards -> **dataset** -> cache -> loader -> prefetch -> GPU -> train).
 The user's API is ``ShardedDataset`` (``_dataset``, its options in ``_options``); the loader stage
 reaches the rest through ``ShardedDataset.loader_seam`` (``_seam``: walks in ``_cursor``, batch
-dealing in ``_schedule``). Behind them: ``_source`` (where shards are), ``_split``/``_mix``/``_rng``/
-``_elastic`` (the index math of an epoch), ``_samples`` (one sample's load), ``_resume`` (state
-dicts), ``_stream`` (URL sources), ``_skips`` (skip records), ``_preload``, ``_fill``. See docs/design/.
+dealing in ``_schedule``). Behind them: ``_source`` (where shards are), ``_split``/``_mix``/
+``_elastic`` (the index math of an epoch), ``_samples`` (one sample's load), ``_resume`` and ``_state``
+(state dicts: saving, loading, the schema), ``_stream`` (URL sources), ``_skips`` (skip records), ``_preload``, ``_fill``. See docs/design/.
 """
 from fastdata.dataset._cursor import Cursor, EpochStart, take_cursor
 from fastdata.dataset._dataset import ON_ERROR, ON_MISSING, ShardedDataset, SkippedSampleWarning, SkipReport
 from fastdata.dataset._options import DatasetOptions
 from fastdata.dataset._packed import FORMATS, EncodedImage, ImageInfo, PackedImages, collate, key_index
-from fastdata.dataset._rng import rng_key
+from fastdata._rng import rng_key
 from fastdata.dataset._schedule import BatchSchedule, Turn, num_batches
 from fastdata.dataset._seam import LoaderSeam
 from fastdata.dataset._source import RemoteShards
 from fastdata.dataset._split import ShuffleOptions
+from fastdata.dataset._state import ParsedState, parse_state
 
 # Public: ShardedDataset, RemoteShards, ShuffleOptions, SkippedSampleWarning, ON_ERROR, ON_MISSING.
 __all__ = ["ON_ERROR", "ON_MISSING", "RemoteShards", "ShardedDataset", "ShuffleOptions", "SkippedSampleWarning"]
@@ -23,9 +24,10 @@ __all__ = ["ON_ERROR", "ON_MISSING", "RemoteShards", "ShardedDataset", "ShuffleO
 __all__ += ["DatasetOptions"]
 # Package-internal seam for the loader stage: LoaderSeam (ShardedDataset.loader_seam) and the walks it
 # gives (Cursor, EpochStart, take_cursor), the end-of-walk marker of skip reports (SkipReport), and the
-# one schedule every loader path deals batches by (BatchSchedule, Turn, num_batches).
-__all__ += ["BatchSchedule", "Cursor", "EpochStart", "LoaderSeam", "SkipReport", "Turn", "num_batches",
-            "take_cursor"]
+# one schedule every loader path deals batches by (BatchSchedule, Turn, num_batches), and the schema of
+# a dataset state (parse_state, ParsedState) that a loader's state holds.
+__all__ += ["BatchSchedule", "Cursor", "EpochStart", "LoaderSeam", "ParsedState", "SkipReport", "Turn",
+            "num_batches", "parse_state", "take_cursor"]
 # Encoded images kept for the device decode stage (image_decode="device"); rng_key, the counter-based
 # hash of the split, also seeds the GPU stage's per-sample augmentation.
 __all__ += ["FORMATS", "EncodedImage", "ImageInfo", "PackedImages", "collate", "key_index", "rng_key"]

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -34,6 +34,7 @@ class EpochStart:
     epoch: int
     stages: tuple[Stage, ...]
     first: int
+    resumed: bool = field(default=False, compare=False)  # it starts at a state loaded with load_state_dict
 
     @property
     def num_workers(self) -> int:

@@ -311,7 +311,9 @@ class ShardedDataset(IterableDataset):
         resumes elastically: the samples no rank consumed are cut into equal-batch parts for the
         new ranks (``batch_size``, ``num_workers`` and ``drop_last`` of the loader that will read
         them; fastdata.DataLoader passes its own), each read exactly once. A ``fastdata.DataLoader``
-        state (or list of them) is taken too: its dataset part.
+        state (or list of them) is taken too: its dataset part. The whole state is checked before anything
+        changes: a bad one is a :class:`~fastdata.StateError` naming the field, its value and the logical
+        worker where one is meant.
         """
         load_state(self, state, batch_size, num_workers, drop_last)
 

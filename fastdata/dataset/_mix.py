@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fastdata.dataset._rng import (
+from fastdata._rng import (
     GOLDEN,
     keys_u64,
     mix_u64,

@@ -5,7 +5,9 @@ the worker that yields next, and what fixes the order (seed, shuffle options, ev
 the data's fingerprint); after a resize also the eras that ended and the split of the epoch's rest.
 Loading one state makes the next iteration of its epoch yield exactly the rest; loading every rank's
 states resumes at another world size with every sample read once and equal batch counts per rank
-(:func:`fastdata.dataset._elastic.elastic_split`). See docs/design/resume.md.
+(:func:`fastdata.dataset._elastic.elastic_split`). A load checks everything (``_state``: the fields;
+here: the match with the dataset, positions against each worker's part) before it changes the
+dataset; ``load_state(..., apply=False)`` only checks. See docs/design/resume.md.
 """
 from __future__ import annotations
 
@@ -15,13 +17,24 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from fastdata.dataset._dist import dist_ready
-from fastdata.dataset._elastic import Era, elastic_remaining, elastic_split, rest_counts
+from fastdata.dataset._elastic import (
+    ElasticPlan,
+    Era,
+    elastic_remaining,
+    elastic_split,
+    rest_counts,
+)
 from fastdata.dataset._schedule import BatchSchedule
-from fastdata.dataset._split import SplitPlan, Stage
+from fastdata.dataset._split import SplitPlan, Stage, split_sizes
+from fastdata.dataset._state import (
+    STATE_VERSION,
+    ParsedState,
+    check_positions,
+    parse_state,
+)
+from fastdata.errors import StateError
 
 __all__ = ["STATE_VERSION", "Resume", "check_resume_dist", "dataset_part", "load_state", "state_of"]
-
-STATE_VERSION = 1
 
 
 @dataclass(frozen=True)
@@ -45,34 +58,11 @@ def dataset_part(state: Any) -> Any:
     return state["dataset"] if isinstance(state, Mapping) and isinstance(state.get("dataset"), Mapping) else state
 
 
-def _origin(value: Any) -> tuple[int, int]:
-    """A state's ``stream_origin``/``era_origin`` (absent: the start of the stream)."""
-    if value is None:
-        return (0, 0)
-    try:
-        epoch, pos = (int(x) for x in value)
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"state_dict: malformed stream origin {value!r} (want [epoch, position])") from e
-    return (epoch, pos)
-
-
 def _loader_shape(batch_size: int | None, num_workers: int, drop_last: bool) -> tuple[int, int, bool]:
     """What decides a loader's batch counts: (batch size, workers per rank, drop_last), normalised
     (None and 1 are single samples, 0 and 1 workers are one walk, drop_last of single samples drops nothing)."""
     bs = max(1, int(batch_size or 1))
     return (bs, max(1, int(num_workers)), bool(drop_last) and bs > 1)
-
-
-def _split_for(value: Any) -> tuple[int, int, bool] | None:
-    """A state's ``split_for`` (absent in states saved before it existed: None)."""
-    if value is None:
-        return None
-    try:
-        bs, nw, drop = value
-        return _loader_shape(int(bs), int(nw), bool(drop))
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"state_dict: malformed split_for {value!r} (want [batch_size, num_workers, "
-                         "drop_last])") from e
 
 
 def _shape_text(shape: tuple[int, int, bool]) -> str:
@@ -86,18 +76,14 @@ def _state_field(name: str) -> str:
 
 
 def _check_matches(state: Mapping[str, Any], mine: Mapping[str, Any]) -> None:
-    """ValueError naming the first field of a resume ``state`` that differs from this dataset's (``mine``):
+    """StateError naming the first field of a resume ``state`` that differs from this dataset's (``mine``):
     another order, or other data. States saved before ``shuffle_options`` existed are not checked for it."""
     for name in ("seed", "num_samples", "shuffle", "even", "samples_per_epoch", "fingerprint", "shuffle_options"):
         if (name in state or name != "shuffle_options") and state.get(name) != mine[name]:
             why = (" (the state was saved over other data: another manifest or other shards; tar files without "
                    "a manifest are identified by path, size and modification time)") if name == "fingerprint" else ""
-            raise ValueError(f"state_dict does not match this dataset: {_state_field(name)}={state.get(name)!r} in "
+            raise StateError(f"state_dict does not match this dataset: {_state_field(name)}={state.get(name)!r} in "
                              f"the state, {mine[name]!r} here{why}")
-
-
-def _stages(value: Any) -> list[Stage]:
-    return [(int(n), tuple(int(c) for c in cons)) for n, cons in value]
 
 
 def state_of(ds: Any, epoch: int, stages: Sequence[Stage], next_worker: int = 0) -> dict[str, Any]:
@@ -129,19 +115,24 @@ def check_resume_dist(ds: Any) -> None:
     r: Resume = ds._resume
     if r.point is not None and r.dist != (ds.rank, ds.world_size):
         r0, w0 = r.dist
-        raise ValueError(
+        raise StateError(
             f"the resume state was loaded while this dataset was rank {r0} of world_size={w0}; it now runs as "
             f"rank {ds.rank} of world_size={ds.world_size} (torch.distributed initialised after "
             "load_state_dict?): load the state after init_process_group, or pass rank= and world_size=")
 
 
+
 def load_state(ds: Any, state: Mapping[str, Any] | Sequence[Mapping[str, Any]], batch_size: int | None,
-               num_workers: int, drop_last: bool) -> None:
-    """``ds.load_state_dict(state, ...)`` (see there)."""
+               num_workers: int, drop_last: bool, *, apply: bool = True) -> None:
+    """``ds.load_state_dict(state, ...)`` (see there); ``apply=False``: only check that it would load
+    (StateError if not; nothing changes, nothing is warned)."""
     if isinstance(state, Sequence) and not isinstance(state, (str, bytes)):
-        _load_states(ds, [dataset_part(s) for s in state], batch_size, num_workers, drop_last)
+        if not state:
+            raise StateError("load_state_dict: empty list of rank states")
+        _load_states(ds, [dataset_part(s) for s in state], batch_size, num_workers, drop_last, apply)
         return
-    _load_one(ds, dataset_part(state), _loader_shape(batch_size, num_workers, drop_last), lockstep=False)
+    _load_one(ds, parse_state(dataset_part(state)), _loader_shape(batch_size, num_workers, drop_last),
+              lockstep=False, apply=apply)
 
 
 def _apply(ds: Any, epoch: int, point: tuple[int, list[Stage], int], elastic: Any, split_for: Any,
@@ -154,131 +145,151 @@ def _apply(ds: Any, epoch: int, point: tuple[int, list[Stage], int], elastic: An
     ds._live = None
 
 
-def _load_one(ds: Any, state: Any, shape: tuple[int, int, bool], *, lockstep: bool) -> None:
-    """Load this rank's state, read by a loader of ``shape`` (see :func:`_loader_shape`); ``lockstep``:
-    every rank's state was seen to give equal batch counts."""
-    if not isinstance(state, Mapping) or state.get("version") != STATE_VERSION:
-        raise ValueError(f"not a ShardedDataset state (version {STATE_VERSION}): {state!r:.200}")
-    ds._resolve_dist()
-    mine = state_of(ds, 0, [])
-    if state.get("world_size") != ds.world_size:
+def _base_plan(ds: Any) -> SplitPlan:
+    """This rank's plain split (an elastic plan of a state loaded before is not it)."""
+    plan = ds._plans.get((ds.rank, ds.world_size)) or ds._plan()
+    return plan if isinstance(plan, SplitPlan) else plan.base
+
+
+def _check_world(ds: Any, p: ParsedState, where: str = "state_dict") -> None:
+    if p.world_size != ds.world_size:
         unset = "" if ds._explicit_dist is not None or dist_ready() else (
             " (torch.distributed is not initialised and no rank=/world_size= were passed: load the state after "
             "init_process_group)")
-        raise ValueError(f"state_dict does not match this dataset: world_size={state.get('world_size')!r} in the "
-                         f"state, {ds.world_size} here{unset}; pass the states of all ranks as a list (gathered "
-                         "with torch.distributed.all_gather_object) to resume at another world size")
-    _check_matches(state, mine)
-    if state.get("rank") != ds.rank:
-        if state.get("eras") or not isinstance(state.get("rank"), int):  # an elastic rest: ranks' counts differ
-            raise ValueError(f"state_dict is rank {state.get('rank')!r}'s state (world_size={ds.world_size}), "
-                             f"this is rank {ds.rank}, and after an elastic resume each rank's position is its "
-                             "own: each rank loads its own state, or the list of every rank's")
-        # every rank has the same per-worker counts and DDP keeps them in lockstep, so another rank's
-        # positions are this rank's, unless samples were skipped on one of them (a checkpoint saved by
-        # rank 0 alone, loaded everywhere)
-        warnings.warn(f"state_dict is rank {state['rank']}'s state, loaded on rank {ds.rank}: its positions "
-                      "are used as this rank's, exact only if every rank read the same samples per worker (no "
-                      "samples skipped); save the list of every rank's state (all_gather_object) to be sure",
-                      RuntimeWarning, stacklevel=3)
-    stages = _stages(state["stages"])
-    next_worker = int(state.get("next_worker", 0))
-    if stages and not 0 <= next_worker < stages[-1][0]:
-        raise ValueError(f"state_dict: next_worker={next_worker} out of range for {stages[-1][0]} workers")
+        raise StateError(f"{where} does not match this dataset: world_size={p.world_size} in the state, "
+                         f"{ds.world_size} here{unset}; pass the states of all ranks as a list (gathered with "
+                         "torch.distributed.all_gather_object) to resume at another world size")
+
+
+def _load_one(ds: Any, p: ParsedState, shape: tuple[int, int, bool], *, lockstep: bool, apply: bool) -> None:
+    """Load this rank's state ``p``, read by a loader of ``shape`` (see :func:`_loader_shape`); ``lockstep``:
+    every rank's state was seen to give equal batch counts."""
+    ds._resolve_dist()
+    _check_world(ds, p)
+    _check_matches(p.raw, state_of(ds, 0, []))
+    if p.rank != ds.rank and p.eras:  # an elastic rest: ranks' counts differ
+        raise StateError(f"state_dict is rank {p.rank}'s state (world_size={ds.world_size}), this is rank "
+                         f"{ds.rank}, and after an elastic resume each rank's position is its own: each rank loads "
+                         "its own state, or the list of every rank's")
     elastic = None
-    if state.get("eras"):
-        split = tuple(tuple(int(x) for x in c) for c in state["split"])
-        if len(split) != ds.world_size:
-            raise ValueError(f"state_dict: elastic split for {len(split)} ranks, world_size={ds.world_size}")
-        elastic = (int(state["epoch"]), tuple(Era.from_json(e) for e in state["eras"]), split,
-                   _origin(state.get("era_origin")))
-    split_for = _split_for(state.get("split_for")) if elastic is not None else None
+    if p.eras and not ds.source.streaming:
+        elastic = (p.epoch, p.eras, p.split, p.era_origin)
+        try:
+            elastic_remaining(_base_plan(ds), p.eras, ())  # the eras' positions against their workers' parts
+        except ValueError as e:
+            raise StateError(f"state_dict: eras: {e}") from e
+    if not ds.source.streaming and p.stages:
+        base = _base_plan(ds)
+        plan = ElasticPlan(base, *elastic) if elastic is not None else base
+        check_positions("state_dict", p.stages, plan.worker_counts(p.stages[0][0]))
+    split_for = p.split_for if elastic is not None else None
     if elastic is not None and not lockstep and split_for is not None and split_for != shape \
-            and len(set(elastic[2])) > 1 and sum(rest_counts(elastic[2][ds.rank], stages, shape[1])):
+            and len(set(elastic[2])) > 1 and sum(rest_counts(elastic[2][ds.rank], p.stages, shape[1])):
         # The rest of an elastic resume gives the ranks different sample counts, cut so that each yields
         # the same number of batches with the loader it was split for; with these, a rank that cannot
         # see the others' states cannot know their counts (states saved before split_for: as before)
-        raise ValueError(
-            f"state_dict is rank {ds.rank}'s rest of epoch {state['epoch']} after an elastic resume: the "
+        raise StateError(
+            f"state_dict is rank {ds.rank}'s rest of epoch {p.epoch} after an elastic resume: the "
             f"ranks hold {[sum(c) for c in elastic[2]]} samples, split for equal batch counts with "
             f"{_shape_text(split_for)}; with {_shape_text(shape)} their batch counts can differ (a DDP job "
             "then hangs at the epoch's end), and one rank's state cannot tell. Load the list of every rank's "
             "state (it splits the rest again for this loader), or resume with the settings it was split for")
     if lockstep and elastic is not None:
         split_for = shape  # every rank's rest was seen to give equal batch counts with this loader
-    epoch = int(state["epoch"])
-    _apply(ds, epoch, (epoch, stages, next_worker), elastic, split_for, _origin(state.get("stream_origin")))
+    if not apply:
+        return
+    if p.rank != ds.rank:
+        # every rank has the same per-worker counts and DDP keeps them in lockstep, so another rank's
+        # positions are this rank's, unless samples were skipped on one of them (a checkpoint saved by
+        # rank 0 alone, loaded everywhere)
+        warnings.warn(f"state_dict is rank {p.rank}'s state, loaded on rank {ds.rank}: its positions "
+                      "are used as this rank's, exact only if every rank read the same samples per worker (no "
+                      "samples skipped); save the list of every rank's state (all_gather_object) to be sure",
+                      RuntimeWarning, stacklevel=4)
+    _apply(ds, p.epoch, (p.epoch, p.stages, p.next_worker), elastic, split_for, p.stream_origin)
 
 
-def _lockstep(ds: Any, states: Sequence[Mapping[str, Any]], schedule: BatchSchedule) -> bool:
+def _lockstep(ds: Any, states: Sequence[ParsedState], schedule: BatchSchedule) -> bool:
     """Whether every rank, continuing its own state (same world size) with ``schedule``'s loader, yields
     the same number of batches. After an elastic resume the ranks' sample counts differ (equal batch
     counts for the loader it was split for): another batch size or worker count then needs a new split
     of the rest."""
-    split = states[0].get("split") if states[0].get("eras") else None
-    plan = ds._plan()
-    plan = getattr(plan, "base", plan)  # the plain split (an elastic state loaded before is replaced)
+    split = states[0].split if states[0].eras else None
+    plan = _base_plan(ds)
     batches = set()
-    try:
-        for r, st in enumerate(states):
-            stages = _stages(st["stages"])
-            if split is not None:
-                first = [int(x) for x in split[r]]
-            else:
-                first = plan.worker_counts(stages[0][0] if stages else schedule.num_workers)
-            batches.add(schedule.total(rest_counts(first, stages, schedule.num_workers)))
-    except (KeyError, TypeError, ValueError, IndexError):
-        return True  # malformed: load_state_dict says what is wrong
+    for r, st in enumerate(states):
+        if split is not None:
+            first = list(split[r])
+        else:
+            first = plan.worker_counts(st.stages[0][0] if st.stages else schedule.num_workers)
+        batches.add(schedule.total(rest_counts(first, st.stages, schedule.num_workers)))
     return len(batches) <= 1
 
 
-def _load_states(ds: Any, states: list[Mapping[str, Any]], batch_size: int | None, num_workers: int,
-                 drop_last: bool) -> None:
+def _load_states(ds: Any, raw: list[Any], batch_size: int | None, num_workers: int, drop_last: bool,
+                 apply: bool) -> None:
     """Load from every rank's state (see ``ShardedDataset.load_state_dict``)."""
     ds._resolve_dist()
-    if not states:
-        raise ValueError("load_state_dict: empty list of rank states")
+    states = [parse_state(st, f"rank state {r}") for r, st in enumerate(raw)]
     w1 = len(states)
     for r, st in enumerate(states):
-        if not isinstance(st, Mapping) or st.get("version") != STATE_VERSION:
-            raise ValueError(f"rank state {r} is not a ShardedDataset state (version {STATE_VERSION}): {st!r:.200}")
-        if st.get("world_size") != w1 or st.get("rank") != r:
-            raise ValueError(f"rank states must be the {w1} states of one job in rank order; entry {r} is rank "
-                             f"{st.get('rank')!r} of world_size={st.get('world_size')!r}")
-    mine = state_of(ds, 0, [])
+        if st.world_size != w1 or st.rank != r:
+            raise StateError(f"rank states must be the {w1} states of one job in rank order; entry {r} is rank "
+                             f"{st.rank} of world_size={st.world_size}")
     for name in ("epoch", "seed", "num_samples", "shuffle", "even", "samples_per_epoch", "fingerprint",
                  "shuffle_options", "eras", "split", "split_for", "stream_origin", "era_origin"):
-        values = {repr(st.get(name)) for st in states}
+        values = {repr(st.raw.get(name)) for st in states}
         if len(values) > 1:
-            raise ValueError(f"rank states disagree on {_state_field(name)}: {sorted(values)}")
-    _check_matches(states[0], mine)
+            raise StateError(f"rank states disagree on {_state_field(name)}: {sorted(values)}")
+    _check_matches(states[0].raw, state_of(ds, 0, []))
+    shape = _loader_shape(batch_size, num_workers, drop_last)
+    eras = states[0].eras or ()
+    base = None if ds.source.streaming else _base_plan(ds)
+    if base is not None:  # every rank's positions against its workers' parts, before any index math
+        for r, st in enumerate(states):
+            if not st.stages:
+                continue
+            n0 = st.stages[0][0]
+            if st.split is not None:  # the rest of an elastic resume: rank r's workers got split[r]
+                mine = list(st.split[r])
+                first = mine if n0 == len(mine) else split_sizes(sum(mine), n0)
+            else:
+                try:
+                    first = replace(base, world_size=w1, rank=r).worker_counts(n0)
+                except ValueError as e:  # even="drop" leaves no samples per rank at that world size
+                    raise StateError(f"rank state {r}: world_size={w1} does not fit this dataset: {e}") from e
+            check_positions(f"rank state {r}", st.stages, first)
     if w1 == ds.world_size and (ds.source.streaming  # no eras: every rank continues its own stream
                                 or _lockstep(ds, states, BatchSchedule(num_workers, batch_size, drop_last))):
         # same world size: continue in exactly the same order
-        _load_one(ds, states[ds.rank], _loader_shape(batch_size, num_workers, drop_last), lockstep=True)
+        _load_one(ds, states[ds.rank], shape, lockstep=True, apply=apply)
         return
-    epoch = int(states[0]["epoch"])
-    if ds.source.streaming:
-        raise ValueError(
+    epoch = states[0].epoch
+    if base is None:
+        raise StateError(
             f"a streaming (URL) source cannot resume at world_size={ds.world_size} from a state saved at "
             f"world_size={w1}: it has no sample counts, so the rest of the epoch cannot be cut into equal "
             "batch counts per rank. Resume at the same world size, at the next epoch, or read the shard "
             "folder's manifest (RemoteShards / a folder URL), which resumes elastically")
-    eras = tuple(Era.from_json(e) for e in states[0].get("eras") or ())
-    prev_split = states[0].get("split")
-    ended = Era(w1, None if prev_split is None else tuple(tuple(int(x) for x in c) for c in prev_split),
-                tuple(tuple(_stages(st["stages"])) for st in states))
+    prev_split = states[0].split
+    ended = Era(w1, prev_split, tuple(tuple(st.stages) for st in states))
     eras = (*eras, ended)
-    base = ds._plans.get((ds.rank, ds.world_size)) or ds._plan()
-    base = base if isinstance(base, SplitPlan) else base.base
-    left = elastic_remaining(base, eras, ())
+    try:
+        left = elastic_remaining(base, eras, ())
+    except ValueError as e:
+        raise StateError(f"rank states: eras: {e}") from e
     # the stream origin of the first era's world size: epoch's window there, and where the next epoch starts
-    era_origin = _origin(states[0].get("era_origin") if states[0].get("eras") else states[0].get("stream_origin"))
+    era_origin = states[0].era_origin if states[0].eras else states[0].stream_origin
     origin = (0, 0)
     if ds.samples_per_epoch is not None:
-        first = replace(base, world_size=eras[0].world_size, rank=0, origin=era_origin)
-        origin = (epoch + 1, first.window_start(epoch + 1))
-    split = elastic_split(left, ds.world_size, num_workers, batch_size, drop_last, ds.even)
+        first_plan = replace(base, world_size=eras[0].world_size, rank=0, origin=era_origin)
+        origin = (epoch + 1, first_plan.window_start(epoch + 1))
+    try:
+        split = elastic_split(left, ds.world_size, num_workers, batch_size, drop_last, ds.even)
+    except ValueError as e:
+        raise StateError(str(e)) from e
+    if not apply:
+        return
     got = sum(map(sum, split))
     if got != left and not drop_last:
         warnings.warn(
@@ -286,5 +297,4 @@ def _load_states(ds: Any, states: list[Mapping[str, Any]], batch_size: int | Non
             f"equal batch counts with num_workers={num_workers} and batch_size={batch_size}; even={ds.even!r} "
             + (f"repeats {got - left} of them" if got > left else f"leaves {left - got} of them out")
             + " (num_workers >= 2 avoids this)", stacklevel=4)
-    _apply(ds, epoch, (epoch, [], 0), (epoch, eras, tuple(split), era_origin),
-           _loader_shape(batch_size, num_workers, drop_last), origin)
+    _apply(ds, epoch, (epoch, [], 0), (epoch, eras, tuple(split), era_origin), shape, origin)

@@ -33,6 +33,7 @@ from fastdata.errors import (
     SkipBudgetError,
 )
 from fastdata.shards import missing_fields, required_fields
+from fastdata.transforms import accepts_generator, sample_generator
 
 __all__ = ["SampleLoader"]
 
@@ -111,10 +112,11 @@ class SampleLoader:
         self._store: Any = None
         self._store_pid: int | None = None
         self._uncached: tuple[Any, frozenset[str]] | None = None
+        self._takes: dict[int, tuple[Any, bool]] = {}  # id(fn) -> (fn, whether it has a generator parameter)
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        for name in ("_walks", "_readers", "_store", "_store_pid", "_uncached"):
+        for name in ("_walks", "_readers", "_store", "_store_pid", "_uncached", "_takes"):
             state.pop(name)
         return state
 
@@ -184,8 +186,29 @@ class SampleLoader:
         except (FastdataError, OSError, IndexError) as e:
             self.handle_error(ds, self._wrap_error(e, shard, i), e, shard, i, g, cursor)
             return None
-        sample = self.apply(ds.transform, sample)
-        return self.finish(ds, sample, shard) if ds.sample_transform is not None else sample
+        return self.randomize(ds, sample, shard, g, cursor.epoch)
+
+    def randomize(self, ds: Any, sample: dict[str, Any], shard: int, g: int, epoch: int) -> Any:
+        """``transform`` on each image field, then ``sample_transform``; each one that has a ``generator``
+        parameter gets the sample's :func:`~fastdata.transforms.sample_generator` (a new one per call:
+        every image field of a sample, an image and its mask, draws the same numbers). ``g < 0``: a
+        streaming source, whose sample identity is a hash of shard and key."""
+        fns = (ds.transform, ds.sample_transform)
+        takes = [fn is not None and self._takes_generator(fn) for fn in fns]
+        seeded = None
+        if any(takes):
+            index = g if g >= 0 else key_index(self.source.names[shard], str(sample.get("__key__", "?")))
+            seeded = (ds.seed, epoch, index)
+        sample = self.apply(fns[0], sample, seeded if takes[0] else None)
+        if fns[1] is None:
+            return sample
+        return self.finish(ds, sample, shard, seeded if takes[1] else None)
+
+    def _takes_generator(self, fn: Any) -> bool:
+        hit = self._takes.get(id(fn))
+        if hit is None or hit[0] is not fn:
+            hit = self._takes[id(fn)] = (fn, accepts_generator(fn))
+        return hit[1]
 
     def load_uncached(self, ds: Any, shard: int, i: int, g: int, cursor: Cursor) -> dict[str, Any] | None:
         """``__key__`` and the decoded fields the cache store does not hold, under the error policy
@@ -198,10 +221,12 @@ class SampleLoader:
             self.handle_error(ds, self._wrap_error(e, shard, i), e, shard, i, g, cursor)
             return None
 
-    def finish(self, ds: Any, sample: Any, shard: int) -> Any:
-        """``sample_transform(sample)``; None is refused: a sample dropped there would be counted nowhere,
-        and a rank yielding fewer samples than ``len()`` breaks equal batch counts (DDP)."""
-        out = ds.sample_transform(sample)
+    def finish(self, ds: Any, sample: Any, shard: int, seeded: tuple[int, int, int] | None = None) -> Any:
+        """``sample_transform(sample)`` (``seeded``: with ``generator=sample_generator(*seeded)``); None is
+        refused: a sample dropped there would be counted nowhere, and a rank yielding fewer samples than
+        ``len()`` breaks equal batch counts (DDP)."""
+        out = (ds.sample_transform(sample) if seeded is None
+               else ds.sample_transform(sample, generator=sample_generator(*seeded)))
         if out is None:
             key = sample.get("__key__", "?") if isinstance(sample, Mapping) else "?"
             raise TypeError(f"sample_transform returned None for sample {key!r} of shard {self.source.names[shard]}: "
@@ -230,12 +255,14 @@ class SampleLoader:
         return {k: encoded[k] if k in encoded else rest[k] for k in raw}
 
     @staticmethod
-    def apply(fn: Callable[[Any], Any] | None, sample: dict[str, Any]) -> dict[str, Any]:
-        """``fn`` on each image field; images still PIL after it become uint8 (C, H, W) tensors."""
+    def apply(fn: Callable[..., Any] | None, sample: dict[str, Any],
+              seeded: tuple[int, int, int] | None = None) -> dict[str, Any]:
+        """``fn`` on each image field (``seeded``: with ``generator=sample_generator(*seeded)``); images
+        still PIL after it become uint8 (C, H, W) tensors."""
         for k, v in sample.items():
             if is_image_field(k):
                 if fn is not None:
-                    v = fn(v)
+                    v = fn(v) if seeded is None else fn(v, generator=sample_generator(*seeded))
                 if hasattr(v, "getbands"):  # still a PIL image
                     v = image_to_tensor(v)
                 sample[k] = v

@@ -20,7 +20,7 @@ import numpy as np
 from fastdata.cache import Store  # at run time too: typing.get_type_hints resolves the hints
 from fastdata.dataset._cursor import Cursor, EpochStart
 from fastdata.dataset._dist import in_worker
-from fastdata.dataset._resume import check_resume_dist, state_of
+from fastdata.dataset._resume import check_resume_dist, load_state, state_of
 from fastdata.dataset._schedule import BatchSchedule
 from fastdata.dataset._split import (
     Stage,
@@ -95,7 +95,13 @@ class LoaderSeam:
         out = iteration_stages(stages, num_workers)
         if ds.source.streaming:  # in the main process, before any worker starts
             check_stream_stages(ds, out)
-        return EpochStart(epoch, tuple(out), first if len(out) == len(stages) else 0)
+        return EpochStart(epoch, tuple(out), first if len(out) == len(stages) else 0,
+                          resumed=point is not None and point[0] == epoch)
+
+    def resume_pending(self) -> bool:
+        """A state loaded with ``load_state_dict`` waits for the next iteration of the current epoch."""
+        point = self.dataset._resume.point
+        return point is not None and point[0] == self.dataset.epoch
 
     def consume_resume(self) -> None:
         """The resume state was handed to an iteration (workers hold copies): apply it only once."""
@@ -132,6 +138,11 @@ class LoaderSeam:
     def state_at(self, epoch: int, stages: Sequence[Stage], next_worker: int = 0) -> dict[str, Any]:
         """The ``state_dict()`` of a position: ``stages`` consumed of ``epoch``, ``next_worker`` yields next."""
         return state_of(self.dataset, epoch, stages, next_worker)
+
+    def check_state(self, state: Any, batch_size: int | None, num_workers: int, drop_last: bool) -> None:
+        """StateError if ``dataset.load_state_dict(state, batch_size=..., num_workers=..., drop_last=...)``
+        would raise one; changes nothing (a loader checks a state before it changes anything of its own)."""
+        load_state(self.dataset, state, batch_size, num_workers, drop_last, apply=False)
 
     def iterate(self, cursor: Cursor) -> Iterator[Any]:
         """The samples of ``cursor`` from its position on, advancing it (``iter(cursor)``)."""

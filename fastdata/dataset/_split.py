@@ -6,7 +6,7 @@ into equal contiguous parts per rank (``even="pad"`` repeats from the epoch's st
 the tail) and per worker (sizes depend only on the part size, so every rank has the same batch
 counts), each worker's mixing (:mod:`._mix`), and resume stages: a worker's order is a pure function
 of the above, so resuming regenerates it and skips the consumed prefix; another worker count splits
-the workers' remaining indices again. Elastic resume is :mod:`._elastic`; random numbers :mod:`._rng`.
+the workers' remaining indices again. Elastic resume is :mod:`._elastic`; random numbers :mod:`fastdata._rng`.
 See docs/design/split.md.
 """
 from __future__ import annotations
@@ -22,7 +22,7 @@ import numpy as np
 import numpy.ma  # noqa: F401
 
 from fastdata.dataset._mix import Segment, ShuffleOptions, mix_segments
-from fastdata.dataset._rng import permutation, rng_key
+from fastdata._rng import permutation, rng_key
 
 __all__ = ["EVEN_POLICIES", "ShuffleOptions", "SplitPlan", "Stage", "check_consumed", "iteration_stages",
            "read_order", "shard_schedule", "split_sizes", "stage_counts", "stage_sequences", "worker_sequence"]

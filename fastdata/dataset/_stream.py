@@ -16,9 +16,9 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from fastdata.dataset._cursor import Cursor
-from fastdata.dataset._rng import permutation, random_floats, rng_key
+from fastdata._rng import permutation, random_floats, rng_key
 from fastdata.dataset._split import Stage, split_sizes
-from fastdata.errors import FastdataError, ShardError, SourceError
+from fastdata.errors import FastdataError, ShardError, SourceError, StateError
 
 __all__ = ["check_stream_stages", "iter_stream"]
 
@@ -33,7 +33,7 @@ class _ShardCut(NamedTuple):
 def check_stream_stages(ds: Any, stages: Sequence[Stage]) -> None:
     """A streaming source resumes only with the worker count it was saved with, and needs a shard per slot."""
     if len(stages) > 1:
-        raise ValueError("a streaming (URL) source resumes only with the num_workers it was saved with")
+        raise StateError("a streaming (URL) source resumes only with the num_workers it was saved with")
     slots = ds.world_size * stages[-1][0]
     if len(ds.source.names) < slots:
         raise ValueError(f"a streaming source needs at least world_size x num_workers = {slots} shards, "
@@ -79,10 +79,10 @@ def iter_stream(ds: Any, cursor: Cursor) -> Iterator[Any]:
             samples.handle_error(ds, e, e, shard, -1, -1, cursor, key=str(item.get("__key__", "?")))
             cursor.pos = pos
             continue
-        sample = samples.apply(ds.transform, sample)
+        sample = samples.randomize(ds, sample, shard, -1, cursor.epoch)
         cursor.pos = pos
         cursor.mark_current()
-        yield samples.finish(ds, sample, shard) if ds.sample_transform is not None else sample
+        yield sample
     yield from ds._skips.end_of_walk(cursor)
 
 

@@ -19,41 +19,31 @@ Design note (the geometry model, the filter, grouping and launches): docs/design
 """
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
-from fastdata.dataset import rng_key
+from fastdata._rng import uniforms
 from fastdata.prefetch.tree import tensor_leaves
+from fastdata.transforms import (
+    CROP_SALT,
+    FLIP_SALT,
+    check_probability,
+    check_range,
+    check_seed,
+    check_size,
+    crop_params,
+)
 
 __all__ = [
     "CenterCrop", "ImageBatch", "RandomHorizontalFlip", "RandomResizedCrop", "Resize", "render_images", "uniforms",
 ]
 
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
-_M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
-_S30, _S27, _S31, _S11 = np.uint64(30), np.uint64(27), np.uint64(31), np.uint64(11)
 MAX_CANVAS = 1 << 28  # elements per resampling group: 512 MiB of float16 on CUDA (2 groups for 256 images of 640 px)
 _WASTE = 3.0  # a group's padded canvas may hold up to this many times its images' pixels (fewer groups, fewer launches)
 _WEIGHTS_SLACK = 1 << 22  # weight elements a run of groups may waste on padding whatever the ratio (fewer launches)
-
-
-def _mix64(x: np.ndarray) -> np.ndarray:
-    x = (x ^ (x >> _S30)) * _M1
-    x = (x ^ (x >> _S27)) * _M2
-    return x ^ (x >> _S31)
-
-
-def uniforms(seed: int, salt: int, epoch: int, ids: np.ndarray, k: int) -> np.ndarray:
-    """``(len(ids), k)`` floats in [0, 1): stream ``k`` of sample ``ids`` for ``(seed, salt, epoch)``."""
-    base = np.uint64(rng_key(seed, salt, epoch))
-    with np.errstate(over="ignore"):
-        x = _mix64(base ^ _mix64(np.asarray(ids, dtype=np.int64).astype(np.uint64) + _GOLDEN))
-        u = _mix64(x[:, None] + np.arange(1, k + 1, dtype=np.uint64)[None, :] * _GOLDEN)
-    return (u >> _S11).astype(np.float64) * (1.0 / (1 << 53))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -366,40 +356,6 @@ def _weights(a: torch.Tensor, b: torch.Tensor, lo: torch.Tensor, hi: torch.Tenso
 # Transforms
 
 
-def _check_size(owner: str, size: Any, *, allow_int_short: bool = False) -> tuple[int, int] | int:
-    if isinstance(size, bool):  # ValueError for every bad option value, like fastdata.gpu.Normalize
-        raise ValueError(f"{owner}: size must be an int or (height, width), got {size!r}")  # noqa: TRY004
-    if isinstance(size, int):
-        if size < 1:
-            raise ValueError(f"{owner}: size must be >= 1, got {size!r}")
-        return size if allow_int_short else (size, size)
-    try:
-        h, w = size
-    except (TypeError, ValueError):
-        raise ValueError(f"{owner}: size must be an int or (height, width), got {size!r}") from None
-    if any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in (h, w)):
-        raise ValueError(f"{owner}: size must be positive ints, got {size!r}")
-    return (h, w)
-
-
-def _check_range(owner: str, name: str, value: Any, *, positive: bool) -> tuple[float, float]:
-    try:
-        if isinstance(value, (str, bytes)) or any(isinstance(v, (str, bytes)) for v in value):
-            raise TypeError(name)  # "01" or ("0.1", "1") would pass float()
-        lo, hi = (float(v) for v in value)
-    except (TypeError, ValueError):
-        raise ValueError(f"{owner}: {name} must be a (min, max) pair of numbers, got {value!r}") from None
-    if not (math.isfinite(lo) and math.isfinite(hi)) or lo > hi or (positive and lo <= 0) or lo < 0:
-        raise ValueError(f"{owner}: {name} must be finite with 0 {'<' if positive else '<='} min <= max, got {value!r}")
-    return lo, hi
-
-
-def _check_seed(owner: str, seed: Any) -> int:
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise ValueError(f"{owner}: seed must be an int, got {seed!r}")  # noqa: TRY004
-    return seed
-
-
 class _Geometric:
     """Base: ``lazy(batch)`` updates every :class:`ImageBatch` leaf's geometry; ``batch(...)`` also renders."""
 
@@ -425,41 +381,17 @@ class RandomResizedCrop(_Geometric):
     ``(seed, epoch, sample index)``.
     """
 
-    _SALT = 0x52524331
-
     def __init__(self, size: int | tuple[int, int], scale: tuple[float, float] = (0.08, 1.0),
                  ratio: tuple[float, float] = (3.0 / 4.0, 4.0 / 3.0), *, seed: int = 0) -> None:
-        self.size = _check_size("RandomResizedCrop", size)
-        self.scale = _check_range("RandomResizedCrop", "scale", scale, positive=False)
-        self.ratio = _check_range("RandomResizedCrop", "ratio", ratio, positive=True)
-        self.seed = _check_seed("RandomResizedCrop", seed)
+        self.size = check_size("RandomResizedCrop", size)
+        self.scale = check_range("RandomResizedCrop", "scale", scale, positive=False)
+        self.ratio = check_range("RandomResizedCrop", "ratio", ratio, positive=True)
+        self.seed = check_seed("RandomResizedCrop", seed)
 
     def params(self, heights: np.ndarray, widths: np.ndarray, ids: np.ndarray, epoch: int) -> tuple[np.ndarray, ...]:
         """``(top, left, height, width)`` int arrays for images of the given sizes."""
-        H, W = np.asarray(heights, np.float64), np.asarray(widths, np.float64)
-        u = uniforms(self.seed, self._SALT, epoch, ids, 40).reshape(len(H), 10, 4)
-        lr0, lr1 = math.log(self.ratio[0]), math.log(self.ratio[1])
-        target = (H * W)[:, None] * (self.scale[0] + (self.scale[1] - self.scale[0]) * u[..., 0])
-        aspect = np.exp(lr0 + (lr1 - lr0) * u[..., 1])
-        w = np.round(np.sqrt(target * aspect))
-        h = np.round(np.sqrt(target / aspect))
-        ok = (w > 0) & (w <= W[:, None]) & (h > 0) & (h <= H[:, None])
-        first = np.argmax(ok, axis=1)
-        rows = np.arange(len(H))
-        hit = ok[rows, first]
-        h, w = h[rows, first], w[rows, first]
-        top = np.minimum(np.floor(u[rows, first, 2] * (H - h + 1)), H - h)
-        left = np.minimum(np.floor(u[rows, first, 3] * (W - w + 1)), W - w)
-        # torchvision's fallback: a central crop with the aspect ratio clamped to ``ratio``, at least a pixel
-        # (torchvision's rounds to 0 where a side is 1 and ``ratio`` far from 1: it fails; this gave a black image)
-        in_ratio = W / H
-        fw = np.where(in_ratio < self.ratio[0], W, np.where(in_ratio > self.ratio[1],
-                                                             np.maximum(np.round(H * self.ratio[1]), 1), W))
-        fh = np.where(in_ratio < self.ratio[0], np.maximum(np.round(W / self.ratio[0]), 1), H)
-        h, w = np.where(hit, h, fh), np.where(hit, w, fw)
-        top = np.where(hit, top, (H - h) // 2)
-        left = np.where(hit, left, (W - w) // 2)
-        return top.astype(np.int64), left.astype(np.int64), h.astype(np.int64), w.astype(np.int64)
+        u = uniforms(self.seed, CROP_SALT, epoch, ids, 40)
+        return crop_params(u, heights, widths, self.scale, self.ratio)
 
     def apply(self, images: ImageBatch) -> ImageBatch:
         top, left, h, w = self.params(images.size[:, 0], images.size[:, 1], images.ids, images.epoch)
@@ -472,17 +404,13 @@ class RandomResizedCrop(_Geometric):
 class RandomHorizontalFlip(_Geometric):
     """Mirror each image with probability ``p``, drawn from a hash of ``(seed, epoch, sample index)``."""
 
-    _SALT = 0x48464C50
-
     def __init__(self, p: float = 0.5, *, seed: int = 0) -> None:
-        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= p <= 1.0:
-            raise ValueError(f"RandomHorizontalFlip: p must be a number in [0, 1], got {p!r}")
-        self.p = float(p)
-        self.seed = _check_seed("RandomHorizontalFlip", seed)
+        self.p = check_probability("RandomHorizontalFlip", p)
+        self.seed = check_seed("RandomHorizontalFlip", seed)
 
     def flips(self, ids: np.ndarray, epoch: int) -> np.ndarray:
         """Which of the samples ``ids`` are mirrored in ``epoch``."""
-        return uniforms(self.seed, self._SALT, epoch, ids, 1)[:, 0] < self.p
+        return uniforms(self.seed, FLIP_SALT, epoch, ids, 1)[:, 0] < self.p
 
     def apply(self, images: ImageBatch) -> ImageBatch:
         return images.hflip(self.flips(images.ids, images.epoch))
@@ -495,7 +423,7 @@ class Resize(_Geometric):
     """Resize to ``(height, width)``, or an int: the shorter side to ``size`` (torchvision's rounding)."""
 
     def __init__(self, size: int | tuple[int, int]) -> None:
-        self.size = _check_size("Resize", size, allow_int_short=True)
+        self.size = check_size("Resize", size, allow_int_short=True)
 
     def apply(self, images: ImageBatch) -> ImageBatch:
         if isinstance(self.size, tuple):
@@ -515,7 +443,7 @@ class CenterCrop(_Geometric):
     """Crop the centre ``(height, width)`` (an int: square); a larger crop pads with zeros (torchvision)."""
 
     def __init__(self, size: int | tuple[int, int]) -> None:
-        self.size = _check_size("CenterCrop", size)
+        self.size = check_size("CenterCrop", size)
 
     def apply(self, images: ImageBatch) -> ImageBatch:
         ch, cw = self.size  # type: ignore[misc]

@@ -2,6 +2,7 @@
 
 Stage 4 of the pipeline (shards -> dataset -> cache -> **loader** -> prefetch -> GPU -> train).
 """
-from fastdata.loader._loader import DataLoader
+from fastdata.loader._loader import DataLoader, EpochSampler
 
-__all__ = ["DataLoader"]
+# EpochSampler: a DataLoader's ``sampler`` over a ShardedDataset (its set_epoch reaches the dataset)
+__all__ = ["DataLoader", "EpochSampler"]

@@ -1,7 +1,8 @@
 """The cached fast path of :class:`fastdata.DataLoader`: batches gathered from a complete cache store.
 
 When a cache store holds every sample an epoch reads (all but :data:`MISSING_FRACTION`, loaded here)
-and nothing per sample needs a worker process (no ``transform=``, no ``sample_transform=``), the
+and nothing per sample needs a worker process (no ``sample_transform=``; no ``transform=`` unless
+``cached_fast_path=True`` and it takes a seeded ``generator``: then it runs here, per row), the
 batches are made in the calling process: one gather per batch for the cached (image) fields
 (``_gather.FastGather``: numpy row copies into reused, optionally page-locked buffers), a per-sample
 read of the others, memoized across epochs (:class:`MetaMemo`), collated by the loader's
@@ -24,6 +25,7 @@ from torch.utils.data._utils.pin_memory import pin_memory as _pin_memory
 from fastdata.dataset import BatchSchedule, Cursor, EpochStart, ShardedDataset, Turn
 from fastdata.errors import CacheError
 from fastdata.loader._gather import FastGather
+from fastdata.transforms import accepts_generator, sample_generator
 
 __all__ = [
     "FAST_PATH_MODES",
@@ -56,8 +58,9 @@ def static_reason(ds: Any, *, batch_size: int | None, collate_fn: Callable[[Any]
         return f"the dataset is a {type(ds).__name__}, not a fastdata.ShardedDataset"
     if not ds.loader_seam.has_cache:
         return "the dataset has no cache= store"
-    if ds.transform is not None:
-        return "transform= runs per sample (in the workers)"
+    if ds.transform is not None and not (forced and accepts_generator(ds.transform)):
+        return ("transform= runs per sample (in the workers; cached_fast_path=True runs one that has a generator "
+                "parameter in this process)")
     if ds.sample_transform is not None:
         return "sample_transform= runs per sample (in the workers)"
     if batch_size is None:
@@ -336,16 +339,22 @@ def cached_batches(
         turn = deal.settle(w, len(rows), pos - before > len(rows))
         if turn is Turn.BATCH:
             yield FastBatch(_assemble(store, metas, rows, collate_fn, fast_collate, pin, gather,
+                                      (ds.transform, ds.seed, start.epoch) if ds.transform is not None else None,
                                       pinned or pin is not None), w, pos)
         elif turn is Turn.END and positions is not None:  # ended in skipped samples
             positions[w] = pos
 
 
 def _assemble(store: Any, metas: list[dict[str, Any]] | _Columns, rows: Any, collate_fn: Callable[[Any], Any],
-              fast_collate: bool, pin: str | None, gather: FastGather, pinned: bool) -> Any:
+              fast_collate: bool, pin: str | None, gather: FastGather, transform: tuple[Any, int, int] | None,
+              pinned: bool) -> Any:
     cached = gather.batch(store, rows, pinned=pinned)
     if cached is None:
         raise CacheError(f"cache store {store.path}: samples of this batch are no longer filled ({list(rows[:8])}...)")
+    if transform is not None:  # (transform, seed, epoch): each row as a worker transforms its sample
+        fn, seed, epoch = transform
+        cached = {k: torch.stack([fn(row, generator=sample_generator(seed, epoch, int(g))) for row, g in zip(v, rows)])
+                  for k, v in cached.items()}
     if isinstance(metas, _Columns):
         batch = metas.batch
         batch.update(cached)

@@ -24,7 +24,7 @@ from torch.utils.data._utils.pin_memory import pin_memory as _pin_memory
 
 from fastdata._util import release_frames
 from fastdata.dataset import BatchSchedule, EpochStart, SkipReport, take_cursor
-from fastdata.errors import SkipBudgetError
+from fastdata.errors import SkipBudgetError, StateError
 from fastdata.loader import _cached as _cache_loader
 from fastdata.loader import _threads as _thread_loader
 from fastdata.loader import _watchdog
@@ -101,6 +101,8 @@ class LoaderIter:
     def __init__(self, loader: Any, inner: Any, run: Run, length: int | None = None):
         self._loader, self._inner, self._run, self._length = loader, inner, run, length
         self._ended = False
+        self._done = False  # the iteration reached its end (StopIteration)
+        self._stale = False  # a state was loaded into the loader since: next() raises StateError
         self._busy: threading.Thread | None = None  # the thread inside next() now
         self._watch: _watchdog.Watch | None = None
 
@@ -125,6 +127,15 @@ class LoaderIter:
         elif not getattr(inner, "_persistent_workers", True) and callable(getattr(inner, "_shutdown_workers", None)):
             inner._shutdown_workers()  # torch's worker processes stop now, not at a later garbage collection
 
+    def invalidate(self) -> None:
+        """The loader loaded a state (which applies to its next ``iter()``): end this iteration as
+        :meth:`close` does, but make its next ``next()`` raise StateError instead of ending in silence
+        (it would replay the epoch from its old start, or, over persistent workers, yield nothing)."""
+        if self._done:
+            return
+        self._stale = True
+        self.close()
+
     def _end_pass(self) -> None:
         """The pass is over (``SkipBudgetError``): stop its worker processes now, while torch's queues
         still work (left to a garbage collection, each worker is joined after a 5 s timeout; see
@@ -139,6 +150,10 @@ class LoaderIter:
     def __next__(self) -> Any:
         with RESET_LOCK:
             if self._ended:
+                if self._stale:
+                    raise StateError(
+                        "this iterator was made before load_state_dict() on its DataLoader; the loaded state "
+                        "applies to the next iter(loader): iterate the loader again (for batch in loader: ...)")
                 raise StopIteration
             self._busy = threading.current_thread()
         try:
@@ -151,6 +166,7 @@ class LoaderIter:
             try:
                 item = next(self._inner)
             except StopIteration:
+                self._done = True
                 raise
             except BaseException as e:
                 release_frames(e)  # no reference cycle keeps torch's workers alive (see there)

@@ -12,34 +12,47 @@ a state saved on one path resumes on another. The loader reaches the dataset onl
 from __future__ import annotations
 
 import logging
-import math
 import multiprocessing
 import pickle
 import threading
 import warnings
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import torch.utils.data
 
-from fastdata._util import check_index
-from fastdata.dataset import BatchSchedule, EpochStart, ShardedDataset
+from fastdata._pickling import explain, main_without_file
+from fastdata.dataset import BatchSchedule, EpochStart, ShardedDataset, parse_state
 from fastdata.dataset import collate as collate_encoded
-from fastdata.errors import CacheError, FastdataError
+from fastdata.errors import CacheError, FastdataError, StateError
 from fastdata.loader import _cached as _cache_loader
 from fastdata.loader import _threads as _thread_loader
 from fastdata.loader import _watchdog
+from fastdata.loader._args import torch_arguments
+from fastdata.loader._gather import FastGather, check_gather_threads, default_gather_threads
 from fastdata.loader._iteration import (RESET_LOCK, LoaderIter, Run, TaggingCollate, gather_helpers, loader_iter,
                                        pool_helpers, worker_helpers)
-from fastdata.loader._gather import FastGather, check_gather_threads, default_gather_threads
-from fastdata._pickling import explain, main_without_file
+from fastdata.loader._state import LOADER_STATE_VERSION, LoaderState, parse_loader_state
 
-__all__ = ["DataLoader"]
+__all__ = ["DataLoader", "EpochSampler"]
 
-LOADER_STATE_VERSION = 1
 _log = logging.getLogger(__name__)
+_T_co = TypeVar("_T_co", covariant=True)
 
+
+
+class EpochSampler(torch.utils.data.dataloader._InfiniteConstantSampler):
+    """The sampler torch gives an IterableDataset (endless ``None``s) with ``set_epoch`` passed on to the
+    ShardedDataset: a trainer that sets the epoch through ``loader.sampler`` (Lightning does, before each
+    epoch's ``iter()``) reaches the dataset, whose order then changes every epoch."""
+
+    def __init__(self, dataset: ShardedDataset) -> None:
+        super().__init__()
+        self.dataset = dataset
+
+    def set_epoch(self, epoch: int) -> None:
+        self.dataset.set_epoch(epoch)
 
 
 def _start_method(ctx: Any) -> str:
@@ -49,14 +62,21 @@ def _start_method(ctx: Any) -> str:
     return multiprocessing.get_start_method(allow_none=True) or multiprocessing.get_all_start_methods()[0]
 
 
-class DataLoader(torch.utils.data.DataLoader):
+class DataLoader(torch.utils.data.DataLoader[_T_co]):
     """Drop-in ``torch.utils.data.DataLoader`` with exact resume for :class:`ShardedDataset`.
 
     ``state_dict()`` captures the position after the batches yielded so far;
     ``load_state_dict()`` makes the next iteration yield exactly the remaining samples of that
     epoch: in the same order with the same ``num_workers``; exactly once but in another order
-    with a different ``num_workers``. ``len()`` is the exact number of batches per epoch
-    (each worker yields its own final partial batch unless ``drop_last``).
+    with a different ``num_workers``. The state is checked in full before anything changes
+    (``StateError``; ``check_state_dict()`` checks without loading); it applies to the next
+    ``iter()``: an iterator made before the load raises ``StateError`` at its next ``next()``.
+    ``len()`` is the exact number of batches per epoch (each worker yields its own final partial
+    batch unless ``drop_last``). Generic like torch's (``DataLoader[dict]``); torch's arguments are
+    taken with torch's meaning (``pin_memory=1``, ``prefetch_factor=2.0``, ``timeout=math.inf``;
+    see ``_args``). Over a ShardedDataset, ``accelerate``'s ``Accelerator.prepare`` returns the
+    loader itself (it already splits the data per rank) and its ``save_state``/``load_state`` keep
+    its position (docs/guide/trainers.md).
 
     Args:
         cached_fast_path: ``"auto"`` (default): an epoch whose samples are all in the dataset's
@@ -121,48 +141,41 @@ class DataLoader(torch.utils.data.DataLoader):
         self._fast_path_pinned = False  # pin_fast_path()
         self._gather: FastGather | None = None
         self.decode_threads = _thread_loader.check_threads(decode_threads)
+        arguments = torch_arguments(dataset, args, kwargs)
         with warnings.catch_warnings():
             if decode_threads:  # no worker processes start: torch's advice on their number does not apply
                 warnings.filterwarnings("ignore", message="This DataLoader will create", category=UserWarning)
-            super().__init__(dataset, *args, **kwargs)
-        self._check_torch_arguments()
+            super().__init__(**arguments)
         if decode_threads:
             why = _thread_loader.static_reason(dataset, batch_size=self.batch_size, worker_init_fn=self.worker_init_fn)
             if why is not None:
                 raise ValueError(f"decode_threads={decode_threads}: {why}")
         self._run: Run | None = None
         self._live: weakref.ref[LoaderIter] | None = None  # the latest worker-path iterator
+        self._iters: weakref.WeakSet[LoaderIter] = weakref.WeakSet()  # every iterator: a load ends them
+        self._loaded: tuple[int, int, int | None] | None = None  # (epoch, batches, num_workers) of the last load
         self.cached_fast_path = mode
         self.last_path: str | None = None  # "cached", "threads" or "workers": the path the latest iteration took
         self.fallback_reason: str | None = None  # why the latest iteration did not take the fast path
         self._fast_seed_drawn = False
         if getattr(dataset, "image_decode", "cpu") == "device" and self.collate_fn is torch.utils.data.default_collate:
             self.collate_fn = collate_encoded  # EncodedImage fields -> one PackedImages per field and batch
-        self._user_collate = self.collate_fn
         if mode is True:
             reason = self._static_reason(forced=True)
             if reason is not None:
                 raise ValueError(f"cached_fast_path=True: {reason}")
-        if isinstance(dataset, ShardedDataset):
-            self.collate_fn = TaggingCollate(self.collate_fn, dataset.loader_seam.token, self._schedule())
-
-    def _check_torch_arguments(self) -> None:
-        """torch checks only ``num_workers < 0`` and ``timeout < 0`` here: 1.5 workers or a NaN timeout
-        failed at the first iteration with a TypeError or an AssertionError, and strings passed as
-        flags (``persistent_workers="no"``) were taken as true."""
-        self.num_workers = check_index("num_workers", self.num_workers, 0)
-        timeout = self.timeout
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 <= timeout < math.inf:
-            raise ValueError(f"timeout must be a finite number of seconds >= 0, got {timeout!r}")
-        factor = self.prefetch_factor
-        if factor is not None and (isinstance(factor, bool) or not isinstance(factor, int) or factor < 1):
-            raise ValueError(f"prefetch_factor must be None or an int >= 1, got {factor!r}")
-        for name in ("pin_memory", "persistent_workers"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        sharded = isinstance(dataset, ShardedDataset)
+        if sharded:  # torch refuses sampler= for an IterableDataset, and setting it later: replaced as torch set it
+            object.__setattr__(self, "sampler", EpochSampler(dataset))
+        # Accelerate's prepare() rebuilds a DataLoader from this one's arguments, unless it was prepared
+        # already: this one splits the data per rank itself (a rebuilt one would split it again, or
+        # dispatch one rank's part to every rank) and, as a stateful loader, has its position saved by
+        # save_state and restored by load_state (docs/guide/trainers.md)
+        self._is_accelerate_prepared = sharded
+        self.use_stateful_dataloader = sharded
 
     def _static_reason(self, *, forced: bool) -> str | None:
-        return _cache_loader.static_reason(self.dataset, batch_size=self.batch_size, collate_fn=self._user_collate,
+        return _cache_loader.static_reason(self.dataset, batch_size=self.batch_size, collate_fn=self.collate_fn,
                                            worker_init_fn=self.worker_init_fn, forced=forced)
 
     def _sharded(self) -> ShardedDataset:
@@ -216,7 +229,7 @@ class DataLoader(torch.utils.data.DataLoader):
             self.last_path, self.fallback_reason = "cached", None
             seam.consume_resume()
             self._draw_base_seed()
-            return loader_iter(self, fast, self._run, len(self), gather_helpers)
+            return self._track(loader_iter(self, fast, self._run, len(self), gather_helpers))
         if self.decode_threads:
             self.last_path = "threads"
             pin = _cache_loader.pin_device() if self.pin_memory else None
@@ -224,14 +237,14 @@ class DataLoader(torch.utils.data.DataLoader):
             pin_rows = pin or ("cuda" if self.fast_path_pinned and torch.cuda.is_available() else None)
             batches = _thread_loader.thread_batches(
                 ds, start, threads=self.decode_threads, batch_size=self.batch_size,  # type: ignore[arg-type]
-                drop_last=self.drop_last, collate_fn=self._user_collate, pin=pin, pin_rows=pin_rows,
+                drop_last=self.drop_last, collate_fn=self.collate_fn, pin=pin, pin_rows=pin_rows,
                 timeout=self.timeout)
             seam.consume_resume()
             self._draw_base_seed()
-            self._run = Run(start, list(start.consumed))
+            self._run = self._new_run(start)
             if self.num_workers > 0:  # a walk ending in skips reports its end, as a worker process does
                 batches.positions = self._run.pos
-            return loader_iter(self, batches, self._run, len(self), pool_helpers)
+            return self._track(loader_iter(self, batches, self._run, len(self), pool_helpers))
         self.last_path = "workers"
         # torch's iterator compares its batch count with the sample count of the latest len() call, which
         # may be another epoch's (an elastic resume's rest): it would warn at every batch; len() is exact here
@@ -252,23 +265,46 @@ class DataLoader(torch.utils.data.DataLoader):
             seam.stop_skip_reports()
             seam.preload_next_epoch(0)
         seam.consume_resume()
-        self._run = Run(start, list(start.consumed))
+        self._run = self._new_run(start)
         if previous is not None and previous._inner is inner:  # persistent workers: torch reset that iterator
             if previous._watch is not None:
                 previous._watch.stop(join=False)
         it = loader_iter(self, inner, self._run, None, worker_helpers)
         self._live = weakref.ref(it)
+        return self._track(it)
+
+    def _new_run(self, start: EpochStart) -> Run:
+        """The record of an iteration from ``start``; one that starts at a loaded state counts on from its
+        ``batches`` (the batches of the epoch handed out before it)."""
+        loaded, self._loaded = self._loaded, None
+        carried = loaded[1] if loaded is not None and start.resumed and loaded[0] == start.epoch else 0
+        return Run(start, list(start.consumed), batches=carried)
+
+    def _track(self, it: LoaderIter) -> LoaderIter:
+        self._iters.add(it)
         return it
 
     def _get_iterator(self) -> Any:
         """torch's iterator, its workers started through ``_watchdog.WorkerInit`` (it stands in for
         ``worker_init_fn`` only while they start): each worker leaves through ``os._exit`` as a fork
         child does (``_exit``: spawn workers aborted at exit otherwise) and, with the stall watchdog on,
-        can dump its stacks."""
-        if self.num_workers == 0 or not isinstance(self.dataset, ShardedDataset):
+        can dump its stacks. Over a ShardedDataset its collate tags each batch with the position of the
+        walk that made it (``TaggingCollate``; the loader's iterator strips the tag): set only while
+        torch's iterator is built, so ``collate_fn`` stays the user's for anyone who reads it."""
+        if not isinstance(self.dataset, ShardedDataset):
+            return super()._get_iterator()
+        user_collate = self.collate_fn
+        self.collate_fn = TaggingCollate(user_collate, self.dataset.loader_seam.token, self._schedule())
+        try:
+            return self._torch_iterator(user_collate)
+        finally:
+            self.collate_fn = user_collate
+
+    def _torch_iterator(self, user_collate: Any) -> Any:
+        if self.num_workers == 0:
             return super()._get_iterator()
         user_fn = self.worker_init_fn
-        parts = [("dataset", self.dataset), ("collate_fn", self._user_collate), ("worker_init_fn", user_fn)]
+        parts = [("dataset", self.dataset), ("collate_fn", user_collate), ("worker_init_fn", user_fn)]
         method = _start_method(self.multiprocessing_context)
         unimportable = main_without_file(method, parts) if method != "fork" else None
         if unimportable is not None:  # the workers would die while starting
@@ -318,7 +354,7 @@ class DataLoader(torch.utils.data.DataLoader):
             self.fallback_reason = reason
             _log.debug("fastdata.DataLoader: epoch %d through workers: %s", start.epoch, reason)
             return None
-        self._run = Run(start, list(start.consumed))
+        self._run = self._new_run(start)
         pin = _cache_loader.pin_device() if self.pin_memory else None
         seqs, missing = plan
         batch_size: int = self.batch_size  # type: ignore[assignment]  # not None: static_reason checks it
@@ -326,7 +362,7 @@ class DataLoader(torch.utils.data.DataLoader):
             self._gather = FastGather(self.gather_threads or default_gather_threads(), batch_size)
         return _cache_loader.cached_batches(
             ds, store, seqs, missing=missing, start=start, batch_size=batch_size,
-            drop_last=self.drop_last, collate_fn=self._user_collate, pin=pin, gather=self._gather,
+            drop_last=self.drop_last, collate_fn=self.collate_fn, pin=pin, gather=self._gather,
             pinned=self.fast_path_pinned, positions=self._run.pos if self.num_workers > 0 else None,
         )
 
@@ -352,32 +388,73 @@ class DataLoader(torch.utils.data.DataLoader):
         return self._schedule(run.start.num_workers).next_worker(run.last, run.start.first, left)
 
     def state_dict(self) -> dict[str, Any]:
-        """Exact position after the batches yielded so far (JSON-serialisable)."""
+        """Exact position after the batches handed out so far (JSON-serialisable): ``{"version",
+        "dataset" (the ShardedDataset's state), "num_workers" (of its positions), "batches" (handed out
+        in this epoch so far, across resumes)}``. Right after ``load_state_dict(s)`` it is ``s``."""
         ds = self._sharded()
         run = self._run
         if run is not None and run.epoch == ds.epoch:
             state = ds.loader_seam.state_at(run.epoch, run.stages_now(), self._next_worker(run))
-            batches = run.batches
-        else:
-            state, batches = ds.state_dict(), 0
-        return {"version": LOADER_STATE_VERSION, "dataset": state, "num_workers": self.num_workers,
+            return {"version": LOADER_STATE_VERSION, "dataset": state, "num_workers": self.num_workers,
+                    "batches": run.batches}
+        batches, num_workers = 0, self.num_workers
+        loaded = self._loaded
+        if loaded is not None and loaded[0] == ds.epoch and ds.loader_seam.resume_pending():
+            batches = loaded[1]
+            num_workers = self.num_workers if loaded[2] is None else loaded[2]
+        return {"version": LOADER_STATE_VERSION, "dataset": ds.state_dict(), "num_workers": num_workers,
                 "batches": batches}
 
-    def load_state_dict(self, state: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> None:
-        """Resume from :meth:`state_dict` (or a ``ShardedDataset.state_dict()``).
+    def check_state_dict(self, state: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> None:
+        """Raise ``StateError`` (naming the field, its value and the logical worker where one is meant)
+        if :meth:`load_state_dict` would refuse ``state``; changes nothing."""
+        ds = self._sharded()
+        parsed = self._parse_state(ds, state)
+        ds.loader_seam.check_state(parsed.dataset, self.batch_size, self.num_workers, self.drop_last)
 
-        A list of every rank's state (rank order) resumes at any world size and ``num_workers``:
-        the samples no rank consumed are read exactly once, each rank yielding the same number of
-        batches (see ``ShardedDataset.load_state_dict``).
+    def _parse_state(self, ds: ShardedDataset, state: Any) -> LoaderState:
+        """``parse_loader_state(state)``, and for a streaming source, whose walks cannot be split again, the
+        worker count of its positions against this loader's (else refused only when the epoch starts)."""
+        parsed = parse_loader_state(state)
+        if ds.streaming:
+            parts = parsed.dataset if isinstance(parsed.dataset, list) else [parsed.dataset]
+            for part in parts:
+                stages = parse_state(part).stages
+                if stages and stages[-1][0] != max(1, self.num_workers):
+                    raise StateError(f"state_dict: its positions are of num_workers={stages[-1][0]}; a streaming "
+                                     f"(URL) source resumes only with the num_workers it was saved with, this "
+                                     f"loader has num_workers={self.num_workers}")
+        return parsed
+
+    def load_state_dict(self, state: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> None:
+        """Resume from :meth:`state_dict` (or a ``ShardedDataset.state_dict()``) at the next ``iter()``.
+
+        The whole state is checked first (``StateError``; nothing changes then). An iterator of this
+        loader made before the load ends: its next ``next()`` raises ``StateError`` (the state applies to
+        the next ``iter()``, torchdata's rule), so it can neither replay the epoch nor end it in silence.
+        Refused while another thread is inside ``next()`` of this loader's iterator (a ``CUDAPrefetcher``'s:
+        load through the prefetcher). A list of every rank's state (rank order) resumes at any world size
+        and ``num_workers``: the samples no rank consumed are read exactly once, each rank yielding the
+        same number of batches (see ``ShardedDataset.load_state_dict``).
         """
         ds = self._sharded()
-        if isinstance(state, Sequence) and not isinstance(state, (str, bytes)):
-            ds.load_state_dict([s["dataset"] if "dataset" in s else s for s in state], batch_size=self.batch_size,
-                               num_workers=self.num_workers, drop_last=self.drop_last)
-        else:
-            ds.load_state_dict(state["dataset"] if "dataset" in state else state, batch_size=self.batch_size,
-                               num_workers=self.num_workers, drop_last=self.drop_last)
+        parsed = self._parse_state(ds, state)
+        with RESET_LOCK:
+            busy = next((it._busy for it in list(self._iters) if it._busy is not None
+                         and it._busy is not threading.current_thread()), None)
+        if busy is not None:
+            raise StateError(
+                f"load_state_dict while thread {busy.name!r} is inside next() of this loader's iterator (a "
+                "CUDAPrefetcher's, if one wraps the loader): call the prefetcher's load_state_dict (it stops its "
+                "thread first), or load the state before the loop")
+        ds.load_state_dict(parsed.dataset, batch_size=self.batch_size, num_workers=self.num_workers,
+                           drop_last=self.drop_last)  # checks everything before it changes anything
+        self._loaded = (ds.epoch, parsed.batches, parsed.num_workers)
         self._run = None
+        with RESET_LOCK:
+            stale = list(self._iters)
+        for it in stale:
+            it.invalidate()
         if self._iterator is not None:  # persistent workers hold the old state: restart them
             self._iterator._shutdown_workers()
             self._iterator = None

@@ -93,7 +93,7 @@ def sampler_draws(sampler: Any) -> bool:
     data = torch.utils.data
     if type(sampler) in (data.SequentialSampler, data.DistributedSampler):
         return False
-    if type(sampler).__name__ == "_InfiniteConstantSampler":  # an IterableDataset's: draws nothing
+    if isinstance(sampler, data.dataloader._InfiniteConstantSampler):  # an IterableDataset's: draws nothing
         return False
     if type(sampler) in tuple(getattr(data, n) for n in SEEDED_SAMPLERS):
         return getattr(sampler, "generator", None) is None

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from fastdata.errors import StateError
 from fastdata.prefetch._epochs import EpochRunner
 from fastdata.prefetch._epochs import iter_hazards as _iter_hazards
 from fastdata.prefetch._options import PrefetchOptions, resolve_device
@@ -155,6 +156,7 @@ class CUDAPrefetcher:
         self._recent: deque[Any] = deque(maxlen=depth)  # credits of the last hand-overs
         self._closed = False
         self._state: Any = None  # the wrapped loader's state after the last batch handed over
+        self._loads = 0  # load_state_dict calls: an iterator made before one raises StateError
         self._warned_epoch = False
 
     @property
@@ -200,9 +202,14 @@ class CUDAPrefetcher:
 
     def _consume(self, run: Run, number: int) -> Iterator[Any]:
         finished = False
+        loads = self._loads
         try:
             t0 = perf_counter()
             while True:
+                if self._loads != loads:
+                    raise StateError(
+                        "this iterator was made before load_state_dict() on its CUDAPrefetcher; the loaded state "
+                        "applies to the next iter(prefetcher): iterate the prefetcher again")
                 handoff = run.handoff
                 if handoff is not None and (handoff[0] == number or (handoff[1] and handoff[0] == number + 1)):
                     self._begin_next(run)
@@ -335,15 +342,30 @@ class CUDAPrefetcher:
         return self._state
 
     def load_state_dict(self, state: Any) -> None:
-        """Stop the current epoch and pass ``state`` to the wrapped loader's ``load_state_dict``."""
+        """Stop the current epoch and pass ``state`` to the wrapped loader's ``load_state_dict``; it
+        applies to the next ``iter()``.
+
+        A loader with ``check_state_dict`` (``fastdata.DataLoader``) checks ``state`` first: a bad one is
+        its ``StateError``, and nothing changes (the epoch goes on). An iterator of this prefetcher
+        made before the load raises ``StateError`` at its next ``next()``.
+        """
         fn = getattr(self._iterable, "load_state_dict", None)
         if not callable(fn):
             raise TypeError(f"the wrapped {type(self._iterable).__name__} has no load_state_dict()")
+        self.check_state_dict(state)
+        self._loads += 1
         self._stop_run()
         fn(state)
         self._state = None
         if self._epochs.driven:  # the next epoch is the resumed one, not the one after it
             self._epochs.restart_from_loader()
+
+    def check_state_dict(self, state: Any) -> None:
+        """The wrapped loader's ``check_state_dict(state)`` where it has one (``StateError`` for a state
+        its ``load_state_dict`` would refuse); changes nothing."""
+        check = getattr(self._iterable, "check_state_dict", None)
+        if callable(check):
+            check(state)
 
     # --- shutdown --------------------------------------------------------------------------------
 

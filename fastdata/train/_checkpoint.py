@@ -159,6 +159,11 @@ def save_checkpoint(
     return dest
 
 
+_PAYLOAD = ("model", "optimizer", "train_step", "grads", "loader", "epoch", "extra")
+# what a loader's load_state_dict raises for a state it refuses, when it has no check_state_dict
+_LOADER_REFUSALS = (ValueError, TypeError, KeyError, IndexError, RuntimeError, AttributeError)
+
+
 def _read(path: Path) -> dict[str, Any]:
     if not path.is_file():
         raise CheckpointError(f"{path}: no such checkpoint file")
@@ -170,7 +175,80 @@ def _read(path: Path) -> dict[str, Any]:
         raise CheckpointError(f"{path}: not a fastdata checkpoint (written by save_checkpoint)")
     if payload.get("version") != VERSION:
         raise CheckpointError(f"{path}: checkpoint version {payload.get('version')!r}, this fastdata reads {VERSION}")
+    missing = [k for k in _PAYLOAD if k not in payload]
+    if missing:
+        raise CheckpointError(f"{path}: a damaged checkpoint: it lacks {missing}")
     return payload
+
+
+def _check_model(src: Path, module: torch.nn.Module, saved: Any) -> None:
+    """The keys and tensor shapes ``module.load_state_dict(saved)`` would refuse."""
+    if not isinstance(saved, Mapping):
+        raise CheckpointError(f"{src}: the model state is a {type(saved).__name__}, not a state dict")
+    mine = module.state_dict()
+    missing, unexpected = sorted(set(mine) - set(saved)), sorted(set(saved) - set(mine))
+    if missing or unexpected:
+        raise CheckpointError(f"{src}: does not fit this TrainStep: model keys missing from the checkpoint "
+                              f"{missing[:5]}, keys this model lacks {unexpected[:5]}")
+    for name, value in mine.items():
+        if isinstance(value, torch.Tensor):
+            theirs = saved[name]
+            if not isinstance(theirs, torch.Tensor) or theirs.shape != value.shape:
+                got = tuple(theirs.shape) if isinstance(theirs, torch.Tensor) else type(theirs).__name__
+                raise CheckpointError(f"{src}: does not fit this TrainStep: model entry {name!r} is {got} in the "
+                                      f"checkpoint, {tuple(value.shape)} here")
+
+
+def _check_optimizer(src: Path, optimizer: torch.optim.Optimizer, saved: Any) -> None:
+    """What ``optimizer.load_state_dict(saved)`` would refuse: its groups and their sizes."""
+    if not isinstance(saved, Mapping) or not {"state", "param_groups"} <= saved.keys() \
+            or not isinstance(saved["param_groups"], list) or not isinstance(saved["state"], Mapping):
+        raise CheckpointError(f"{src}: the optimizer state is not an optimizer's state_dict()")
+    groups, theirs = optimizer.param_groups, saved["param_groups"]
+    if len(groups) != len(theirs):
+        raise CheckpointError(f"{src}: does not fit this TrainStep: {len(theirs)} optimizer parameter groups in "
+                              f"the checkpoint, {len(groups)} here")
+    ids = set()
+    for i, (g, t) in enumerate(zip(groups, theirs)):
+        params = t.get("params") if isinstance(t, Mapping) else None
+        if not isinstance(params, list) or len(params) != len(g["params"]):
+            size = len(params) if isinstance(params, list) else params
+            raise CheckpointError(f"{src}: does not fit this TrainStep: optimizer parameter group {i} has "
+                                  f"{size!r} parameters in the checkpoint, {len(g['params'])} here")
+        ids.update(params)
+    stray = [k for k in saved["state"] if k not in ids]
+    if stray:
+        raise CheckpointError(f"{src}: the optimizer state holds parameters of no group: {stray[:5]}")
+
+
+def _check_grads(src: Path, module: torch.nn.Module, grads: Any) -> None:
+    if grads is None:
+        return
+    params = dict(module.named_parameters())
+    if not isinstance(grads, Mapping):
+        raise CheckpointError(f"{src}: the accumulated gradients are a {type(grads).__name__}, not a mapping")
+    unknown = sorted(set(grads) - set(params))
+    if unknown:
+        raise CheckpointError(f"{src}: gradients for parameters this model lacks: {unknown[:5]}")
+    for name, g in grads.items():
+        if not isinstance(g, torch.Tensor) or g.shape != params[name].shape:
+            got = tuple(g.shape) if isinstance(g, torch.Tensor) else type(g).__name__
+            raise CheckpointError(f"{src}: the gradient of {name!r} is {got}, the parameter "
+                                  f"{tuple(params[name].shape)}")
+
+
+def _check_loader(src: Path, loader: Any, state: Any) -> bool:
+    """Check the loader state against ``loader`` (True), or, for a loader without ``check_state_dict``,
+    load it now, first of all, so that a refusal leaves everything else untouched (False)."""
+    check = getattr(loader, "check_state_dict", None)
+    try:
+        if callable(check):
+            check(state)
+            return True
+        loader.load_state_dict(state)
+    except _LOADER_REFUSALS as e:
+        raise CheckpointError(f"{src}: the loader state does not fit this loader: {e}") from e
+    return False
 
 
 def load_checkpoint(
@@ -185,6 +263,10 @@ def load_checkpoint(
     Build the model, optimizer, ``TrainStep`` and loader as for a fresh run, then call this before
     the training loop; iterate from ``Checkpoint.epoch`` (its ``loader.set_epoch`` keeps the
     loaded position). A checkpoint saved with a loader state needs ``loader=``.
+
+    Atomic: everything is read and checked first (model keys and shapes, optimizer groups, the
+    ``TrainStep`` counters, scaler and random stream, gradients, the loader state against the loader),
+    and any mismatch is a :class:`CheckpointError` raised before anything is restored.
     """
     if not isinstance(step, TrainStep):
         raise CheckpointError(f"step must be a fastdata.TrainStep, got {type(step).__name__}")
@@ -196,20 +278,33 @@ def load_checkpoint(
         raise CheckpointError(f"{src}: the checkpoint holds a loader position; pass loader= to resume from it")
     if loader is not None and payload["loader"] is None:
         raise CheckpointError(f"{src}: the checkpoint holds no loader position (it was saved without loader=)")
+    epoch, extra = payload["epoch"], payload["extra"]
+    if epoch is not None and (isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0):
+        raise CheckpointError(f"{src}: epoch={epoch!r}; expected an int >= 0 or None")
+    if not isinstance(extra, Mapping):
+        raise CheckpointError(f"{src}: extra is a {type(extra).__name__}, not a mapping")
     module = unwrap(step.module)
+    _check_model(src, module, payload["model"])
+    _check_optimizer(src, step.optimizer, payload["optimizer"])
+    try:
+        step.check_state_dict(payload["train_step"])
+    except ValueError as e:
+        raise CheckpointError(f"{src}: does not fit this TrainStep: {e}") from e
+    grads = payload["grads"] or {}
+    _check_grads(src, module, grads)
+    # everything is checked: the loader first (its load can still refuse: a thread inside its next()),
+    # then the rest, which nothing above found a reason to refuse
+    if loader is not None and _check_loader(src, loader, payload["loader"]):
+        try:
+            loader.load_state_dict(payload["loader"])
+        except _LOADER_REFUSALS as e:
+            raise CheckpointError(f"{src}: the loader refused its state: {e}") from e
     try:
         module.load_state_dict(payload["model"])
         step.optimizer.load_state_dict(payload["optimizer"])
         step.load_state_dict(payload["train_step"])
-    except (RuntimeError, ValueError, KeyError) as e:
+    except (RuntimeError, ValueError, KeyError) as e:  # checked above; a custom module's own hooks may refuse
         raise CheckpointError(f"{src}: does not fit this TrainStep: {e}") from e
-    grads = payload["grads"] or {}
-    params = dict(module.named_parameters())
-    unknown = sorted(set(grads) - set(params))
-    if unknown:
-        raise CheckpointError(f"{src}: gradients for parameters this model lacks: {unknown[:5]}")
-    for name, p in params.items():
+    for name, p in module.named_parameters():
         p.grad = grads[name].to(p.device, p.dtype) if name in grads else None
-    if loader is not None:
-        loader.load_state_dict(payload["loader"])
-    return Checkpoint(path=src, steps=step.steps, epoch=payload["epoch"], extra=dict(payload["extra"]))
+    return Checkpoint(path=src, steps=step.steps, epoch=epoch, extra=dict(extra))

@@ -262,8 +262,8 @@ class TrainStep:
                 "micro": self._micro, "steps": self.steps, "rng": self._rng.state_dict(),
                 "skipped_steps": self.skipped_steps}
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict` (checked whole before anything is restored)."""
+    def check_state_dict(self, state: Any) -> None:
+        """ValueError naming the field if :meth:`load_state_dict` would refuse ``state``; changes nothing."""
         if not isinstance(state, Mapping) or not {"scaler", "micro", "steps", "rng"} <= state.keys():
             # another object's state (a loader's, say) was taken as zero counters
             got = sorted(map(str, state)) if isinstance(state, Mapping) else type(state).__name__
@@ -275,8 +275,21 @@ class TrainStep:
                 raise ValueError(f"state has {name}={value!r}; expected an int >= 0")
         if not micro < self.options.grad_accum:
             raise ValueError(f"state has micro={micro}, out of range for grad_accum={self.options.grad_accum}")
-        if rng is not None and not (isinstance(rng, Mapping) and isinstance(rng.get("cpu"), torch.Tensor)):
-            raise ValueError(f"state has rng={rng!r}; expected the random stream's {{'cpu': tensor, ...}}")
+        if rng is not None:
+            cpu = rng.get("cpu") if isinstance(rng, Mapping) else None
+            if not isinstance(cpu, torch.Tensor) or cpu.dtype != torch.uint8 or cpu.shape != self._rng.cpu_state.shape:
+                raise ValueError(f"state has rng={rng!r:.80}; expected the random stream's {{'cpu': tensor, ...}}")
+        scaler = state["scaler"]
+        if self.scaler is not None and scaler:
+            keys = set(self.scaler.state_dict())
+            if not isinstance(scaler, Mapping) or not keys <= set(scaler):
+                raise ValueError(f"state has scaler={scaler!r:.80}; expected a GradScaler state with {sorted(keys)}")
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict` (checked whole by :meth:`check_state_dict` before anything is restored)."""
+        self.check_state_dict(state)
+        micro, steps, rng = state["micro"], state["steps"], state["rng"]
+        skipped = state.get("skipped_steps", 0)
         if self.scaler is not None and state["scaler"]:
             self.scaler.load_state_dict(state["scaler"])
         self._micro = micro

@@ -1,13 +1,17 @@
-"""Counter-based random numbers of the split: a splitmix64 hash of (key, counter).
+"""Counter-based random numbers: a splitmix64 hash of (key, counter), shared by every stage.
 
-Orders are a function of integers only, identical on every machine and numpy version: :func:`rng_key`
-folds words (seed, epoch, rank, ...) into a stream key, and the arrays are the hash of a counter.
+Results are a function of integers only, identical on every machine, process and numpy version:
+:func:`rng_key` folds words (seed, epoch, rank, ...) into a stream key, and the arrays are the hash of a
+counter. The dataset's split and shuffle draw from it, and so do the random transforms of
+``fastdata.transforms`` (CPU) and ``fastdata.gpu`` (device): :func:`uniforms` gives each sample its own
+stream from ``(seed, salt, epoch, sample index)``, so a sample's random parameters do not depend on the
+batch, worker, loader path or device that handles it (docs/design/split.md, docs/design/gpu-augment.md).
 """
 from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["GOLDEN", "keys_u64", "mix_u64", "permutation", "random_floats", "random_u64", "rng_key"]
+__all__ = ["GOLDEN", "keys_u64", "mix_u64", "permutation", "random_floats", "random_u64", "rng_key", "uniforms"]
 
 _MASK = (1 << 64) - 1
 GOLDEN = 0x9E3779B97F4A7C15
@@ -50,9 +54,18 @@ def permutation(key: int, n: int) -> np.ndarray:
     return np.argsort(random_u64(key, n), kind="stable").astype(np.int64)
 
 
-
 def keys_u64(key: int, prefix: int, idx: np.ndarray) -> np.ndarray:
     """``rng_key(key, prefix, j)`` for every ``j`` of ``idx`` (uint64), vectorised."""
     head = rng_key(key, prefix)  # the fold over the common words; the last word varies
     words = idx.astype(np.uint64) + np.uint64(GOLDEN)  # (j + golden) mod 2^64
     return mix_u64(np.uint64(head) ^ mix_u64(words))
+
+
+def uniforms(seed: int, salt: int, epoch: int, ids: np.ndarray, k: int) -> np.ndarray:
+    """``(len(ids), k)`` floats in [0, 1): stream ``k`` of sample ``ids`` for ``(seed, salt, epoch)``."""
+    base = np.uint64(rng_key(seed, salt, epoch))
+    golden = np.uint64(GOLDEN)
+    with np.errstate(over="ignore"):
+        x = mix_u64(base ^ mix_u64(np.asarray(ids, dtype=np.int64).reshape(-1).astype(np.uint64) + golden))
+        u = mix_u64(x[:, None] + np.arange(1, k + 1, dtype=np.uint64)[None, :] * golden)
+    return (u >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))

@@ -1,0 +1,96 @@
+"""load_checkpoint is atomic: a checkpoint that does not fit is a CheckpointError and restores nothing."""
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+
+import fastdata
+from fastdata import CheckpointError
+from tests.helpers.shards import label_shards
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    return label_shards(tmp_path_factory.mktemp("atomic") / "s", 8, 4)
+
+
+def _step(width: int = 4, groups: int = 1, grad_accum: int = 2) -> fastdata.TrainStep:
+    model = torch.nn.Sequential(torch.nn.Linear(4, width), torch.nn.Linear(width, 3))
+    params = list(model.parameters())
+    param_groups = [{"params": params}] if groups == 1 else [{"params": params[:2]}, {"params": params[2:]}]
+    return fastdata.TrainStep(model, torch.optim.SGD(param_groups, lr=0.1, momentum=0.9),
+                              torch.nn.functional.cross_entropy, grad_accum=grad_accum)
+
+
+def _train(step: fastdata.TrainStep, n: int) -> None:
+    torch.manual_seed(1)
+    for _ in range(n):
+        step((torch.randn(5, 4), torch.randint(0, 3, (5,))))
+
+
+def _snapshot(step: fastdata.TrainStep, loader: Any) -> Any:
+    return (copy.deepcopy(step.module.state_dict()), copy.deepcopy(step.optimizer.state_dict()),
+            {k: v for k, v in step.state_dict().items() if k != "rng"}, step.state_dict()["rng"]["cpu"].clone(),
+            loader.state_dict() if loader is not None else None)
+
+
+def _equal(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def _loader(shards, seed: int = 0) -> fastdata.DataLoader:
+    loader = fastdata.DataLoader(fastdata.ShardedDataset(shards, shuffle=True, seed=seed), batch_size=2)
+    it = iter(loader)
+    next(it)  # a position of its own: a failed load must keep it
+    return loader
+
+
+@pytest.mark.parametrize(("target", "match"), [
+    (dict(width=5), r"model entry '0.weight' is \(4, 4\) in the checkpoint, \(5, 4\) here"),
+    (dict(groups=2), "1 optimizer parameter groups in the checkpoint, 2 here"),
+    (dict(grad_accum=1), "micro=1, out of range for grad_accum=1"),
+    (dict(seed=3), "seed=0 in the state, 3 here"),
+])
+def test_a_checkpoint_that_does_not_fit_restores_nothing(shards, tmp_path, target, match):
+    saved = _step()
+    _train(saved, 3)  # mid-accumulation: gradients and micro=1 in the file
+    fastdata.save_checkpoint(tmp_path / "c.pt", saved, loader=_loader(shards), epoch=1)
+    seed = target.pop("seed", 0)
+    step = _step(**target)
+    _train(step, 2)  # a state of its own, which a failed load must keep
+    loader = _loader(shards, seed=seed)
+    before = _snapshot(step, loader)
+    grads = [None if p.grad is None else p.grad.clone() for p in step.module.parameters()]
+    with pytest.raises(CheckpointError, match=match):
+        fastdata.load_checkpoint(tmp_path / "c.pt", step, loader=loader)
+    assert _equal(_snapshot(step, loader), before)
+    assert _equal([p.grad for p in step.module.parameters()], grads)
+
+
+def test_a_loader_without_check_state_dict_is_loaded_first(tmp_path):
+    """A loader that can only refuse by loading: loaded before anything else, so its refusal (any error
+    of its load) is a CheckpointError with the model, optimizer and step untouched."""
+
+    class Strict:
+        def state_dict(self) -> dict[str, int]:
+            return {"position": 3}
+
+        def load_state_dict(self, state: dict[str, int]) -> None:
+            raise KeyError("position")  # e.g. torchdata's StatefulDataLoader given another loader's state
+
+    step = _step()
+    fastdata.save_checkpoint(tmp_path / "c.pt", step, loader=Strict())
+    fresh = _step()
+    before = _snapshot(fresh, None)
+    with pytest.raises(CheckpointError, match="the loader state does not fit this loader: 'position'"):
+        fastdata.load_checkpoint(tmp_path / "c.pt", fresh, loader=Strict())
+    assert _equal(_snapshot(fresh, None), before)
