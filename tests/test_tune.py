@@ -133,7 +133,8 @@ def test_tune_tries_device_decode_and_its_snippet_runs(shards):
     assert "pil" in cpu and cpu <= {"pil", "torchcodec", "torchvision"}
     values = {t["value"] for t in tried}  # the CPU decoder measured fastest, against decoding on the device
     assert "device" in values and len(values - {"device"}) == 1 and values - {"device"} <= cpu
-    assert all(t["images/s"] > 0 for t in tried) and r.best.decode in values
+    # the best of the search, or the start when the final comparison measures the tuned settings no faster
+    assert all(t["images/s"] > 0 for t in tried) and r.best.decode in values | {start.decode}
     fields = pick_fields(Manifest.load(shards))
     code = python_snippet(str(shards), dataclasses.replace(r.best, decode="device"), fields, torch.device("cpu"))
     assert "image_decode='device'" in code and "DecodeImages" in code
