@@ -22,7 +22,7 @@ GIL held) next to ``to_tensor`` (``fastdata.decode.image_to_tensor``); ``tobytes
 ``decode_to_tensor_asarray`` (Pillow load + the old conversion); ``sample``
 (``decode_stage.DecodeRandomResizedCropFlip``: decode, random crop to 224, flip, to tensor). The
 ``gil_share`` of the JSON divides each ``to_tensor`` row's GIL wait by its ``to_tensor_asarray`` row's
-(the 2000x1500 image is tests/test_decode_gil.py's; docs/design/decode_gil.md records the figure).
+(the 2000x1500 image is tests/decode/test_image_to_tensor.py's; docs/design/decode_gil.md records the figure).
 
     flock /tmp/bench.lock python benchmarks/decode_gil.py --json /tmp/decode_gil.json
 """

@@ -1,4 +1,4 @@
-"""How much of a CPU loop's time CUDAPrefetcher(device="cpu") hides; tests/test_prefetch.py checks the
+"""How much of a CPU loop's time CUDAPrefetcher(device="cpu") hides; tests/prefetch/ checks the
 mechanisms, this measures what they save (docs/design/prefetch_overlap.md).
 
 - ``overlap``: a loader whose ``next()`` takes ``--load-ms`` (a sleep: it releases the GIL, as I/O and

@@ -15,7 +15,7 @@ as on a GPU box (up to CPU speed):
 - ``prefetch_handoff``: ``CUDAPrefetcher(device="cpu")`` over prebuilt batches, microseconds per batch;
 - ``epoch_plan``: the shuffle of one rank's epoch (``mix_segments`` over ``--plan-samples`` samples in
   pieces of 160, ``open_shards=8``, buffer 1000), vectorised vs the per-piece and per-sample loops of
-  earlier versions (kept as the reference in tests/test_split_vector.py), milliseconds of GIL-held
+  earlier versions (kept as the reference in tests/dataset/test_split.py), milliseconds of GIL-held
   work at every epoch start (the cached path and the thread decoder plan every virtual worker's
   sequence in the training process);
 - ``consumer``: a Python-bound consumer (``--ops`` tiny torch ops per step) fed a resident batch vs by

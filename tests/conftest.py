@@ -1,9 +1,13 @@
-"""Shared test configuration: CUDA tests skip cleanly on machines without a GPU."""
+"""Shared test configuration: CUDA tests skip cleanly on machines without a GPU; shared fixtures."""
 from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
 from tests.helpers import fork_probe
+from tests.helpers.loopback_server import make_shard_set
 
 
 @pytest.fixture(scope="module")
@@ -19,6 +23,15 @@ def seven(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
         paths.append(str(path))
         i += size
     return paths
+
+
+@pytest.fixture
+def make_shards(tmp_path: Path) -> Callable[..., Path]:
+    """``tests.helpers.shards.make_shards`` writing into a new folder under ``tmp_path`` (or ``dest=``):
+    ``make_shards(n, per_shard=None, **fields)`` returns the folder."""
+    from tests.helpers.shards import shard_maker
+
+    return shard_maker(tmp_path)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -138,3 +151,60 @@ def decode_thread_joins(monkeypatch: pytest.MonkeyPatch) -> list:
 
     monkeypatch.setattr(threading.Thread, "join", recorded)
     return waits
+
+
+@pytest.fixture(scope="module")
+def served_6_shards(tmp_path_factory):
+    """A folder for a loopback server: ds/ holds 24 samples in 6 shards of ~8 KB."""
+    root = tmp_path_factory.mktemp("www")
+    make_shard_set(root / "ds", 24, 4, payload=2000, seed=1)  # 6 shards of ~8 KB
+    return root
+
+
+@pytest.fixture
+def array_shards(tmp_path):
+    """16 samples of a stored uint8 (3, 8, 8) image and a class label, in 2 tar shards."""
+    from tests.helpers.shards import make_shards
+
+    return make_shards(tmp_path / "s", 16, 8, key="k{i:03d}", cls=lambda i: i % 2, array=(3, 8, 8))
+
+
+@pytest.fixture
+def loader_factory(tmp_path):
+    """A function making a DataLoader (batches of 3) over 12 samples in 2 shards."""
+    from fastdata.dataset import ShardedDataset
+    from fastdata.loader import DataLoader
+    from tests.helpers.shards import make_shards
+
+    make_shards(tmp_path / "ds", 12, 6)
+
+    def make() -> DataLoader:
+        return DataLoader(ShardedDataset(tmp_path / "ds"), batch_size=3)
+
+    return make
+
+
+@pytest.fixture(scope="module")
+def served_4_shards(tmp_path_factory):
+    """A folder for a loopback server: ds/ holds 16 samples in 4 shards."""
+    root = tmp_path_factory.mktemp("www")
+    make_shard_set(root / "ds", 16, 4, payload=500, seed=1)  # 4 shards
+    return root
+
+
+@pytest.fixture
+def one_array_shard(tmp_path):
+    """8 samples of a stored uint8 (3, 8, 8) image and a class label, in one tar shard."""
+    from tests.helpers.shards import make_shards
+
+    return make_shards(tmp_path / "s", 8, key="k{i:03d}", cls=lambda i: i % 2, array=(3, 8, 8))
+
+
+@pytest.fixture
+def jpeg_shards(tmp_path):
+    """16 small JPEGs (12 pixels high, 16 to 23 wide) with a class label, in 2 tar shards."""
+    from tests.helpers.images import jpeg
+    from tests.helpers.shards import make_shards
+
+    return make_shards(tmp_path / "shards", 16, 8, key="k{i:04d}", image=lambda i: jpeg(i % 8, 16 + i % 8, 12),
+                       cls=lambda i: i % 3)

@@ -12,7 +12,7 @@
 #    bounds the thread decoder's speed-up over one core) -> "gil" in the same JSON.
 # 2. Pinned batch buffers: steady-state cost of a fresh torch.empty(pin_memory=True) per batch
 #    (what the thread decoder does with pin_memory=True) against reusing one -> DIR/pinned_alloc.json.
-# 3. The CUDA test of tests/test_thread_decoder.py (pinned batches through CUDAPrefetcher).
+# 3. The CUDA test of tests/loader/test_thread_decoder.py (pinned batches through CUDAPrefetcher).
 # Each part runs under its own timeout; a failing part is reported and the others still run.
 # Needs numpy, pillow, torch (+ torchvision for the peer row); no webdataset, no network.
 set -uo pipefail
@@ -68,7 +68,7 @@ EOF
 echo "rc=$?"
 cat "$OUT/pinned_alloc.txt"
 
-echo "== CUDA test of tests/test_thread_decoder.py"
-timeout 90 "$PY" -m pytest -q -p no:cacheprovider -m cuda tests/test_thread_decoder.py > "$OUT/pytest_cuda.txt" 2>&1
+echo "== CUDA test of tests/loader/test_thread_decoder.py"
+timeout 90 "$PY" -m pytest -q -p no:cacheprovider -m cuda tests/loader/test_thread_decoder.py > "$OUT/pytest_cuda.txt" 2>&1
 echo "rc=$? $(tail -n 1 "$OUT/pytest_cuda.txt")"
 echo "done in $((SECONDS - T0)) s; details in $OUT"

@@ -10,7 +10,7 @@
 #    batch 32, pil), batch-size search up to 256, device decode as a candidate, on 768 samples: text + JSON;
 # 4. GPUSampler over a 2 s matmul loop and StallMeter(sample_gpu=True) over a short loop: how NVML
 #    found the device (uuid/pci) and how many samples a window gets.
-# The CUDA test to run besides (needs pytest): python3 -m pytest -q -m cuda tests/test_monitor.py
+# The CUDA test to run besides (needs pytest): python3 -m pytest -q -m cuda tests/monitor/
 # Each part has its own time limit; a failing part is reported and the next one runs.
 # Prints a short table at the end; everything is under DIR (doctor.txt/json, tune.txt/json, nvml.json).
 . "$(dirname "$0")/_setup.sh" "$@"  # --out DIR -> OUT; WORK (removed on exit); PYTHONPATH

@@ -3,8 +3,8 @@
 #
 #   bash benchmarks/gpu/train_demo.sh --out DIR        (from the repository root)
 #
-# 1. the CUDA tests of tests/test_train.py (no host sync in a training step, fp16 scaler, evaluate
-#    on CUDA == CPU): python3 -m pytest -q -m cuda tests/test_train.py
+# 1. the CUDA tests of tests/train/ (no host sync in a training step, fp16 scaler, evaluate
+#    on CUDA == CPU): python3 -m pytest -q -m cuda tests/train/
 # 2. `fastdata demo --json` as a user runs it (1,024 images, batch 64, default workers, resnet18 when
 #    torchvision imports): the before/after table with GPU utilisation, and the GPU decode row;
 # 3. `fastdata demo` on 2 CPU cores of this idle machine, GPU hidden (CUDA_VISIBLE_DEVICES= taskset -c 0,1):
@@ -35,7 +35,7 @@ part() {  # part NAME SECONDS LOGFILE COMMAND...
 
 "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda,
            torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no GPU')" > "$OUT/env.txt" 2>&1
-part tests 20 "$OUT/tests.txt" "$PY" -m pytest -q -rA -m cuda -p no:cacheprovider tests/test_train.py
+part tests 20 "$OUT/tests.txt" "$PY" -m pytest -q -rA -m cuda -p no:cacheprovider tests/train/
 part demo 50 "$OUT/demo.txt" "$PY" -m fastdata demo "${SMALL[@]}" --json "$OUT/demo.json"
 left=$((112 - (SECONDS - T0)))
 if ! command -v taskset > /dev/null; then
@@ -65,7 +65,7 @@ fi
 
 echo
 cat "$OUT/env.txt"
-echo "--- CUDA tests (tests/test_train.py -m cuda): $(tail -n 1 "$OUT/tests.txt")"
+echo "--- CUDA tests (tests/train/ -m cuda): $(tail -n 1 "$OUT/tests.txt")"
 grep -E "^(PASSED|FAILED|ERROR|SKIPPED)" "$OUT/tests.txt" | sed 's/^/    /'
 for f in demo demo_cpu2 demo_4096; do
   [ -f "$OUT/$f.txt" ] || continue

@@ -2,7 +2,7 @@
 
 Each shard piece is read in a seeded random order (``within_shard``), ``open_shards`` pieces are
 interleaved at random, then a ``buffer_size`` shuffle buffer is simulated. The steps are vectorised
-forms of sequential reference loops (kept in tests/test_split_vector.py, which checks them sample for
+forms of sequential reference loops (kept in tests/dataset/test_split.py, which checks them sample for
 sample): the order is part of the resume contract. See docs/design/split.md.
 """
 from __future__ import annotations
@@ -65,7 +65,7 @@ def _interleave(pieces: list[np.ndarray], open_count: int, key: int) -> np.ndarr
     by the next unopened one in the same slot, and once none is left, by the last open one.
 
     Vectorised form of that sequential process (the order is part of the resume contract; a
-    reference loop in tests/test_split_vector.py checks it sample for sample): while ``k`` pieces
+    reference loop in tests/dataset/test_split.py checks it sample for sample): while ``k`` pieces
     are open the slot of every step is known up front, so only the piece hand-outs (one per piece)
     are simulated, in the order the slots run dry; the tail after the first slot closes (at most
     ``open_count`` pieces) runs as the loop (docs/design/split.md).

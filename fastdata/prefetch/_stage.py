@@ -489,7 +489,7 @@ def _free_slots(slots: list[_Slot]) -> None:
 
 
 # Allocation and transfer primitives, module-level so tests can run the whole stager on a CPU-only
-# machine with stand-ins (tests/test_prefetch.py::test_cuda_stager_logic_on_cpu).
+# machine with stand-ins (tests/prefetch/test_stager.py::test_cuda_stager_logic_on_cpu).
 _REGISTERED: dict[int, Any] = {}  # data_ptr -> the mmap behind a cudaHostRegister'ed slot
 _REGISTERED_LOCK = threading.Lock()
 

@@ -6,12 +6,12 @@ import pytest
 
 import fastdata
 from fastdata import ShardedDataset, StateError
-from tests.helpers.shards import label_shards
+from tests.helpers.shards import make_shards
 
 
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory):
-    return label_shards(tmp_path_factory.mktemp("schema") / "s", 20, 5)
+    return make_shards(tmp_path_factory.mktemp("schema") / "s", 20, 5, key="k{i:02d}", cls="int")
 
 
 @pytest.fixture

@@ -29,3 +29,8 @@ def assert_same(a: list[Any], b: list[Any]) -> None:
 def batch_keys(batches: list[Any]) -> list[str]:
     """Every sample key of ``batches``, in order."""
     return [k for b in batches for k in b["__key__"]]
+
+
+def batch_cls(batch) -> list[int]:
+    """The ``cls`` values of a batch, as ints."""
+    return [int(i) for i in batch["cls"]]

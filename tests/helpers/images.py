@@ -1,5 +1,4 @@
-"""Image helpers shared by the decode tests (test_gpu_decode.py, test_codec_nvimgcodec.py, test_decode_gil.py,
-test_decode_jpeg_header.py)."""
+"""Image helpers shared by the decode, GPU and shard tests."""
 from __future__ import annotations
 
 import io
@@ -8,6 +7,7 @@ from typing import Any
 import numpy as np
 import torch
 from PIL import Image
+import torch.nn.functional as F
 
 from fastdata.cli._synth import jpeg_bytes, synth_image
 from fastdata.dataset import EncodedImage, PackedImages
@@ -83,3 +83,32 @@ def run_without_host_sync(pipe: Any, batch: Any) -> Any:
         torch.cuda.set_sync_debug_mode(0)
     torch.cuda.synchronize()
     return out
+
+
+def smooth_images(sizes, seed=0):
+    """Random but smooth uint8 images (so resampling differences show as small values, not noise)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for h, w in sizes:
+        x = torch.randint(0, 256, (1, 3, h, w), generator=g).float()
+        out.append(F.avg_pool2d(x, 5, 1, 2, count_include_pad=False)[0].round().to(torch.uint8))
+    return out
+
+
+def smooth(h: int, w: int, seed: int = 0) -> torch.Tensor:
+    """One smooth (3, h, w) uint8 image."""
+    return smooth_images([(h, w)], seed)[0]
+
+
+def flat_png(w: int = 4, h: int = 3, mode: str = "RGB") -> bytes:
+    """A one-colour PNG of w x h pixels in ``mode``."""
+    buf = io.BytesIO()
+    Image.new(mode, (w, h), 90).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def grey_png() -> bytes:
+    """A 5 x 4 greyscale PNG."""
+    out = io.BytesIO()
+    Image.fromarray(np.full((4, 5), 7, np.uint8), mode="L").save(out, format="PNG")
+    return out.getvalue()

@@ -7,12 +7,12 @@ import threading
 import pytest
 
 from fastdata import DataLoader, ShardedDataset, StateError
-from tests.helpers.shards import label_shards, memory_urls
+from tests.helpers.shards import make_shards, memory_urls
 
 
 def test_a_streaming_state_of_another_worker_count_is_refused_at_load(tmp_path):
     pytest.importorskip("fsspec")
-    urls = memory_urls(label_shards(tmp_path / "s", 8, 2), "loader-state-stream")
+    urls = memory_urls(make_shards(tmp_path / "s", 8, 2, key="k{i:02d}", cls="int"), "loader-state-stream")
     src = DataLoader(ShardedDataset(urls), batch_size=2, num_workers=2)
     it = iter(src)
     next(it)
@@ -34,7 +34,7 @@ def test_a_load_while_another_thread_is_inside_next_is_refused(tmp_path):
         gate.wait(30)
         return sample
 
-    loader = DataLoader(ShardedDataset(label_shards(tmp_path / "s", 8, 4), sample_transform=slow), batch_size=2)
+    loader = DataLoader(ShardedDataset(make_shards(tmp_path / "s", 8, 4, key="k{i:02d}", cls="int"), sample_transform=slow), batch_size=2)
     state = loader.state_dict()
     got = []
     consumer = threading.Thread(target=lambda: got.extend(loader), name="consumer")

@@ -11,12 +11,12 @@ from torch import Tensor
 
 import fastdata
 from fastdata import DataLoader
-from tests.helpers.shards import label_shards
+from tests.helpers.shards import make_shards
 
 
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory):
-    return label_shards(tmp_path_factory.mktemp("args") / "s", 8, 4)
+    return make_shards(tmp_path_factory.mktemp("args") / "s", 8, 4, key="k{i:02d}", cls="int")
 
 
 def test_the_loader_is_generic_like_torchs():

@@ -9,12 +9,12 @@ import torch
 
 import fastdata
 from fastdata import CheckpointError
-from tests.helpers.shards import label_shards
+from tests.helpers.shards import make_shards
 
 
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory):
-    return label_shards(tmp_path_factory.mktemp("atomic") / "s", 8, 4)
+    return make_shards(tmp_path_factory.mktemp("atomic") / "s", 8, 4, key="k{i:02d}", cls="int")
 
 
 def _step(width: int = 4, groups: int = 1, grad_accum: int = 2) -> fastdata.TrainStep:
