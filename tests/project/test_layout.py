@@ -308,3 +308,20 @@ def test_test_files_sit_in_stage_folders_named_after_what_they_test():
     history = sorted(str(p.relative_to(tests)) for p in tests.rglob("test_*.py") if _named_after_history(p.name))
     assert not flat, f"test files at the top of tests/, not in a stage folder: {flat}"
     assert not history, f"test files named after when they were written: {history}"
+
+
+MAX_MODULE_LINES = 600  # a module past this holds more than one responsibility: split it
+MAX_DOCSTRING_LINES = 20  # what the module owns and its invariants; reasoning goes to docs/design/
+
+
+@pytest.mark.parametrize("name", sorted(MODULES), ids=lambda n: module_path(n))
+def test_modules_are_small_and_their_docstrings_short(name):
+    """A module stays under 600 lines and its docstring under 20: the essays that used to open modules
+    (and went stale with their timings) live in docs/design/, which the docstring links to."""
+    source = MODULES[name].read_text()
+    lines = source.count("\n") + (not source.endswith("\n"))
+    assert lines <= MAX_MODULE_LINES, f"{module_path(name)}: {lines} lines (at most {MAX_MODULE_LINES})"
+    doc = ast.get_docstring(ast.parse(source), clean=False)
+    doc_lines = doc.count("\n") + 1 if doc else 0
+    assert doc_lines <= MAX_DOCSTRING_LINES, (f"{module_path(name)}: a {doc_lines}-line module docstring (at most "
+                                              f"{MAX_DOCSTRING_LINES}; move the reasoning to docs/design/)")
