@@ -14,7 +14,7 @@ from typing import Any
 
 from fastdata._runtime import at_fork
 
-__all__ = ["IMAGE_SUFFIXES", "INT_SUFFIXES", "check_int", "parse_size", "quantile", "usable_cores"]
+__all__ = ["IMAGE_SUFFIXES", "INT_SUFFIXES", "check_int", "parse_size", "quantile", "start_method", "usable_cores"]
 
 # Lower-case field suffixes / file extensions treated as images, everywhere in fastdata.
 IMAGE_SUFFIXES = frozenset(
@@ -142,3 +142,14 @@ def release_frames(error: BaseException) -> None:
     tb = error.__traceback__
     if tb is not None and tb.tb_next is not None:
         traceback.clear_frames(tb.tb_next)
+
+
+def start_method(context: Any = None) -> str:
+    """The start method of a multiprocessing ``context`` (a DataLoader's ``multiprocessing_context``), or of
+    multiprocessing's default for None, read without fixing the default (``get_start_method()`` would, and
+    a later ``set_start_method`` would then be refused)."""
+    import multiprocessing
+
+    if context is not None:
+        return str(context.get_start_method())
+    return multiprocessing.get_start_method(allow_none=True) or multiprocessing.get_all_start_methods()[0]

@@ -2,14 +2,13 @@
 from __future__ import annotations
 
 import copy
-import multiprocessing
 import pickle
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from fastdata._pickling import explain, main_without_file
-from fastdata._util import release_frames
+from fastdata._util import release_frames, start_method
 from fastdata.errors import CacheError
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -54,9 +53,7 @@ def build_dataset(dataset: Any, *, num_workers: int = 0, progress: bool = False)
         from tqdm import tqdm
 
         bar = tqdm(total=total, unit="img", desc="cache build", dynamic_ncols=True)
-    # multiprocessing's default, without fixing it as get_start_method() would (a later set_start_method refused)
-    method = (multiprocessing.get_start_method(allow_none=True) or multiprocessing.get_all_start_methods()[0]
-              if num_workers else "fork")
+    method = start_method() if num_workers else "fork"
     parts = [("dataset", dataset)]
     remedy = "num_workers=0 (filled in this process), or a 'fork' start method (Linux)"
     unimportable = main_without_file(method, parts, remedy=remedy) if method != "fork" else None

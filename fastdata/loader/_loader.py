@@ -12,7 +12,6 @@ a state saved on one path resumes on another. The loader reaches the dataset onl
 from __future__ import annotations
 
 import logging
-import multiprocessing
 import pickle
 import threading
 import warnings
@@ -23,6 +22,7 @@ from typing import Any, TypeVar
 import torch.utils.data
 
 from fastdata._pickling import explain, main_without_file
+from fastdata._util import start_method
 from fastdata.dataset import BatchSchedule, EpochStart, ShardedDataset, parse_state
 from fastdata.dataset import collate as collate_encoded
 from fastdata.errors import CacheError, FastdataError, StateError
@@ -53,13 +53,6 @@ class EpochSampler(torch.utils.data.dataloader._InfiniteConstantSampler):
 
     def set_epoch(self, epoch: int) -> None:
         self.dataset.set_epoch(epoch)
-
-
-def _start_method(ctx: Any) -> str:
-    """The start method of a DataLoader's ``multiprocessing_context`` (None: multiprocessing's default)."""
-    if ctx is not None:
-        return str(ctx.get_start_method())
-    return multiprocessing.get_start_method(allow_none=True) or multiprocessing.get_all_start_methods()[0]
 
 
 class DataLoader(torch.utils.data.DataLoader[_T_co]):
@@ -305,7 +298,7 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
             return super()._get_iterator()
         user_fn = self.worker_init_fn
         parts = [("dataset", self.dataset), ("collate_fn", user_collate), ("worker_init_fn", user_fn)]
-        method = _start_method(self.multiprocessing_context)
+        method = start_method(self.multiprocessing_context)
         unimportable = main_without_file(method, parts) if method != "fork" else None
         if unimportable is not None:  # the workers would die while starting
             raise unimportable

@@ -18,13 +18,14 @@ thread. Reasoning: docs/design/prefetch.md ("Seamless epochs").
 from __future__ import annotations
 
 import enum
-import multiprocessing
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
+
+from fastdata._util import start_method
 
 __all__ = ["EpochApi", "EpochRunner", "IterHazards", "NextStart", "epoch_api", "iter_hazards",
            "lookahead_valid", "next_start", "resolve_epoch", "sampler_draws"]
@@ -77,7 +78,7 @@ def iter_hazards(iterable: Any) -> IterHazards:
         return IterHazards(True, True)
     workers = iterable.num_workers > 0 and not getattr(iterable, "decode_threads", 0)
     alive = workers and iterable.persistent_workers and getattr(iterable, "_iterator", None) is not None
-    forks = workers and not alive and _start_method(iterable) == "fork"
+    forks = workers and not alive and start_method(iterable.multiprocessing_context) == "fork"
     rng = iterable.generator is None and not alive
     batches = iterable.batch_sampler
     if batches is not None and type(batches) is not data.BatchSampler:
@@ -98,14 +99,6 @@ def sampler_draws(sampler: Any) -> bool:
     if type(sampler) in tuple(getattr(data, n) for n in SEEDED_SAMPLERS):
         return getattr(sampler, "generator", None) is None
     return True
-
-
-def _start_method(loader: Any) -> str:
-    ctx = loader.multiprocessing_context
-    if ctx is not None:
-        return str(ctx.get_start_method())
-    # the default context's method without fixing it (the first of get_all_start_methods is the default)
-    return multiprocessing.get_start_method(allow_none=True) or multiprocessing.get_all_start_methods()[0]
 
 
 def next_start(hazards: tuple[bool, bool]) -> NextStart:
