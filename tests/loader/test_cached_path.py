@@ -1,7 +1,6 @@
 """Cached fast path of fastdata.DataLoader: same batches as the worker path, exact resume across paths."""
 from __future__ import annotations
 
-import json
 import warnings
 from pathlib import Path
 from typing import Any
@@ -16,7 +15,7 @@ from fastdata.errors import CacheError
 from fastdata.loader import DataLoader
 from fastdata.shards.writer import ShardWriter
 from fastdata.transforms import ResizeCenterCrop
-from tests.helpers.batches import assert_same, batch_keys, epoch_on_path
+from tests.helpers.batches import assert_resumes_across_paths, assert_same, batch_keys, epoch_on_path
 from tests.helpers.shards import make_shards, varied_size
 
 
@@ -137,21 +136,7 @@ def test_resume_across_paths(data, before, after, num_workers):
         ds.set_epoch(2)
         return DataLoader(ds, batch_size=4, num_workers=nw, cached_fast_path=mode[path])
 
-    full = epoch_on_path(loader("workers"), "workers")
-    for k in (1, 5, len(full) - 1, len(full)):
-        dl = loader(before)
-        it = iter(dl)
-        first = [next(it) for _ in range(k)]
-        assert dl.last_path == before
-        state = json.loads(json.dumps(dl.state_dict()))
-        del it
-        dl2 = loader(after)
-        dl2.load_state_dict(state)
-        dl2.set_epoch(2)
-        rest = epoch_on_path(dl2, after)
-        assert_same(first + rest, full)
-        dl2.set_epoch(3)  # the next epoch starts from scratch
-        assert sum(len(b["cls"]) for b in epoch_on_path(dl2, after)) == N
+    assert_resumes_across_paths(loader, before, after, N)
 
 
 def test_resume_with_other_worker_count_across_paths(data):

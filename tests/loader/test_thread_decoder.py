@@ -3,7 +3,6 @@ threads, with batch buffers that are reused but never overwritten under their ho
 from __future__ import annotations
 
 import gc
-import json
 import multiprocessing
 import threading
 import time
@@ -23,7 +22,7 @@ from fastdata.errors import DecodeError
 from fastdata.loader import DataLoader, _pool, _rows, _threads
 from fastdata.shards.writer import ShardWriter
 from fastdata.transforms import ResizeCenterCrop
-from tests.helpers.batches import assert_same, batch_keys, epoch_on_path
+from tests.helpers.batches import assert_resumes_across_paths, assert_same, batch_keys, epoch_on_path
 from tests.helpers.shards import make_shards, varied_size
 
 
@@ -140,20 +139,7 @@ def test_resume_mid_epoch_across_paths(shards, before, after, num_workers):
         ds.set_epoch(2)
         return DataLoader(ds, batch_size=4, num_workers=num_workers, decode_threads=threads[path])
 
-    full = epoch_on_path(loader("workers"), "workers")
-    for k in (1, 5, len(full) - 1, len(full)):
-        dl = loader(before)
-        it = iter(dl)
-        first = [next(it) for _ in range(k)]
-        state = json.loads(json.dumps(dl.state_dict()))
-        del it
-        dl2 = loader(after)
-        dl2.load_state_dict(state)
-        dl2.set_epoch(2)
-        rest = epoch_on_path(dl2, after)
-        assert_same(first + rest, full)
-        dl2.set_epoch(3)  # the next epoch starts from scratch
-        assert sum(len(b["cls"]) for b in epoch_on_path(dl2, after)) == N
+    assert_resumes_across_paths(loader, before, after, N)
     assert _decode_threads_alive() == []
 
 
