@@ -148,14 +148,19 @@ def test_the_fork_hook_table_is_the_inventory():
     assert doc == code, _diff(doc, code)
 
 
-def test_the_registration_order_the_page_gives_for_the_dataloader():
-    """'``fastdata.DataLoader`` registers the first six above, in that order' (a fresh process)."""
+def test_the_registration_order_the_page_gives():
+    """'``import fastdata`` alone registers none; ``fastdata.DataLoader`` registers the first six above, in
+    that order' (in a fresh process)."""
     (rows,) = tables(section("Fork hooks"))
-    assert "registers the first six above, in that order" in " ".join(section("Fork hooks").split())
-    code = ("import fastdata; fastdata.DataLoader; from fastdata import _runtime; "
-            "print(*[h.owner for h in _runtime.fork_hooks()])")
+    text = " ".join(section("Fork hooks").split())
+    assert "`import fastdata` alone registers none" in text
+    assert "`fastdata.DataLoader` registers the first six above, in that order" in text
+    code = ("import fastdata; from fastdata import _runtime; print(len(_runtime.fork_hooks())); "
+            "fastdata.DataLoader; print(*[h.owner for h in _runtime.fork_hooks()])")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
-    assert out.stdout.split() == [ticked(row[0])[0] for row in rows[:6]]
+    alone, loader = out.stdout.splitlines()
+    assert alone == "0"
+    assert loader.split() == [ticked(row[0])[0] for row in rows[:6]]
 
 
 # ----- state dicts -------------------------------------------------------------------------------
