@@ -1,6 +1,6 @@
 """Preprocessing cache: memory-mapped stores of deterministic preprocessing outputs.
 
-Stage 3 of the pipeline (shards -> dataset -> **cache** -> loader -> prefetch -> GPU -> train).
+Its place among the stages: docs/ARCHITECTURE.md.
 It imports nothing from the dataset or the loader: :class:`Cache` manages a directory of
 :class:`Store` objects; the dataset opens a store and fills it (see
 ``fastdata.ShardedDataset.build_cache``).

@@ -1,6 +1,6 @@
 """ShardedDataset: shard order, exact splitting by rank and worker, shuffling, resume, cache filling.
 
-Stage 2 of the pipeline (shards -> **dataset** -> cache -> loader -> prefetch -> GPU -> train).
+Its place among the stages: docs/ARCHITECTURE.md.
 The user's API is ``ShardedDataset`` (``_dataset``, its options in ``_options``); the loader stage
 reaches the rest through ``ShardedDataset.loader_seam`` (``_seam``: walks in ``_cursor``, batch
 dealing in ``_schedule``). Behind them: ``_source`` (where shards are), ``_split``/``_mix``/

@@ -1,6 +1,6 @@
 """Device-side batch stages run by :class:`fastdata.CUDAPrefetcher`: decode, augment, normalise.
 
-Stage 6 of the pipeline (shards -> dataset -> cache -> loader -> prefetch -> **GPU** -> train).
+Its place among the stages: docs/ARCHITECTURE.md.
 Behind it: ``_transforms`` (Normalize, ToDtype, ChannelsLast, Compose), ``_decode`` (DecodeImages:
 packed encoded images -> images on the device; ``_ahead``: its read-ahead, ``_fields``: the batch's
 packed fields and skipped rows), ``_augment`` (batched RandomResizedCrop, RandomHorizontalFlip, Resize,

@@ -1,6 +1,6 @@
 """``fastdata.DataLoader``: torch's DataLoader with exact resume and the cached fast path.
 
-Stage 4 of the pipeline (shards -> dataset -> cache -> **loader** -> prefetch -> GPU -> train).
+Its place among the stages: docs/ARCHITECTURE.md.
 """
 from fastdata.loader._loader import DataLoader, EpochSampler
 

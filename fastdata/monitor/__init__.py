@@ -1,6 +1,6 @@
 """Diagnostics: is a job loader-bound, which stage bounds it, and what to change.
 
-Stage 9 of the pipeline (... -> prefetch -> GPU -> train -> **monitor**): ``_stall``
+The top stage but the command line (docs/ARCHITECTURE.md). Behind it: ``_stall``
 (:class:`StallMeter`, watching a running loop), ``_periodic`` (the saw-tooth detector),
 ``_nvml`` (GPU utilisation of the right device), ``_stages`` (each pipeline stage measured on its
 own and together: ``_diagnose`` turns them into what ``fastdata doctor`` prints), ``_batch`` (the

@@ -1,6 +1,6 @@
 """CUDAPrefetcher: pinned staging, side-stream host-to-device copies, device transforms.
 
-Stage 5 of the pipeline (shards -> dataset -> cache -> loader -> **prefetch** -> GPU -> train).
+Its place among the stages: docs/ARCHITECTURE.md.
 Behind it: ``_prefetcher`` (the iterator: the consumer's side, epochs, resume, shutdown),
 ``_producer`` (the persistent producer thread), ``_epochs`` (the seamless-epoch policy: where the
 next epoch starts, with which number), ``_stage`` (pinned staging ring, parallel pack, copies),

@@ -1,7 +1,7 @@
 """Training-loop pieces: ``TrainStep`` (AMP step without host syncs), checkpoints that resume the
 sample sequence exactly, and ``evaluate`` (inference through the prefetcher, one transfer at the end).
 
-Stage 7 of the pipeline (shards -> dataset -> cache -> loader -> prefetch -> GPU -> **train**).
+Its place among the stages: docs/ARCHITECTURE.md.
 """
 from fastdata.train._checkpoint import Checkpoint, CheckpointError, load_checkpoint, save_checkpoint
 from fastdata.train._evaluate import accuracy, evaluate, top_k

@@ -122,7 +122,7 @@ def rank(module: str) -> int:
         return TOP
     if parts[1] not in _RANK:
         raise AssertionError(f"{module_path(module)} belongs to no stage: add '{parts[1]}' to STAGES in "
-                             "tests/project/test_layout.py (and to the import rule in the README's Layout section)")
+                             "tests/project/test_layout.py (and to docs/ARCHITECTURE.md's stage table)")
     return _RANK[parts[1]]
 
 
