@@ -183,8 +183,8 @@ def decisions(d: Any, t: Any) -> list[str]:
     out = ["### Defaults these figures decide", ""]
     rows = [r for r in measured(d.get("rows", [])) if not r.get("repeat")] if d else []
     if not rows:
-        return out + ["No part (b) figures: every default stays (the decoder `device_decoder=\"auto\"` resolves to, "
-                      "normal priority, one batch ahead, `host_wait=True`, one decode thread)."]
+        return out + [("No part (b) figures: every default stays (the decoder `device_decoder=\"auto\"` resolves to, "
+                       "normal priority, one batch ahead, `host_wait=True`, one decode thread).")]
     margin = spread(d.get("rows", [])) or 0.0
     margin = max(margin, 0.05)  # below 5% a single run does not tell
     auto = d.get("auto_device_decoder") or "torchvision"  # results from before the key: torchvision was "auto"
@@ -209,7 +209,7 @@ def decisions(d: Any, t: Any) -> list[str]:
                "beside training, best row of each decoder: "
                + ", ".join(f"{k} {n(fed(v))}" for k, v in best_by.items() if v)
                + f" (margin {margin:.0%}): " + (f"**make it {winner['decoder']}**" if change else f"keep {auto}"
-                                                + ("" if base else f" (what \"auto\" resolves to, not measured)"))
+                                                + ("" if base else " (what \"auto\" resolves to, not measured)"))
                + (f"; train.json's GPU-decode row with {e2e.get('decoder')} fed resnet18 at "
                   f"{pct(e2e.get('share_of_resident'))} of resident, which must confirm it" if e2e else ""))
     dec, cand, prio = winner["decoder"], winner["candidate"], winner["priority"]
@@ -226,7 +226,8 @@ def decisions(d: Any, t: Any) -> list[str]:
         ours, today = row(codec, name, at), row(codec, "ahead1", at)
         out.append(f"- `DecodeImages({arg}=)` with {codec} <- decode.json, {codec} {at} stream: {name} "
                    f"{n(fed(ours)) if ours else '-'} vs ahead1 {n(fed(today)) if today else '-'}: "
-                   + (f"**make {arg}={value} the default with {codec}**" if verdict(ours, today) else "keep the default"))
+                   + (f"**make {arg}={value} the default with {codec}**" if verdict(ours, today)
+                      else "keep the default"))
     return out
 
 

@@ -110,7 +110,7 @@ class DecodeImages:
             raise ValueError(f"DecodeImages: host_decoder must be one of {HOST_BACKENDS}, got {host_decoder!r}")
         if device_decoder not in DEVICE_BACKENDS:
             raise ValueError(f"DecodeImages: device_decoder must be one of {DEVICE_BACKENDS}, got {device_decoder!r}")
-        resolved = device_backend(device_decoder)  # a missing nvImageCodec (or a bad FASTDATA_DEVICE_DECODER) fails here
+        resolved = device_backend(device_decoder)  # a missing nvImageCodec (a bad FASTDATA_DEVICE_DECODER) fails here
         try:
             self.host_wait = check_host_wait(resolved, host_wait)
         except ValueError as e:

