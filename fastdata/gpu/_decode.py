@@ -215,6 +215,8 @@ class DecodeImages:
         ids = packed.indices.numpy()
         pending = packed.pending if packed.pending is not None and packed.pending[0] == device else None
         packed.pending = None
+        if pending is not None and any(f.cancelled() for _, f in pending[2]):  # close() between submit and now
+            pending = None
         if pending is None:
             pending = self._start(packed, views, device, ahead=False)
         _, on_device, pieces = pending

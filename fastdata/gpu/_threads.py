@@ -63,9 +63,12 @@ class DecodeThreads:
         return self._current().submit(fn, *args)
 
     def result(self, future: Future[Any]) -> Any:
-        """The call's result (its exception, with its traceback, re-raised here)."""
-        while not wait([future], timeout=_POLL_S, return_when=FIRST_COMPLETED).done:
-            self._current().ensure_running()  # a fork in another thread paused the threads: restart them
+        """The call's result (its exception, with its traceback, re-raised here; ``CancelledError`` for a call
+        that :meth:`close` cancelled before it started)."""
+        # done(), not wait()'s answer: a call cancelled in the queue never counts as done for wait()
+        while not future.done():
+            if not wait([future], timeout=_POLL_S, return_when=FIRST_COMPLETED).done and not future.done():
+                self._current().ensure_running()  # a fork in another thread paused the threads: restart them
         return future.result()
 
     @property

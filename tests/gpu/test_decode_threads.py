@@ -18,6 +18,7 @@ import textwrap
 import threading
 import time
 import types
+from concurrent.futures import CancelledError
 from pathlib import Path
 
 import numpy as np
@@ -192,6 +193,30 @@ def test_a_wait_restarts_threads_a_fork_paused_meanwhile(stub):
 def _checksums(images: list[torch.Tensor]) -> list[int]:
     # numpy's sum: a torch reduction would start OpenMP threads, which a forked child cannot (a test matter)
     return [int(im.numpy().sum(dtype=np.int64)) for im in images]
+
+
+def test_a_batch_submitted_ahead_of_a_close_is_decoded_anew(stub):
+    from fastdata.loader import _pool
+
+    datas = many_jpegs(6)
+    s = stub(datas)
+    stage = gpu.DecodeImages(device="cpu", decode_threads=3)
+    stage({"jpg": packed(datas[:3])})
+    s.calls.clear()
+    p = packed(datas)
+    _pool._pause_before_fork()  # the threads stop, so the calls below stay queued
+    try:
+        p.pending = stage._start(p, p.views(), CPU, ahead=True)  # submitted ahead, as DecodeImages.ahead does
+        stage.close()  # ... then the stage is closed: its queued calls are cancelled
+    finally:
+        _pool._resume_after_fork()
+    assert all(fut.cancelled() for _, fut in p.pending[2])
+    with pytest.raises(CancelledError):  # a wait for a cancelled call ends (it never runs)
+        stage._threads.result(p.pending[2][0][1])
+    ib = stage({"jpg": p})["jpg"]  # decoded anew by new threads
+    assert all(torch.equal(im, pillow_rgb(d)) for im, d in zip(ib.images, datas))
+    assert sorted(r for _, rows in s.calls for r in rows) == list(range(6))
+    stage.close()
 
 
 def _decode_in_child(stage: gpu.DecodeImages, datas: list[bytes], q) -> None:
