@@ -1,6 +1,6 @@
 """The device decode stage's threads and streams (:class:`~fastdata.gpu.DecodeImages`, ``decode_threads=K``).
 
-- :class:`DecodeThreads`: ``K`` daemon threads named ``fastdata-device-decode-<k>`` that make the stage's
+- :class:`DecodeThreads`: ``K`` daemon threads named ``fastdata-nvjpeg-<k>`` that make the stage's
   decode calls, in order of submission (a :class:`fastdata.loader.Pool`: paused, that is joined after their
   current call, before any ``os.fork`` of this process, and restarted on demand). Created on first use, and
   anew in a forked child; ended by ``close()``, when their owner is collected, and at interpreter exit.
@@ -26,7 +26,7 @@ from fastdata.loader import Pool
 
 __all__ = ["MAX_DECODE_THREADS", "THREAD_NAME", "DecodeStreams", "DecodeThreads", "check_decode_threads"]
 
-THREAD_NAME = "fastdata-device-decode"
+THREAD_NAME = "fastdata-nvjpeg"
 MAX_DECODE_THREADS = 32  # TorchCodec keeps 32 nvJPEG decoders per device: more calls at once would create new ones
 _POLL_S = 1.0  # how often a wait for a call checks that the threads run (a fork elsewhere pauses them)
 _LIVE: weakref.WeakSet[Pool] = weakref.WeakSet()  # the pools of this module, ended at interpreter exit
