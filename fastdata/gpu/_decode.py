@@ -4,10 +4,9 @@ The first step of ``CUDAPrefetcher(transform=...)``: it runs in the producer thr
 stream; the packed bytes stay on the host, where the device decoder (``device_decoder``, through
 :mod:`fastdata.gpu._codec`) reads them. Per packed field and batch:
 
-1. JPEGs the device decoder takes go to batched device decode calls in ``decode_threads`` background
-   threads (:mod:`._threads`; chunks, ``chunk_size``); the rest are decoded on the host meanwhile and
-   copied (only those samples).
-   Images whose header claims more than ``max_pixels`` are refused before any decode.
+1. JPEGs the device decoder takes go to batched device decode calls in ``decode_threads`` threads
+   (:mod:`._threads`; chunks, ``chunk_size``); the rest are decoded on the host meanwhile and copied
+   (only those samples). Images whose header claims more than ``max_pixels`` are refused before any decode.
 2. A failed batched call is retried image by image on the host, which finds the bad ones.
 3. A bad image raises :class:`~fastdata.errors.DecodeError` naming shard, key and field, or under
    ``on_error="skip"``/``"warn"`` drops its sample from every per-sample entry (:mod:`._fields`),
