@@ -64,9 +64,9 @@ THREADS: dict[str, tuple[str, str]] = {
                         "ends on close()"),
     "fastdata-gather": ("fastdata.loader._gather",
                         "the cached fast path's batch gather (a thread pool); ends with its loader"),
-    "fastdata-nvjpeg": ("fastdata.gpu._decode",
-                        "DecodeImages: runs device decode calls off the consumer's thread (one per stage and process); ends "
-                        "with its stage"),
+    "fastdata-nvjpeg": ("fastdata.gpu._threads",
+                        "DecodeImages(decode_threads=K): K threads decoding a batch's chunks at once, each on a stream "
+                        "of its own; paused at fork, end on close(), with the stage or at exit"),
     "fastdata-stall-watchdog": ("fastdata.loader._watchdog",
                                 "names the worker a consumer waits on when it stalls; ends with the epoch"),
     "fastdata-worker-parent-watch": ("fastdata.loader._watchdog",

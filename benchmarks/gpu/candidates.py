@@ -4,9 +4,9 @@ Part (b) (`decode_contention.py`) measures every available decoder in ``DECODERS
 ``CANDIDATES`` that applies to it, on each stream priority in ``PRIORITIES``; part (c) (`train_e2e.py
 --decode-candidate NAME`) trains resnet18 through the best of them. A new way of running the stage is
 one more row: a read-ahead depth, more ``DecodeImages`` arguments (``stage``), and the decoders it
-applies to (``decoders``; a codec-side candidate such as nvImageCodec's hardware backend without a
-host wait per call, or TorchCodec's per-device decoder cache with several decode threads, names its
-decoder there and the argument or ``device_decoder`` name that selects it in ``stage``).
+applies to (``decoders``; a codec-side candidate, such as nvImageCodec's hardware backend without a
+host wait per call (``nowait``) or TorchCodec's per-device decoder cache with several decode threads
+(``threads4``), names its decoder there and the ``DecodeImages`` argument that selects it in ``stage``).
 """
 from __future__ import annotations
 
@@ -39,8 +39,14 @@ class Candidate:
         return decode.ahead(iterable, batches=self.ahead) if self.ahead else iterable
 
 
+# The codec-side rows come before ahead2: they apply to one decoder each, so when the budget runs short
+# every candidate has been measured on some decoder before ahead2's rows for the others.
 CANDIDATES: tuple[Candidate, ...] = (
     Candidate("ahead1", "one batch decoded ahead (DecodeImages.ahead): today's pipeline", ahead=1),
+    Candidate("nowait", "nvImageCodec's JPEG engines on the stage's decode stream without a host wait per call "
+              "(DecodeImages(host_wait=False))", stage=(("host_wait", False),), decoders=("nvimgcodec",)),
+    Candidate("threads4", "TorchCodec's per-device decoder cache with four decode threads, each call on a stream "
+              "of its own (DecodeImages(decode_threads=4))", stage=(("decode_threads", 4),), decoders=("torchcodec",)),
     Candidate("ahead2", "two batches decoded ahead (DecodeImages.ahead(batches=2))", ahead=2),
 )
 

@@ -17,7 +17,7 @@
 # at its limit or failing is reported and the next one still runs:
 #   a. pytest -m cuda tests/: every CUDA test, the stream-order hazard test included      (limit 90 s)
 #   b. decode_contention.py: the decode stage alone and beside resnet18 bf16 training, each available
-#      decoder x each row of candidates.py x normal/high stream priority                  (limit 150 s)
+#      decoder x each row of candidates.py that applies to it x normal/high stream priority (limit 175 s)
 #   c. train_e2e.py --augment random: resnet18, RandomResizedCrop(224) + flip, bf16 channels_last,
 #      4,096 JPEGs, batch 128, 15 workers: resident batches / torchvision's CPU recipe / fastdata GPU
 #      decode with part (b)'s best row / fastdata cached (224 px centre crops)           (limit 130 s)
@@ -25,8 +25,9 @@
 #      38.5 MB batches from pinned and from pageable memory                               (limit 45 s)
 #   a2. compute-sanitizer memcheck over the prefetcher and decode CUDA tests            (what is left)
 # Expected on an H200, from the H100 run (benchmarks/results/h100/summary.txt: CUDA tests 28 s, h2d 32 s
-# for twice this grid, train_e2e 35 s for two models) and 7 s per row of part (b): a 25-55 s, b 100 s,
-# c 55 s, d 20 s, which leaves a2 over 250 s.
+# for twice this grid, train_e2e 35 s for two models) and 7 s per row of part (b) (17 rows: 4 candidates,
+# two of them for one decoder each, plus a repeat): a 25-55 s, b 135 s, c 55 s, d 20 s, which leaves a2
+# over 200 s.
 # Files under DIR (7; the device returns 8): summary.txt (versions, every part's status, time and log
 # tail, then report.md), pytest_cuda.txt, sanitizer.txt (its last 300 lines), decode.json (b),
 # train.json (c), h2d.json (d), report.md (benchmarks/gpu/report.py: the tables for the results page,
@@ -44,7 +45,7 @@ if [ "$DRY" = 1 ]; then  # a check of the plumbing on a CPU machine: tiny sizes,
   E2E=(--models tiny --images 96 --batch-size 16 --size 64 --warmup 1 --epochs 1 --workers 2)
   H2D=(--batch-mb 2 --warmup 2 --steps 20 --reps 1)
 else
-  DC=(--images 1024 --batch 256 --size 224 --seconds 1.5 --model resnet18 --train-batch 128 --budget 140)
+  DC=(--images 1024 --batch 256 --size 224 --seconds 1.5 --model resnet18 --train-batch 128 --budget 165)
   E2E=(--models resnet18 --images 4096 --batch-size 128 --warmup 2 --epochs 4 --workers 15)
   H2D=(--batch-mb 38.5 --warmup 8 --steps 60 --reps 3)
 fi
@@ -107,7 +108,7 @@ echo >> "$SUM"
 
 part a_cuda_tests 90 "$OUT/pytest_cuda.txt" \
   "$PY" -m pytest -m cuda tests/ -q -rfEs -p no:cacheprovider --continue-on-collection-errors
-part b_decode 150 "$WORK/decode.txt" "$PY" $G/decode_contention.py "${DC[@]}" --json "$OUT/decode.json"
+part b_decode 175 "$WORK/decode.txt" "$PY" $G/decode_contention.py "${DC[@]}" --json "$OUT/decode.json"
 BEST=$("$PY" $G/report.py --best-args "$OUT/decode.json" 2>/dev/null)  # part (b)'s best row, if any
 echo "== part (c) GPU decode row: ${BEST:-defaults (no best row from part b)}" >> "$SUM"
 part c_train 130 "$WORK/train.txt" "$PY" benchmarks/train_e2e.py --augment random \

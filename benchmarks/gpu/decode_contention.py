@@ -158,6 +158,7 @@ def measure(decoder: str, cand: Candidate, priority: str, batches: list[dict[str
         drain.stop.set()
         drain.join(timeout=30)
         pf.close()
+        decode.close()  # its decode threads, and what calls without a host wait still hold
     return row
 
 
@@ -175,6 +176,16 @@ def environment(device: torch.device) -> dict[str, Any]:
         env["gpu"] = torch.cuda.get_device_name(device)
         env["stream_priority_range"] = list(torch.cuda.Stream.priority_range())
     return env
+
+
+def auto_decoder() -> str | None:
+    """What ``device_decoder="auto"`` resolves to here: the default the figures are weighed against."""
+    from fastdata.gpu import _codec
+
+    try:
+        return _codec.device_backend("auto")
+    except Exception:  # noqa: BLE001 - a bad FASTDATA_DEVICE_DECODER: no default to compare with
+        return None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -200,7 +211,8 @@ def main(argv: list[str] | None = None) -> int:
     status = decoder_status(tuple(args.decoders))
     report: dict[str, Any] = {"benchmark": "decode_contention", "env": environment(device),
                               "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-                              "decoders": status, "candidates": {c.name: c.about for c in CANDIDATES}, "rows": []}
+                              "decoders": status, "auto_device_decoder": auto_decoder(),
+                              "candidates": {c.name: c.about for c in CANDIDATES}, "rows": []}
 
     def save() -> None:
         report["seconds"] = round(time.perf_counter() - t_start, 1)

@@ -175,13 +175,19 @@ def targets(d: Any, t: Any, h: Any) -> list[str]:
     return out
 
 
+# The codec-side rows of candidates.py: (decoder, candidate, the DecodeImages argument it sets, its value)
+CODEC_ROWS = (("nvimgcodec", "nowait", "host_wait", "False"), ("torchcodec", "threads4", "decode_threads", "4"))
+
+
 def decisions(d: Any, t: Any) -> list[str]:
     out = ["### Defaults these figures decide", ""]
     rows = [r for r in measured(d.get("rows", [])) if not r.get("repeat")] if d else []
     if not rows:
-        return out + ["No part (b) figures: every default stays (torchvision, normal priority, one batch ahead)."]
+        return out + [("No part (b) figures: every default stays (the decoder `device_decoder=\"auto\"` resolves to, "
+                       "normal priority, one batch ahead, `host_wait=True`, one decode thread).")]
     margin = spread(d.get("rows", [])) or 0.0
     margin = max(margin, 0.05)  # below 5% a single run does not tell
+    auto = d.get("auto_device_decoder") or "torchvision"  # results from before the key: torchvision was "auto"
 
     def top(pred: Any) -> dict[str, Any] | None:
         pick = [r for r in rows if pred(r)]
@@ -190,30 +196,38 @@ def decisions(d: Any, t: Any) -> list[str]:
     def verdict(ours: dict[str, Any] | None, base: dict[str, Any] | None) -> bool:
         return ours is not None and base is not None and fed(ours) > fed(base) * (1 + margin)
 
+    def row(dec: str, cand: str, prio: str) -> dict[str, Any] | None:
+        return top(lambda r: (r["decoder"], r["candidate"], r["priority"]) == (dec, cand, prio))
+
     best_by = {dec: top(lambda r, dec=dec: r["decoder"] == dec) for dec in dict.fromkeys(r["decoder"] for r in rows)}
-    tv = best_by.get("torchvision")
+    base = best_by.get(auto)
     winner = max((r for r in best_by.values() if r), key=fed)
-    change = winner["decoder"] != "torchvision" and verdict(winner, tv)
+    change = winner["decoder"] != auto and verdict(winner, base)
     e2e = next((r for r in (t or {}).get("results", []) if r.get("variant") == "fastdata_gpu_rrc" and "error" not in r),
                None)
     out.append("- `device_decoder=\"auto\"` (fastdata/gpu/_codec.py) <- decode.json, min(stage, training) images/s "
                "beside training, best row of each decoder: "
                + ", ".join(f"{k} {n(fed(v))}" for k, v in best_by.items() if v)
-               + f" (margin {margin:.0%}): " + (f"**make it {winner['decoder']}**" if change else "keep torchvision")
+               + f" (margin {margin:.0%}): " + (f"**make it {winner['decoder']}**" if change else f"keep {auto}"
+                                                + ("" if base else " (what \"auto\" resolves to, not measured)"))
                + (f"; train.json's GPU-decode row with {e2e.get('decoder')} fed resnet18 at "
                   f"{pct(e2e.get('share_of_resident'))} of resident, which must confirm it" if e2e else ""))
-    dec, cand = winner["decoder"], winner["candidate"]
-    hi = top(lambda r: (r["decoder"], r["candidate"], r["priority"]) == (dec, cand, "high"))
-    lo = top(lambda r: (r["decoder"], r["candidate"], r["priority"]) == (dec, cand, "normal"))
+    dec, cand, prio = winner["decoder"], winner["candidate"], winner["priority"]
+    hi, lo = row(dec, cand, "high"), row(dec, cand, "normal")
     out.append(f"- `CUDAPrefetcher(stream_priority=)` with a decode stage <- decode.json, {dec} {cand}: high "
                f"{n(fed(hi)) if hi else '-'} vs normal {n(fed(lo)) if lo else '-'}: "
                + ("**make high the default there**" if verdict(hi, lo) else "keep normal"))
-    prio = winner["priority"]
-    two = top(lambda r: (r["decoder"], r["candidate"], r["priority"]) == (dec, "ahead2", prio))
-    one = top(lambda r: (r["decoder"], r["candidate"], r["priority"]) == (dec, "ahead1", prio))
+    two, one = row(dec, "ahead2", prio), row(dec, "ahead1", prio)
     out.append(f"- `DecodeImages.ahead(batches=)` <- decode.json, {dec} {prio} stream: two batches "
                f"{n(fed(two)) if two else '-'} vs one {n(fed(one)) if one else '-'}: "
                + ("**make 2 the default**" if verdict(two, one) else "keep 1"))
+    for codec, name, arg, value in CODEC_ROWS:  # each against today's pipeline with the same decoder and stream
+        at = (best_by.get(codec) or {}).get("priority", prio)
+        ours, today = row(codec, name, at), row(codec, "ahead1", at)
+        out.append(f"- `DecodeImages({arg}=)` with {codec} <- decode.json, {codec} {at} stream: {name} "
+                   f"{n(fed(ours)) if ours else '-'} vs ahead1 {n(fed(today)) if today else '-'}: "
+                   + (f"**make {arg}={value} the default with {codec}**" if verdict(ours, today)
+                      else "keep the default"))
     return out
 
 

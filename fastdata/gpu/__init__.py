@@ -3,8 +3,9 @@
 Its place among the stages: docs/ARCHITECTURE.md.
 Behind it: ``_transforms`` (Normalize, ToDtype, ChannelsLast, Compose), ``_decode`` (DecodeImages:
 packed encoded images -> images on the device; ``_ahead``: its read-ahead, ``_fields``: the batch's
-packed fields and skipped rows), ``_augment`` (batched RandomResizedCrop, RandomHorizontalFlip, Resize,
-CenterCrop over an ImageBatch), ``_codec`` (the one module that calls image codec libraries).
+packed fields and skipped rows, ``_threads``: its decode threads and streams), ``_augment`` (batched
+RandomResizedCrop, RandomHorizontalFlip, Resize, CenterCrop over an ImageBatch), ``_codec`` (the entry
+point of the image codec libraries; ``_nvimgcodec``: nvImageCodec's device backend behind it).
 """
 from fastdata.gpu._augment import (
     CenterCrop,

@@ -1,21 +1,21 @@
-"""The one module that calls image codec libraries (TorchCodec, torchvision, nvImageCodec, Pillow).
+"""The codec libraries' entry points (TorchCodec, torchvision, nvImageCodec, Pillow): resolution, host decode,
+and :func:`decode_device`, the one entry point of the device backends (nvImageCodec's: :mod:`._nvimgcodec`).
 
 Backends resolve by name or by "auto" (:func:`host_backend`, :func:`device_backend`): TorchCodec >= 0.16,
 else torchvision < 0.29 (its decoders are deprecated from 0.29 on), else Pillow. On the device Pillow
 means "decode on the host"; nvImageCodec is chosen by name or ``FASTDATA_DEVICE_DECODER`` only.
 
 Invariants:
-- :func:`decode_device` waits on the host for the decode's current CUDA stream before every decoder
-  call (the stream-order guard: nvJPEG's hardware engine does not honour the stream it is given).
+- :func:`decode_device` runs the stream-order guard before every decoder call (nvJPEG's hardware engine does
+  not honour the stream it is given): the host waits for the decode's current stream, except for
+  nvImageCodec without a host wait, whose outputs no queued work can read (:func:`_stream_order_guard`).
 - Every backend gives RGB uint8 ``(3, H, W)`` without EXIF rotation; 16-bit images keep their value
   up to 255, else their high byte (as :mod:`fastdata.decode`). TorchCodec applies EXIF orientation
   itself, so EXIF-rotated JPEGs go to Pillow on the host and come back as ``None`` from the device.
-- A batched device call returns when its images are decoded; it raises for the whole list
-  (TorchCodec, torchvision) or gives ``None`` where it could not decode (the stage decodes those on
-  the host, whose errors name shard and key).
-- Only the device decode stage imports this module, so DataLoader workers load no codec library
-  (the per-sample Pillow decoders of the workers are :mod:`fastdata.decode`'s).
-
+- A batched device call returns when its images are decoded (or, ``host_wait=False``, queued on the current
+  stream); it raises for the whole list (TorchCodec, torchvision) or gives ``None`` where it could not
+  decode (the stage decodes those on the host, whose errors name shard and key).
+- Only the device decode stage imports this module, so DataLoader workers load no codec library.
 Design notes and measurements: docs/design/codec.md.
 """
 from __future__ import annotations
@@ -26,7 +26,6 @@ import io
 import os
 import re
 import struct
-import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -37,15 +36,18 @@ from PIL import Image
 from fastdata.dataset import FORMATS, ImageInfo
 from fastdata.decode import ImageDecoder
 from fastdata.errors import FastdataError
+from fastdata.gpu import _nvimgcodec
 
 __all__ = [
-    "DEVICE_BACKENDS", "DEVICE_DECODER_ENV", "HOST_BACKENDS", "DecoderUnavailableError", "HostImageDecoder",
-    "decode_device", "decode_host", "default_max_pixels", "device_backend", "device_decodable",
-    "device_decodable_codes", "host_backend", "nvimgcodec_status", "torchcodec_status", "torchvision_status",
+    "DEVICE_BACKENDS", "DEVICE_DECODER_ENV", "HOST_BACKENDS", "NO_WAIT_BACKENDS", "DecoderUnavailableError",
+    "HostImageDecoder", "check_host_wait", "decode_device", "decode_host", "default_max_pixels", "device_backend",
+    "device_decodable", "device_decodable_codes", "host_backend", "nvimgcodec_status", "release_pending",
+    "torchcodec_status", "torchvision_status",
 ]
 
 HOST_BACKENDS = ("auto", "torchcodec", "torchvision", "pillow")
 DEVICE_BACKENDS = ("auto", "torchcodec", "torchvision", "nvimgcodec", "pillow")
+NO_WAIT_BACKENDS = ("nvimgcodec",)  # decode_device(host_wait=False)
 DEVICE_DECODER_ENV = "FASTDATA_DEVICE_DECODER"  # what device_decoder="auto" resolves to when set
 NVIMGCODEC_INSTALL = "pip install nvidia-nvimgcodec-cu13 nvidia-nvjpeg"
 TORCHCODEC_MIN = (0, 16)  # the first release whose image decoders replace torchvision's
@@ -241,38 +243,66 @@ def _tiff_orientation(tiff: bytes) -> int:
     return 1
 
 
-def _stream_order_guard(device: torch.device) -> None:
-    """Wait on the host until the work queued so far on ``device``'s current stream has run.
+def _stream_order_guard(device: torch.device, host_wait: bool = True) -> None:
+    """Make sure no work queued so far on ``device``'s current stream can still read memory the decoder may write.
 
-    nvJPEG's hardware engine writes its outputs without waiting for earlier work on the stream it is
-    given, and those outputs come from the caching allocator, which hands out blocks that work queued
-    on that stream may still read (meta-pytorch/torchcodec#1634, pytorch/vision#9606). Every decoder
-    here waits on the host for its own work before it returns, so this moves a wait rather than
-    adding one (docs/design/codec.md). An event, not ``Stream.synchronize``: the same wait, which
-    ``torch.cuda.set_sync_debug_mode`` does not count (it runs in the stage's decode thread).
+    nvJPEG's hardware engine writes its outputs without waiting for earlier work on the stream it is given
+    (meta-pytorch/torchcodec#1634, pytorch/vision#9606), so an event wait on the device cannot order it.
+    - A decoder whose outputs come from torch's caching allocator (TorchCodec, torchvision, nvImageCodec's
+      copies): the host waits for an event recorded on the stream. The allocator hands out again blocks that
+      work queued on that stream may still read. These decoders wait on the host for their own work before
+      they return anyway, so this moves a wait rather than adding one. An event, not ``Stream.synchronize``:
+      the same wait, which ``torch.cuda.set_sync_debug_mode`` does not count (the stage's decode thread runs it).
+    - nvImageCodec without a host wait (``host_wait=False``): nothing to wait for. The engine writes only
+      nvImageCodec's own buffers, which go back to its pool only after an event after their last read has
+      completed (:mod:`fastdata.gpu._nvimgcodec`), so no queued work reads a buffer it can be given.
+    Reasoning and limits: docs/design/codec.md ("The stream-order guard").
     """
+    if not host_wait:
+        return
     queued = torch.cuda.Event()
     queued.record(torch.cuda.current_stream(device))
     queued.synchronize()
 
 
-def decode_device(views: Sequence[torch.Tensor], device: torch.device,
-                  backend: str = "auto") -> list[torch.Tensor | None]:
+def decode_device(views: Sequence[torch.Tensor], device: torch.device, backend: str = "auto", *,
+                  host_wait: bool = True) -> list[torch.Tensor | None]:
     """Decode host uint8 tensors (JPEG bytes) into RGB uint8 ``(3, H, W)`` tensors on ``device``.
 
     ``backend``: a :data:`DEVICE_BACKENDS` name (see :func:`device_backend`). Runs on the current
     CUDA stream's timeline, after the stream-order guard. TorchCodec and torchvision raise
     ``RuntimeError`` for the whole list if any image fails; ``None`` marks an image left to the host
-    (nvImageCodec: could not decode it; TorchCodec: EXIF-rotated). Returns when the images are decoded.
+    (nvImageCodec: could not decode it; TorchCodec: EXIF-rotated). Returns when the images are decoded,
+    or, with ``host_wait=False`` (a backend of :data:`NO_WAIT_BACKENDS` only), once their decode is queued:
+    they are then ready for work queued on the current stream after this call.
     """
     name = device_backend(backend)
     call = _DEVICE_DECODERS.get(name)
     if call is None:
         raise DecoderUnavailableError(f"no device JPEG decoder here (device decoder {backend!r} resolves to "
                                       f"{name!r}); {_INSTALL['torchcodec']}")
+    check_host_wait(name, host_wait)
     if device.type == "cuda":
-        _stream_order_guard(device)
-    return call(views, device)
+        _stream_order_guard(device, host_wait)
+    return call(views, device) if host_wait else _NO_WAIT_DECODERS[name](views, device, False)
+
+
+def release_pending(device: torch.device | None = None) -> None:
+    """Wait for the decodes of calls made with ``host_wait=False`` (of ``device``, or all) and release the
+    buffers and inputs they hold (the stage's ``close()``; also at interpreter exit)."""
+    _nvimgcodec.release(device)
+
+
+def check_host_wait(decoder: str, host_wait: Any) -> bool:
+    """``host_wait`` validated for a resolved device decoder: a bool, and False only for a decoder of
+    :data:`NO_WAIT_BACKENDS` (TorchCodec and torchvision wait on the host inside their own call)."""
+    if not isinstance(host_wait, bool):
+        raise ValueError(f"host_wait must be True or False, got {host_wait!r}")
+    if not host_wait and decoder not in NO_WAIT_BACKENDS:
+        raise ValueError(f"host_wait=False needs a device decoder of {NO_WAIT_BACKENDS}, whose call can return "
+                         f"before its decode is done; device decoder {decoder!r} waits on the host inside its own "
+                         "call (name device_decoder='nvimgcodec')")
+    return host_wait
 
 
 def _decode_torchcodec(views: Sequence[torch.Tensor], device: torch.device) -> list[torch.Tensor | None]:
@@ -293,61 +323,19 @@ def _decode_torchvision(views: Sequence[torch.Tensor], device: torch.device) -> 
     return tv.decode_jpeg(list(views), mode=tv.ImageReadMode.RGB, device=device)
 
 
-class _NvDecoder:
-    """One nvImageCodec decoder (and its decode parameters) for a device; calls are serialised."""
-
-    def __init__(self, device: torch.device) -> None:
-        nv, _ = nvimgcodec_status()
-        kind = nv.BackendKind
-        if device.type == "cpu":  # nvImageCodec's libjpeg-turbo backend: tests the glue without a GPU
-            self.decoder = nv.Decoder(device_id=nv.NVIMGCODEC_DEVICE_CPU_ONLY, backends=[nv.Backend(kind.CPU_ONLY)])
-        else:
-            self.decoder = nv.Decoder(device_id=device.index if device.index is not None else
-                                      torch.cuda.current_device(),
-                                      backends=[nv.Backend(kind.HW_GPU_ONLY), nv.Backend(kind.GPU_ONLY),
-                                                nv.Backend(kind.HYBRID_CPU_GPU)])
-        self.params = nv.DecodeParams(color_spec=nv.ColorSpec.SRGB, sample_format=nv.SampleFormat.P_RGB,
-                                      allow_any_depth=False, apply_exif_orientation=False)
-        self.lock = threading.Lock()
-
-
-_NV_DECODERS: dict[tuple[int, str, int | None], _NvDecoder] = {}
-_NV_LOCK = threading.Lock()
-
-
-def _nv_decoder(device: torch.device) -> _NvDecoder:
-    key = (os.getpid(), device.type, device.index)  # a decoder's threads and CUDA state do not survive fork
-    with _NV_LOCK:
-        dec = _NV_DECODERS.get(key)
-        if dec is None:
-            dec = _NV_DECODERS[key] = _NvDecoder(device)
-        return dec
-
-
-def _decode_nvimgcodec(views: Sequence[torch.Tensor], device: torch.device) -> list[torch.Tensor | None]:
-    """nvImageCodec on the current stream; its buffers are copied into torch memory on that stream and the
-    call waits for an event after the copies, so releasing its images is safe (docs/design/codec.md)."""
-    dec = _nv_decoder(device)
-    srcs = [v.numpy() for v in views]  # views of the (pinned) packed buffer; code streams reference them
-    if device.type == "cpu":
-        with dec.lock:
-            images = dec.decoder.decode(srcs, params=dec.params)
-        # planar RGB: already (3, H, W); the tensor is a view of the Image's host buffer and keeps it alive
-        return [None if im is None else torch.from_numpy(np.asarray(im)) for im in images]
-    stream = torch.cuda.current_stream(device)
-    with dec.lock:
-        images = dec.decoder.decode(srcs, params=dec.params, cuda_stream=stream.cuda_stream)
-    out = [None if im is None else torch.as_tensor(im, device=device).clone(memory_format=torch.contiguous_format)
-           for im in images]
-    done = torch.cuda.Event()
-    done.record(stream)
-    done.synchronize()  # this thread waits for its decode and copies, as the other decoders' calls do
-    del images  # released after the copies ran
-    return out
+def _decode_nvimgcodec(views: Sequence[torch.Tensor], device: torch.device,
+                       host_wait: bool = True) -> list[torch.Tensor | None]:
+    """nvImageCodec on the current stream (:mod:`fastdata.gpu._nvimgcodec`): its buffers are copied into torch
+    memory on that stream; the call then waits for an event after the copies, or, with ``host_wait=False``,
+    keeps its images and inputs until that event has completed (docs/design/codec.md)."""
+    return _nvimgcodec.decode(_require("nvimgcodec"), views, device, host_wait)
 
 
 _DEVICE_DECODERS: dict[str, Callable[[Sequence[torch.Tensor], torch.device], list[torch.Tensor | None]]] = {
     "torchcodec": _decode_torchcodec, "torchvision": _decode_torchvision, "nvimgcodec": _decode_nvimgcodec}
+# the device decoders that can return before their decode is done (host_wait=False)
+_NO_WAIT_DECODERS: dict[str, Callable[[Sequence[torch.Tensor], torch.device, bool], list[torch.Tensor | None]]] = {
+    "nvimgcodec": _decode_nvimgcodec}
 
 
 def decode_host(data: torch.Tensor, info: ImageInfo, backend: str, max_pixels: int | None = None) -> torch.Tensor:

@@ -4,50 +4,51 @@ The first step of ``CUDAPrefetcher(transform=...)``: it runs in the producer thr
 stream; the packed bytes stay on the host, where the device decoder (``device_decoder``, through
 :mod:`fastdata.gpu._codec`) reads them. Per packed field and batch:
 
-1. JPEGs the device decoder takes go to batched device decode calls in a background thread (chunks,
-   ``chunk_size``); the rest are decoded on the host meanwhile and copied (only those samples).
-   Images whose header claims more than ``max_pixels`` are refused before any decode.
+1. JPEGs the device decoder takes go to batched device decode calls in ``decode_threads`` threads
+   (:mod:`._threads`; chunks, ``chunk_size``); the rest are decoded on the host meanwhile and copied
+   (only those samples). Images whose header claims more than ``max_pixels`` are refused before any decode.
 2. A failed batched call is retried image by image on the host, which finds the bad ones.
 3. A bad image raises :class:`~fastdata.errors.DecodeError` naming shard, key and field, or under
    ``on_error="skip"``/``"warn"`` drops its sample from every per-sample entry (:mod:`._fields`),
    recorded in :attr:`DecodeImages.skipped`, within ``max_skips`` per epoch.
 
 Invariants: no host synchronisation in the stage's own code (decoders wait for their own work in the
-background thread, never the training stream); one decode stream per device and priority, taking the
-priority of the stream the stage runs on; random parameters depend on sample indices only, so chunking
-and :meth:`DecodeImages.ahead` (:mod:`._ahead`) change no crop or flip. On the CPU every semantic runs
-with host decoding. Design note: docs/design/gpu-decode.md.
+decode threads, never the training stream); decode streams per device and priority, one per call in
+flight, with the priority of the stream the stage runs on; random parameters depend on sample indices
+only, so chunks, threads and :meth:`DecodeImages.ahead` (:mod:`._ahead`) change no crop or flip. On the
+CPU every semantic runs with host decoding. Design note: docs/design/gpu-decode.md.
 """
 from __future__ import annotations
 
 import logging
-import os
+import threading
 import warnings
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 import torch
 
-from fastdata._runtime import executor
 from fastdata.dataset import ON_ERROR, PackedImages, SkippedSampleWarning
 from fastdata.decode import check_max_pixels
 from fastdata.errors import DecodeError, SkipBudgetError
 from fastdata.gpu._ahead import DecodeAhead
 from fastdata.gpu._augment import ImageBatch
-from fastdata.gpu._fields import drop_rows, field_name, find_packed, rebuild
-from fastdata.gpu._transforms import _check_keys
 from fastdata.gpu._codec import (
     DEVICE_BACKENDS,
     HOST_BACKENDS,
+    check_host_wait,
     decode_device,
     decode_host,
     default_max_pixels,
     device_backend,
     device_decodable_codes,
     host_backend,
+    release_pending,
 )
+from fastdata.gpu._fields import drop_rows, field_name, find_packed, rebuild
+from fastdata.gpu._threads import DecodeStreams, DecodeThreads, check_decode_threads
+from fastdata.gpu._transforms import _check_keys
 
 __all__ = ["DecodeImages"]
 
@@ -70,10 +71,19 @@ class DecodeImages:
             else as ``host_decoder``), ``"torchcodec"``, ``"torchvision"``, ``"nvimgcodec"`` (nvImageCodec,
             optional: ``pip install nvidia-nvimgcodec-cu13 nvidia-nvjpeg``) or ``"pillow"`` (every image
             on the host): the decoder of device-decodable JPEGs (:mod:`fastdata.gpu._codec`).
-        chunk_size: images per batched device decode call; chunks are decoded in a background
-            thread while this one resamples the previous chunk (see :meth:`fuse`). None (default):
-            the whole batch when it was submitted ahead (:meth:`ahead`: decoding already overlaps
-            the previous batch), else two halves (the measurements behind it: docs/design/gpu-decode.md).
+        chunk_size: images per batched device decode call; chunks are decoded in background
+            threads while this one resamples the previous chunk (see :meth:`fuse`). None (default):
+            the batch in ``decode_threads`` chunks when it was submitted ahead (:meth:`ahead`: decoding
+            already overlaps the previous batch), else in ``max(2, decode_threads)`` (the measurements
+            behind it: docs/design/gpu-decode.md).
+        decode_threads: threads making device decode calls at once (1 to 32; default 1), each call on
+            a stream of its own: a batch's chunks decode concurrently. For TorchCodec, whose per-device
+            cache gives each concurrent call its own nvJPEG decoder, and whose call waits on the host for
+            its stream. :meth:`close` ends the threads.
+        host_wait: False: nvImageCodec's calls return once their decode is queued on the decode stream, its
+            buffers and the packed input held until an event after their last use has completed (only
+            with ``device_decoder="nvimgcodec"``; TorchCodec and torchvision wait inside their call).
+            Default True: each call waits on the host for its decode (docs/design/codec.md).
         max_pixels: refuse images whose header claims more pixels, before decoding them (a failure
             under ``on_error``); default: Pillow's ``Image.MAX_IMAGE_PIXELS``, the host decoder's limit.
         max_skips: the skip budget of ``on_error="skip"``/``"warn"`` per epoch, as the dataset's
@@ -89,7 +99,8 @@ class DecodeImages:
     def __init__(self, keys: Sequence[str | int] | str | int | None = None, *,
                  device: str | torch.device | None = None, on_error: str = "raise",
                  host_decoder: str = "auto", chunk_size: int | None = None, max_pixels: int | None = None,
-                 device_decoder: str = "auto", max_skips: int | None = None) -> None:
+                 device_decoder: str = "auto", max_skips: int | None = None, decode_threads: int = 1,
+                 host_wait: bool = True) -> None:
         keys = _check_keys("DecodeImages", keys)  # a float, a bool or an object: a ValueError naming keys
         self.keys = None if keys is None else frozenset(keys)
         if on_error not in ON_ERROR:
@@ -98,7 +109,12 @@ class DecodeImages:
             raise ValueError(f"DecodeImages: host_decoder must be one of {HOST_BACKENDS}, got {host_decoder!r}")
         if device_decoder not in DEVICE_BACKENDS:
             raise ValueError(f"DecodeImages: device_decoder must be one of {DEVICE_BACKENDS}, got {device_decoder!r}")
-        device_backend(device_decoder)  # a missing nvImageCodec (or a bad FASTDATA_DEVICE_DECODER) fails here
+        resolved = device_backend(device_decoder)  # a missing nvImageCodec (a bad FASTDATA_DEVICE_DECODER) fails here
+        try:
+            self.host_wait = check_host_wait(resolved, host_wait)
+        except ValueError as e:
+            raise ValueError(f"DecodeImages: {e}") from None
+        self.decode_threads = check_decode_threads(decode_threads)
         if host_decoder != "auto":  # so does a library asked for by name that does not work here
             host_backend(host_decoder)
         if device is not None:
@@ -129,9 +145,8 @@ class DecodeImages:
         # max_skips: the skips of the epochs seen last (a train and a validation pipeline may share the stage),
         # per epoch by (shard, key): a sample skipped again in a repeated pass counts once
         self._budget: dict[int, dict[tuple[str, str], dict[str, Any]]] = {}
-        self._executor: ThreadPoolExecutor | None = None
-        self._executor_pid: int | None = None
-        self._streams: dict[tuple[torch.device, int], torch.cuda.Stream] = {}  # by device and priority
+        self._threads = DecodeThreads(self.decode_threads)
+        self._streams: dict[tuple[torch.device, int], DecodeStreams] = {}  # by device and priority
         self._warned_device = False
 
     def _device(self) -> torch.device:
@@ -199,6 +214,8 @@ class DecodeImages:
         ids = packed.indices.numpy()
         pending = packed.pending if packed.pending is not None and packed.pending[0] == device else None
         packed.pending = None
+        if pending is not None and any(f.cancelled() for _, f in pending[2]):  # close() between submit and now
+            pending = None
         if pending is None:
             pending = self._start(packed, views, device, ahead=False)
         _, on_device, pieces = pending
@@ -210,12 +227,16 @@ class DecodeImages:
         for rows, images in pieces:
             if not isinstance(images, list):  # a future of the background decode
                 try:
-                    images = _take(images.result(), device)
+                    images = _take(self._threads.result(images), device)
                 except RuntimeError as e:  # torchvision: one bad image fails the call: find it on the host
                     _log.debug("batched device decode failed (%s); decoding its %d images on the host", e, len(rows))
                     images = self._host(packed, rows, views, field, device, backend, bad)
                     if not any(r in bad for r in rows):  # no bad image explains it: the device decoder fails
                         self._device_failed(e, len(rows))
+                except BaseException as e:  # not a decoder's failure: raised here, naming what was decoded
+                    e.add_note(f"fastdata: raised by the device decode ({self.resolved_device_decoder}) of {len(rows)} "
+                               f"images of field {field!r}, {packed.where(rows[0])} to {packed.where(rows[-1])}")
+                    raise
                 else:
                     missing = [k for k, im in enumerate(images) if im is None]
                     if missing:  # nvImageCodec: the images it could not decode, on the host
@@ -261,14 +282,14 @@ class DecodeImages:
         # on the CPU only nvImageCodec (its CPU backend) takes device-routed images
         on_device = (np.flatnonzero(ok).tolist() if (device.type == "cuda" and decoder != "pillow")
                      or decoder == "nvimgcodec" else [])
-        size = self.chunk_size or (len(on_device) if ahead else -(-len(on_device) // 2))
+        parts = self.decode_threads if ahead else max(2, self.decode_threads)
+        size = self.chunk_size or -(-len(on_device) // parts)
         chunks = [on_device[k : k + size] for k in range(0, len(on_device), max(size, 1))]
         if not chunks:
             return device, on_device, []
-        stream = self._decode_stream(device) if device.type == "cuda" else None
-        pool = self._pool()
-        return device, on_device, [(c, pool.submit(_decode_chunk, [views[i] for i in c], device, stream, decoder))
-                                   for c in chunks]
+        streams = self._decode_streams(device) if device.type == "cuda" else None
+        return device, on_device, [(c, self._threads.submit(_decode_chunk, [views[i] for i in c], device, streams,
+                                                            decoder, self.host_wait)) for c in chunks]
 
     def _limit(self) -> int | None:
         return self.max_pixels if self.max_pixels is not None else default_max_pixels()
@@ -302,15 +323,15 @@ class DecodeImages:
         """
         return DecodeAhead(iterable, self, batches)
 
-    def _decode_stream(self, device: torch.device) -> torch.cuda.Stream:
-        # one per device and priority for the life of the stage (no stream per batch), with the priority of
-        # the stream it is called on (CUDAPrefetcher(stream_priority="high") -> high), also when one stage
-        # serves prefetchers of both priorities
+    def _decode_streams(self, device: torch.device) -> DecodeStreams:
+        # per device and priority for the life of the stage (no stream per batch; one per decode call in flight),
+        # with the priority of the stream it is called on (CUDAPrefetcher(stream_priority="high") -> high), also
+        # when one stage serves prefetchers of both priorities
         priority = torch.cuda.current_stream(device).priority
-        stream = self._streams.get((device, priority))
-        if stream is None:
-            stream = self._streams[(device, priority)] = torch.cuda.Stream(device, priority=priority)
-        return stream
+        streams = self._streams.get((device, priority))
+        if streams is None:
+            streams = self._streams[(device, priority)] = DecodeStreams(device, priority)
+        return streams
 
     def _host(self, packed: PackedImages, rows: list[int], views: list[torch.Tensor], field: str, device: torch.device, backend: str, bad: dict[int, str]) -> list[torch.Tensor | None]:
         """Decode images ``rows`` on the host (and move them to ``device``); failures go to ``bad``."""
@@ -345,16 +366,23 @@ class DecodeImages:
                           "fails on, are decoded on the host, many times slower (see decode.host_decoded)",
                           RuntimeWarning, stacklevel=4)
 
-    def _pool(self) -> ThreadPoolExecutor:
-        if self._executor is None or self._executor_pid != os.getpid():  # not inherited across fork
-            self._executor = executor(1, name="fastdata-nvjpeg")
-            self._executor_pid = os.getpid()
-        return self._executor
+    def close(self) -> None:
+        """End the decode threads (joined after their current call) and, with ``host_wait=False``, wait for the
+        decodes whose buffers and inputs are still held, and release them. The stage stays usable: its next
+        batch starts new threads. Also ``with DecodeImages(...) as decode:``."""
+        self._threads.close()
+        if not self.host_wait:
+            release_pending()
+
+    def __enter__(self) -> DecodeImages:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state["_executor"] = state["_executor_pid"] = None
-        state["_streams"] = {}
+        state["_streams"] = {}  # the threads pickle as their count: a new process starts its own
         return state
 
     def _failed(self, packed: PackedImages, i: int, field: str, reason: str, bad: dict[int, str]) -> None:
@@ -401,22 +429,35 @@ class DecodeImages:
 
     def __repr__(self) -> str:
         keys = None if self.keys is None else sorted(self.keys, key=str)
+        extra = "".join(f", {k}={v!r}" for k, v, default in (("decode_threads", self.decode_threads, 1),
+                                                             ("host_wait", self.host_wait, True)) if v != default)
         return (f"DecodeImages(keys={keys}, device={self.device}, on_error={self.on_error!r}, "
-                f"device_decoder={self.device_decoder!r})")
+                f"device_decoder={self.device_decoder!r}{extra})")
 
 
-def _decode_chunk(views: list[torch.Tensor], device: torch.device, stream: torch.cuda.Stream | None,
-                  decoder: str) -> tuple[list[torch.Tensor | None], torch.cuda.Event | None]:
-    """Background thread: decode on the stage's decode stream (torchvision orders it after its own
-    decode stream); the event marks the images ready. On the CPU (nvImageCodec's CPU backend): no
-    stream, no event. ``None`` entries: images the decoder could not decode."""
-    if stream is None:
-        return decode_device(views, device, decoder), None
-    with torch.cuda.stream(stream):
-        images = decode_device(views, device, decoder)
-        ready = torch.cuda.Event()
-        ready.record(stream)
-    return images, ready
+def _decode_chunk(views: list[torch.Tensor], device: torch.device, streams: DecodeStreams | None, decoder: str,
+                  host_wait: bool) -> tuple[list[torch.Tensor | None], torch.cuda.Event | None]:
+    """A decode thread: decode on a stream of the stage's of its own for the call (torchvision orders it after
+    its own decode stream); the event, recorded there after the call, marks the images ready (``_take`` joins
+    it to the consumer's stream). On the CPU (nvImageCodec's CPU backend): no stream, no event. ``None``
+    entries: images the decoder could not decode."""
+    wait = {} if host_wait else {"host_wait": False}
+    try:
+        if streams is None:
+            return decode_device(views, device, decoder, **wait), None
+        stream = streams.take()
+        try:
+            with torch.cuda.stream(stream):
+                images = decode_device(views, device, decoder, **wait)
+                ready = torch.cuda.Event()
+                ready.record(stream)
+        finally:
+            streams.give(stream)
+        return images, ready
+    except BaseException as e:  # handed to the consumer with its traceback (DecodeThreads.result)
+        e.add_note(f"fastdata: in thread {threading.current_thread().name}, decoding {len(views)} images with "
+                   f"{decoder!r}")
+        raise
 
 
 def _take(result: tuple[list[torch.Tensor | None], torch.cuda.Event | None],

@@ -33,12 +33,22 @@ def test_every_candidate_builds_a_stage_and_its_source(module):
     cand = module("candidates")
     names = [c.name for c in cand.CANDIDATES]
     assert len(set(names)) == len(names) and "ahead1" in names
+    status = cand.decoder_status()
     for c in cand.CANDIDATES:
         assert cand.by_name(c.name) is c
-        stage = c.decode_stage("torchvision", "cpu", keys=["jpg"])
-        assert isinstance(stage, gpu.DecodeImages) and stage.device_decoder == "torchvision"
+        assert c.decoders is None or set(c.decoders) <= set(cand.DECODERS)
+        decoder = "torchvision" if c.applies_to("torchvision") else c.decoders[0]
+        if status[decoder] is not None:  # its library does not load here
+            continue
+        stage = c.decode_stage(decoder, "cpu", keys=["jpg"])
+        assert isinstance(stage, gpu.DecodeImages) and stage.device_decoder == decoder
+        assert all(getattr(stage, k) == v for k, v in c.stage)  # the arguments that select it
         src = c.source(stage, [1, 2, 3])
         assert list(src) == [1, 2, 3] and (c.ahead == 0 or src.batches == c.ahead)
+        stage.close()
+    codec = {c.name: c for c in cand.CANDIDATES if c.stage}
+    assert codec["nowait"].decoders == ("nvimgcodec",) and dict(codec["nowait"].stage) == {"host_wait": False}
+    assert codec["threads4"].decoders == ("torchcodec",) and dict(codec["threads4"].stage) == {"decode_threads": 4}
     with pytest.raises(ValueError, match="unknown decode candidate 'nope'"):
         cand.by_name("nope")
     status = cand.decoder_status(("torchvision", "no-such-decoder"))
@@ -51,10 +61,10 @@ def row(decoder, candidate, priority, stage, train, **extra):
             "train_share": train / 10_000, **extra}
 
 
-def results(tmp_path: Path, rows: list[dict]) -> Path:
+def results(tmp_path: Path, rows: list[dict], **decode) -> Path:
     (tmp_path / "decode.json").write_text(json.dumps({"env": {"gpu": "H200"}, "args": {"model": "resnet18"},
                                                       "rows": rows, "decoders": {"torchcodec": "not installed"},
-                                                      "best": None}))
+                                                      "best": None, **decode}))
     (tmp_path / "train.json").write_text(json.dumps({"args": {"models": ["resnet18"], "size": 224}, "results": [
         {"variant": "resident", "images_per_s": 10_000, "share_of_resident": 1.0, "wait_p99_ms": 0.0,
          "cpu_cores": 1.0, "gpu_util_pct": 90.0},
@@ -98,3 +108,24 @@ def test_best_args_give_part_c_the_best_row(tmp_path, capsys, module):
     assert report.best_args(tmp_path / "missing.json") == ""
     assert report.best_row([row("a", "ahead1", "normal", 5_000, 9_000), row("b", "ahead1", "normal", 9_000, 4_000),
                  row("c", "ahead1", "normal", 8_000, 7_000, repeat=True)])["decoder"] == "a"
+
+
+def test_report_weighs_each_codec_row_against_todays_pipeline_with_its_decoder(tmp_path, capsys, module):
+    report = module("report")
+    rows = [row("torchcodec", "ahead1", "normal", 2_500, 9_000), row("torchcodec", "threads4", "normal", 6_000, 8_800),
+            row("nvimgcodec", "ahead1", "high", 7_000, 9_000), row("nvimgcodec", "nowait", "high", 7_200, 9_000),
+            row("nvimgcodec", "ahead1", "normal", 6_000, 9_000),
+            row("torchcodec", "ahead1", "normal", 2_550, 9_000, repeat=True)]  # 2% spread: the 5% floor holds
+    assert report.main([str(results(tmp_path, rows, auto_device_decoder="torchcodec"))]) == 0
+    out = capsys.readouterr().out
+    assert "| torchcodec | threads4 | normal | 12,000 |" in out and "| nvimgcodec | nowait | high | 14,400 |" in out
+    assert "torchcodec 6,000, nvimgcodec 7,200 (margin 5%): **make it nvimgcodec**" in out  # against "auto"'s
+    assert ("`DecodeImages(host_wait=)` with nvimgcodec <- decode.json, nvimgcodec high stream: nowait 7,200 vs "
+            "ahead1 7,000: keep the default") in out  # 3%: within the margin
+    assert ("`DecodeImages(decode_threads=)` with torchcodec <- decode.json, torchcodec normal stream: threads4 "
+            "6,000 vs ahead1 2,500: **make decode_threads=4 the default with torchcodec**") in out
+    rows[3] = row("nvimgcodec", "nowait", "high", 9_000, 9_500)
+    assert report.main([str(results(tmp_path, rows[:4]))]) == 0  # no auto_device_decoder: older results
+    out = capsys.readouterr().out
+    assert "**make host_wait=False the default with nvimgcodec**" in out
+    assert 'keep torchvision (what "auto" resolves to, not measured)' in out  # nothing to weigh the others against

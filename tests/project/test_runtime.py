@@ -50,7 +50,7 @@ def _thread_names(tree: ast.AST) -> list[tuple[int, str]]:
     out = []
     for call in _calls(tree):
         t = _target(call)
-        if t is None or t[1] not in ("thread", "new_thread", "executor"):
+        if t is None or t[1] not in ("thread", "new_thread", "executor", "Pool"):  # a Pool names its threads
             continue
         name = next((k.value for k in call.keywords if k.arg == "name"), None)
         if isinstance(name, ast.Constant):
