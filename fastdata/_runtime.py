@@ -1,7 +1,7 @@
-"""The inventory of what fastdata runs beside the caller's code: every fork hook and every thread.
+"""The inventory of what fastdata runs beside the caller's code: every fork hook, exit hook and thread.
 
-Fork hooks are registered through :func:`at_fork` and threads are made by :func:`thread`, nowhere
-else (``tests/project/test_runtime.py`` checks every module): each says which module owns it and
+Fork hooks are registered through :func:`at_fork`, exit hooks through :func:`at_exit` and threads are
+made by :func:`thread` (or :func:`executor`), nowhere else (``tests/project/test_runtime.py`` checks every module): each says which module owns it and
 what it is for, and docs/ARCHITECTURE.md lists them. Order: ``os.register_at_fork`` runs ``before``
 hooks in reverse order of registration and the ``after_*`` hooks in order, and :func:`at_fork`
 registers each hook with it at once, so the order is the modules' import order, as before
@@ -10,6 +10,7 @@ Every thread fastdata starts is a daemon named with a prefix from :data:`THREADS
 """
 from __future__ import annotations
 
+import atexit
 import os
 import threading
 from collections.abc import Callable
@@ -17,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["THREADS", "ForkHook", "at_fork", "executor", "fork_hooks", "thread"]
+__all__ = ["THREADS", "ExitHook", "ForkHook", "at_exit", "at_fork", "executor", "exit_hooks", "fork_hooks", "thread"]
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,29 @@ def at_fork(owner: str, purpose: str, *, before: Callable[[], None] | None = Non
 def fork_hooks() -> tuple[ForkHook, ...]:
     """The hooks registered so far, in order of registration (modules register theirs when imported)."""
     return tuple(_HOOKS)
+
+
+@dataclass(frozen=True)
+class ExitHook:
+    """One registered exit hook (``atexit``): its owner (a module name), what it is for and its function."""
+
+    owner: str
+    purpose: str
+    fn: Callable[[], None]
+
+
+_EXITS: list[ExitHook] = []
+
+
+def at_exit(owner: str, purpose: str, fn: Callable[[], None]) -> None:
+    """Register ``fn`` with ``atexit`` (run in reverse order of registration) and record it in the inventory."""
+    _EXITS.append(ExitHook(owner, purpose, fn))
+    atexit.register(fn)
+
+
+def exit_hooks() -> tuple[ExitHook, ...]:
+    """The exit hooks registered so far, in order of registration (modules register theirs when imported)."""
+    return tuple(_EXITS)
 
 
 # Every thread fastdata starts: name prefix -> (owner module, what it does and when it ends).

@@ -10,25 +10,26 @@ outlives its process. See docs/design/next-epoch-preload.md.
 """
 from __future__ import annotations
 
-import atexit
 import threading
 import weakref
 from collections.abc import Iterator
 from typing import Any
 
-from fastdata._runtime import thread
+from fastdata._runtime import at_exit, thread
 from fastdata.dataset._cursor import Cursor, EpochStart
 
 __all__ = ["NextEpoch"]
 
 # The preload threads of this process, stopped at interpreter exit.
 _LIVE: weakref.WeakSet[NextEpoch] = weakref.WeakSet()
-_HOOKED = False
 
 
 def _stop_all() -> None:
     for pre in list(_LIVE):
         pre.stop()
+
+
+at_exit(__name__, "stop the next-epoch preload threads of persistent workers", _stop_all)
 
 
 class _Loaded:
@@ -97,7 +98,6 @@ class NextEpoch:
             self._thread = None
 
     def _begin(self, seam: Any, done: EpochStart, physical: int) -> None:
-        global _HOOKED
         ds = seam.dataset
         if self.samples <= 0 or ds.streaming:
             return
@@ -111,9 +111,6 @@ class NextEpoch:
         cursor = seam.cursor(start, worker)
         self._loaded = _Loaded(start, worker, cursor, (ds.rank, ds.world_size))
         self._halt = threading.Event()
-        if not _HOOKED:
-            atexit.register(_stop_all)
-            _HOOKED = True
         _LIVE.add(self)
         self._thread = thread(_preload, args=(self._loaded, self.samples, self._halt), name="fastdata-next-epoch")
         self._thread.start()

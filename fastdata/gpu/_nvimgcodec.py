@@ -17,7 +17,6 @@ Design note: docs/design/codec.md ("nvImageCodec without a host wait").
 """
 from __future__ import annotations
 
-import atexit
 import os
 import threading
 import warnings
@@ -26,6 +25,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from fastdata._runtime import at_exit
 
 __all__ = ["MAX_PENDING", "decode", "pending_calls", "release"]
 
@@ -158,4 +159,4 @@ def _release_at_exit() -> None:
                       stacklevel=1)
 
 
-atexit.register(_release_at_exit)
+at_exit(__name__, "release nvImageCodec's pending decodes while CUDA still runs", _release_at_exit)

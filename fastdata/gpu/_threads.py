@@ -12,7 +12,6 @@ Design note: docs/design/gpu-decode.md ("Decode threads").
 """
 from __future__ import annotations
 
-import atexit
 import os
 import threading
 import weakref
@@ -22,6 +21,7 @@ from typing import Any
 
 import torch
 
+from fastdata._runtime import at_exit
 from fastdata.loader import Pool
 
 __all__ = ["MAX_DECODE_THREADS", "THREAD_NAME", "DecodeStreams", "DecodeThreads", "check_decode_threads"]
@@ -124,4 +124,5 @@ def _close_at_exit() -> None:
         pool.close()
 
 
-atexit.register(_close_at_exit)
+at_exit(__name__, "end the device decode threads after their current call (inside a codec at finalization they "
+        "can abort the process)", _close_at_exit)

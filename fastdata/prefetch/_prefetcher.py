@@ -13,7 +13,6 @@ the batch where they happened; a thread still running when the interpreter exits
 """
 from __future__ import annotations
 
-import atexit
 import threading
 import time
 import warnings
@@ -23,6 +22,7 @@ from typing import Any
 
 import torch
 
+from fastdata._runtime import at_exit
 from fastdata.errors import StateError
 from fastdata.prefetch._epochs import EpochRunner
 from fastdata.prefetch._epochs import iter_hazards as _iter_hazards
@@ -55,7 +55,7 @@ def _stop_runs_at_exit() -> None:
             thread.join(max(0.0, deadline - time.monotonic()))
 
 
-atexit.register(_stop_runs_at_exit)
+at_exit(__name__, "stop the prefetchers' producer threads before the interpreter finalizes", _stop_runs_at_exit)
 
 
 class CUDAPrefetcher:

@@ -148,6 +148,17 @@ def test_the_fork_hook_table_is_the_inventory():
     assert doc == code, _diff(doc, code)
 
 
+def test_the_exit_hook_table_is_the_inventory():
+    from fastdata import _runtime
+
+    _import_every_module()
+    (rows,) = tables(section("Exit hooks"))
+    doc = {ticked(row[0])[0]: (row[1], ticked(row[2])[0]) for row in rows}
+    code = {h.owner: (h.purpose, h.fn.__qualname__) for h in _runtime.exit_hooks()}
+    assert len(doc) == len(rows), f"{FIX} lists an exit-hook owner twice"
+    assert doc == code, _diff(doc, code)
+
+
 def test_the_registration_order_the_page_gives():
     """'``import fastdata`` alone registers none; ``fastdata.DataLoader`` registers the first six above, in
     that order' (in a fresh process)."""

@@ -1,4 +1,4 @@
-"""The inventory of fork hooks and threads (fastdata._runtime) is complete: nothing bypasses it."""
+"""The inventory of fork hooks, exit hooks and threads (fastdata._runtime) is complete: nothing bypasses it."""
 from __future__ import annotations
 
 import ast
@@ -12,7 +12,7 @@ import fastdata
 from fastdata import _runtime
 
 PACKAGE = Path(fastdata.__file__).parent
-BYPASSES = {("os", "register_at_fork"), ("threading", "Thread"), (None, "ThreadPoolExecutor"),
+BYPASSES = {("os", "register_at_fork"), ("atexit", "register"), ("threading", "Thread"), (None, "ThreadPoolExecutor"),
             ("futures", "ThreadPoolExecutor")}
 
 
@@ -39,7 +39,7 @@ def test_no_module_registers_a_fork_hook_or_starts_a_thread_past_the_inventory(p
     tree = ast.parse(path.read_text())
     found = [f"line {c.lineno}: {'.'.join(x for x in t if x)}" for c in _calls(tree)
              if (t := _target(c)) in BYPASSES]
-    assert not found, f"use fastdata._runtime.at_fork/thread/executor instead: {found}"
+    assert not found, f"use fastdata._runtime.at_fork/at_exit/thread/executor instead: {found}"
 
 
 def _thread_names(tree: ast.AST) -> list[tuple[int, str]]:
@@ -103,3 +103,13 @@ def test_every_fork_hook_of_every_module_is_in_the_inventory_with_its_owner() ->
     for h in hooks:
         assert h.purpose and any((h.before, h.after_in_parent, h.after_in_child)), h
         assert (h.before is None) == (h.after_in_parent is None), f"{h.owner}: a pause needs its resume"
+
+
+def test_every_exit_hook_is_in_the_inventory_with_its_owner() -> None:
+    for info in pkgutil.walk_packages(fastdata.__path__, "fastdata."):
+        if not info.name.endswith("__main__"):  # it runs the command line
+            importlib.import_module(info.name)
+    hooks = _runtime.exit_hooks()
+    assert {h.owner for h in hooks} == {"fastdata.dataset._preload", "fastdata.prefetch._prefetcher",
+                                        "fastdata.gpu._threads", "fastdata.gpu._nvimgcodec"}
+    assert all(h.purpose and callable(h.fn) for h in hooks)
