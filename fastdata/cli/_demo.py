@@ -20,6 +20,7 @@ import shutil
 import sys
 import tempfile
 import time
+import warnings
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -434,7 +435,8 @@ def run_demo(*, workdir: str | None, num_images: int, num_workers: int | None, e
     t_all = time.perf_counter()
     model_name, m = build_model(model, device)  # before any work: a model that cannot be built fails now
     if model == "auto" and model_name != "resnet18" and device.type == "cuda":
-        print(f"resnet18 needs torchvision: {_torchvision_model('resnet18')}; training a small CNN instead", flush=True)
+        warnings.warn(f"resnet18 needs torchvision ({_torchvision_model('resnet18')}); the demo trains a small CNN "
+                      "instead", RuntimeWarning, stacklevel=2)
     with _workdir(workdir) as root:
         shards, _ = _make_shards(root, num_images, workers, show_paths=workdir is not None)
         precision = "bf16 autocast" if device.type == "cuda" and torch.cuda.is_bf16_supported() else (
