@@ -5,7 +5,7 @@
 #   command:   bash benchmarks/gpu/check.sh --out $OUT
 #   carry:     [".whl"]
 #   timeout_s: 600
-# Once, here, before it: the wheels of benchmarks/gpu/wheels.txt into the ignored folder .whl/ (31 MB):
+# Once, here, before it: the wheels of benchmarks/gpu/wheels.txt into the ignored folder .whl/ (37 MB):
 #   rm -rf .whl && sed 's/#.*//' benchmarks/gpu/wheels.txt | xargs python3 -m pip download --no-deps \
 #     --only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 \
 #     --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
