@@ -2,6 +2,7 @@
 use locks given back, many threads acquiring one shard."""
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
@@ -17,21 +18,29 @@ from tests.helpers.loopback_server import LoopbackServer, make_shard_set
 pytestmark = pytest.mark.filterwarnings("ignore:Unclosed:ResourceWarning")
 
 
-def test_a_prefetch_failure_of_an_abandoned_walk_is_not_raised_by_a_later_one(served_6_shards, tmp_path):
-    # A prefetch that failed (server down for a moment) was remembered for good: the next walk's
-    # demand fetch of that shard raised the old error without a request, although the server was back.
-    down = {"shard-000001.tar": True}
+@contextlib.contextmanager
+def _shard_1_down(root, tmp_path, down):
+    """Serve ``root`` with the shards named in ``down`` failing (503); yield after the first sample, once the
+    prefetch of shard 1 has failed: ``(server, dataset, walk, first sample)``."""
     fault = lambda path, nth: 503 if down.get(path.rsplit("/", 1)[-1]) else None  # noqa: E731
-    with LoopbackServer(served_6_shards, ranges=False, fault=fault, max_requests=200, lifetime=60) as srv:
+    with LoopbackServer(root, ranges=False, fault=fault, max_requests=200, lifetime=60) as srv:
         ds = ShardedDataset(RemoteShards(srv.url + "/ds", cache_dir=tmp_path / "nc", prefetch=2, retries=1),
                             decode=False)
         cache = ds.source.node_cache
         it = iter(ds)
-        next(it)  # reads shard 0 and prefetches shards 1 and 2: shard 1 fails
+        first = next(it)  # reads shard 0 and prefetches shards 1 and 2: shard 1 fails
         deadline = time.monotonic() + 20
         while 1 not in cache._failed and time.monotonic() < deadline:
             time.sleep(0.01)
         assert 1 in cache._failed
+        yield srv, ds, it, first
+
+
+def test_a_prefetch_failure_of_an_abandoned_walk_is_not_raised_by_a_later_one(served_6_shards, tmp_path):
+    # A prefetch that failed (server down for a moment) was remembered for good: the next walk's
+    # demand fetch of that shard raised the old error without a request, although the server was back.
+    down = {"shard-000001.tar": True}
+    with _shard_1_down(served_6_shards, tmp_path, down) as (srv, ds, it, _):  # shard 1's prefetch has failed
         it.close()  # the walk is abandoned (an early exit)
         down.clear()  # the server is back
         assert sorted(s["__key__"] for s in ds) == [f"k{i:05d}" for i in range(24)]
@@ -41,16 +50,8 @@ def test_a_prefetch_failure_of_an_abandoned_walk_is_not_raised_by_a_later_one(se
 def test_an_old_prefetch_failure_is_retried_by_the_demand_fetch(served_6_shards, tmp_path, monkeypatch):
     monkeypatch.setattr(_cache, "_FAILED_FRESH_S", 0.0)  # every failure is old by the time it is needed
     down = {"shard-000001.tar": True}
-    fault = lambda path, nth: 503 if down.get(path.rsplit("/", 1)[-1]) else None  # noqa: E731
-    with LoopbackServer(served_6_shards, ranges=False, fault=fault, max_requests=200, lifetime=60) as srv:
-        ds = ShardedDataset(RemoteShards(srv.url + "/ds", cache_dir=tmp_path / "nc", prefetch=2, retries=1),
-                            decode=False)
-        cache = ds.source.node_cache
-        it = iter(ds)
-        keys = [next(it)["__key__"]]
-        deadline = time.monotonic() + 20
-        while 1 not in cache._failed and time.monotonic() < deadline:
-            time.sleep(0.01)
+    with _shard_1_down(served_6_shards, tmp_path, down) as (srv, ds, it, first):  # shard 1's prefetch has failed
+        keys = [first["__key__"]]
         down.clear()
         keys += [s["__key__"] for s in it]  # the same walk reaches shard 1
         assert sorted(keys) == [f"k{i:05d}" for i in range(24)]
