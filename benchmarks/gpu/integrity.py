@@ -11,7 +11,7 @@ status. Writes DIR/integrity.json and prints a table. Nothing here is timed for 
 finalization (multiprocessing.spawn calls sys.exit; fork and forkserver children call os._exit), so
 C++ static destructors run there, and a still-running native thread then aborts the process
 ("terminate called without an active exception"); skipping them should remove the aborts.
-Also runnable in the CUDA-free dev container. There, one session saw "fastdata spawn del" abort in 2 of
+Also runnable in the CUDA-free dev container. There, one run saw "fastdata spawn del" abort in 2 of
 10 rounds (and a plain repro in 6 of 60) until fastdata's workers began to leave through ``os._exit``
 (``fastdata.loader._exit``, the hypothesis above confirmed for fastdata.DataLoader): 0 of 10 since
 (0 of 60 in the repro); plain torch loaders keep torch's exit.
