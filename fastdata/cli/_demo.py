@@ -470,8 +470,8 @@ def run_demo(*, workdir: str | None, num_images: int, num_workers: int | None, e
     first = ("1st epoch = warm-up (worker start, cache fill), not in images/s." if epochs > 1
              else "One epoch each: worker start and the cache fill are in images/s.")  # no warm-up epoch
     print(f"      fastdata cached runs {cached.images_per_s / max(plain.images_per_s, 1e-9):.1f}x the tuned "
-          f"DataLoader; the loop waits for input {cached.wait_share:.0%} of the time instead of "
-          f"{plain.wait_share:.0%}. {first}")
+          f"DataLoader; its loop waits for input {cached.wait_share:.0%} of the time (the tuned DataLoader's: "
+          f"{plain.wait_share:.0%}). {first}")
     bound = [r.pipeline for r in rows if r.loader_bound]
     print(f"      loader-bound (waits > {LOADER_BOUND_SHARE:.0%}): " + (", ".join(bound) if bound else "none") +
           f"; total {time.perf_counter() - t_all:.0f} s")
