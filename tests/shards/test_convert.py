@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+import fastdata.shards.convert as _convert_mod
 from fastdata.shards._images import BadImage, check_image, resize_center_crop
 from fastdata.shards._sources import SourceError, list_source
 from fastdata.shards.convert import (ConversionError, ConvertOptions, DEFAULT_SHARD_SIZE, convert, parse_size,
@@ -225,23 +226,32 @@ def test_member_bytes_is_what_the_writer_writes(name):
         assert member_bytes(name, size) == len(_tarfmt.member_header(name, size)) + size + _tarfmt.pad(size)
 
 
-def _die_on_shard_one(task, tick):
-    import fastdata.shards.convert as convert_mod
+_REAL_POOL_JOB = _convert_mod._pool_job  # captured at import: in a spawned worker too, which re-imports this module
+_REAL_WRITE_JOB = _convert_mod._write_job
 
+
+def _die_on_shard_one(task, tick):
     if task.job.number == 1:
         os._exit(9)  # as the OOM killer would
-    return convert_mod._real_write_job(task, tick)
+    return _REAL_WRITE_JOB(task, tick)
 
 
-def test_a_worker_that_dies_is_a_conversion_error_naming_its_shard(tmp_path, monkeypatch):
+def _pool_job_that_dies_on_shard_one(task):
+    """Runs in the conversion worker (reached by name, so under fork and spawn alike): that process's
+    ``_write_job`` dies on shard 1 after the job announced its start."""
+    _convert_mod._write_job = _die_on_shard_one
+    return _REAL_POOL_JOB(task)
+
+
+@pytest.mark.parametrize("start", ["chosen", "spawn"])
+def test_a_worker_that_dies_is_a_conversion_error_naming_its_shard(tmp_path, monkeypatch, start):
     """Before: "BrokenProcessPool: A process in the process pool was terminated abruptly while the
     future was running or pending", naming no shard and no DEST."""
-    import fastdata.shards.convert as convert_mod
+    import multiprocessing
 
-    if convert_mod._mp_context().get_start_method() != "fork":
-        pytest.skip("the patched job reaches the workers only when they are forked")
-    monkeypatch.setattr(convert_mod, "_real_write_job", convert_mod._write_job, raising=False)
-    monkeypatch.setattr(convert_mod, "_write_job", _die_on_shard_one)
+    monkeypatch.setattr(_convert_mod, "_pool_job", _pool_job_that_dies_on_shard_one)
+    if start == "spawn":  # "chosen": fork when the test process has no other thread, else spawn
+        monkeypatch.setattr(_convert_mod, "_mp_context", lambda: multiprocessing.get_context("spawn"))
     with pytest.raises(ConversionError, match=r"worker process died .*shard-000001\.tar.* into DEST .*out.*rerun"):
         convert(image_folder(tmp_path / "src"), tmp_path / "out",
                 ConvertOptions(samples_per_shard=2, workers=2, progress=False))
