@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import fork_probe
+from tests.helpers import fork_probe  # noqa: F401  registers its fork hook before fastdata's, so it runs after them
 from tests.helpers.loopback_server import make_shard_set
 
 

@@ -11,7 +11,12 @@ every remaining position exactly once and equal batch counts across the new rank
 documented exception (one worker per rank: fewer than W2 repeats, with a warning; docs/guide/resume.md).
 Prints each failing case and a count; exits 1 when any failed.
 """
-import json, random, sys, tempfile, warnings
+
+import json
+import random
+import sys
+import tempfile
+import warnings
 from collections import Counter
 from pathlib import Path
 
@@ -33,22 +38,34 @@ def make(dest):
     for j, size in enumerate(sizes):
         p = dest / f"s{j}.tar"
         write_tar_shard(p, [{"__key__": f"k{i + k:04d}", "cls": str(i + k).encode()} for k in range(size)])
-        paths.append(str(p)); i += size
+        paths.append(str(p))
+        i += size
     return paths
 
 
 def loader(shards, rank, world, path, workers, *, even="pad", drop_last=False, shuffle=True, threads=2):
-    ds = ShardedDataset(shards, shuffle=ShuffleOptions(open_shards=2, buffer_size=8) if shuffle else False,
-                        seed=7, rank=rank, world_size=world, even=even)
+    ds = ShardedDataset(
+        shards,
+        shuffle=ShuffleOptions(open_shards=2, buffer_size=8) if shuffle else False,
+        seed=7,
+        rank=rank,
+        world_size=world,
+        even=even,
+    )
     # num_workers fixes the order on every path; decode_threads only says how many threads decode
-    kw = {"num_workers": workers} if path in ("workers", "inproc") else {"num_workers": workers, "decode_threads": threads}
+    kw = (
+        {"num_workers": workers}
+        if path in ("workers", "inproc")
+        else {"num_workers": workers, "decode_threads": threads}
+    )
     return DataLoader(ds, batch_size=BS, collate_fn=collate, drop_last=drop_last, **kw)
 
 
 def resume_case(shards, rng):
     """One worker count per case (the order is the same on every path at one count): the interrupted
     chain must give the uninterrupted run's batches, in order, for epochs 0 and 1."""
-    world = rng.choice([1, 2, 3]); rank = rng.randrange(world)
+    world = rng.choice([1, 2, 3])
+    rank = rng.randrange(world)
     opts = dict(even=rng.choice(["pad", "drop"]), drop_last=rng.random() < 0.3, shuffle=rng.random() < 0.8)
     w = rng.choice([0, 1, 2])
     paths = ["inproc" if w == 0 else "workers", "threads"]
@@ -59,28 +76,35 @@ def resume_case(shards, rng):
     ref_loader = make(paths[0])
     ref = []
     for ep in range(2):
-        ref_loader.set_epoch(ep); ref.append([b for b in ref_loader])
+        ref_loader.set_epoch(ep)
+        ref.append([b for b in ref_loader])
     flat_ref = [(0, b) for b in ref[0]] + [(1, b) for b in ref[1]]
     got, state, epoch = [], None, 0
     for _ in range(rng.randint(1, 10)):
         ld = make(rng.choice(paths))
         if state is not None:
             ld.load_state_dict(json.loads(json.dumps(state)))
-        it = iter(ld); take = rng.randint(0, 5)
+        it = iter(ld)
+        take = rng.randint(0, 5)
         for _ in range(take):
             try:
                 got.append((epoch, next(it)))
             except StopIteration:
-                epoch += 1; ld.set_epoch(epoch); it = iter(ld)
+                epoch += 1
+                ld.set_epoch(epoch)
+                it = iter(ld)
                 if epoch > 1:
                     break
-        state = ld.state_dict(); del it, ld
+        state = ld.state_dict()
+        del it, ld
         if epoch > 1:
             break
-    ld = make(paths[0]); ld.load_state_dict(state)
+    ld = make(paths[0])
+    ld.load_state_dict(state)
     while epoch <= 1:
         got += [(epoch, b) for b in ld]
-        epoch += 1; ld.set_epoch(epoch)
+        epoch += 1
+        ld.set_epoch(epoch)
     ok = got == flat_ref
     return ok, dict(world=world, rank=rank, w=w, **opts)
 
@@ -95,10 +119,12 @@ def elastic_case(shards, rng):
             full.update(b)
     seen, states = Counter(), []
     for r in range(w1):
-        ld = loader(shards, r, w1, "workers" if n1 else "inproc", n1); it = iter(ld)
+        ld = loader(shards, r, w1, "workers" if n1 else "inproc", n1)
+        it = iter(ld)
         for _ in range(steps):
             seen.update(next(it))
-        states.append(json.loads(json.dumps(ld.state_dict()))); del it
+        states.append(json.loads(json.dumps(ld.state_dict())))
+        del it
     batches, warned = [], []
     for r in range(w2):
         ld = loader(shards, r, w2, "workers" if n2 else "inproc", n2)
@@ -107,7 +133,8 @@ def elastic_case(shards, rng):
             ld.load_state_dict(states)
             n = 0
             for b in ld:
-                seen.update(b); n += 1
+                seen.update(b)
+                n += 1
         warned += [str(x.message)[:120] for x in ws if "elastic" in str(x.message)]
         batches.append(n)
     extra = sum(((seen - full) + (full - seen)).values())
@@ -128,6 +155,7 @@ if __name__ == "__main__":
             ok, case = False, {"error": f"{type(e).__name__}: {e}"[:200]}
             errs += 1
         if not ok:
-            fails += 1; print("FAIL", i, case, flush=True)
+            fails += 1
+            print("FAIL", i, case, flush=True)
     print(f"{kind}: {n} cases, {fails} failed ({errs} raised)")
     sys.exit(1 if fails else 0)

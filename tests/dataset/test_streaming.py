@@ -186,7 +186,6 @@ def test_a_streaming_resume_whose_replay_fails_raises_instead_of_losing_samples(
     """A URL-list dataset resumes by re-reading the consumed part without decoding. A shard that failed
     there (404) counted as one position, so the replay ran on into later shards and the resumed epoch
     silently lost the rest of that shard and the whole next one, under on_error="raise"."""
-    import sys
 
     from fastdata.errors import FastdataError
 

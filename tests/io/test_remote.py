@@ -136,7 +136,6 @@ def s3(monkeypatch):
     moto_server = pytest.importorskip("moto.server")
     fsspec = pytest.importorskip("fsspec")
     pytest.importorskip("s3fs")
-    import fsspec.config
 
     srv = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     srv.start()

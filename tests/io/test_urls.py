@@ -218,7 +218,6 @@ def test_converting_a_signed_source_url_keeps_its_token_out_of_names_and_message
     and all: the token landed in the output manifest (extra.source.path); a signed single .tar URL was
     taken for a folder (HTTP 404 for .../shard-000000.tar/manifest.json); errors printed the raw URL."""
     import json
-    import sys
 
     from fastdata.errors import FastdataError
     from fastdata.shards.convert import ConvertOptions, convert

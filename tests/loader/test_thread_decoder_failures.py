@@ -116,7 +116,6 @@ def test_decode_threads_timeout_raises_at_the_timeout(tmp_path: Path, decode_thr
     told to stop and left to end on its own; its batch rows are never handed out again."""
     import threading
     import time
-    from typing import Any
 
     src = make_shards(tmp_path / "ds", 8, 4, key="k{i:03d}", image=(20, 24), cls="int")
     release = threading.Event()

@@ -171,7 +171,6 @@ def test_verify_of_a_url_calls_a_404_a_missing_shard_and_a_compressed_tar_is_a_s
     'HTTP 404 Not Found' (or any other reason text) was reported as a raw fetch failure. And a
     manifest-less '.tar.gz' shard was a bare ValueError, not a FastdataError."""
     import gzip
-    import sys
 
     from fastdata.errors import SourceError
     from fastdata.shards.reader import verify
