@@ -15,6 +15,7 @@ not. Swapping costs two host-side state copies per step (no device sync).
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -276,27 +277,46 @@ class TrainStep:
         if not micro < self.options.grad_accum:
             raise ValueError(f"state has micro={micro}, out of range for grad_accum={self.options.grad_accum}")
         if rng is not None:
-            cpu = rng.get("cpu") if isinstance(rng, Mapping) else None
-            if not isinstance(cpu, torch.Tensor) or cpu.dtype != torch.uint8 or cpu.shape != self._rng.cpu_state.shape:
-                raise ValueError(f"state has rng={rng!r:.80}; expected the random stream's {{'cpu': tensor, ...}}")
+            self._rng.check_state_dict(rng)
         scaler = state["scaler"]
-        if self.scaler is not None and scaler:
-            keys = set(self.scaler.state_dict())
-            if not isinstance(scaler, Mapping) or not keys <= set(scaler):
-                raise ValueError(f"state has scaler={scaler!r:.80}; expected a GradScaler state with {sorted(keys)}")
+        if self.scaler is not None and scaler is not None:  # loaded when given: a damaged [] or 0 is no "None"
+            _check_scaler_state(self.scaler, scaler)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict` (checked whole by :meth:`check_state_dict` before anything is restored)."""
         self.check_state_dict(state)
         micro, steps, rng = state["micro"], state["steps"], state["rng"]
         skipped = state.get("skipped_steps", 0)
-        if self.scaler is not None and state["scaler"]:
+        if self.scaler is not None and state["scaler"] is not None:
             self.scaler.load_state_dict(state["scaler"])
         self._micro = micro
         self.steps = steps
         self._skipped = torch.tensor(skipped, device=self.device) if skipped else None
         if rng is not None:
             self._rng.load_state_dict(rng)
+
+
+# GradScaler.state_dict()'s entries and what each must be for load_state_dict() (which checks none of them)
+_SCALER_FLOATS = ("scale", "growth_factor", "backoff_factor")
+_SCALER_INTS = ("growth_interval", "_growth_tracker")
+
+
+def _check_scaler_state(scaler: torch.amp.GradScaler, state: Any) -> None:
+    """ValueError if ``scaler.load_state_dict(state)`` would refuse ``state`` or take in values of the wrong type
+    (a ``scale`` of ``"x"`` was loaded as it is, or failed in ``fill_`` half way through a restore)."""
+    keys = set(scaler.state_dict())
+    if not isinstance(state, Mapping) or not keys <= set(state):
+        raise ValueError(f"state has scaler={state!r:.80}; expected a GradScaler state with {sorted(keys)}")
+    if not keys:  # a disabled scaler: its load_state_dict() loads nothing
+        return
+    for name in _SCALER_FLOATS:
+        value = state[name]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ValueError(f"state has scaler[{name!r}]={value!r:.80}; expected a finite float")
+    for name in _SCALER_INTS:
+        value = state[name]
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"state has scaler[{name!r}]={value!r:.80}; expected an int >= 0")
 
 
 class _RngStream:
@@ -329,7 +349,25 @@ class _RngStream:
             state["cuda"] = self.cuda_state.clone()
         return state
 
+    def check_state_dict(self, state: Any) -> None:
+        """ValueError if :meth:`load_state_dict` would refuse ``state`` (or store a generator state that
+        ``torch.set_rng_state`` refuses at the next step); changes nothing."""
+        cpu = state.get("cpu") if isinstance(state, Mapping) else None
+        if not _is_generator_state(cpu, self.cpu_state):
+            raise ValueError(f"state has rng={state!r:.80}; expected the random stream's {{'cpu': tensor, ...}}")
+        cuda = state.get("cuda")
+        # loaded only on a CUDA device (a CPU run ignores it), but a value that is no generator state is damage
+        if cuda is not None and not _is_generator_state(cuda, self.cuda_state):
+            raise ValueError(f"state has rng['cuda']={cuda!r:.80}; expected a CUDA generator state (a uint8 tensor"
+                             + (f" of shape {tuple(self.cuda_state.shape)})" if self.cuda_state is not None else ")"))
+
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.cpu_state = state["cpu"].clone()
-        if self.cuda is not None and "cuda" in state:
+        if self.cuda is not None and state.get("cuda") is not None:
             self.cuda_state = state["cuda"].clone()
+
+
+def _is_generator_state(value: Any, like: torch.Tensor | None) -> bool:
+    """``value`` is a generator state: a 1-d uint8 tensor, of the shape of ``like`` when there is one."""
+    return (isinstance(value, torch.Tensor) and value.dtype == torch.uint8 and value.dim() == 1
+            and (like is None or value.shape == like.shape))

@@ -94,3 +94,115 @@ def test_a_loader_without_check_state_dict_is_loaded_first(tmp_path):
     with pytest.raises(CheckpointError, match="the loader state does not fit this loader: 'position'"):
         fastdata.load_checkpoint(tmp_path / "c.pt", fresh, loader=Strict())
     assert _equal(_snapshot(fresh, None), before)
+
+
+def _damaged(tmp_path, saved: fastdata.TrainStep, damage) -> Any:
+    """Save ``saved`` mid-accumulation, then rewrite the file with ``damage(payload)`` applied."""
+    path = fastdata.save_checkpoint(tmp_path / "c.pt", saved, epoch=1)
+    payload = torch.load(path, weights_only=True)
+    damage(payload)
+    torch.save(payload, path)
+    return path
+
+
+def _refused_untouched(path, step: fastdata.TrainStep, match: str) -> None:
+    before = _snapshot(step, None)
+    state = step.state_dict()
+    grads = [None if p.grad is None else p.grad.clone() for p in step.module.parameters()]
+    with pytest.raises(CheckpointError, match=match):
+        fastdata.load_checkpoint(path, step)
+    assert _equal(_snapshot(step, None), before)
+    assert _equal(step.state_dict(), state)  # the scaler and the whole random stream too
+    assert _equal([p.grad for p in step.module.parameters()], grads)
+
+
+def _cuda_stream(step: fastdata.TrainStep, monkeypatch) -> None:
+    """Give a CPU step's random stream a CUDA generator state, as a step on a GPU has (only the state is
+    used here: the step is saved and loaded, never run)."""
+    monkeypatch.setattr(step._rng, "cuda", torch.device("cuda", 0))
+    monkeypatch.setattr(step._rng, "cuda_state", torch.randint(0, 256, (16,), dtype=torch.uint8))
+
+
+@pytest.mark.parametrize(("bad", "match"), [
+    ([1, 2, 3], r"rng\['cuda'\]=\[1, 2, 3\]; expected a CUDA generator state"),
+    (torch.zeros(5, dtype=torch.uint8), r"rng\['cuda'\]=.*a uint8 tensor of shape \(16,\)"),
+    (torch.zeros(16, dtype=torch.int64), r"rng\['cuda'\]=.*expected a CUDA generator state"),
+])
+def test_a_damaged_cuda_random_state_restores_nothing(tmp_path, monkeypatch, bad, match):
+    saved = _step()
+    _train(saved, 3)
+    _cuda_stream(saved, monkeypatch)
+
+    def damage(payload):
+        assert payload["train_step"]["rng"]["cuda"].shape == (16,)
+        payload["train_step"]["rng"]["cuda"] = bad
+        payload["model"]["0.weight"] = torch.full((4, 4), 9.0)
+        payload["train_step"]["steps"] = 7
+
+    path = _damaged(tmp_path, saved, damage)
+    step = _step()
+    _train(step, 2)
+    _cuda_stream(step, monkeypatch)
+    _refused_untouched(path, step, match)
+
+
+def test_the_cuda_random_state_is_restored(tmp_path, monkeypatch):
+    saved = _step()
+    _cuda_stream(saved, monkeypatch)
+    path = fastdata.save_checkpoint(tmp_path / "c.pt", saved)
+    step = _step()
+    _cuda_stream(step, monkeypatch)
+    fastdata.load_checkpoint(path, step)
+    assert torch.equal(step._rng.cuda_state, saved._rng.cuda_state)
+
+
+def _scaled(step: fastdata.TrainStep) -> fastdata.TrainStep:
+    """A CPU stand-in for fp16's GradScaler (enabled, its scale already a tensor, as after a first step)."""
+    step.scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    step.scaler.scale(torch.ones(1))
+    return step
+
+
+@pytest.mark.parametrize(("entry", "bad", "match"), [
+    ("scale", "x", r"scaler\['scale'\]='x'; expected a finite float"),
+    ("scale", float("nan"), r"scaler\['scale'\]=nan; expected a finite float"),
+    ("growth_factor", [2.0], r"scaler\['growth_factor'\]=\[2.0\]; expected a finite float"),
+    ("growth_interval", 2.5, r"scaler\['growth_interval'\]=2.5; expected an int >= 0"),
+    ("_growth_tracker", True, r"scaler\['_growth_tracker'\]=True; expected an int >= 0"),
+    ("_growth_tracker", torch.tensor(3), r"scaler\['_growth_tracker'\]=tensor\(3\); expected an int >= 0"),
+])
+def test_a_damaged_scaler_state_restores_nothing(tmp_path, entry, bad, match):
+    saved = _scaled(_step())
+    _train(saved, 3)
+
+    def damage(payload):
+        assert entry in payload["train_step"]["scaler"]
+        payload["train_step"]["scaler"][entry] = bad
+        payload["train_step"]["steps"] = 7
+
+    path = _damaged(tmp_path, saved, damage)
+    step = _scaled(_step())
+    _train(step, 2)
+    _refused_untouched(path, step, match)
+
+
+@pytest.mark.parametrize("bad", [[], 0, ""])
+def test_a_falsy_scaler_state_is_not_taken_for_none(tmp_path, bad):
+    saved = _scaled(_step())
+
+    def damage(payload):
+        payload["train_step"]["scaler"] = bad
+
+    path = _damaged(tmp_path, saved, damage)
+    _refused_untouched(path, _scaled(_step()), "expected a GradScaler state with")
+
+
+def test_the_scaler_state_is_restored(tmp_path):
+    saved = _scaled(_step())
+    saved.scaler.update(new_scale=8.0)
+    path = fastdata.save_checkpoint(tmp_path / "c.pt", saved)
+    step = _scaled(_step())
+    fastdata.load_checkpoint(path, step)
+    assert step.scaler.state_dict() == saved.scaler.state_dict()
+    assert step.scaler.get_scale() == 8.0
+
