@@ -290,8 +290,8 @@ def load_checkpoint(
         step.check_state_dict(payload["train_step"])
     except ValueError as e:
         raise CheckpointError(f"{src}: does not fit this TrainStep: {e}") from e
-    grads = payload["grads"] or {}
-    _check_grads(src, module, grads)
+    _check_grads(src, module, payload["grads"])  # before any default: a damaged [] or 0 is not "no gradients"
+    grads = {} if payload["grads"] is None else payload["grads"]
     # everything is checked: the loader first (its load can still refuse: a thread inside its next()),
     # then the rest, which nothing above found a reason to refuse
     if loader is not None and _check_loader(src, loader, payload["loader"]):

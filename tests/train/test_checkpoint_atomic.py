@@ -206,3 +206,18 @@ def test_the_scaler_state_is_restored(tmp_path):
     assert step.scaler.state_dict() == saved.scaler.state_dict()
     assert step.scaler.get_scale() == 8.0
 
+
+@pytest.mark.parametrize("bad", [[], 0, (), ""])
+def test_damaged_falsy_gradients_are_not_taken_for_none(tmp_path, bad):
+    saved = _step()
+    _train(saved, 3)  # mid-accumulation: the file holds gradients
+
+    def damage(payload):
+        assert payload["grads"]
+        payload["grads"] = bad
+
+    path = _damaged(tmp_path, saved, damage)
+    step = _step()
+    _train(step, 1)
+    _refused_untouched(path, step, "the accumulated gradients are a .*, not a mapping")
+
