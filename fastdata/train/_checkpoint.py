@@ -267,6 +267,9 @@ def load_checkpoint(
     Atomic: everything is read and checked first (model keys and shapes, optimizer groups, the
     ``TrainStep`` counters, scaler and random stream, gradients, the loader state against the loader),
     and any mismatch is a :class:`CheckpointError` raised before anything is restored.
+    A refusal that no check can foresee (a custom module's own ``load_state_dict`` hooks) is a
+    :class:`CheckpointError` too, naming what was restored before it: those objects are then partly
+    restored and must be built afresh.
     """
     if not isinstance(step, TrainStep):
         raise CheckpointError(f"step must be a fastdata.TrainStep, got {type(step).__name__}")
@@ -299,12 +302,20 @@ def load_checkpoint(
             loader.load_state_dict(payload["loader"])
         except _LOADER_REFUSALS as e:
             raise CheckpointError(f"{src}: the loader refused its state: {e}") from e
-    try:
-        module.load_state_dict(payload["model"])
-        step.optimizer.load_state_dict(payload["optimizer"])
-        step.load_state_dict(payload["train_step"])
-    except (RuntimeError, ValueError, KeyError) as e:  # checked above; a custom module's own hooks may refuse
-        raise CheckpointError(f"{src}: does not fit this TrainStep: {e}") from e
+    restored = ["the loader"] if loader is not None else []
+    for name, restore in (
+        ("the model", lambda: module.load_state_dict(payload["model"])),
+        ("the optimizer", lambda: step.optimizer.load_state_dict(payload["optimizer"])),
+        ("the TrainStep's scaler, counters and random stream", lambda: step.load_state_dict(payload["train_step"])),
+    ):
+        try:
+            restore()
+        except Exception as e:  # checked above; a custom module's own hooks may still refuse
+            before = f"{', '.join(restored)} had been restored before it, so " if restored else ""
+            raise CheckpointError(
+                f"{src}: restoring {name} failed ({type(e).__name__}: {e}); {before}the objects given to "
+                "load_checkpoint may be partly restored: build them afresh before training or loading again") from e
+        restored.append(name)
     for name, p in module.named_parameters():
         p.grad = grads[name].to(p.device, p.dtype) if name in grads else None
     return Checkpoint(path=src, steps=step.steps, epoch=epoch, extra=dict(extra))

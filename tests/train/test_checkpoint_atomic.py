@@ -221,3 +221,18 @@ def test_damaged_falsy_gradients_are_not_taken_for_none(tmp_path, bad):
     _train(step, 1)
     _refused_untouched(path, step, "the accumulated gradients are a .*, not a mapping")
 
+
+def test_a_refusal_no_check_foresees_names_what_was_restored(tmp_path):
+    """A module whose own load hook refuses after every check passed: a CheckpointError that says the
+    objects may be partly restored, not a bare error nor one that claims nothing was restored."""
+    saved = _step()
+    path = fastdata.save_checkpoint(tmp_path / "c.pt", saved)
+    step = _step()
+
+    def refuse(*args):
+        raise TypeError("this module refuses")
+
+    step.module[1]._register_load_state_dict_pre_hook(refuse)
+    with pytest.raises(CheckpointError, match=r"restoring the model failed \(TypeError: this module refuses\); "
+                                              r"the objects given to load_checkpoint may be partly restored"):
+        fastdata.load_checkpoint(path, step)
