@@ -9,7 +9,8 @@ The prefetcher asks this module, never torch's classes directly:
 * ``epoch_api(iterable)``: whose ``set_epoch`` is called and whose ``epoch`` is read;
   ``resolve_epoch``: the number an epoch gets once the prefetcher's ``set_epoch`` drives it;
   ``lookahead_valid``: an epoch started ahead is kept unless the loader's epoch changed meanwhile.
-* ``EpochRunner``: starts epochs under these rules, in the consumer's or the producer's thread.
+* ``EpochRunner``: starts epochs under these rules, in the consumer's or the producer's thread;
+  ``EpochRunner.drive`` decides what ``CUDAPrefetcher.set_epoch`` does (``SetEpoch``).
 
 Invariants: the producer thread never runs an ``iter()`` that forks or draws from the global RNG,
 and an epoch started ahead is never handed out under another epoch number. Nothing here starts a
@@ -27,7 +28,7 @@ import torch
 
 from fastdata._util import start_method
 
-__all__ = ["EpochApi", "EpochRunner", "IterHazards", "NextStart", "epoch_api", "iter_hazards",
+__all__ = ["EpochApi", "EpochRunner", "IterHazards", "NextStart", "SetEpoch", "epoch_api", "iter_hazards",
            "lookahead_valid", "next_start", "resolve_epoch", "sampler_draws"]
 
 # Samplers that draw from the global RNG only without their own ``generator=``.
@@ -49,6 +50,14 @@ class NextStart(enum.Enum):
     THREAD = "thread"  # the producer thread, right after it pulled the current epoch's last batch
     CONSUMER = "consumer"  # the consumer's thread, at its first next() after the producer thread ended
     AT_ITER = "at_iter"  # the consumer's thread when it iterates again, where a plain loop calls iter()
+
+
+class SetEpoch(enum.Enum):
+    """What ``CUDAPrefetcher.set_epoch`` does once ``EpochRunner.drive`` has recorded the epoch."""
+
+    DONE = "done"  # the epoch started ahead has that number, or the running epoch's look-ahead will use it
+    NOW = "now"  # no epoch runs or was started ahead: set the loader's epoch now (``EpochRunner.set_now``)
+    DISCARD = "discard"  # an epoch started ahead has another number: stop that run, then ``set_now``
 
 
 def iter_hazards(iterable: Any) -> IterHazards:
@@ -160,7 +169,8 @@ class EpochRunner:
 
     Shared by the prefetcher and its thread; holds no reference to the prefetcher. ``driven``: the
     user called ``CUDAPrefetcher.set_epoch``, so every epoch start sets the loader's epoch
-    (``resolve_epoch``). ``hazards``: the judgement ``where_next`` uses (``iter_hazards``).
+    (``resolve_epoch``). ``hazards``: what ``iter()`` of the iterable would do (``iter_hazards``), which
+    ``next_start`` turns into where the next epoch starts (``where_next``).
     """
 
     def __init__(self, iterable: Iterable[Any],
@@ -216,6 +226,26 @@ class EpochRunner:
             if on_started is not None:
                 on_started(value)
             return source, state, value
+
+    def drive(self, epoch: int, run: Any) -> SetEpoch:
+        """Record ``CUDAPrefetcher.set_epoch(epoch)``: from now on every epoch start sets the loader's
+        epoch. ``run``: the producer's ``Run`` (None: none), whose look-ahead (``ahead``, recorded by
+        ``begin``'s ``on_started`` under the lock held here), ``begun``, ``finished``, ``handoff`` and
+        ``alive()`` say whether an epoch was started ahead (kept if it has this number, else discarded)
+        or one is running (its look-ahead takes the number); otherwise the epoch is set now."""
+        with self.lock:
+            self.driven = True
+            ahead = run.ahead if run is not None and run.ahead is not None and run.ahead[0] > run.begun else None
+            if ahead is not None:
+                if ahead[1] != epoch:
+                    return SetEpoch.DISCARD
+                self.next_value = None
+                return SetEpoch.DONE
+            busy = run is not None and run.begun > run.finished and (run.alive() or run.handoff is not None)
+            if busy:  # mid-epoch: the look-ahead of the next epoch will use it
+                self.next_value = epoch
+                return SetEpoch.DONE
+            return SetEpoch.NOW
 
     def set_now(self, epoch: int) -> None:
         """Set the loader's epoch at once; the next epoch starts with it."""

@@ -24,7 +24,7 @@ import torch
 
 from fastdata._runtime import at_exit
 from fastdata.errors import StateError
-from fastdata.prefetch._epochs import EpochRunner
+from fastdata.prefetch._epochs import EpochRunner, SetEpoch
 from fastdata.prefetch._epochs import iter_hazards as _iter_hazards
 from fastdata.prefetch._options import PrefetchOptions, resolve_device
 from fastdata.prefetch._producer import RUNS, Run, note
@@ -307,19 +307,10 @@ class CUDAPrefetcher:
         if ep.api is None:
             raise TypeError(f"the wrapped {type(self._iterable).__name__} has no set_epoch() "
                             "(nor has its sampler or dataset)")
-        run = self._run
-        with ep.lock:
-            ep.driven = True
-            ahead = run.ahead if run is not None and run.ahead is not None and run.ahead[0] > run.begun else None
-            if ahead is not None and ahead[1] == epoch:
-                ep.next_value = None
-                return
-            busy = (run is not None and ahead is None and run.begun > run.finished
-                    and (run.alive() or run.handoff is not None))
-            if busy:  # mid-epoch: the look-ahead of the next epoch will use it
-                ep.next_value = epoch
-                return
-        if ahead is not None:
+        action = ep.drive(epoch, self._run)
+        if action is SetEpoch.DONE:
+            return
+        if action is SetEpoch.DISCARD:
             self._stats.add(lookahead_discarded=1)
             self._stop_run()
         ep.set_now(epoch)

@@ -1,10 +1,12 @@
 """The seamless-epoch policy alone (``fastdata.prefetch._epochs``), without a prefetcher or a thread:
 which samplers draw from the global RNG, which loaders fork, where the next epoch starts, whose
-``set_epoch`` is used, which number an epoch gets, and when an epoch started ahead is still valid."""
+``set_epoch`` is used, which number an epoch gets, what ``CUDAPrefetcher.set_epoch`` does, and when an
+epoch started ahead is still valid."""
 from __future__ import annotations
 
 import multiprocessing as mp
 from collections.abc import Iterator
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -15,6 +17,7 @@ from fastdata.prefetch._epochs import (
     EpochRunner,
     IterHazards,
     NextStart,
+    SetEpoch,
     epoch_api,
     iter_hazards,
     lookahead_valid,
@@ -221,8 +224,8 @@ def test_the_number_of_a_driven_epoch(next_value, last_value, now, expected: int
 def test_a_driven_runner_sets_the_loaders_epoch_at_each_start() -> None:
     stream = _EpochStream()
     runner = EpochRunner(data.DataLoader(stream, batch_size=2))
+    assert runner.drive(2, None) is SetEpoch.NOW and runner.driven
     runner.set_now(2)
-    runner.driven = True
     values = [runner.begin()[2] for _ in range(3)]
     assert values == [2, 3, 4] and stream.epoch == 4
     stream.set_epoch(10)  # behind the runner
@@ -298,3 +301,30 @@ def test_the_loader_state_before_the_first_batch_and_a_loader_without_one() -> N
 
     runner = EpochRunner(Refuses())
     assert runner.begin()[1] is None and isinstance(runner.state_error, TypeError) and runner.snapshot is None
+
+
+# --- what CUDAPrefetcher.set_epoch does ------------------------------------------------------------
+
+
+def _run(begun: int = -1, finished: int = -1, ahead=None, alive: bool = False, handoff=None) -> SimpleNamespace:
+    """The fields of a producer ``Run`` that ``EpochRunner.drive`` reads."""
+    return SimpleNamespace(begun=begun, finished=finished, ahead=ahead, handoff=handoff, alive=lambda: alive)
+
+
+@pytest.mark.parametrize(("run", "epoch", "action", "next_value"), [
+    (None, 4, SetEpoch.NOW, "kept"),  # nothing runs: set now
+    (_run(begun=0, finished=0), 4, SetEpoch.NOW, "kept"),  # its epoch taken to the end: set now
+    (_run(begun=0, ahead=(1, 4)), 4, SetEpoch.DONE, None),  # started ahead with this number: kept
+    (_run(begun=0, ahead=(1, 3)), 4, SetEpoch.DISCARD, "kept"),  # started ahead with another: discarded
+    (_run(begun=1, ahead=(1, 3), alive=True), 4, SetEpoch.DONE, 4),  # that epoch begun: a running one
+    (_run(begun=0, alive=True), 4, SetEpoch.DONE, 4),  # mid-epoch: its look-ahead takes the number
+    (_run(begun=0, handoff=(1, False)), 4, SetEpoch.DONE, 4),  # the thread left the next epoch to the consumer
+    (_run(begun=0), 4, SetEpoch.NOW, "kept"),  # begun, but its thread ended with no hand-off: set now
+])
+def test_what_set_epoch_does(run, epoch: int, action: SetEpoch, next_value) -> None:
+    runner = EpochRunner(data.DataLoader(_EpochStream(), batch_size=2))
+    runner.set_now(9)  # asked for before
+    assert runner.drive(epoch, run) is action
+    assert runner.driven
+    assert runner.next_value == (9 if next_value == "kept" else next_value)
+    assert runner.current() == 9  # drive() never sets the loader's epoch itself
