@@ -170,7 +170,7 @@ class EpochRunner:
     Shared by the prefetcher and its thread; holds no reference to the prefetcher. ``driven``: the
     user called ``CUDAPrefetcher.set_epoch``, so every epoch start sets the loader's epoch
     (``resolve_epoch``). ``hazards``: what ``iter()`` of the iterable would do (``iter_hazards``), which
-    ``next_start`` turns into where the next epoch starts (``where_next``).
+    ``next_start`` turns into where the next epoch starts.
     """
 
     def __init__(self, iterable: Iterable[Any],
@@ -190,14 +190,6 @@ class EpochRunner:
     def current(self) -> Any:
         """The loader's epoch now (None: unknown)."""
         return self.api.get() if self.api is not None else None
-
-    def where_next(self) -> NextStart:
-        """Where the next epoch's ``iter()`` runs, judged now."""
-        return next_start(self.hazards(self.iterable))
-
-    def still_valid(self, started_value: Any) -> bool:
-        """``lookahead_valid`` against the loader's epoch now."""
-        return lookahead_valid(started_value, self.current())
 
     def begin(self, on_started: Callable[[Any], None] | None = None,
               ahead: bool = False) -> tuple[Iterator[Any], Any, Any]:

@@ -24,7 +24,7 @@ import torch
 
 from fastdata._runtime import at_exit
 from fastdata.errors import StateError
-from fastdata.prefetch._epochs import EpochRunner, SetEpoch
+from fastdata.prefetch._epochs import EpochRunner, SetEpoch, lookahead_valid
 from fastdata.prefetch._epochs import iter_hazards as _iter_hazards
 from fastdata.prefetch._options import PrefetchOptions, resolve_device
 from fastdata.prefetch._producer import RUNS, Run, note
@@ -283,7 +283,7 @@ class CUDAPrefetcher:
 
     def _ahead_still_valid(self, start: EpochStart) -> bool:
         """A look-ahead epoch is kept unless the loader's epoch was changed behind the prefetcher."""
-        if self._epochs.still_valid(start.epoch_value):
+        if lookahead_valid(start.epoch_value, self._epochs.current()):
             return True
         if not self._warned_epoch:
             self._warned_epoch = True

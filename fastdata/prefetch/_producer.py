@@ -3,7 +3,7 @@
 A ``Run`` is one producer thread, its ``Pipe`` and the epochs it and the consumer have reached.
 ``produce`` is the thread's body: it pulls every batch of an epoch from the wrapped iterable, stages
 it (``_stage``) and puts it into the pipe with the loader's state after it; at the end of the epoch
-it asks the epoch policy (``_epochs.EpochRunner.where_next``) whether it may start the next epoch
+it asks the epoch policy (``_epochs.next_start``) whether it may start the next epoch
 itself (at most one epoch ahead of the consumer) or must leave it to the consumer (``Run.handoff``).
 
 Invariants: the thread holds no reference to the prefetcher (dropping it stops the thread); it never
@@ -25,7 +25,7 @@ import torch
 
 from fastdata._runtime import thread
 from fastdata._util import add_note, release_frames
-from fastdata.prefetch._epochs import EpochRunner, NextStart
+from fastdata.prefetch._epochs import EpochRunner, NextStart, next_start
 from fastdata.prefetch._queue import END, POLL_S, EpochStart, Failure, Pipe, Stats, Stopped, perf_counter
 from fastdata.prefetch._stage import CpuStager, CudaStager
 
@@ -103,7 +103,7 @@ def produce(
             _pump(pipe, source, stager, stats, epochs, number, device, where)
             if seamless:
                 where[0] = "raised while inspecting the wrapped iterable before the next epoch"
-                start = epochs.where_next()
+                start = next_start(epochs.hazards(epochs.iterable))
                 if start is not NextStart.THREAD:  # set before END: the consumer sees it once it has taken END
                     # forking: as soon as the consumer notices; global RNG: where a plain loop draws
                     run.handoff = (number + 1, start is NextStart.CONSUMER)

@@ -155,12 +155,17 @@ def test_a_wrapper_is_judged_by_the_loader_it_iterates() -> None:
 ])
 def test_where_the_next_epoch_starts(hazards: tuple[bool, bool], where: NextStart) -> None:
     assert next_start(hazards) is where
-    assert EpochRunner(ITEMS, hazards=lambda it: hazards).where_next() is where
+    assert _where_next(EpochRunner(ITEMS, hazards=lambda it: hazards)) is where
+
+
+def _where_next(runner: EpochRunner) -> NextStart:
+    """Where the producer thread finds the next epoch starts, as it asks."""
+    return next_start(runner.hazards(runner.iterable))
 
 
 def test_the_runner_judges_the_iterable_with_iter_hazards_by_default() -> None:
-    assert EpochRunner(data.DataLoader(ITEMS, batch_size=2)).where_next() is NextStart.AT_ITER
-    assert EpochRunner(ITEMS).where_next() is NextStart.THREAD
+    assert _where_next(EpochRunner(data.DataLoader(ITEMS, batch_size=2))) is NextStart.AT_ITER
+    assert _where_next(EpochRunner(ITEMS)) is NextStart.THREAD
 
 
 # --- whose set_epoch is used ------------------------------------------------------------------------
@@ -273,12 +278,12 @@ def test_a_lookahead_records_the_epoch_before_its_iter_unless_iter_advances_it()
 
     moving = EpochRunner(Advancing())
     assert moving.begin()[2] == 1  # in the consumer's thread: the value after iter(), and iter() advances
-    assert moving.begin(ahead=True)[2] == 2 and moving.still_valid(2)
+    assert moving.begin(ahead=True)[2] == 2 and lookahead_valid(2, moving.current())
     fixed = EpochRunner(Fixed())
     seen = []
     assert fixed.begin(seen.append, ahead=True)[2] == 0 and seen == [0]
     fixed.iterable.set_epoch(1)  # set behind the runner after the look-ahead started
-    assert not fixed.still_valid(0)
+    assert not lookahead_valid(0, fixed.current())
 
 
 def test_the_loader_state_before_the_first_batch_and_a_loader_without_one() -> None:
