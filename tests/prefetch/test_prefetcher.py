@@ -18,6 +18,7 @@ from fastdata.gpu import IMAGENET_MEAN, IMAGENET_STD, Normalize
 from fastdata.prefetch import CUDAPrefetcher, PrefetchOptions, resolve_device
 from fastdata.prefetch._queue import Stats
 from tests.helpers.batches import batch_cls
+from tests.helpers.shards import make_shards
 from tests.helpers.prefetch import (RangeDataset, nested_batches, normalize_reference, prefetch_threads,
                                     wait_no_prefetch_threads)
 
@@ -324,11 +325,8 @@ def test_state_dict_counts_only_batches_handed_over(tmp_path, num_workers: int) 
 
     from fastdata.dataset import ShardedDataset
     from fastdata.loader import DataLoader
-    from fastdata.shards.writer import ShardWriter
 
-    with ShardWriter(tmp_path / "ds", max_samples=6) as w:
-        for i in range(40):
-            w.write({"__key__": f"s{i:04d}", "cls": str(i).encode()})
+    make_shards(tmp_path / "ds", 40, 6)
 
     def make() -> DataLoader:
         return DataLoader(ShardedDataset(tmp_path / "ds"), batch_size=3, num_workers=num_workers)

@@ -349,18 +349,12 @@ def test_cached_fast_path_gathers_pinned_and_reuses_buffers(tmp_path) -> None:
     """A CUDAPrefetcher over fastdata.DataLoader: the cached fast path gathers straight into pinned,
     reused buffers (copied directly, no pack); a buffer is reused only after its copy finished, so
     every batch arrives intact although the host runs ahead."""
-    import numpy as np
-
-    from fastdata.cli._synth import jpeg_bytes, synth_image
     from fastdata.dataset import ShardedDataset
     from fastdata.loader import DataLoader
-    from fastdata.shards.writer import ShardWriter
     from fastdata.transforms import ResizeCenterCrop
+    from tests.helpers.shards import make_shards
 
-    with ShardWriter(tmp_path / "ds", max_samples=16) as w:
-        for i in range(96):
-            img = synth_image(np.random.default_rng(i), 80, 72)
-            w.write({"__key__": f"s{i:04d}", "jpg": jpeg_bytes(img, 90), "cls": str(i).encode()})
+    make_shards(tmp_path / "ds", 96, 16, image=(80, 72))
 
     def make() -> ShardedDataset:
         return ShardedDataset(tmp_path / "ds", preprocess=ResizeCenterCrop(64), cache=tmp_path / "cache",

@@ -18,6 +18,7 @@ import fastdata.gpu
 import fastdata.train
 from fastdata.prefetch import CUDAPrefetcher
 from tests.helpers.prefetch import RangeDataset, prefetch_threads, wait_no_prefetch_threads
+from tests.helpers.shards import make_shards
 
 
 class _SlowStartLoader:
@@ -274,11 +275,8 @@ def test_exact_resume_across_the_epoch_boundary(tmp_path, num_workers: int) -> N
 
     from fastdata.dataset import ShardedDataset
     from fastdata.loader import DataLoader
-    from fastdata.shards.writer import ShardWriter
 
-    with ShardWriter(tmp_path / "ds", max_samples=6) as w:
-        for i in range(40):
-            w.write({"__key__": f"s{i:04d}", "cls": str(i).encode()})
+    make_shards(tmp_path / "ds", 40, 6)
 
     def make() -> DataLoader:
         return DataLoader(ShardedDataset(tmp_path / "ds", shuffle=True, seed=1), batch_size=3,
