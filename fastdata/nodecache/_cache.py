@@ -218,8 +218,6 @@ class ShardCache(BackgroundThreads, SpaceAccounting):
             return math.inf
         return t
 
-
-
     # ----- public entry points ------------------------------------------------------------------
     def ensure(self, i: int) -> Path:
         """Local path of verified shard ``i``, downloading it first if needed (blocks)."""
@@ -317,19 +315,11 @@ class ShardCache(BackgroundThreads, SpaceAccounting):
             if self._releaser is None:
                 self._start_releaser()
 
-
-
-
-
-
     def unwatch(self, reader: Any) -> None:
         """Undo :meth:`watch` (the reader closed)."""
         if self._pid == os.getpid():
             with self._lock:
                 self._readers.discard(reader)
-
-
-
 
     def close(self) -> None:
         """Stop prefetching and release every use lock of this process."""
