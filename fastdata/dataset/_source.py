@@ -275,7 +275,7 @@ class _CachedShard:
                 # the fields it lists (HDF5: also kinds, shapes, dtypes)
                 shard, fields = self._cache.manifest.shards[self._i], self._cache.manifest.fields
                 fmt = shard_format(self._fmt)
-                index = self._cache.index_path(self._i) if fmt.index_suffix is not None else None
+                index = self._cache.index_path(self._i)  # None: the format has no sidecar index
                 inner = fmt.open(local, index=index, expect=shard, fields=fields)
                 if index is not None:  # tar: the sidecar is a local file like any other, checked here
                     try:

@@ -112,6 +112,7 @@ class ShardCache(BackgroundThreads, SpaceAccounting):
     # ----- process-local state (recreated after fork) -----------------------------------------
     def _setup(self) -> None:
         self._pid = os.getpid()
+        self._format = shard_format(self.manifest.format)  # its registry entry (holds lambdas: not pickled)
         self._lock = threading.Lock()
         self._queue: queue.Queue[int | None] | None = None  # prefetch requests for the daemon threads
         self._pending: dict[int, threading.Event] = {}
@@ -147,7 +148,7 @@ class ShardCache(BackgroundThreads, SpaceAccounting):
         state = self.__dict__.copy()
         for name in ("_lock", "_queue", "_pending", "_failed", "_active", "_use", "_waits", "_readers",
                      "_releaser", "_releaser_wake", "_releaser_paused", "_finalizer", "_prefetchers", "_interrupt",
-                     "_requeue"):
+                     "_requeue", "_format"):
             state.pop(name)
         return state
 
@@ -160,8 +161,16 @@ class ShardCache(BackgroundThreads, SpaceAccounting):
         """Local path of shard ``i`` (present only once verified)."""
         return self.root / self.manifest.shards[i].name
 
-    def index_path(self, i: int) -> Path:
-        return self.root / (self.manifest.shards[i].name + ".idx")
+    def index_path(self, i: int) -> Path | None:
+        """Local path of shard ``i``'s sidecar index; None for a format without one (HDF5)."""
+        suffix = self._format.index_suffix
+        return None if suffix is None else self.root / (self.manifest.shards[i].name + suffix)
+
+    def _drop_index(self, i: int) -> None:
+        """Delete shard ``i``'s sidecar index, if its format has one and it is there."""
+        index = self.index_path(i)
+        if index is not None:
+            index.unlink(missing_ok=True)
 
     def url(self, i: int) -> str:
         return url_join(self.base_url, self.manifest.shards[i].name)
@@ -208,8 +217,6 @@ class ShardCache(BackgroundThreads, SpaceAccounting):
         if t is None or t < self._now:
             return math.inf
         return t
-
-
 
     # ----- public entry points ------------------------------------------------------------------
     def ensure(self, i: int) -> Path:
@@ -308,19 +315,11 @@ class ShardCache(BackgroundThreads, SpaceAccounting):
             if self._releaser is None:
                 self._start_releaser()
 
-
-
-
-
-
     def unwatch(self, reader: Any) -> None:
         """Undo :meth:`watch` (the reader closed)."""
         if self._pid == os.getpid():
             with self._lock:
                 self._readers.discard(reader)
-
-
-
 
     def close(self) -> None:
         """Stop prefetching and release every use lock of this process."""
@@ -355,7 +354,7 @@ class ShardCache(BackgroundThreads, SpaceAccounting):
                 _log.warning("node cache: %s has %s bytes, the manifest says %d: downloading it again", path,
                              _size(path), self.manifest.shards[i].bytes)
                 path.unlink(missing_ok=True)
-                self.index_path(i).unlink(missing_ok=True)
+                self._drop_index(i)
             for stale in (self.root / ".tmp").glob(f"{i}-*.part"):  # a killed downloader's leftovers
                 stale.unlink(missing_ok=True)
             shard = self.manifest.shards[i]
@@ -365,14 +364,14 @@ class ShardCache(BackgroundThreads, SpaceAccounting):
                     return  # prefetch without room: leave it to the demand fetch
                 try:
                     self._download(i, shard, tmp, interruptible=not demand)
-                    if shard_format(self.manifest.format).build_index is not None:  # tar: its sidecar index
+                    if self.index_path(i) is not None:  # tar: its sidecar index
                         self._build_index(i, tmp)
                     path.parent.mkdir(parents=True, exist_ok=True)
                     os.replace(tmp, path)
                     break
                 except BaseException as e:
                     tmp.unlink(missing_ok=True)
-                    self.index_path(i).unlink(missing_ok=True)
+                    self._drop_index(i)
                     if not isinstance(e, Exception) or isinstance(e, Interrupted):
                         raise
                     if isinstance(e, OSError) and not isinstance(e, RemoteError):  # the network's are RemoteErrors
@@ -408,27 +407,20 @@ class ShardCache(BackgroundThreads, SpaceAccounting):
             except Exception as e:  # noqa: BLE001 - a damaged copy: replaced below
                 _log.warning("node cache: %s is damaged (%s): downloading it again", self.path(i), e)
                 self.path(i).unlink(missing_ok=True)
-                self.index_path(i).unlink(missing_ok=True)
+                self._drop_index(i)
         self._fetch(i, demand=True)
 
     def _build_index(self, i: int, tmp: Path) -> None:
-        index = shard_format(self.manifest.format).build_index(tmp)  # type: ignore[misc]
+        """Build and save the sidecar index of shard ``i`` (its format has one) from ``tmp``."""
+        path, build = self.index_path(i), self._format.build_index
+        if path is None or build is None:
+            raise TypeError(f"format {self._format.name!r} has no sidecar index")
+        index = build(tmp)
         if len(index) != self.manifest.shards[i].num_samples:
             raise RemoteError(f"{redact_url(self.url(i))}: has {len(index)} samples, manifest says "
                               f"{self.manifest.shards[i].num_samples}")
-        self.index_path(i).parent.mkdir(parents=True, exist_ok=True)
-        index.save(self.index_path(i))
-
-
-
-
-
-
-
-
-
-
-
+        path.parent.mkdir(parents=True, exist_ok=True)
+        index.save(path)
 
 
 def _again(e: Exception, when: float) -> RemoteError:

@@ -37,7 +37,7 @@ class SpaceAccounting:
     """The space half of :class:`~fastdata.nodecache.ShardCache` (a mixin: it shares the cache's state)."""
 
     # the cache's state this half reads and writes (set by ShardCache.__init__ and _setup); it also calls the
-    # cache's path, index_path, _lock_path and _next_use
+    # cache's path, _drop_index, _lock_path and _next_use
     root: Path
     max_bytes: int | None
     eviction: str
@@ -240,7 +240,7 @@ class SpaceAccounting:
             except FileNotFoundError:
                 return 0
             p.unlink()
-            self.index_path(j).unlink(missing_ok=True)
+            self._drop_index(j)
             self.stats.evictions += 1
             return size
         finally:

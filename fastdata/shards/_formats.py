@@ -17,6 +17,7 @@ from typing import Any
 
 from fastdata.manifest import FieldInfo, Manifest, ShardInfo
 from fastdata.shards import _tarfmt
+from fastdata.shards._tarindex import INDEX_SUFFIX
 
 __all__ = ["SHARD_FORMATS", "ShardFormat", "register", "shard_format"]
 
@@ -32,7 +33,10 @@ class ShardFormat:
     same_fields: bool  # every sample holds every field (else a manifest field may be missing from a shard)
     utf8_keys: bool  # keys are stored as UTF-8 text (a key from a file name in another encoding is refused)
     opens_damaged: bool  # its library may be handed a file whose size or sha256 is wrong (it cannot crash on one)
-    buffered: bool  # ShardWriter assembles a shard in memory and writes it whole (else it streams each sample)
+    # ShardWriter holds a shard's samples in memory and writes them whole with ``write`` (HDF5); False means
+    # it streams each sample into a TarShardWriter, which only tar has. ShardWriter's checks for a buffered
+    # format are HDF5's (same fields in every sample, hdf5.check_value): a new format needs its own there
+    buffered: bool
     # open(path, *, index=None, expect=None, fields=None, **options) -> ShardReader; fields: the manifest's
     open: Callable[..., Any]
     # write(path, samples, *, fields) -> ShardInfo: one whole shard, atomically
@@ -40,7 +44,7 @@ class ShardFormat:
     # verify(folder, manifest, shard, problems) -> the shard's fields; problems found are appended
     verify: Callable[[Path, Manifest, ShardInfo, list[str]], set[str]]
     # build_index(path) -> the sidecar index of a local shard, from the shard itself (len(): its samples;
-    # .save(path)); None for a format without one
+    # .save(path)); None exactly when index_suffix is None, the one test of "has a sidecar index"
     build_index: Callable[[Path], Any] | None
     file_bytes: Callable[[int], int]  # a shard file's bytes besides its samples, for a number of fields
     # estimate(listing, resize, fields) -> the planned bytes of each sample of a conversion's listing
@@ -114,7 +118,7 @@ def _estimate_tar(listing: Any, resize: int | None, fields: Sequence[FieldInfo])
 
 
 TAR = register(ShardFormat(
-    name="tar", suffix=".tar", source_suffixes=(".tar",), index_suffix=".idx",
+    name="tar", suffix=".tar", source_suffixes=(".tar",), index_suffix=INDEX_SUFFIX,
     same_fields=False, utf8_keys=False, opens_damaged=True, buffered=False,
     open=_open_tar, write=_write_tar, verify=_verify_tar, build_index=_build_tar_index,
     file_bytes=lambda n_fields: _TAR_END, estimate=_estimate_tar,

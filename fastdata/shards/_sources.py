@@ -25,6 +25,7 @@ from fastdata.shards._listing import NEWEST_KEPT, PROGRESS_DIR, Listing, not_a_f
 from fastdata.shards._src_images import list_images
 from fastdata.shards._src_npz import list_npz, npz_members
 from fastdata.shards._src_shards import list_hdf5, list_manifest_folder, list_tar
+from fastdata.shards._tarindex import INDEX_SUFFIX
 
 __all__ = ["NEWEST_KEPT", "PROGRESS_DIR", "Listing", "SampleUnreadable", "SourceError", "SourceReader", "list_source"]
 
@@ -72,7 +73,7 @@ def list_source(src: str | os.PathLike[str]) -> Listing:
         return list_images(path)
     listing = list_tar(path, [path / n for n in tars], [None] * len(tars)) if tars else \
         list_hdf5(path, [path / n for n in h5s])
-    sidecars = {n + ".idx" for n in tars}
+    sidecars = {n + INDEX_SUFFIX for n in tars}
     others = [n for n in names if n not in tars and n not in h5s and n not in sidecars]
     others += sorted(e.name + "/" for e in entries if e.is_dir())
     kind = "tar" if tars else "HDF5"

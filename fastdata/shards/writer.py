@@ -132,9 +132,9 @@ class ShardWriter:
             raise ValueError(f"duplicate key {key!r}: already written to {self.dest}")
         for name, value in sample.items():
             _check_readable(name, value, key)
-        if not self._spec.buffered:
+        if not self._spec.buffered:  # tar: streamed into the open shard
             self._write_tar(sample)
-        else:
+        else:  # HDF5, the only buffered format: these checks are its own (see ShardFormat.buffered)
             names = frozenset(k for k in sample if not is_meta(k))
             if self._h5_names is not None and names != self._h5_names:
                 raise ValueError(f"sample {key!r}: HDF5 shards need the same fields in every sample, but it lacks "

@@ -69,9 +69,17 @@ def _run(ctx, targets) -> list:
     return [p.exitcode for p in procs]
 
 
+# A hang guard for the fail-fast tests below: with the no-progress limit patched away (fork children inherit
+# it) a fetch that does not fail fast waits until this timeout fails the test; the messages checked tell the
+# fail-fast errors from the no-progress one
+_NO_STALL_LIMIT = float("inf")
+
+
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("method", ["fork", pytest.param("spawn", marks=pytest.mark.slow)])
-def test_processes_waiting_for_each_others_space_fail_fast(served_6_shards, tmp_path, method):
+def test_processes_waiting_for_each_others_space_fail_fast(served_6_shards, tmp_path, method, monkeypatch):
     # each process holds one shard; the limit holds exactly those two: neither can fetch a third
+    monkeypatch.setattr(_space, "_STALL_S", _NO_STALL_LIMIT)
     manifest = Manifest.load(served_6_shards / "ds")
     limit = manifest.shards[0].bytes + manifest.shards[1].bytes
     with LoopbackServer(served_6_shards, ranges=False, max_requests=200, lifetime=60) as srv:
@@ -79,18 +87,15 @@ def test_processes_waiting_for_each_others_space_fail_fast(served_6_shards, tmp_
         ctx = mp.get_context(method)
         barrier = ctx.Barrier(2)
         outs = [tmp_path / "a.txt", tmp_path / "b.txt"]
-        t0 = time.monotonic()
         codes = _run(ctx, [(_hold_then_fetch, (cache, 0, 2, barrier, outs[0])),
                            (_hold_then_fetch, (cache, 1, 3, barrier, outs[1]))])
         assert codes == [0, 0]
-        took = time.monotonic() - t0
     for out, shard in zip(outs, ("shard-000002.tar", "shard-000003.tar")):
         msg = out.read_text()
         assert msg.startswith("RemoteError"), msg
         assert str(cache.root) in msg and f"max_bytes={limit}" in msg and shard in msg, msg
         assert "2 processes" in msg and "2 shards open" in msg and "all waiting for space" in msg, msg
         assert "raise max_bytes" in msg and "open_shards" in msg and "num_workers" in msg, msg
-    assert took < 30, took  # a hang guard: the 120 s no-progress limit was the only way out before
 
 
 def test_slow_holder_is_not_mistaken_for_a_deadlock(served_6_shards, tmp_path):
@@ -110,7 +115,9 @@ def test_slow_holder_is_not_mistaken_for_a_deadlock(served_6_shards, tmp_path):
     assert float(msg.split()[1]) >= 1.0, msg
 
 
-def test_killed_downloaders_reservation_does_not_block_the_limit(served_6_shards, tmp_path):
+@pytest.mark.timeout(120)
+def test_killed_downloaders_reservation_does_not_block_the_limit(served_6_shards, tmp_path, monkeypatch):
+    monkeypatch.setattr(_space, "_STALL_S", _NO_STALL_LIMIT)  # a reservation still counted: hangs (see above)
     manifest = Manifest.load(served_6_shards / "ds")
     limit = manifest.shards[0].bytes + manifest.shards[1].bytes
     with LoopbackServer(served_6_shards, ranges=False, max_requests=200, lifetime=60) as srv:
@@ -119,9 +126,8 @@ def test_killed_downloaders_reservation_does_not_block_the_limit(served_6_shards
         # a downloader of shard 5 was killed: its reservation fills the rest of the limit
         stale = cache.root / ".tmp" / f"5-{manifest.shards[5].bytes}-999999-dead.part"
         stale.write_bytes(b"partial")
-        t0 = time.monotonic()
         assert cache.acquire(1).is_file()
-        assert time.monotonic() - t0 < 30 and not stale.exists()  # a hang guard (the no-progress limit: 120 s)
+        assert not stale.exists()
         cache.close()
 
 

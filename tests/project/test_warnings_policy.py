@@ -14,7 +14,7 @@ def test_a_deprecation_attributed_to_fastdata_is_an_error(category, module):
         warnings.warn_explicit("an old call", category, "x.py", 1, module=module)
 
 
-@pytest.mark.parametrize("module", ["torch.utils.data", "fastdatax", "tests.test_readme", "myfastdata"])
+@pytest.mark.parametrize("module", ["torch.utils.data", "fastdatax", "tests.project.test_readme", "myfastdata"])
 def test_the_same_warning_from_elsewhere_is_not(module):
     with warnings.catch_warnings(record=True) as seen:
         warnings.warn_explicit("an old call", DeprecationWarning, "x.py", 1, module=module)
