@@ -33,7 +33,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from fastdata.dataset import FORMATS, ImageInfo
+from fastdata.dataset import FORMATS, ImageInfo, sniff, sniff_size
 from fastdata.decode import ImageDecoder
 from fastdata.errors import FastdataError
 from fastdata.gpu import _nvimgcodec
@@ -397,24 +397,19 @@ class HostImageDecoder:
 
     def __call__(self, data: bytes | memoryview) -> torch.Tensor:
         t = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        head = bytes(data[:12])
-        fmt = next((f for f, magic in _MAGIC if magic(head)), "unknown")
+        info = ImageInfo(sniff(data))  # as PackedImages sniffs it for the stage
+        if info.format == "jpeg" and info.sof is None:  # no frame header: Pillow's error names the bytes
+            return _pillow_rgb(t, self.max_pixels)
         limit = self.max_pixels if self.max_pixels is not None else default_max_pixels()
-        if self.backend != "pillow" and limit is not None and fmt != "unknown":
-            with Image.open(io.BytesIO(data)) as img:  # the header only: refuse a bomb before a library decodes it
-                w, h = img.size
+        if self.backend != "pillow" and limit is not None and info.format in ("jpeg", "png", "gif"):
+            h, w = sniff_size(data)  # the header only: refuse a bomb before a library decodes it
             if w * h > limit:
                 raise ValueError(f"image of {w}x{h} = {w * h} pixels exceeds max_pixels={limit} (a decompression "
                                  "bomb or an unexpectedly large image)")
-        return decode_host(t, ImageInfo(FORMATS.index(fmt) | 3 << 16), self.backend, self.max_pixels)
+        return decode_host(t, info, self.backend, limit)  # WebP's size: decode_host reads it with Pillow
 
     def __repr__(self) -> str:
         return f"HostImageDecoder({self.backend!r})"
-
-
-_MAGIC: tuple[tuple[str, Callable[[bytes], bool]], ...] = (
-    ("jpeg", lambda b: b[:3] == b"\xff\xd8\xff"), ("png", lambda b: b[:8] == b"\x89PNG\r\n\x1a\n"),
-    ("gif", lambda b: b[:4] == b"GIF8"), ("webp", lambda b: b[:4] == b"RIFF" and b[8:12] == b"WEBP"))
 
 
 @functools.lru_cache(maxsize=8)
