@@ -7,7 +7,8 @@ from torchvision 0.29 on). One thread, torch intra-op threads 1; the libraries t
 repetition, and images/s are the medians over ``--repeat`` repetitions. Ratios are against Pillow.
 
 The corpus is decode_stage.py's: photo-like JPEGs of 300-640 px (``--images``), and optionally
-``--large`` more of 2000x1500 (the size of a phone photo).
+``--large`` more of 2000x1500 (the size of a phone photo). A library that does not load here is left
+out (the JSON's ``env`` says why).
 
     python benchmarks/host_decode.py --json benchmarks/results/host_decode_cpu2.json
 """
@@ -72,7 +73,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     warnings.filterwarnings("ignore", "The image decoding and encoding capabilities of TorchVision are deprecated")
     env = {"python": sys.version.split()[0], "torch": torch.__version__, "cpus": os.cpu_count(),
            "torchcodec": _codec.torchcodec_status()[1], "torchvision": _codec.torchvision_status()[1]}
-    libs = [b for b in LIBRARIES if b == "pillow" or _codec.host_backend(b) == b]  # raises where one does not load
+    status = {"torchcodec": _codec.torchcodec_status, "torchvision": _codec.torchvision_status}
+    libs = [b for b in LIBRARIES if b == "pillow" or status[b]()[0] is not None]  # those that load here
+    if len(libs) < len(LIBRARIES):
+        print("not measured (does not load here): " + ", ".join(
+            f"{b} ({status[b]()[1]})" for b in LIBRARIES if b not in libs), flush=True)
     load0 = os.getloadavg()
     results: dict[str, Any] = {}
     for name, datas in corpus(args.images, args.large).items():

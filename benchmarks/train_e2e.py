@@ -35,7 +35,8 @@ Reported per run: images/s over the timed epochs (epoch starts included), its sh
 ``resident``, mean GPU utilisation (NVML, the device looked up by UUID/PCI bus id, sampled over the
 timed window), the CPU cores used (CPU time of this process and its workers over the timed window,
 with psutil), and the training thread's wait for its next batch (p50/p99/max). JSON with
-``--json``. Without CUDA it runs on the CPU (fp32; utilisation n/a), small, as a smoke test.
+``--json``; a run that failed has its ``error`` there, and the exit status is 1 when one did. Without
+CUDA it runs on the CPU (fp32; utilisation n/a), small, as a smoke test.
 
     python benchmarks/train_e2e.py --json /tmp/e2e.json                     # CUDA machine
     python benchmarks/train_e2e.py --augment random --models resnet18        # random augmentation
@@ -503,7 +504,11 @@ def main(argv: list[str] | None = None) -> int:
     print(_table(report["results"]))
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))
-    return 0
+    failed = [r for r in report["results"] if "error" in r]
+    if failed:  # after the JSON: every row is kept, but the run is not reported ok
+        print(f"{len(failed)} of {len(report['results'])} runs failed: "
+              + ", ".join(f"{r['model']}/{r['variant']}" for r in failed), file=sys.stderr)
+    return 1 if failed else 0
 
 
 def _row(r: dict) -> str:

@@ -13,8 +13,10 @@ batch, the loss read every 10 steps) the stage's images/s and training's images/
 training alone. Rows run candidate by candidate, so every decoder gets today's pipeline first when
 the budget runs short; the first row runs again at the end (``repeat``: the run-to-run spread).
 ``best``: the row with the most of min(stage, training) images/s beside training, the rate a
-training fed by that stage could reach. The JSON is rewritten after every row. Without CUDA the same
-runs on the CPU with a tiny model and host decoding: a check of the plumbing, not a measurement.
+training fed by that stage could reach. The JSON is rewritten after every row; a row skipped for the
+budget says so (``skipped``), a failed one has its ``error``, and the exit status is 1 when a row failed.
+Without CUDA the same runs on the CPU with a tiny model and host decoding: a check of the plumbing, not
+a measurement.
 """
 from __future__ import annotations
 
@@ -260,7 +262,13 @@ def main(argv: list[str] | None = None) -> int:
         report["train_alone_end_images_per_s"] = train_images_per_s(step, train_batch, args.seconds)
     save()
     print(f"best beside training: {report['best']}")
-    return 0
+    skipped = sum("skipped" in r for r in report["rows"])
+    if skipped:
+        print(f"{skipped} of {len(report['rows'])} rows skipped for the budget ({args.budget:.0f} s)")
+    failed = [r for r in report["rows"] if "error" in r]
+    if failed:  # after the JSON: every row is kept, but the part is not reported ok
+        print(f"{len(failed)} of {len(report['rows'])} rows failed", file=sys.stderr)
+    return 1 if failed else 0
 
 
 def fmt(r: dict[str, Any]) -> str:

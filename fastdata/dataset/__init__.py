@@ -11,6 +11,7 @@ from fastdata.dataset._cursor import Cursor, EpochStart, take_cursor
 from fastdata.dataset._dataset import ON_ERROR, ON_MISSING, ShardedDataset, SkippedSampleWarning, SkipReport
 from fastdata.dataset._options import DatasetOptions
 from fastdata.dataset._packed import FORMATS, EncodedImage, ImageInfo, PackedImages, collate, key_index
+from fastdata.dataset._packed import sniff, sniff_size  # image header facts, for fastdata.gpu.HostImageDecoder
 from fastdata._rng import rng_key
 from fastdata.dataset._schedule import BatchSchedule, Turn, num_batches
 from fastdata.dataset._seam import LoaderSeam

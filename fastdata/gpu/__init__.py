@@ -14,7 +14,7 @@ from fastdata.gpu._augment import (
     RandomResizedCrop,
     Resize,
 )
-from fastdata.gpu._codec import DecoderUnavailableError, HostImageDecoder
+from fastdata.gpu._codec import DecoderUnavailableError, HostImageDecoder, host_backend
 from fastdata.gpu._decode import DecodeImages
 from fastdata.gpu._transforms import (
     IMAGENET_MEAN,
@@ -29,3 +29,5 @@ __all__ = [
     "IMAGENET_MEAN", "IMAGENET_STD", "CenterCrop", "ChannelsLast", "Compose", "DecodeImages", "DecoderUnavailableError",
     "HostImageDecoder", "ImageBatch", "Normalize", "RandomHorizontalFlip", "RandomResizedCrop", "Resize", "ToDtype",
 ]
+# Package-internal, for fastdata.monitor: the host decoder library a name ("auto") resolves to here.
+__all__ += ["host_backend"]

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from fastdata.dataset import FORMATS, ImageInfo
+from fastdata.dataset import FORMATS, ImageInfo, sniff, sniff_size
 from fastdata.decode import ImageDecoder
 from fastdata.errors import FastdataError
 from fastdata.gpu import _nvimgcodec
@@ -243,7 +243,7 @@ def _tiff_orientation(tiff: bytes) -> int:
     return 1
 
 
-def _stream_order_guard(device: torch.device, host_wait: bool = True) -> None:
+def _stream_order_guard(device: torch.device) -> None:
     """Make sure no work queued so far on ``device``'s current stream can still read memory the decoder may write.
 
     nvJPEG's hardware engine writes its outputs without waiting for earlier work on the stream it is given
@@ -253,13 +253,12 @@ def _stream_order_guard(device: torch.device, host_wait: bool = True) -> None:
       work queued on that stream may still read. These decoders wait on the host for their own work before
       they return anyway, so this moves a wait rather than adding one. An event, not ``Stream.synchronize``:
       the same wait, which ``torch.cuda.set_sync_debug_mode`` does not count (the stage's decode thread runs it).
-    - nvImageCodec without a host wait (``host_wait=False``): nothing to wait for. The engine writes only
-      nvImageCodec's own buffers, which go back to its pool only after an event after their last read has
-      completed (:mod:`fastdata.gpu._nvimgcodec`), so no queued work reads a buffer it can be given.
+    - nvImageCodec without a host wait (``host_wait=False``): :func:`decode_device` does not call the guard,
+      there is nothing to wait for. The engine writes only nvImageCodec's own buffers, which go back to its
+      pool only after an event after their last read has completed (:mod:`fastdata.gpu._nvimgcodec`), so
+      no queued work reads a buffer it can be given.
     Reasoning and limits: docs/design/codec.md ("The stream-order guard").
     """
-    if not host_wait:
-        return
     queued = torch.cuda.Event()
     queued.record(torch.cuda.current_stream(device))
     queued.synchronize()
@@ -282,9 +281,11 @@ def decode_device(views: Sequence[torch.Tensor], device: torch.device, backend: 
         raise DecoderUnavailableError(f"no device JPEG decoder here (device decoder {backend!r} resolves to "
                                       f"{name!r}); {_INSTALL['torchcodec']}")
     check_host_wait(name, host_wait)
-    if device.type == "cuda":
-        _stream_order_guard(device, host_wait)
-    return call(views, device) if host_wait else _NO_WAIT_DECODERS[name](views, device, False)
+    if host_wait:
+        if device.type == "cuda":
+            _stream_order_guard(device)
+        return call(views, device)
+    return call(views, device, host_wait=False)  # a decoder of NO_WAIT_BACKENDS (check_host_wait): it takes it
 
 
 def release_pending(device: torch.device | None = None) -> None:
@@ -331,11 +332,9 @@ def _decode_nvimgcodec(views: Sequence[torch.Tensor], device: torch.device,
     return _nvimgcodec.decode(_require("nvimgcodec"), views, device, host_wait)
 
 
-_DEVICE_DECODERS: dict[str, Callable[[Sequence[torch.Tensor], torch.device], list[torch.Tensor | None]]] = {
+# ``(views, device)``; those of NO_WAIT_BACKENDS also take ``host_wait=``
+_DEVICE_DECODERS: dict[str, Callable[..., list[torch.Tensor | None]]] = {
     "torchcodec": _decode_torchcodec, "torchvision": _decode_torchvision, "nvimgcodec": _decode_nvimgcodec}
-# the device decoders that can return before their decode is done (host_wait=False)
-_NO_WAIT_DECODERS: dict[str, Callable[[Sequence[torch.Tensor], torch.device, bool], list[torch.Tensor | None]]] = {
-    "nvimgcodec": _decode_nvimgcodec}
 
 
 def decode_host(data: torch.Tensor, info: ImageInfo, backend: str, max_pixels: int | None = None) -> torch.Tensor:
@@ -397,24 +396,19 @@ class HostImageDecoder:
 
     def __call__(self, data: bytes | memoryview) -> torch.Tensor:
         t = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        head = bytes(data[:12])
-        fmt = next((f for f, magic in _MAGIC if magic(head)), "unknown")
+        info = ImageInfo(sniff(data))  # as PackedImages sniffs it for the stage
+        if info.format == "jpeg" and info.sof is None:  # no frame header: Pillow's error names the bytes
+            return _pillow_rgb(t, self.max_pixels)
         limit = self.max_pixels if self.max_pixels is not None else default_max_pixels()
-        if self.backend != "pillow" and limit is not None and fmt != "unknown":
-            with Image.open(io.BytesIO(data)) as img:  # the header only: refuse a bomb before a library decodes it
-                w, h = img.size
+        if self.backend != "pillow" and limit is not None and info.format in ("jpeg", "png", "gif"):
+            h, w = sniff_size(data)  # the header only: refuse a bomb before a library decodes it
             if w * h > limit:
                 raise ValueError(f"image of {w}x{h} = {w * h} pixels exceeds max_pixels={limit} (a decompression "
                                  "bomb or an unexpectedly large image)")
-        return decode_host(t, ImageInfo(FORMATS.index(fmt) | 3 << 16), self.backend, self.max_pixels)
+        return decode_host(t, info, self.backend, limit)  # WebP's size: decode_host reads it with Pillow
 
     def __repr__(self) -> str:
         return f"HostImageDecoder({self.backend!r})"
-
-
-_MAGIC: tuple[tuple[str, Callable[[bytes], bool]], ...] = (
-    ("jpeg", lambda b: b[:3] == b"\xff\xd8\xff"), ("png", lambda b: b[:8] == b"\x89PNG\r\n\x1a\n"),
-    ("gif", lambda b: b[:4] == b"GIF8"), ("webp", lambda b: b[:4] == b"RIFF" and b[8:12] == b"WEBP"))
 
 
 @functools.lru_cache(maxsize=8)

@@ -441,14 +441,13 @@ def _decode_chunk(views: list[torch.Tensor], device: torch.device, streams: Deco
     its own decode stream); the event, recorded there after the call, marks the images ready (``_take`` joins
     it to the consumer's stream). On the CPU (nvImageCodec's CPU backend): no stream, no event. ``None``
     entries: images the decoder could not decode."""
-    wait = {} if host_wait else {"host_wait": False}
     try:
         if streams is None:
-            return decode_device(views, device, decoder, **wait), None
+            return decode_device(views, device, decoder, host_wait=host_wait), None
         stream = streams.take()
         try:
             with torch.cuda.stream(stream):
-                images = decode_device(views, device, decoder, **wait)
+                images = decode_device(views, device, decoder, host_wait=host_wait)
                 ready = torch.cuda.Event()
                 ready.record(stream)
         finally:

@@ -71,12 +71,6 @@ class DecodeThreads:
                 self._current().ensure_running()  # a fork in another thread paused the threads: restart them
         return future.result()
 
-    @property
-    def alive(self) -> int:
-        """Threads running now."""
-        pool = self._pool
-        return pool.alive if pool is not None and self._pid == os.getpid() else 0
-
     def close(self) -> None:
         """End the threads after their current call and wait for them; queued calls are cancelled. The next
         :meth:`submit` starts new ones."""

@@ -161,7 +161,6 @@ def batch_size_dimension(s: Search, fits: Callable[[int], object], *, start: int
     return batch
 
 
-# The CPU decoders compared (DoctorOptions.decode names).
 def decoder_dimension(s: Search, cost: Callable[[str], float], start: str, backends: tuple[str, ...]) -> str:
     """The backend with the least ``cost(backend)`` (CPU seconds per image of decode + preprocess, in
     one thread); ``start`` unless another costs more than ``MIN_GAIN`` less. A backend whose cost
@@ -291,7 +290,7 @@ def tune(source: str | os.PathLike[str], start: DoctorOptions, *, batch_limit: i
 
     ``start.device_decode`` (None: on CUDA only) adds decoding on the device as a decode candidate.
     """
-    from fastdata.gpu import HostImageDecoder, Normalize
+    from fastdata.gpu import Normalize, host_backend
     from fastdata.manifest import Manifest
     from fastdata.prefetch import resolve_device
     from fastdata.transforms import ResizeCenterCrop
@@ -337,7 +336,7 @@ def tune(source: str | os.PathLike[str], start: DoctorOptions, *, batch_limit: i
         # each measuring lambda below runs inside its dimension's call, before ``best`` changes
         if fields.encoded:
             raws = st.raw_samples(subset, fields, 48)
-            library = HostImageDecoder().backend  # "auto": TorchCodec where it loads (a deprecated torchvision: none)
+            library = host_backend()  # "auto": TorchCodec where it loads (a deprecated torchvision: none)
             backends = tuple(dict.fromkeys(b for b in ("pil", start.decode, library) if b not in ("device", "pillow")))
             best = dataclasses.replace(best, decode=decoder_dimension(
                 s, lambda backend: _cpu_cost(raws, fields, pre, backend, best.batch_size), start.decode, backends))

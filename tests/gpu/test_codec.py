@@ -76,7 +76,7 @@ class StubDevice:
         self.refuse = refuse
         self.calls: list[int] = []
 
-    def __call__(self, views, device, backend="auto"):
+    def __call__(self, views, device, backend="auto", **kw):
         assert backend == "nvimgcodec" and device == CPU
         self.calls.append(len(views))
         out = []
@@ -176,9 +176,9 @@ def test_nvimgcodec_cpu_stage_equals_host_stage(monkeypatch):
     decoded = []
     real = _decode.decode_device
 
-    def spy(views, device, backend="auto"):
+    def spy(views, device, backend="auto", **kw):
         decoded.append(len(views))
-        return real(views, device, backend)
+        return real(views, device, backend, **kw)
 
     monkeypatch.setattr(_decode, "decode_device", spy)
     datas = [jpeg(i) for i in range(9)] + [jpeg(9, format="PNG"), jpeg(10, mode="CMYK"), BAD, jpeg(12, mode="L")]

@@ -169,4 +169,13 @@ def test_host_image_decoder_pickles_and_decodes_like_the_stage(monkeypatch):
             assert torch.equal(dec(memoryview(d)), pillow_rgb(d)), backend
         with pytest.raises(ValueError, match="exceeds max_pixels=100"):
             gpu.HostImageDecoder(backend, max_pixels=100)(datas[0])
-    assert gpu.HostImageDecoder().backend == _codec.host_backend("auto")
+    used: list[str] = []  # which library decodes: a HostImageDecoder() decodes with what "auto" resolves to
+    for name, real in list(_codec._HOST_DECODERS.items()):
+        monkeypatch.setitem(_codec._HOST_DECODERS, name,
+                            lambda data, info, name=name, real=real: used.append(name) or real(data, info))
+    pillow = _codec._pillow_rgb
+    monkeypatch.setattr(_codec, "_pillow_rgb", lambda data, max_pixels=None: used.append("pillow") or pillow(
+        data, max_pixels))
+    for d in datas:
+        assert torch.equal(gpu.HostImageDecoder()(d), pillow_rgb(d))
+    assert used == [_codec.host_backend("auto")] * 2

@@ -1,6 +1,9 @@
-"""DecodeImages.ahead(iterable, batches=N): how far it reads ahead, the order and state it keeps, its
-argument checks, and that the pipeline's batches do not depend on N (CPU; the CUDA side in
-test_decode_priority.py)."""
+"""DecodeImages.ahead(iterable, batches=N) on the CPU: how far it reads ahead and submits (with a stand-in
+stage), the order and state it keeps, its argument checks, and that reading N batches ahead changes no
+batch of the pipeline. On the CPU ``DecodeImages.submit`` returns at once (no decode is started early), so
+the last test covers the reading ahead, not a decode running ahead; that runs only on CUDA
+(test_decode_priority.py: the decode streams' priority and the batches' shapes with N = 1, 2;
+test_decode.py: every sample once through the prefetcher)."""
 from __future__ import annotations
 
 import pytest

@@ -58,7 +58,7 @@ class Stub:
         self.fail = fail
         self.lock = threading.Lock()
 
-    def __call__(self, views, device, backend="auto"):
+    def __call__(self, views, device, backend="auto", **kw):
         rows = [self.index[bytes(v.numpy())] for v in views]
         with self.lock:
             self.calls.append((threading.current_thread().name, rows))
@@ -333,7 +333,7 @@ def test_each_call_decodes_on_a_stream_of_its_own_joined_to_the_consumer(monkeyp
     fake = FakeCuda(monkeypatch)
     barrier = threading.Barrier(4, timeout=20)
 
-    def decode(views, device, backend="auto"):
+    def decode(views, device, backend="auto", **kw):
         stream = fake.current()
         barrier.wait()  # four calls in flight at once
         return [Image(stream) for _ in views]

@@ -64,8 +64,8 @@ def test_nvimgcodec_without_a_host_wait_is_called_without_one(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: log.append("current_stream"))
     monkeypatch.setattr(torch.cuda, "Event", Event)
     monkeypatch.setattr(_codec, "device_backend", lambda name="auto": name)
-    monkeypatch.setitem(_codec._NO_WAIT_DECODERS, "nvimgcodec",
-                        lambda views, device, host_wait: log.append(("decode", host_wait)) or [None] * len(views))
+    monkeypatch.setitem(_codec._DEVICE_DECODERS, "nvimgcodec",
+                        lambda views, device, host_wait=True: log.append(("decode", host_wait)) or [None] * len(views))
     views = packed(many_jpegs(2)).views()
     for _ in range(3):
         assert _codec.decode_device(views, torch.device("cuda", 0), "nvimgcodec", host_wait=False) == [None, None]
@@ -114,7 +114,7 @@ def test_no_corruption_when_earlier_work_reads_blocks_the_decode_gets(monkeypatc
     datas = many_jpegs(24)  # baseline (the hardware engine), progressive and greyscale (the hybrid path)
     refs = [pillow_rgb(d) for d in datas]
     corrupted = _corrupted_iterations(backend, 200, datas, refs)
-    monkeypatch.setattr(_codec, "_stream_order_guard", lambda device, host_wait=True: None)
+    monkeypatch.setattr(_codec, "_stream_order_guard", lambda device: None)
     unguarded = _corrupted_iterations(backend, 50, datas, refs)  # the control: what the guard prevents here
     record_property("unguarded_corrupted_of_50", unguarded)
     assert corrupted == 0, f"{backend}: {corrupted} of 200 iterations corrupted (without the guard: {unguarded} of 50)"
