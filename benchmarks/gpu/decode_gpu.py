@@ -8,9 +8,9 @@ failing part is reported in the table and the JSON, and the rest still runs. Par
   decode       the device decoder alone (fastdata.gpu._codec.decode_device; --device-decoder, default
                torchvision.io.decode_jpeg(list, device="cuda"), or nvImageCodec), batches 128/256
   stage        DecodeImages + RandomResizedCrop(224) + RandomHorizontalFlip + Normalize(bf16, channels_last)
-               from pinned PackedImages, batches 128/256 (the issue's target: > 15,900 images/s)
+               from pinned PackedImages, batches 128/256 (target: > 15,900 images/s)
   augment      the same without decoding (pre-decoded ImageBatch): resampling cost alone
-  naive        the issue's naive reference in the same run: per-image paste into a padded canvas +
+  naive        a naive reference in the same run: per-image paste into a padded canvas +
                torchvision.ops.roi_align + flip + normalise, batch 128
   correctness  GPU decode vs host decode (max/mean abs difference), GPU vs CPU resampling of the same geometry
   sync         the stage under torch.cuda.set_sync_debug_mode("error") on a side stream

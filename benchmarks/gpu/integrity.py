@@ -28,7 +28,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-# A plain torch IterableDataset, with or without a share_memory_() tensor (the issue's suspect).
+# A plain torch IterableDataset, with or without a share_memory_() tensor (the suspected cause).
 PLAIN = r'''
 import atexit, os, sys, torch
 from torch.utils.data import IterableDataset, DataLoader
