@@ -18,10 +18,11 @@ def format_result(r: Any, snippet: str) -> list[str]:
     what = {"job": "the whole job (loader -> CUDAPrefetcher -> step)", "loader": "the loader alone",
             "input": "the input side (loader -> CUDAPrefetcher -> transforms)"}[r.measured]
     lines = ["trials:"]
+    width = max([8] + [len(str(t["value"])) for t in r.trials])  # "torchcodec" is wider than a number
     for t in r.trials:
         extra = ", ".join(f"{k} {v:,.0f}" if isinstance(v, float) else f"{k} {v}"
                           for k, v in t.items() if k not in ("dimension", "value"))
-        lines.append(f"  {t['dimension']:<14} {t['value']!s:<8} {extra}")
+        lines.append(f"  {t['dimension']:<14} {t['value']!s:<{width}} {extra}")
     lines += [f"- {n}" for n in r.notes]
     lines += [f"measured on {what}, back to back:",
               f"  start  {_describe(r.start)}: {r.start_rate:,.0f} images/s",
