@@ -11,7 +11,6 @@ import json
 import random
 import warnings
 from collections.abc import Iterable
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -23,6 +22,7 @@ from fastdata import CheckpointError, CUDAPrefetcher, DataLoader, FastdataError,
 from fastdata.gpu import Normalize
 from fastdata.transforms import Compose, RandomHorizontalFlip, RandomResizedCrop, ResizeCenterCrop
 from tests.helpers.images import jpeg
+from tests.helpers.shards import make_shards
 
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
 
@@ -42,9 +42,7 @@ ALL_PATHS = pytest.mark.parametrize("path", list(PATHS))
 def data(tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace:
     """24 samples (jpg, cls) in 3 tar shards, and a cache store of them, filled (the cached path's)."""
     root = tmp_path_factory.mktemp("contract")
-    with fastdata.ShardWriter(root / "shards", max_samples=8) as w:
-        for i in range(SAMPLES):
-            w.write({"__key__": f"k{i:03d}", "jpg": jpeg(i, 12, 10), "cls": i % 3})
+    make_shards(root / "shards", SAMPLES, 8, key="k{i:03d}", cls=lambda i: i % 3, image=lambda i: jpeg(i, 12, 10))
     cache = root / "cache"
     ShardedDataset(root / "shards", preprocess=ResizeCenterCrop(8), cache=cache).build_cache()
     return SimpleNamespace(shards=root / "shards", cache=cache, refs={})
@@ -560,4 +558,3 @@ def test_every_case_runs_on_every_path():
     for name in cases:
         marks = [m for m in globals()[name].pytestmark if m.name == "parametrize"]
         assert marks and list(marks[0].args[1]) == list(PATHS), name
-    assert Path(__file__).name == "test_resume_contract.py"
