@@ -19,7 +19,7 @@ import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["BatchSchedule", "Dealing", "Turn", "num_batches"]
+__all__ = ["BatchSchedule", "Dealing", "Turn"]
 
 
 class Turn(enum.Enum):
@@ -116,8 +116,3 @@ class Dealing:
         if self.schedule.yields(samples):
             return Turn.BATCH
         return Turn.END if skipped else Turn.NOTHING
-
-
-def num_batches(counts: Sequence[int], batch_size: int | None, drop_last: bool) -> int:
-    """Batches a DataLoader yields when each worker has ``counts[w]`` samples."""
-    return BatchSchedule(len(counts), batch_size, drop_last).total(counts)

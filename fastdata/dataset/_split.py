@@ -108,10 +108,6 @@ class SplitPlan:
         """Samples each worker of a rank yields per epoch (``num_workers=0`` counts as 1)."""
         return split_sizes(self.per_rank, max(1, num_workers))
 
-    def shard_order(self, pass_index: int) -> np.ndarray:
-        """Shard order of one pass over the data."""
-        return self._pass_layout(pass_index)[0]
-
     def _pass_layout(self, pass_index: int) -> tuple[np.ndarray, np.ndarray]:
         """(shard order, end position of each shard in that order) of a pass, kept for the last few passes:
         an argsort and a cumsum of every shard, once per pass rather than once per worker and rank."""

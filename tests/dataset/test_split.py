@@ -11,7 +11,7 @@ import pytest
 
 from fastdata._rng import random_floats
 from fastdata.dataset._mix import _buffer_shuffle, _interleave
-from fastdata.dataset._schedule import num_batches
+from fastdata.dataset._schedule import BatchSchedule
 from fastdata.dataset._split import (ShuffleOptions, SplitPlan, iteration_stages, permutation, rng_key,
                                      stage_counts, stage_sequences, worker_sequence)
 
@@ -153,9 +153,9 @@ def test_shuffle_options_validation():
 
 
 def test_batch_counts():
-    assert num_batches([5, 5], 4, False) == 4
-    assert num_batches([5, 5], 4, True) == 2
-    assert num_batches([5, 5], None, False) == 10
+    assert BatchSchedule(2, 4, False).total([5, 5]) == 4
+    assert BatchSchedule(2, 4, True).total([5, 5]) == 2
+    assert BatchSchedule(2, None, False).total([5, 5]) == 10
 
 
 @pytest.mark.parametrize("old_workers", [1, 2, 3])
