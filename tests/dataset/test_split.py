@@ -337,7 +337,7 @@ def test_vectorised_keys_equal_rng_key():
 
     for key in (0, 1, 2**63 - 1, 2**64 - 1, 123456789):
         js = np.array([0, 1, 2, 7, 10**6, 2**40], dtype=np.int64)
-        assert keys_u64(key, 1, js).tolist() == [rng_key(key, 1, int(j)) for j in js]
+        assert keys_u64(rng_key(key, 1), js).tolist() == [rng_key(key, 1, int(j)) for j in js]
 
 
 def test_shard_schedule_of_a_host_costs_one_shard_order_per_pass(monkeypatch):
