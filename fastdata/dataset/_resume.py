@@ -25,7 +25,7 @@ from fastdata.dataset._elastic import (
     rest_counts,
 )
 from fastdata.dataset._schedule import BatchSchedule
-from fastdata.dataset._split import SplitPlan, Stage, split_sizes
+from fastdata.dataset._split import SplitPlan, Stage, resplit
 from fastdata.dataset._state import (
     STATE_VERSION,
     ParsedState,
@@ -251,8 +251,7 @@ def _load_states(ds: Any, raw: list[Any], batch_size: int | None, num_workers: i
                 continue
             n0 = st.stages[0][0]
             if st.split is not None:  # the rest of an elastic resume: rank r's workers got split[r]
-                mine = list(st.split[r])
-                first = mine if n0 == len(mine) else split_sizes(sum(mine), n0)
+                first = resplit(st.split[r], n0)
             else:
                 try:
                     first = replace(base, world_size=w1, rank=r).worker_counts(n0)
