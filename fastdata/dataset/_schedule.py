@@ -51,6 +51,13 @@ class BatchSchedule:
         """Walks of the iteration (at least one)."""
         return max(1, self.num_workers)
 
+    @property
+    def shape(self) -> tuple[int, int, bool]:
+        """What decides the batch counts: (batch size, walks, drop_last), normalised: None and 1 are single
+        samples, 0 and 1 workers one walk, and drop_last of single samples drops nothing."""
+        size = max(1, int(self.size))
+        return (size, max(1, int(self.num_workers)), bool(self.drop_last) and size > 1)
+
     def batches(self, samples: int) -> int:
         """Batches a worker yields from ``samples`` samples that load."""
         b = self.size

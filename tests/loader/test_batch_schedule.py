@@ -110,3 +110,18 @@ def test_next_worker_without_counts_is_plain_round_robin():
     assert BatchSchedule(3, 4).next_worker(2, 0, None) == 0
     assert BatchSchedule(1, 4).next_worker(0, 0, None) == 0
     assert BatchSchedule(0, 4).next_worker(0, 0, [0]) == 0
+
+
+@pytest.mark.parametrize(("args", "shape"), [
+    ((2, 4, True), (4, 2, True)),
+    ((0, 4, False), (4, 1, False)),
+    ((1, None, False), (1, 1, False)),
+    ((1, None, True), (1, 1, False)),  # drop_last of single samples drops nothing
+    ((3, 1, True), (1, 3, False)),
+])
+def test_shape_is_what_decides_the_batch_counts(args, shape):
+    """Schedules of one shape give every count of samples the same batch count."""
+    schedule = BatchSchedule(*args)
+    assert schedule.shape == shape and type(schedule.shape[2]) is bool
+    other = BatchSchedule(shape[1], shape[0], shape[2])
+    assert all(schedule.total([n] * schedule.workers) == other.total([n] * other.workers) for n in range(9))
