@@ -54,18 +54,18 @@ def permutation(key: int, n: int) -> np.ndarray:
     return np.argsort(random_u64(key, n), kind="stable").astype(np.int64)
 
 
-def keys_u64(key: int, prefix: int, idx: np.ndarray) -> np.ndarray:
-    """``rng_key(key, prefix, j)`` for every ``j`` of ``idx`` (uint64), vectorised."""
-    head = rng_key(key, prefix)  # the fold over the common words; the last word varies
-    words = idx.astype(np.uint64) + np.uint64(GOLDEN)  # (j + golden) mod 2^64
+def keys_u64(head: int, idx: np.ndarray) -> np.ndarray:
+    """``rng_key(*words, j)`` for every ``j`` of ``idx`` (ints; uint64 keys), vectorised: ``head`` is
+    ``rng_key(*words)``, the fold over the common words (the last word varies)."""
+    words = np.asarray(idx, dtype=np.int64).astype(np.uint64) + np.uint64(GOLDEN)  # (j + golden) mod 2^64
     return mix_u64(np.uint64(head) ^ mix_u64(words))
 
 
 def uniforms(seed: int, salt: int, epoch: int, ids: np.ndarray, k: int) -> np.ndarray:
-    """``(len(ids), k)`` floats in [0, 1): stream ``k`` of sample ``ids`` for ``(seed, salt, epoch)``."""
-    base = np.uint64(rng_key(seed, salt, epoch))
+    """``(len(ids), k)`` floats in [0, 1): stream ``k`` of sample ``ids`` for ``(seed, salt, epoch)``,
+    the counter stream of the key ``rng_key(seed, salt, epoch, id)``."""
     golden = np.uint64(GOLDEN)
     with np.errstate(over="ignore"):
-        x = mix_u64(base ^ mix_u64(np.asarray(ids, dtype=np.int64).reshape(-1).astype(np.uint64) + golden))
+        x = keys_u64(rng_key(seed, salt, epoch), np.asarray(ids, dtype=np.int64).reshape(-1))
         u = mix_u64(x[:, None] + np.arange(1, k + 1, dtype=np.uint64)[None, :] * golden)
     return (u >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))

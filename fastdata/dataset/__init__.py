@@ -10,10 +10,8 @@ dealing in ``_schedule``). Behind them: ``_source`` (where shards are), ``_split
 from fastdata.dataset._cursor import Cursor, EpochStart, take_cursor
 from fastdata.dataset._dataset import ON_ERROR, ON_MISSING, ShardedDataset, SkippedSampleWarning, SkipReport
 from fastdata.dataset._options import DatasetOptions
-from fastdata.dataset._packed import FORMATS, EncodedImage, ImageInfo, PackedImages, collate, key_index
-from fastdata.dataset._packed import sniff, sniff_size  # image header facts, for fastdata.gpu.HostImageDecoder
-from fastdata._rng import rng_key
-from fastdata.dataset._schedule import BatchSchedule, Turn, num_batches
+from fastdata.dataset._packed import FORMATS, EncodedImage, ImageInfo, PackedImages, collate, key_index, sniff, sniff_size
+from fastdata.dataset._schedule import BatchSchedule, Turn
 from fastdata.dataset._seam import LoaderSeam
 from fastdata.dataset._source import RemoteShards
 from fastdata.dataset._split import ShuffleOptions
@@ -25,10 +23,11 @@ __all__ = ["ON_ERROR", "ON_MISSING", "RemoteShards", "ShardedDataset", "ShuffleO
 __all__ += ["DatasetOptions"]
 # Package-internal seam for the loader stage: LoaderSeam (ShardedDataset.loader_seam) and the walks it
 # gives (Cursor, EpochStart, take_cursor), the end-of-walk marker of skip reports (SkipReport), and the
-# one schedule every loader path deals batches by (BatchSchedule, Turn, num_batches), and the schema of
-# a dataset state (parse_state, ParsedState) that a loader's state holds.
+# one schedule every loader path deals batches by (BatchSchedule, Turn), and the schema of a dataset
+# state (parse_state, ParsedState) that a loader's state holds.
 __all__ += ["BatchSchedule", "Cursor", "EpochStart", "LoaderSeam", "ParsedState", "SkipReport", "Turn",
-            "num_batches", "parse_state", "take_cursor"]
-# Encoded images kept for the device decode stage (image_decode="device"); rng_key, the counter-based
-# hash of the split, also seeds the GPU stage's per-sample augmentation.
-__all__ += ["FORMATS", "EncodedImage", "ImageInfo", "PackedImages", "collate", "key_index", "rng_key"]
+            "parse_state", "take_cursor"]
+# Encoded images kept for the device decode stage (image_decode="device").
+__all__ += ["FORMATS", "EncodedImage", "ImageInfo", "PackedImages", "collate", "key_index"]
+# Image header facts (format, size) for fastdata.gpu.HostImageDecoder.
+__all__ += ["sniff", "sniff_size"]

@@ -71,7 +71,6 @@ class Cursor:
         if not 0 <= worker < n:
             raise ValueError(f"worker must be in [0, {n}), got {worker!r}")
         self.seam = seam  # the dataset's LoaderSeam
-        self.dataset = seam.dataset
         self.token: str = seam.token
         self.epoch = start.epoch
         self.stages: list[Stage] = list(start.stages)

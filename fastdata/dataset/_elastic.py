@@ -19,6 +19,8 @@ from fastdata.dataset._split import (
     Stage,
     check_consumed,
     iteration_stages,
+    last_stage_counts,
+    resplit,
     split_sizes,
 )
 
@@ -78,17 +80,13 @@ def rest_counts(first: Sequence[int], stages: Sequence[Stage], num_workers: int)
     """Per worker, the samples a rank still yields when it resumes its ``stages`` with ``num_workers``
     (``first``: its workers' counts at the start of the era, as its plan gives them for stage 0)."""
     stages = iteration_stages(stages, num_workers)
-    n0 = stages[0][0]
-    counts = list(first) if n0 == len(first) else split_sizes(sum(first), n0)
-    for (_, consumed), (n_next, _) in zip(stages[:-1], stages[1:]):
-        counts = split_sizes(sum(c - k for c, k in zip(counts, consumed)), n_next)
+    counts = last_stage_counts(resplit(first, stages[0][0]), stages)
     return [c - k for c, k in zip(counts, stages[-1][1])]
 
 
 def _rank_remaining_count(counts: list[int], stages: Sequence[Stage]) -> int:
     stages = list(stages) or [(len(counts), (0,) * len(counts))]
-    for (_, consumed), (n_next, _) in zip(stages[:-1], stages[1:]):
-        counts = split_sizes(sum(c - k for c, k in zip(counts, consumed)), n_next)
+    counts = last_stage_counts(counts, stages)
     n, consumed = stages[-1]
     if len(consumed) != len(counts) or any(not 0 <= k <= c for c, k in zip(counts, consumed)):
         raise ValueError(f"resume state: consumed {list(consumed)} does not fit worker counts {counts}")
@@ -222,8 +220,7 @@ class ElasticPlan:
         return sum(self.split[self.rank])
 
     def worker_counts(self, num_workers: int) -> list[int]:
-        mine = list(self.split[self.rank])
-        return mine if max(1, num_workers) == len(mine) else split_sizes(sum(mine), max(1, num_workers))
+        return resplit(self.split[self.rank], num_workers)
 
     def worker_indices(self, epoch: int, worker: int, num_workers: int) -> np.ndarray:
         if epoch != self.epoch:

@@ -202,7 +202,7 @@ def mix_segments(
     starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
     rank = np.arange(len(piece), dtype=np.int64) - starts[piece]  # place inside its piece
     if options is not None and options.within_shard:  # each piece in its own seeded order
-        keys = keys_u64(key, 1, np.arange(len(seg), dtype=np.int64))
+        keys = keys_u64(rng_key(key, 1), np.arange(len(seg), dtype=np.int64))
         rank = _piece_permutations(lengths, starts, piece, rank, keys)
     flat = first[piece] + rank
     if options is None:

@@ -10,7 +10,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from fastdata._util import check_index
+from fastdata._util import check_index, check_int
 from fastdata.dataset._source import Source
 from fastdata.dataset._split import EVEN_POLICIES, ShuffleOptions
 from fastdata.decode import DECODED_SUFFIXES, Decoder, check_max_pixels, suffix
@@ -58,9 +58,7 @@ class DatasetOptions:
         object.__setattr__(self, "fields", _check_fields(self.fields))
         if self.even not in EVEN_POLICIES:
             raise ValueError(f"even must be one of {EVEN_POLICIES}, got {self.even!r}")
-        spe = self.samples_per_epoch
-        if spe is not None and (isinstance(spe, bool) or not isinstance(spe, int) or spe < 1):
-            raise ValueError(f"samples_per_epoch must be an int >= 1 or None, got {spe!r}")
+        check_int("samples_per_epoch", self.samples_per_epoch, 1, none_ok=True)
         self._check_dist()
         for name in ("preprocess", "transform", "sample_transform"):
             fn = getattr(self, name)

@@ -25,7 +25,7 @@ from fastdata.dataset._elastic import (
     rest_counts,
 )
 from fastdata.dataset._schedule import BatchSchedule
-from fastdata.dataset._split import SplitPlan, Stage, split_sizes
+from fastdata.dataset._split import SplitPlan, Stage, resplit
 from fastdata.dataset._state import (
     STATE_VERSION,
     ParsedState,
@@ -56,13 +56,6 @@ class Resume:
 def dataset_part(state: Any) -> Any:
     """The dataset's state inside a ``fastdata.DataLoader`` state (``{"dataset": ..., ...}``), else ``state``."""
     return state["dataset"] if isinstance(state, Mapping) and isinstance(state.get("dataset"), Mapping) else state
-
-
-def _loader_shape(batch_size: int | None, num_workers: int, drop_last: bool) -> tuple[int, int, bool]:
-    """What decides a loader's batch counts: (batch size, workers per rank, drop_last), normalised
-    (None and 1 are single samples, 0 and 1 workers are one walk, drop_last of single samples drops nothing)."""
-    bs = max(1, int(batch_size or 1))
-    return (bs, max(1, int(num_workers)), bool(drop_last) and bs > 1)
 
 
 def _shape_text(shape: tuple[int, int, bool]) -> str:
@@ -126,13 +119,13 @@ def load_state(ds: Any, state: Mapping[str, Any] | Sequence[Mapping[str, Any]], 
                num_workers: int, drop_last: bool, *, apply: bool = True) -> None:
     """``ds.load_state_dict(state, ...)`` (see there); ``apply=False``: only check that it would load
     (StateError if not; nothing changes, nothing is warned)."""
+    schedule = BatchSchedule(num_workers, batch_size, drop_last)
     if isinstance(state, Sequence) and not isinstance(state, (str, bytes)):
         if not state:
             raise StateError("load_state_dict: empty list of rank states")
-        _load_states(ds, [dataset_part(s) for s in state], batch_size, num_workers, drop_last, apply)
+        _load_states(ds, [dataset_part(s) for s in state], schedule, apply)
         return
-    _load_one(ds, parse_state(dataset_part(state)), _loader_shape(batch_size, num_workers, drop_last),
-              lockstep=False, apply=apply)
+    _load_one(ds, parse_state(dataset_part(state)), schedule.shape, lockstep=False, apply=apply)
 
 
 def _apply(ds: Any, epoch: int, point: tuple[int, list[Stage], int], elastic: Any, split_for: Any,
@@ -162,7 +155,7 @@ def _check_world(ds: Any, p: ParsedState, where: str = "state_dict") -> None:
 
 
 def _load_one(ds: Any, p: ParsedState, shape: tuple[int, int, bool], *, lockstep: bool, apply: bool) -> None:
-    """Load this rank's state ``p``, read by a loader of ``shape`` (see :func:`_loader_shape`); ``lockstep``:
+    """Load this rank's state ``p``, read by a loader of ``shape`` (``BatchSchedule.shape``); ``lockstep``:
     every rank's state was seen to give equal batch counts."""
     ds._resolve_dist()
     _check_world(ds, p)
@@ -226,9 +219,9 @@ def _lockstep(ds: Any, states: Sequence[ParsedState], schedule: BatchSchedule) -
     return len(batches) <= 1
 
 
-def _load_states(ds: Any, raw: list[Any], batch_size: int | None, num_workers: int, drop_last: bool,
-                 apply: bool) -> None:
-    """Load from every rank's state (see ``ShardedDataset.load_state_dict``)."""
+def _load_states(ds: Any, raw: list[Any], schedule: BatchSchedule, apply: bool) -> None:
+    """Load from every rank's state (see ``ShardedDataset.load_state_dict``), for a loader that deals
+    batches by ``schedule``."""
     ds._resolve_dist()
     states = [parse_state(st, f"rank state {r}") for r, st in enumerate(raw)]
     w1 = len(states)
@@ -242,7 +235,8 @@ def _load_states(ds: Any, raw: list[Any], batch_size: int | None, num_workers: i
         if len(values) > 1:
             raise StateError(f"rank states disagree on {_state_field(name)}: {sorted(values)}")
     _check_matches(states[0].raw, state_of(ds, 0, []))
-    shape = _loader_shape(batch_size, num_workers, drop_last)
+    shape = schedule.shape
+    num_workers, batch_size, drop_last = schedule.num_workers, schedule.batch_size, schedule.drop_last
     eras = states[0].eras or ()
     base = None if ds.source.streaming else _base_plan(ds)
     if base is not None:  # every rank's positions against its workers' parts, before any index math
@@ -251,8 +245,7 @@ def _load_states(ds: Any, raw: list[Any], batch_size: int | None, num_workers: i
                 continue
             n0 = st.stages[0][0]
             if st.split is not None:  # the rest of an elastic resume: rank r's workers got split[r]
-                mine = list(st.split[r])
-                first = mine if n0 == len(mine) else split_sizes(sum(mine), n0)
+                first = resplit(st.split[r], n0)
             else:
                 try:
                     first = replace(base, world_size=w1, rank=r).worker_counts(n0)
@@ -260,7 +253,7 @@ def _load_states(ds: Any, raw: list[Any], batch_size: int | None, num_workers: i
                     raise StateError(f"rank state {r}: world_size={w1} does not fit this dataset: {e}") from e
             check_positions(f"rank state {r}", st.stages, first)
     if w1 == ds.world_size and (ds.source.streaming  # no eras: every rank continues its own stream
-                                or _lockstep(ds, states, BatchSchedule(num_workers, batch_size, drop_last))):
+                                or _lockstep(ds, states, schedule)):
         # same world size: continue in exactly the same order
         _load_one(ds, states[ds.rank], shape, lockstep=True, apply=apply)
         return

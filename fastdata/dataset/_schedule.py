@@ -19,7 +19,7 @@ import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["BatchSchedule", "Dealing", "Turn", "num_batches"]
+__all__ = ["BatchSchedule", "Dealing", "Turn"]
 
 
 class Turn(enum.Enum):
@@ -50,6 +50,13 @@ class BatchSchedule:
     def workers(self) -> int:
         """Walks of the iteration (at least one)."""
         return max(1, self.num_workers)
+
+    @property
+    def shape(self) -> tuple[int, int, bool]:
+        """What decides the batch counts: (batch size, walks, drop_last), normalised: None and 1 are single
+        samples, 0 and 1 workers one walk, and drop_last of single samples drops nothing."""
+        size = max(1, int(self.size))
+        return (size, max(1, int(self.num_workers)), bool(self.drop_last) and size > 1)
 
     def batches(self, samples: int) -> int:
         """Batches a worker yields from ``samples`` samples that load."""
@@ -116,8 +123,3 @@ class Dealing:
         if self.schedule.yields(samples):
             return Turn.BATCH
         return Turn.END if skipped else Turn.NOTHING
-
-
-def num_batches(counts: Sequence[int], batch_size: int | None, drop_last: bool) -> int:
-    """Batches a DataLoader yields when each worker has ``counts[w]`` samples."""
-    return BatchSchedule(len(counts), batch_size, drop_last).total(counts)

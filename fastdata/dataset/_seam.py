@@ -164,6 +164,13 @@ class LoaderSeam:
         """The fields of a sample the cache store does not hold, under the error policy (None: skipped)."""
         return self.dataset._samples.load_uncached(self.dataset, shard, i, g, cursor)
 
+    def transform_cached(self, fields: dict[str, Any], g: int, epoch: int) -> dict[str, Any]:
+        """``transform=`` on the cached (image) ``fields`` of sample ``g`` in ``epoch``, as a worker applies it
+        to them (with the sample's generator when the transform takes one): the cached fast path's rows."""
+        ds, samples = self.dataset, self.dataset._samples
+        seeded = (ds.seed, epoch, g) if samples._takes_generator(ds.transform) else None
+        return samples.apply(ds.transform, fields, seeded)
+
     # ----- skip records and worker behaviour ------------------------------------------------------
     def begin_skip_budget(self) -> None:
         """A pass over an epoch starts in this process: ``max_skips`` counts from zero again."""

@@ -12,7 +12,7 @@ See docs/design/split.md.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -25,7 +25,8 @@ from fastdata.dataset._mix import Segment, ShuffleOptions, mix_segments
 from fastdata._rng import permutation, rng_key
 
 __all__ = ["EVEN_POLICIES", "ShuffleOptions", "SplitPlan", "Stage", "check_consumed", "iteration_stages",
-           "read_order", "shard_schedule", "split_sizes", "stage_counts", "stage_sequences", "worker_sequence"]
+           "last_stage_counts", "read_order", "resplit", "shard_schedule", "split_sizes", "stage_counts",
+           "stage_sequences", "stage_walk", "worker_sequence"]
 
 EVEN_POLICIES = ("pad", "drop")
 
@@ -107,10 +108,6 @@ class SplitPlan:
     def worker_counts(self, num_workers: int) -> list[int]:
         """Samples each worker of a rank yields per epoch (``num_workers=0`` counts as 1)."""
         return split_sizes(self.per_rank, max(1, num_workers))
-
-    def shard_order(self, pass_index: int) -> np.ndarray:
-        """Shard order of one pass over the data."""
-        return self._pass_layout(pass_index)[0]
 
     def _pass_layout(self, pass_index: int) -> tuple[np.ndarray, np.ndarray]:
         """(shard order, end position of each shard in that order) of a pass, kept for the last few passes:
@@ -231,12 +228,35 @@ def worker_sequence(plan: SplitPlan, epoch: int, stages: Sequence[Stage], worker
     return seq, consumed[worker]
 
 
+def resplit(counts: Sequence[int], num_workers: int) -> list[int]:
+    """A rank's worker sample counts ``counts`` for ``num_workers`` workers: the same for as many workers,
+    else the rank's samples split evenly again (the first stage of the rest of an elastic resume)."""
+    n = max(1, num_workers)
+    return list(counts) if len(counts) == n else split_sizes(sum(counts), n)
+
+
+def stage_walk(first: Sequence[int], stages: Sequence[Stage]) -> Iterator[tuple[int, list[int], tuple[int, ...]]]:
+    """``(k, sample counts of stage k's workers, their consumed positions)`` for every stage of ``stages``:
+    stage 0's counts are ``first``, each later stage splits what the one before left (a lazy walk: a
+    consumer that checks a stage's positions does so before the next stage's counts are made of them)."""
+    counts = list(first)
+    for k, (n, consumed) in enumerate(stages):
+        if k:
+            counts = split_sizes(sum(c - p for c, p in zip(counts, stages[k - 1][1])), n)
+        yield k, counts, consumed
+
+
+def last_stage_counts(first: Sequence[int], stages: Sequence[Stage]) -> list[int]:
+    """Sample counts of the last stage's workers (``first``: stage 0's; see :func:`stage_walk`)."""
+    counts = list(first)
+    for _, counts, _ in stage_walk(first, stages):
+        pass
+    return counts
+
+
 def stage_counts(plan: SplitPlan, stages: Sequence[Stage]) -> list[int]:
     """Sample counts per worker of the last stage, without building sequences."""
-    counts = plan.worker_counts(stages[0][0])
-    for (_, consumed), (n_next, _) in zip(stages[:-1], stages[1:]):
-        counts = split_sizes(sum(c - k for c, k in zip(counts, consumed)), n_next)
-    return counts
+    return last_stage_counts(plan.worker_counts(stages[0][0]), stages)
 
 
 def check_consumed(seqs: Sequence[np.ndarray], consumed: Sequence[int], n: int) -> None:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastdata.dataset._elastic import Era
-from fastdata.dataset._split import Stage, split_sizes
+from fastdata.dataset._split import Stage, stage_walk
 from fastdata.errors import StateError
 
 __all__ = ["REQUIRED", "STATE_VERSION", "ParsedState", "check_positions", "parse_state"]
@@ -157,12 +157,8 @@ def parse_state(state: Any, where: str = "state_dict") -> ParsedState:
 def check_positions(where: str, stages: Sequence[Stage], first: Sequence[int]) -> None:
     """Every position of ``stages`` within its logical worker's part of the epoch; ``first``: the
     sample counts of stage 0's workers (each later stage splits what the one before left)."""
-    counts = list(first)
-    for k, (n, consumed) in enumerate(stages):
-        if k:
-            before = stages[k - 1][1]
-            counts = split_sizes(sum(c - p for c, p in zip(counts, before)), n)
+    for k, counts, consumed in stage_walk(first, stages):
         for w, (c, p) in enumerate(zip(counts, consumed)):
             if p > c:
-                raise StateError(f"{where}: stages[{k}] (num_workers={n}): logical worker {w} consumed {p} "
-                                 f"samples; its part of the epoch has {c}")
+                raise StateError(f"{where}: stages[{k}] (num_workers={stages[k][0]}): logical worker {w} consumed "
+                                 f"{p} samples; its part of the epoch has {c}")

@@ -38,7 +38,7 @@ from fastdata.transforms import (
 )
 
 __all__ = [
-    "CenterCrop", "ImageBatch", "RandomHorizontalFlip", "RandomResizedCrop", "Resize", "render_images", "uniforms",
+    "CenterCrop", "ImageBatch", "RandomHorizontalFlip", "RandomResizedCrop", "Resize", "render_images",
 ]
 
 MAX_CANVAS = 1 << 28  # elements per resampling group: 512 MiB of float16 on CUDA (2 groups for 256 images of 640 px)

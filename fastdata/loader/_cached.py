@@ -22,10 +22,10 @@ import torch
 from torch.utils.data import default_collate
 from torch.utils.data._utils.pin_memory import pin_memory as _pin_memory
 
-from fastdata.dataset import BatchSchedule, Cursor, EpochStart, ShardedDataset, Turn
+from fastdata.dataset import BatchSchedule, Cursor, EpochStart, LoaderSeam, ShardedDataset, Turn
 from fastdata.errors import CacheError
 from fastdata.loader._gather import FastGather
-from fastdata.transforms import accepts_generator, sample_generator
+from fastdata.transforms import accepts_generator
 
 __all__ = [
     "FAST_PATH_MODES",
@@ -339,22 +339,24 @@ def cached_batches(
         turn = deal.settle(w, len(rows), pos - before > len(rows))
         if turn is Turn.BATCH:
             yield FastBatch(_assemble(store, metas, rows, collate_fn, fast_collate, pin, gather,
-                                      (ds.transform, ds.seed, start.epoch) if ds.transform is not None else None,
+                                      (seam, start.epoch) if ds.transform is not None else None,
                                       pinned or pin is not None), w, pos)
         elif turn is Turn.END and positions is not None:  # ended in skipped samples
             positions[w] = pos
 
 
 def _assemble(store: Any, metas: list[dict[str, Any]] | _Columns, rows: Any, collate_fn: Callable[[Any], Any],
-              fast_collate: bool, pin: str | None, gather: FastGather, transform: tuple[Any, int, int] | None,
+              fast_collate: bool, pin: str | None, gather: FastGather, transform: tuple[LoaderSeam, int] | None,
               pinned: bool) -> Any:
-    cached = gather.batch(store, rows, pinned=pinned)
+    """One batch of the store's ``rows``. ``transform``: (the dataset's seam, the epoch): its ``transform=``
+    replaces the gathered rows, which are read once and never handed out, so they are gathered unpinned."""
+    cached = gather.batch(store, rows, pinned=pinned and transform is None)
     if cached is None:
         raise CacheError(f"cache store {store.path}: samples of this batch are no longer filled ({list(rows[:8])}...)")
-    if transform is not None:  # (transform, seed, epoch): each row as a worker transforms its sample
-        fn, seed, epoch = transform
-        cached = {k: torch.stack([fn(row, generator=sample_generator(seed, epoch, int(g))) for row, g in zip(v, rows)])
-                  for k, v in cached.items()}
+    if transform is not None:  # each row as a worker transforms its sample
+        seam, epoch = transform
+        out = [seam.transform_cached({k: v[j] for k, v in cached.items()}, int(g), epoch) for j, g in enumerate(rows)]
+        cached = {k: torch.stack([o[k] for o in out]) for k in cached}
     if isinstance(metas, _Columns):
         batch = metas.batch
         batch.update(cached)

@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from fastdata.dataset import parse_state
+from fastdata.dataset import ParsedState, parse_state
 from fastdata.errors import StateError
 
 __all__ = ["LOADER_STATE_VERSION", "LoaderState", "parse_loader_state"]
@@ -64,7 +64,22 @@ def _one(state: Any, where: str) -> LoaderState:
     if parsed.stages and parsed.stages[-1][0] != max(1, num_workers):
         raise StateError(f"{where}: num_workers={num_workers}, but its positions (dataset stages[-1]) are of "
                          f"{parsed.stages[-1][0]} logical workers")
+    consumed = _consumed(parsed)
+    if batches > consumed:
+        raise StateError(f"{where}: batches={batches}, but its positions (dataset stages and eras) hold "
+                         f"{consumed} consumed samples of the epoch, and each batch handed out took at least one")
     return LoaderState(state["dataset"], batches, num_workers)
+
+
+def _consumed(parsed: ParsedState) -> int:
+    """The samples of its epoch a dataset state's positions have consumed, an upper bound of the batches
+    handed out: this rank's stages, and of each era that ended in a resize the most any of its ranks
+    consumed (the batches carried over a resize are the count every rank of that era had reached)."""
+    def total(stages: Sequence[tuple[int, Sequence[int]]]) -> int:
+        return sum(sum(positions) for _, positions in stages)
+
+    eras = parsed.eras or ()
+    return total(parsed.stages) + sum(max((total(st) for st in era.stages), default=0) for era in eras)
 
 
 def parse_loader_state(state: Any) -> LoaderState:

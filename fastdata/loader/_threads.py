@@ -235,10 +235,6 @@ class ThreadBatches:
             else:
                 self._finalizer()
 
-    @property
-    def threads_alive(self) -> int:
-        return 0 if self._pool is None else self._pool.alive
-
     def pool_threads(self) -> list[threading.Thread]:
         """The pool's threads (for the stall watchdog's stacks)."""
         return [] if self._pool is None else list(self._pool._threads)

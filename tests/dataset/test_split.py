@@ -11,7 +11,7 @@ import pytest
 
 from fastdata._rng import random_floats
 from fastdata.dataset._mix import _buffer_shuffle, _interleave
-from fastdata.dataset._schedule import num_batches
+from fastdata.dataset._schedule import BatchSchedule
 from fastdata.dataset._split import (ShuffleOptions, SplitPlan, iteration_stages, permutation, rng_key,
                                      stage_counts, stage_sequences, worker_sequence)
 
@@ -153,9 +153,9 @@ def test_shuffle_options_validation():
 
 
 def test_batch_counts():
-    assert num_batches([5, 5], 4, False) == 4
-    assert num_batches([5, 5], 4, True) == 2
-    assert num_batches([5, 5], None, False) == 10
+    assert BatchSchedule(2, 4, False).total([5, 5]) == 4
+    assert BatchSchedule(2, 4, True).total([5, 5]) == 2
+    assert BatchSchedule(2, None, False).total([5, 5]) == 10
 
 
 @pytest.mark.parametrize("old_workers", [1, 2, 3])
@@ -337,7 +337,7 @@ def test_vectorised_keys_equal_rng_key():
 
     for key in (0, 1, 2**63 - 1, 2**64 - 1, 123456789):
         js = np.array([0, 1, 2, 7, 10**6, 2**40], dtype=np.int64)
-        assert keys_u64(key, 1, js).tolist() == [rng_key(key, 1, int(j)) for j in js]
+        assert keys_u64(rng_key(key, 1), js).tolist() == [rng_key(key, 1, int(j)) for j in js]
 
 
 def test_shard_schedule_of_a_host_costs_one_shard_order_per_pass(monkeypatch):

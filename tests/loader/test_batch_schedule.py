@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from fastdata.dataset import BatchSchedule, Turn, num_batches
+from fastdata.dataset import BatchSchedule, Turn
 
 
 def _play(schedule: BatchSchedule, counts: list[int], first: int = 0,
@@ -57,7 +57,7 @@ def test_deals_in_torchs_order(counts, batch_size, drop_last):
     torch_order = [(int(b[0]), len(b)) for b in loader]
     schedule = BatchSchedule(len(counts), batch_size, drop_last)
     assert _play(schedule, counts)[0] == torch_order
-    assert schedule.total(counts) == len(torch_order) == num_batches(counts, batch_size, drop_last)
+    assert schedule.total(counts) == len(torch_order)
 
 
 def test_first_worker_and_exhausted_workers_are_skipped():
@@ -110,3 +110,18 @@ def test_next_worker_without_counts_is_plain_round_robin():
     assert BatchSchedule(3, 4).next_worker(2, 0, None) == 0
     assert BatchSchedule(1, 4).next_worker(0, 0, None) == 0
     assert BatchSchedule(0, 4).next_worker(0, 0, [0]) == 0
+
+
+@pytest.mark.parametrize(("args", "shape"), [
+    ((2, 4, True), (4, 2, True)),
+    ((0, 4, False), (4, 1, False)),
+    ((1, None, False), (1, 1, False)),
+    ((1, None, True), (1, 1, False)),  # drop_last of single samples drops nothing
+    ((3, 1, True), (1, 3, False)),
+])
+def test_shape_is_what_decides_the_batch_counts(args, shape):
+    """Schedules of one shape give every count of samples the same batch count."""
+    schedule = BatchSchedule(*args)
+    assert schedule.shape == shape and type(schedule.shape[2]) is bool
+    other = BatchSchedule(shape[1], shape[0], shape[2])
+    assert all(schedule.total([n] * schedule.workers) == other.total([n] * other.workers) for n in range(9))

@@ -211,6 +211,36 @@ def test_forced_mode(data, tmp_path):
     assert epoch_on_path(forced, "cached") == epoch_on_path(DataLoader(_make(shards, cache), **kw), "workers")
 
 
+def _flip(image: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    return image.flip(-1) if torch.rand((), generator=generator) < 0.5 else image
+
+
+def test_rows_a_transform_replaces_are_gathered_unpinned(data, monkeypatch):
+    """With pinned fast-path batches asked for, the rows a transform replaces (read once, never handed out)
+    are gathered into unpinned buffers; without a transform the batch's rows are the pinned ones. The
+    batches are the worker path's either way."""
+    from fastdata.loader._gather import FastGather
+
+    shards, cache = data
+    asked: list[bool] = []
+    real = FastGather.batch
+
+    def batch(self: FastGather, store: Any, rows: list[int], *, pinned: bool) -> Any:
+        asked.append(pinned)
+        return real(self, store, rows, pinned=False)  # page-locked memory needs an accelerator
+
+    monkeypatch.setattr(FastGather, "batch", batch)
+    for transform, want in ((None, True), (_flip, False)):
+        asked.clear()
+        kw = dict(batch_size=4, num_workers=2)
+        fast = DataLoader(_make(shards, cache, transform=transform), cached_fast_path=True, **kw)
+        fast.pin_fast_path()
+        got = epoch_on_path(fast, "cached")
+        assert asked and set(asked) == {want}
+        assert_same(got, epoch_on_path(DataLoader(_make(shards, cache, transform=transform), cached_fast_path=False,
+                                                  **kw), "workers"))
+
+
 def test_no_workers_started_and_store_held_open(data):
     shards, cache = data
     dl = DataLoader(_make(shards, cache), batch_size=8, num_workers=2, persistent_workers=True)
